@@ -1,0 +1,36 @@
+"""dpwa: decentralized training by pairwise gossip averaging over ZeroMQ.
+
+``DpwaPyTorchAdapter`` wraps a PyTorch training loop; :class:`~dpwa.node.Node`
+is the framework-agnostic core over one flat numpy buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import Config, ConfigError, load_config, parse_config
+from .node import Node, Update
+from .params import FlatParams, NumpyParams
+
+__version__ = "0.2.0"
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DpwaPyTorchAdapter",
+    "FlatParams",
+    "Node",
+    "NumpyParams",
+    "Update",
+    "load_config",
+    "parse_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only by those who use the PyTorch adapter.
+    if name == "DpwaPyTorchAdapter":
+        from .adapters.pytorch import DpwaPyTorchAdapter
+
+        return DpwaPyTorchAdapter
+    raise AttributeError(f"module 'dpwa' has no attribute {name!r}")

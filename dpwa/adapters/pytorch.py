@@ -1,0 +1,161 @@
+"""PyTorch adapter: gossip averaging for an ``nn.Module`` with two calls per batch.
+
+Example::
+
+    from dpwa import DpwaPyTorchAdapter
+
+    conn = DpwaPyTorchAdapter(net, "w1", "cluster.yaml")
+    for inputs, targets in loader:
+        conn.update_send(loss)                 # publish; maybe start a fetch
+        loss = train_batch(net, inputs, targets)
+        conn.update_wait(loss)                 # blend the fetched parameters in place
+    conn.close()
+
+Parameters and floating-point buffers (BatchNorm running statistics) are
+blended in place, under ``torch.no_grad()``: their storage is never replaced,
+so optimizers and anything else holding a reference keep working. Integer
+buffers (``num_batches_tracked``) are left alone. On CUDA, snapshots are
+copied into pinned host memory, and received parameters go through one pinned
+staging buffer to one flat device buffer before the in-place blend.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import kernels
+from ..config import Config
+from ..node import WIRE_DTYPE, Node, Update
+from ..params import FlatParams
+from ..protocol import fingerprint
+
+__all__ = ["DpwaPyTorchAdapter", "TorchParams"]
+
+
+class TorchParams(FlatParams):
+    """An ``nn.Module``'s parameters (and floating buffers) seen as one flat float32 vector.
+
+    Args:
+        module: the model. Every blended tensor must be floating point and
+            all of them must live on one device.
+        include_buffers: also blend floating-point buffers (BatchNorm running
+            statistics). Integer buffers are never blended.
+    """
+
+    def __init__(self, module: nn.Module, include_buffers: bool = True) -> None:
+        named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+        if include_buffers:
+            named += [(n, b) for n, b in module.named_buffers() if b is not None and b.is_floating_point()]
+        if not named:
+            raise ValueError(f"{type(module).__name__} has no parameters to average")
+        for tensor_name, tensor in named:
+            if not tensor.is_floating_point():
+                raise ValueError(f"parameter {tensor_name!r} is {tensor.dtype}; only floating-point tensors can be averaged")
+        devices = {t.device for _, t in named}
+        if len(devices) != 1:
+            raise ValueError(f"all averaged tensors must be on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.names = [n for n, _ in named]
+        self._tensors = [t.detach() for _, t in named]  # same storage; no autograd history
+        self._sizes = [t.numel() for t in self._tensors]
+        self.size = sum(self._sizes)
+        self.dtype = np.dtype(WIRE_DTYPE)
+        self.fingerprint = fingerprint((n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named)
+        self._float32 = [i for i, t in enumerate(self._tensors) if t.dtype == torch.float32]
+        self._other = [i for i, t in enumerate(self._tensors) if t.dtype != torch.float32]
+        if self.device.type == "cuda":
+            self._staging = torch.empty(self.size, dtype=torch.float32, pin_memory=True)
+            self._device_flat = torch.empty(self.size, dtype=torch.float32, device=self.device)
+        elif self.device.type != "cpu":
+            raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` split into one view per tensor, each in that tensor's shape."""
+        return [v.view(t.shape) for v, t in zip(flat.split(self._sizes), self._tensors)]
+
+    def allocate(self, size: int, dtype: np.dtype) -> np.ndarray:
+        if self.device.type == "cuda":  # pinned, so device-to-host copies run at full speed
+            return torch.empty(size, dtype=torch.float32, pin_memory=True).numpy()
+        return super().allocate(size, dtype)
+
+    @torch.no_grad()
+    def copy_to(self, out: np.ndarray) -> None:
+        host = torch.from_numpy(out)
+        if self.device.type == "cuda":
+            torch._foreach_copy_(self._views(self._device_flat), self._tensors)
+            host.copy_(self._device_flat)
+        else:
+            torch._foreach_copy_(self._views(host), self._tensors)
+
+    @torch.no_grad()
+    def lerp_from(self, peer: np.ndarray, f: float) -> None:
+        source = kernels.as_torch(kernels.aligned(peer))
+        if self.device.type == "cuda":
+            self._staging.copy_(source)
+            self._device_flat.copy_(self._staging)
+            source = self._device_flat
+        views = self._views(source)
+        if self._float32:
+            torch._foreach_lerp_([self._tensors[i] for i in self._float32], [views[i] for i in self._float32], float(f))
+        for i in self._other:  # float16 / bfloat16 / float64 tensors blend in their own dtype
+            self._tensors[i].lerp_(views[i].to(self._tensors[i].dtype), float(f))
+
+
+class DpwaPyTorchAdapter:
+    """Gossip averaging for a PyTorch model.
+
+    Args:
+        net: the model; its parameters are blended in place.
+        name: which node of the configuration this process is.
+        config_file: a YAML path, or a :class:`~dpwa.config.Config`, or parsed YAML data.
+        include_buffers: also blend floating-point buffers such as BatchNorm
+            running statistics (default True).
+        rng: seed the fetch decisions and peer choice (tests, reproducibility).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        name: str,
+        config_file: str | os.PathLike[str] | Config | Mapping[str, Any] | list,
+        *,
+        include_buffers: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.net = net
+        self.params = TorchParams(net, include_buffers=include_buffers)
+        self.node = Node(config_file, name, self.params, rng=rng)
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def clock(self) -> float:
+        return self.node.clock
+
+    def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
+        """Publish parameters, clock and loss before a batch; maybe start a fetch. See Node.update_send."""
+        return self.node.update_send(loss, batch_size)
+
+    def update_wait(self, loss: Any = None) -> Update:
+        """Blend in the fetched parameters after a batch, if a fetch succeeded. See Node.update_wait."""
+        return self.node.update_wait(loss)
+
+    def stats(self) -> dict[str, Any]:
+        return self.node.stats()
+
+    def close(self) -> None:
+        self.node.close()
+
+    def __enter__(self) -> "DpwaPyTorchAdapter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,370 @@
+"""Cluster configuration: YAML in, typed and immutable objects out.
+
+Two YAML layouts load to the same :class:`Config`:
+
+* the original list of one-key maps::
+
+      ---
+      - nodes:
+        - {name: w1, host: localhost, port: 45000}
+        - {name: w2, host: localhost, port: 45001}
+      - fetch_probability: 1
+      - timeout_ms: 2500
+      - interpolation: constant
+      - constant: { value: 0.5 }
+
+* a plain mapping with the same keys.
+
+Everything is checked here, once, before any socket is opened. Every error is a
+:class:`ConfigError` that names the file, the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ConstantOptions",
+    "NodeSpec",
+    "INTERPOLATIONS",
+    "load_config",
+    "parse_config",
+]
+
+INTERPOLATIONS = ("constant", "clock", "loss")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid. The message says where and why."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node of the cluster."""
+
+    name: str  # unique; used in logs, metrics and file names
+    host: str  # where peers connect to this node
+    port: int  # TCP port the node's Rx thread listens on
+    bind: str | None = None  # address to bind; None binds `host` ("*" binds every interface)
+
+    @property
+    def endpoint(self) -> str:
+        """The address peers connect to, as a ZeroMQ endpoint."""
+        return f"tcp://{_bracket(self.host)}:{self.port}"
+
+    @property
+    def bind_endpoint(self) -> str:
+        """The address this node binds, as a ZeroMQ endpoint."""
+        return f"tcp://{_bracket(self.bind or self.host)}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ConstantOptions:
+    """Options of the constant interpolation."""
+
+    value: float = 0.5  # f in params = f * peer + (1 - f) * params
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated cluster configuration. Build it with :func:`load_config`."""
+
+    nodes: tuple[NodeSpec, ...]  # every node of the cluster, this one included
+    fetch_probability: float = 1.0  # chance that update_send starts a fetch
+    timeout_ms: int = 2500  # deadline of one fetch; also drives flow control
+    interpolation: str = "constant"  # constant | clock | loss
+    divergence_threshold: float = 0.0  # below this loss, pull less; 0 disables
+    constant: ConstantOptions = field(default_factory=ConstantOptions)
+    source: str = "<config>"  # where this configuration came from, for messages
+
+    @property
+    def timeout_s(self) -> float:
+        """timeout_ms in seconds: the unit used inside the code."""
+        return self.timeout_ms / 1000.0
+
+    def node(self, name: str) -> NodeSpec:
+        """The node called `name`, or a ConfigError listing the known names."""
+        for spec in self.nodes:
+            if spec.name == name:
+                return spec
+        known = ", ".join(spec.name for spec in self.nodes)
+        raise ConfigError(
+            f"{self.source}: no node named {name!r} in 'nodes' (known: {known})"
+            + _suggest(name, [spec.name for spec in self.nodes])
+        )
+
+    def peers_of(self, name: str) -> tuple[NodeSpec, ...]:
+        """Every node but `name`."""
+        self.node(name)
+        return tuple(spec for spec in self.nodes if spec.name != name)
+
+    def describe(self) -> str:
+        """One line with every resolved setting, for the start-up log."""
+        nodes = ", ".join(f"{n.name}@{n.host}:{n.port}" for n in self.nodes)
+        return (
+            f"nodes=[{nodes}] fetch_probability={self.fetch_probability} "
+            f"timeout_ms={self.timeout_ms} interpolation={self.interpolation} "
+            f"constant.value={self.constant.value} "
+            f"divergence_threshold={self.divergence_threshold}"
+        )
+
+
+# --------------------------------------------------------------------------- loading
+
+_TOP_KEYS = (
+    "nodes",
+    "fetch_probability",
+    "timeout_ms",
+    "interpolation",
+    "divergence_threshold",
+    "constant",
+    "clock",
+    "loss",
+)
+_NODE_KEYS = ("name", "host", "port", "bind")
+_CONSTANT_KEYS = ("value",)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a YAML configuration file."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the configuration: {exc.strerror or exc}") from exc
+    return parse_config(text, source=source)
+
+
+def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<config>") -> Config:
+    """Validate configuration given as YAML text or as already-parsed data."""
+    if isinstance(data, str):
+        data = _parse_yaml(data, source)
+    raw = _flatten(data, source)
+    _reject_unknown(raw, _TOP_KEYS, source, where="")
+
+    nodes = _parse_nodes(raw.get("nodes"), source)
+    fetch_probability = _number(raw, "fetch_probability", 1.0, source, lo=0.0, hi=1.0)
+    timeout_ms = _positive_int(raw, "timeout_ms", 2500, source)
+    interpolation = raw.get("interpolation", "constant")
+    if interpolation not in INTERPOLATIONS:
+        raise ConfigError(
+            f"{source}: interpolation must be one of {', '.join(INTERPOLATIONS)}, "
+            f"got {interpolation!r}" + _suggest(str(interpolation), INTERPOLATIONS)
+        )
+    divergence = _number(raw, "divergence_threshold", 0.0, source, lo=0.0)
+    constant = _parse_constant(raw.get("constant"), source)
+    for key in ("clock", "loss"):
+        _parse_no_options(raw, key, source)
+
+    return Config(
+        nodes=nodes,
+        fetch_probability=fetch_probability,
+        timeout_ms=timeout_ms,
+        interpolation=interpolation,
+        divergence_threshold=divergence,
+        constant=constant,
+        source=source,
+    )
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice in one mapping", mark
+            )
+        seen[key] = loader.construct_object(value_node, deep=deep)
+    return seen
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{source}{where}: not valid YAML: {problem}") from exc
+
+
+def _flatten(data: Any, source: str) -> dict[str, Any]:
+    """Turn either layout into one mapping, refusing keys given twice."""
+    if data is None:
+        raise ConfigError(f"{source}: the configuration is empty; expected at least a 'nodes' list")
+    if isinstance(data, Mapping):
+        items = list(data.items())
+    elif isinstance(data, list):
+        items = []
+        for index, entry in enumerate(data):
+            if not isinstance(entry, Mapping) or len(entry) != 1:
+                raise ConfigError(
+                    f"{source}: item {index + 1} of the top-level list must be a map with "
+                    f"exactly one key (like '- timeout_ms: 2500'), got {entry!r}"
+                )
+            items.extend(entry.items())
+    else:
+        raise ConfigError(
+            f"{source}: expected a mapping or a list of one-key maps at the top level, "
+            f"got {type(data).__name__}"
+        )
+    flat: dict[str, Any] = {}
+    for key, value in items:
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: keys must be strings, got {key!r}")
+        if key in flat:
+            raise ConfigError(f"{source}: key {key!r} is given twice")
+        flat[key] = value
+    return flat
+
+
+def _reject_unknown(raw: Mapping[str, Any], known: tuple[str, ...], source: str, where: str) -> None:
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                f"{source}: unknown key {where}{key!r}" + _suggest(str(key), known)
+                + f" (known keys: {', '.join(known)})"
+            )
+
+
+def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _parse_nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
+    if value is None:
+        raise ConfigError(f"{source}: missing key 'nodes': expected a list of {{name, host, port}}")
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{source}: 'nodes' must be a non-empty list of {{name, host, port}}, got {value!r}")
+    specs: list[NodeSpec] = []
+    names: set[str] = set()
+    addresses: dict[tuple[str, int], str] = {}
+    for index, entry in enumerate(value):
+        where = f"nodes[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{source}: {where} must be a map like {{name: w1, host: localhost, port: 45000}}, got {entry!r}")
+        _reject_unknown(entry, _NODE_KEYS, source, where=f"{where}.")
+        for key in ("name", "host", "port"):
+            if key not in entry:
+                raise ConfigError(f"{source}: {where} is missing the key {key!r}")
+        name, host, port, bind = entry["name"], entry["host"], entry["port"], entry.get("bind")
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ConfigError(
+                f"{source}: {where}.name must be a non-empty string of letters, digits, '_', '.', '-', got {name!r}"
+            )
+        if not isinstance(host, str) or not host.strip():
+            raise ConfigError(f"{source}: {where}.host must be a host name or address, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise ConfigError(f"{source}: {where}.port must be an integer in 1..65535, got {port!r}")
+        if bind is not None and (not isinstance(bind, str) or not bind.strip()):
+            raise ConfigError(f"{source}: {where}.bind must be an address or '*', got {bind!r}")
+        if name in names:
+            raise ConfigError(f"{source}: {where}.name {name!r} is used by two nodes; names must be unique")
+        address = (host.strip().lower(), port)
+        if address in addresses:
+            raise ConfigError(
+                f"{source}: {where} uses {host}:{port}, which node {addresses[address]!r} already uses"
+            )
+        names.add(name)
+        addresses[address] = name
+        specs.append(NodeSpec(name=name, host=host.strip(), port=port, bind=bind.strip() if bind else None))
+    return tuple(specs)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(
+    raw: Mapping[str, Any], key: str, default: float, source: str,
+    lo: float | None = None, hi: float | None = None, where: str = "",
+) -> float:
+    if key not in raw or raw[key] is None:
+        return default
+    value = raw[key]
+    ok = _is_number(value) and (lo is None or value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        if lo is not None and hi is not None:
+            expected = f"a number in [{lo:g}, {hi:g}]"
+        elif lo is not None:
+            expected = f"a number >= {lo:g}"
+        else:
+            expected = "a number"
+        raise ConfigError(f"{source}: {where}{key} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def _positive_int(raw: Mapping[str, Any], key: str, default: int, source: str) -> int:
+    if key not in raw or raw[key] is None:
+        return default
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_constant(value: Any, source: str) -> ConstantOptions:
+    if value is None or value == 0:
+        return ConstantOptions()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: constant must be a map like {{value: 0.5}}, got {value!r}")
+    _reject_unknown(value, _CONSTANT_KEYS, source, where="constant.")
+    return ConstantOptions(value=_number(value, "value", 0.5, source, lo=0.0, hi=1.0, where="constant."))
+
+
+def _parse_no_options(raw: Mapping[str, Any], key: str, source: str) -> None:
+    value = raw.get(key)
+    if value is None or (value == 0 and not isinstance(value, bool)) or value == {}:
+        return
+    raise ConfigError(f"{source}: {key} interpolation takes no options; write '{key}: 0', got {value!r}")
+
+
+def _bracket(host: str) -> str:
+    """IPv6 literals go in brackets inside an endpoint."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    """A copy of `config` with some fields changed (tests and tools use this)."""
+    return dataclasses.replace(config, **changes)
+
+
+def pointless_settings(config: Config) -> list[str]:
+    """Settings that are legal but make averaging do nothing, each with the reason."""
+    notes = []
+    if len(config.nodes) == 1:
+        notes.append(f"{config.source}: only one node is configured, so this node never averages")
+    elif config.fetch_probability == 0:
+        notes.append(
+            f"{config.source}: fetch_probability is 0 with {len(config.nodes)} nodes: "
+            "no node ever fetches, so the nodes train independently"
+        )
+    if config.interpolation == "constant" and config.constant.value == 0:
+        notes.append(
+            f"{config.source}: constant.value is 0: every fetch is blended with weight 0, "
+            "so fetched parameters are never used"
+        )
+    return notes

@@ -1,0 +1,331 @@
+"""A dpwa node: one model, an Rx thread that serves it, a Tx thread that fetches peers.
+
+The training thread calls :meth:`Node.update_send` before each batch and
+:meth:`Node.update_wait` after it::
+
+    with Node("cluster.yaml", "w1", NumpyParams(weights)) as node:
+        for batch in batches:
+            node.update_send(loss)     # publish a snapshot; maybe start a fetch
+            loss = train(batch)        # the fetch runs meanwhile on the Tx thread
+            node.update_wait(loss)     # blend the fetched parameters in place
+
+Publishing copies the model once into a free snapshot slot; the Rx thread
+serves the latest slot to any peer that asks, without a copy and without
+ever making the training thread wait. The Tx thread fetches from one peer
+chosen by :class:`~dpwa.peers.PeerSelector`, validates the reply, and hands the
+received buffer to ``update_wait``, which blends it in on the training thread
+(the only thread that writes the model).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import zmq
+
+from . import interpolation as interp
+from .config import Config, ConfigError, load_config, parse_config, pointless_settings
+from .logs import RateLimitedLog, logger
+from .params import FlatParams
+from .peers import PeerSelector
+from .protocol import MAX_HEADER_BYTES, Header, ProtocolError, check_payload, encode_header
+from .snapshot import SnapshotStore
+from .stats import Counters
+from .transport import Reply, Request, Server
+from .tx import Job, TxWorker
+
+__all__ = ["Node", "Update", "WAIT_SLACK_S"]
+
+WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a fetch's deadline
+MAX_SNAPSHOT_SLOTS = 6  # model copies kept for readers at most; past that, publishing is skipped
+WIRE_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one update_wait did, for logging."""
+
+    averaged: bool  # True if a peer's parameters were blended in
+    outcome: str  # ok | no_fetch | timeout | refused | rejected | failed | cancelled
+    peer: str | None = None  # the peer fetched from, if any
+    factor: float | None = None  # f in params = f * peer + (1 - f) * params, when averaged
+    reason: str = ""  # why not averaged, in words
+    latency_s: float | None = None  # fetch time, when a fetch finished
+    clock: float = 0.0  # this node's clock after the update
+
+
+def _as_config(config: Config | str | os.PathLike[str] | Mapping[str, Any] | list) -> Config:
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config)
+    if isinstance(config, (Mapping, list)):
+        return parse_config(config, source="<dict>")
+    raise ConfigError(f"config must be a Config, a file path or parsed YAML data, got {type(config).__name__}")
+
+
+def _loss_value(loss: Any) -> float | None:
+    """A reported loss as a float, or None if it is unknown (None, NaN, Inf)."""
+    if loss is None:
+        return None
+    try:
+        value = float(loss.item() if hasattr(loss, "item") else loss)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"loss must be a number, a 0-d tensor or None, got {type(loss).__name__}") from exc
+    return value if math.isfinite(value) else None
+
+
+class Node:
+    """One participant of pairwise gossip averaging.
+
+    Args:
+        config: a :class:`Config`, a path to a YAML file, or parsed YAML data.
+        name: which node of the config this process is.
+        params: the model as a :class:`~dpwa.params.FlatParams`.
+        rng: randomness for fetch decisions and peer choice (seed it for tests).
+    """
+
+    def __init__(
+        self,
+        config: Config | str | os.PathLike[str] | Mapping[str, Any] | list,
+        name: str,
+        params: FlatParams,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = _as_config(config)
+        self.spec = self.config.node(name)  # raises before any socket exists
+        self.name = name
+        self.params = params
+        self.peers = {spec.name: spec for spec in self.config.peers_of(name)}
+        self._rng = rng or random.Random()
+        self._interpolation = interp.from_config(self.config)
+        self._selector = PeerSelector(list(self.peers), rng=self._rng)
+        self._store = SnapshotStore(
+            params.size, params.dtype, max_slots=MAX_SNAPSHOT_SLOTS, allocate=params.allocate
+        )
+        self.counters = Counters()
+        self._log = RateLimitedLog()
+        self._clock = 0.0
+        self._pending_batch: float | None = None  # set by update_send, consumed by update_wait
+        self._send_loss: float | None = None
+        self._job: Job | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+        logger.info("%s: starting on %s; %s", name, self.spec.bind_endpoint, self.config.describe())
+        for note in pointless_settings(self.config):
+            logger.warning("%s: %s", name, note)
+
+        self._ctx = zmq.Context()
+        self._server: Server | None = None
+        self._tx: TxWorker | None = None
+        try:
+            self._server = Server(
+                self._ctx, self.spec.bind_endpoint, {"fetch": self._serve_fetch},
+                name=name, counters=self.counters,
+            ).start()
+            self._tx = TxWorker(
+                self._ctx, {peer: spec.endpoint for peer, spec in self.peers.items()},
+                name=name, on_done=self._fetch_done,
+                max_reply_bytes=max(params.nbytes, MAX_HEADER_BYTES),
+            ).start()
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------- training thread
+
+    def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
+        """Publish the current parameters, clock and loss; maybe start a fetch.
+
+        Call it before each batch. `batch_size` is added to the clock once the
+        batch is done (the default 1 makes the clock count batches). Returns
+        True if a fetch was started; :meth:`update_wait` collects it.
+        """
+        self._check_open()
+        if not (isinstance(batch_size, (int, float)) and batch_size >= 0) or isinstance(batch_size, bool):
+            raise ValueError(f"batch_size must be a number >= 0, got {batch_size!r}")
+        if self._pending_batch is not None:  # update_wait was skipped: count the batch, drop the fetch
+            self._abandon_step()
+        self._send_loss = _loss_value(loss)
+        if not self._store.publish(self.params.copy_to, self._clock, self._send_loss):
+            self.counters.add("publish_skipped")
+            self._log(30, "publish_skipped", "%s: every snapshot slot is held by slow readers; "
+                      "peers get the previous snapshot", self.name)
+        self._pending_batch = float(batch_size)
+        if not self.peers or self._rng.random() >= self.config.fetch_probability:
+            return False
+        peer = self._selector.choose()
+        request_id = secrets.randbits(64)
+        self._job = Job(
+            peer=peer,
+            frames=[encode_header("fetch", request_id, **{"from": self.name}, fp=self.params.fingerprint,
+                                  dtype=WIRE_DTYPE)],
+            request_id=request_id,
+            deadline=time.monotonic() + self.config.timeout_s,
+            validate=self._validate_params,
+        )
+        self.counters.add("fetches_started")
+        self._tx.submit(self._job)
+        return True
+
+    def update_wait(self, loss: Any = None) -> Update:
+        """Finish the step: wait for the fetch started by update_send, if any, and blend it in.
+
+        Returns at once when no fetch was started, and never waits longer than
+        ``timeout_ms`` plus a small slack. When the fetch failed the
+        parameters are left as they are. `loss` is this batch's loss (the
+        loss given to update_send is used when it is None).
+        """
+        self._check_open()
+        if self._pending_batch is not None:
+            self._clock += self._pending_batch
+            self._pending_batch = None
+        own_loss = _loss_value(loss)
+        if own_loss is None:
+            own_loss = self._send_loss
+        job, self._job = self._job, None
+        if job is None:
+            return Update(False, "no_fetch", reason="no fetch was started this step", clock=self._clock)
+        if not job.done.wait(max(0.0, job.deadline + WAIT_SLACK_S - time.monotonic())):
+            job.cancel()
+            return Update(False, "timeout", job.peer, reason="the Tx thread did not finish in time",
+                          clock=self._clock)
+        if job.outcome != "ok":
+            return Update(False, job.outcome, job.peer, reason=job.reason, latency_s=job.latency_s,
+                          clock=self._clock)
+        header, payload = job.value
+        job.value = None
+        peer_clock, peer_loss = header["clock"], header["loss"]
+        f = self._interpolation.factor(self._clock, peer_clock, own_loss, peer_loss)
+        f = interp.damp_by_divergence(f, own_loss, self.config.divergence_threshold)
+        self.params.lerp_from(np.frombuffer(payload, dtype=self.params.dtype), f)
+        self._clock = interp.blend_clock(f, self._clock, peer_clock)
+        self.counters.add("averaged")
+        return Update(True, "ok", job.peer, factor=f, latency_s=job.latency_s, clock=self._clock)
+
+    def _abandon_step(self) -> None:
+        self._clock += self._pending_batch or 0.0
+        self._pending_batch = None
+        if self._job is not None:
+            self._job.cancel()
+            self._job = None
+            self.counters.add("fetches_abandoned")
+
+    @property
+    def clock(self) -> float:
+        """Samples (or batches) trained, blended with peers' clocks at each average."""
+        return self._clock
+
+    # ----------------------------------------------------------------- Tx thread
+
+    def _validate_params(self, header: Header, rest: list[zmq.Frame]) -> tuple[Header, memoryview]:
+        if header.kind != "params" or len(rest) != 1:
+            raise ProtocolError("bad_reply", f"expected a params reply with one payload frame, got "
+                                f"{header.kind!r} with {len(rest)} frames")
+        payload = rest[0].buffer
+        check_payload(header, payload, fp=self.params.fingerprint, dtype=WIRE_DTYPE, nbytes=self.params.nbytes)
+        return header, payload
+
+    def _fetch_done(self, job: Job) -> None:
+        if job.outcome == "cancelled":
+            self.counters.add("fetches_cancelled")
+            return
+        if job.outcome == "ok":
+            self._selector.success(job.peer)
+            self.counters.add("fetches_ok")
+            self.counters.add("bytes_in", self.params.nbytes)
+            self.counters.set("last_fetch_latency_s", job.latency_s)
+            return
+        self._selector.failure(job.peer)
+        key = {"timeout": "fetches_timed_out", "rejected": "fetches_rejected",
+               "refused": "fetches_refused"}.get(job.outcome, "fetches_failed")
+        self.counters.add(key)
+        self.counters.add(f"peer.{job.peer}.failures")
+        self._log(30, (job.peer, job.outcome), "%s: fetch from %s %s: %s",
+                  self.name, job.peer, job.outcome, job.reason)
+
+    # ----------------------------------------------------------------- Rx thread
+
+    def _serve_fetch(self, request: Request) -> Reply:
+        header = request.header
+        if header["fp"] != self.params.fingerprint:
+            raise ProtocolError("bad_fingerprint", f"requester's model fingerprint {header['fp'].hex()} "
+                                f"differs from ours {self.params.fingerprint.hex()}")
+        if header["dtype"] != WIRE_DTYPE:
+            raise ProtocolError("bad_dtype", f"requester wants {header['dtype']!r}, this node sends {WIRE_DTYPE!r}")
+        lease = self._store.lease()
+        if lease is None:
+            return Reply(encode_header("error", header.id, reason="not_ready", detail="no snapshot published yet"))
+        snap = lease.snapshot
+        reply_header = encode_header(
+            "params", header.id, **{"from": self.name}, fp=self.params.fingerprint, dtype=WIRE_DTYPE,
+            nbytes=snap.array.nbytes, clock=snap.clock, loss=snap.loss,
+        )
+        return Reply(reply_header, payload=snap.array, lease=lease)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (fetches ok, timed out, rejected; bytes in and out; ...) and per-peer scores."""
+        out = self.counters.snapshot()
+        for key in ("fetches_started", "fetches_ok", "fetches_timed_out", "fetches_rejected",
+                    "fetches_refused", "fetches_failed", "averaged", "bytes_in", "bytes_out",
+                    "requests_served", "requests_rejected"):
+            out.setdefault(key, 0)
+        out.setdefault("last_fetch_latency_s", None)
+        scores = self._selector.scores()
+        out["peers"] = {
+            peer: {"score": scores[peer], "failures": out.pop(f"peer.{peer}.failures", 0)} for peer in self.peers
+        }
+        out["clock"] = self._clock
+        out["snapshot_slots"] = self._store.slots
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"dpwa node {self.name!r} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop both threads, close every socket with linger 0 and free the port. Idempotent.
+
+        A fetch in flight is abandoned; the model is left as it is. Takes at
+        most about `timeout_s` per thread, and logs an error if a thread is
+        still alive after that.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._job is not None:
+            self._job.cancel()
+            self._job = None
+        stopped = True
+        if self._tx is not None:
+            stopped &= self._tx.close(timeout_s)
+        if self._server is not None:
+            stopped &= self._server.close(timeout_s)
+        if stopped:
+            self._ctx.term()  # every socket is closed, so this returns at once
+        else:
+            logger.error("%s: leaving the ZeroMQ context open because a thread did not stop", self.name)
+        logger.info("%s: closed", self.name)
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,196 @@
+"""The Tx thread: sends one request at a time to a peer, with a deadline.
+
+The training thread submits a :class:`Job` and later waits on ``job.done``; the
+Tx thread owns every client socket (one :class:`~dpwa.transport.Requester` per
+peer) and runs jobs in order. A job ends in exactly one outcome:
+
+* ``ok``: the reply passed the job's ``validate`` and ``job.value`` holds what
+  it returned;
+* ``timeout``: no reply by the deadline (the socket was replaced);
+* ``refused``: the peer answered with an ``error`` message (busy, not ready, ...);
+* ``rejected``: the reply broke the protocol or failed validation;
+* ``failed``: the transport failed otherwise (cannot connect, cannot send);
+* ``cancelled``: the submitter gave up first, or the worker is closing.
+
+Nothing a peer sends can raise out of this thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import zmq
+
+from .logs import logger
+from .protocol import Header, ProtocolError
+from .transport import POLL_SLICE_S, RequestCancelled, Requester, RequestTimeout, TransportError
+
+__all__ = ["Job", "TxWorker", "OUTCOMES"]
+
+OUTCOMES = ("ok", "timeout", "refused", "rejected", "failed", "cancelled")
+
+
+@dataclass(eq=False)
+class Job:
+    """One request to one peer, and, once ``done`` is set, its outcome."""
+
+    peer: str
+    frames: Sequence[Any]  # the request, header first
+    request_id: int
+    deadline: float  # time.monotonic() after which the request has failed
+    validate: Callable[[Header, list[zmq.Frame]], Any]  # raises ProtocolError; returns job.value
+    done: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.monotonic)
+    outcome: str = ""
+    reason: str = ""
+    value: Any = None
+    latency_s: float | None = None
+    _cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Give up on the job; the Tx thread abandons it at its next look."""
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def finish(self, outcome: str, reason: str = "", value: Any = None) -> None:
+        self.outcome, self.reason, self.value = outcome, reason, value
+        self.latency_s = time.monotonic() - self.started
+        self.done.set()
+
+
+class TxWorker:
+    """Runs :class:`Job` s one at a time on its own thread, which owns all client sockets.
+
+    Args:
+        context: ZeroMQ context for the client sockets.
+        endpoints: peer name -> endpoint to connect to.
+        name: this node's name, for logs and the thread name.
+        on_done: called on the Tx thread with each finished job (scores, counters).
+        max_reply_bytes: passed to every :class:`Requester`.
+        socket_options: passed to every :class:`Requester`.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoints: Mapping[str, str],
+        *,
+        name: str,
+        on_done: Callable[[Job], None] = lambda job: None,
+        max_reply_bytes: int,
+        socket_options: Mapping[int, Any] | None = None,
+    ) -> None:
+        self._ctx = context
+        self._endpoints = dict(endpoints)
+        self.name = name
+        self._on_done = on_done
+        self._max_reply_bytes = max_reply_bytes
+        self._socket_options = dict(socket_options or {})
+        self._jobs: queue.Queue[Job] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"dpwa-tx-{name}", daemon=True)
+
+    def start(self) -> "TxWorker":
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> None:
+        if self._stop.is_set():
+            job.finish("cancelled", "the node is closing")
+            return
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Stop the thread, cancel queued jobs, close every socket. True if it ended in time."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("%s: Tx thread still running %.1f s after close(); it is a daemon and will die with the process",
+                         self.name, timeout_s)
+            return False
+        self._drain()
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._jobs.get_nowait().finish("cancelled", "the node is closing")
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        requesters: dict[str, Requester] = {}
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = self._jobs.get(timeout=POLL_SLICE_S)
+                except queue.Empty:
+                    continue
+                self._execute(job, requesters)
+                try:
+                    self._on_done(job)
+                except Exception:
+                    logger.exception("%s: on_done callback failed", self.name)
+        except Exception:
+            logger.exception("%s: Tx thread failed", self.name)
+        finally:
+            for requester in requesters.values():
+                requester.close()
+            self._drain()
+
+    def _execute(self, job: Job, requesters: dict[str, Requester]) -> None:
+        if job.cancelled:
+            job.finish("cancelled", "cancelled before it was sent")
+            return
+        endpoint = self._endpoints.get(job.peer)
+        if endpoint is None:
+            job.finish("failed", f"unknown peer {job.peer!r}")
+            return
+        requester = requesters.get(job.peer)
+        if requester is None:
+            requester = requesters[job.peer] = Requester(
+                self._ctx, endpoint, name=f"{self.name} -> {job.peer}",
+                max_reply_bytes=self._max_reply_bytes, socket_options=self._socket_options,
+            )
+        try:
+            header, rest = requester.request(
+                job.frames, job.request_id, job.deadline,
+                cancelled=lambda: job.cancelled or self._stop.is_set(),
+            )
+        except RequestTimeout:
+            job.finish("timeout", f"no reply within the deadline from {endpoint}")
+            return
+        except RequestCancelled:
+            job.finish("cancelled", "cancelled while waiting for the reply")
+            return
+        except ProtocolError as exc:
+            job.finish("rejected", str(exc))
+            return
+        except TransportError as exc:
+            job.finish("failed", str(exc))
+            return
+        if header.kind == "error":
+            job.finish("refused", f"{header['reason']}: {header['detail']}")
+            return
+        try:
+            value = job.validate(header, rest)
+        except ProtocolError as exc:
+            job.finish("rejected", str(exc))
+            return
+        except Exception as exc:  # a bug in a validator must not kill the thread
+            logger.exception("%s: validating a reply from %s failed", self.name, job.peer)
+            job.finish("failed", f"validation error: {type(exc).__name__}: {exc}")
+            return
+        job.finish("ok", value=value)

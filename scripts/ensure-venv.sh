@@ -1,0 +1,24 @@
+# Sourced by run.sh and test.sh: make sure .venv exists and holds requirements.txt.
+# Re-installs only when requirements.txt or pyproject.toml changed since the last install.
+# After sourcing, $PY is the virtual environment's python.
+
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_venv="$_root/.venv"
+PY="$_venv/bin/python"
+
+_stamp_of() {
+    cat "$_root/requirements.txt" "$_root/pyproject.toml" | sha256sum | cut -d' ' -f1
+}
+
+if [ ! -x "$PY" ]; then
+    echo "dpwa: creating $_venv" >&2
+    python3 -m venv "$_venv" || { echo "dpwa: python3 -m venv failed (Python >= 3.10 with venv is needed)" >&2; exit 1; }
+fi
+if [ "$(cat "$_venv/.dpwa-stamp" 2>/dev/null)" != "$(_stamp_of)" ]; then
+    echo "dpwa: installing requirements.txt into $_venv (first run takes a few minutes)" >&2
+    "$PY" -m pip install --quiet --disable-pip-version-check -r "$_root/requirements.txt" \
+        || { echo "dpwa: pip install -r requirements.txt failed; see the messages above" >&2; exit 1; }
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$_root" \
+        || { echo "dpwa: pip install -e . failed; see the messages above" >&2; exit 1; }
+    _stamp_of > "$_venv/.dpwa-stamp"
+fi

@@ -1,0 +1,212 @@
+"""Shared fixtures: free ports, configs, nodes that are always closed, children always reaped.
+
+Every test talks to 127.0.0.1 only, on ports picked free at run time, and every
+test is bounded: a per-test alarm turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
+TEST_TIMEOUT_S = int(os.environ.get("DPWA_TEST_TIMEOUT_S", "120"))
+
+sys.path.insert(0, str(ROOT))
+
+
+# --------------------------------------------------------------------------- bounded tests
+
+@pytest.fixture(autouse=True)
+def _alarm(request):
+    """Fail a test that runs past its limit (and dump every thread's stack)."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = int(marker.args[0]) if marker else TEST_TIMEOUT_S
+
+    def on_alarm(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError(f"test exceeded its {limit} s limit")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "timeout(seconds): per-test time limit (default 120 s)")
+
+
+# --------------------------------------------------------------------------- ports and configs
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """True if a new listener could bind the port now, as a restarted node would.
+
+    SO_REUSEADDR (which ZeroMQ sets too) lets a listener bind over connections
+    of a previous listener that are still in TIME_WAIT; it never binds over a
+    live listener.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def make_config(n: int, **settings: Any) -> dict[str, Any]:
+    """A mapping-form config for nodes w0..w{n-1} on free loopback ports."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))]
+    config = {"nodes": nodes, "fetch_probability": 1, "timeout_ms": 1000, "interpolation": "constant",
+              "constant": {"value": 0.5}}
+    config.update(settings)
+    return config
+
+
+@pytest.fixture
+def config_factory():
+    return make_config
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
+    """Poll `predicate` until it is true or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+# --------------------------------------------------------------------------- nodes in this process
+
+@pytest.fixture
+def nodes():
+    """A factory of Nodes that are all closed after the test, and checked for stray threads."""
+    from dpwa import Node
+
+    made: list[Node] = []
+    before = {t.ident for t in threading.enumerate()}
+
+    def make(config, name, params, **kwargs) -> Node:
+        node = Node(config, name, params, **kwargs)
+        made.append(node)
+        return node
+
+    yield make
+    for node in made:
+        node.close()
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("dpwa-")]
+    assert not leftover, f"threads left behind: {leftover}"
+
+
+def filled(k: float, size: int = 1000) -> np.ndarray:
+    return np.full(size, float(k), dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- nodes in child processes
+
+class ChildNode:
+    """A node in a child process, driven over stdin/stdout with JSON lines."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._lines: list[dict] = []
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            with self._cv:
+                self._lines.append(message)
+                self._cv.notify_all()
+
+    def expect(self, event: str, timeout_s: float = 30.0) -> dict:
+        """Wait for the next line whose "event" is `event`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                for i, message in enumerate(self._lines):
+                    if message.get("event") == event:
+                        return self._lines.pop(i)
+                    if message.get("event") == "error":
+                        raise AssertionError(f"child failed: {message}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.proc.poll() is not None and not self._lines):
+                    raise AssertionError(f"child pid {self.proc.pid} sent no {event!r} within {timeout_s} s "
+                                         f"(exit code {self.proc.poll()})")
+                self._cv.wait(min(remaining, 0.2))
+
+    def send(self, **command: Any) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """Ask the child to close its node and exit; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.send(cmd="exit")
+                self.proc.stdin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+@pytest.fixture
+def children(tmp_path):
+    """Start helper node processes; every one is stopped and reaped by PID afterwards."""
+    started: list[ChildNode] = []
+
+    def start(config: dict, name: str, **options: Any) -> ChildNode:
+        path = tmp_path / f"{name}-{len(started)}.json"
+        path.write_text(json.dumps(config))
+        cmd = [sys.executable, str(HELPERS / "child_node.py"), "--config", str(path), "--name", name,
+               "--options", json.dumps(options)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        child = ChildNode(proc)
+        started.append(child)
+        return child
+
+    yield start
+    for child in started:
+        if child.proc.poll() is None:
+            child.proc.kill()
+        child.proc.wait(10)

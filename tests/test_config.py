@@ -1,0 +1,136 @@
+"""Configuration: both layouts load, and every mistake is named with its file and key."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpwa.config import Config, ConfigError, NodeSpec, load_config, parse_config, pointless_settings
+
+from conftest import ROOT
+
+ORIGINAL = (ROOT / "samples" / "config.yaml").read_text()
+
+
+def test_original_list_of_one_key_maps_loads_as_it_is():
+    config = load_config(ROOT / "samples" / "config.yaml")
+    assert [n.name for n in config.nodes] == ["w1", "w2", "w3", "w4"]
+    assert config.nodes[0] == NodeSpec("w1", "localhost", 45000)
+    assert config.nodes[3].endpoint == "tcp://localhost:45003"
+    assert config.fetch_probability == 1.0
+    assert config.timeout_ms == 2500 and config.timeout_s == 2.5
+    assert config.interpolation == "constant"
+    assert config.divergence_threshold == 0.2
+    assert config.constant.value == 0.5
+    assert config.source.endswith("config.yaml")
+
+
+def test_mapping_form_is_equivalent():
+    text = """
+nodes:
+  - {name: w1, host: localhost, port: 45000}
+  - {name: w2, host: localhost, port: 45001}
+  - {name: w3, host: localhost, port: 45002}
+  - {name: w4, host: localhost, port: 45003}
+fetch_probability: 1
+timeout_ms: 2500
+interpolation: constant
+divergence_threshold: 0.2
+constant: {value: 0.5}
+clock: 0
+loss: 0
+"""
+    mapping = parse_config(text, source="x.yaml")
+    original = parse_config(ORIGINAL, source="x.yaml")
+    assert mapping == original
+
+
+def test_defaults_and_immutability():
+    config = parse_config({"nodes": [{"name": "a", "host": "h", "port": 1}]})
+    assert (config.fetch_probability, config.timeout_ms, config.interpolation) == (1.0, 2500, "constant")
+    assert config.divergence_threshold == 0.0 and config.constant.value == 0.5
+    with pytest.raises(AttributeError):
+        config.timeout_ms = 5  # frozen
+
+
+def test_peers_and_lookup():
+    config = parse_config(ORIGINAL)
+    assert [p.name for p in config.peers_of("w2")] == ["w1", "w3", "w4"]
+    with pytest.raises(ConfigError, match=r"no node named 'w5'.*known: w1, w2, w3, w4"):
+        config.node("w5")
+
+
+def test_ipv6_host_and_bind_address():
+    config = parse_config({"nodes": [{"name": "a", "host": "::1", "port": 5, "bind": "*"}]})
+    assert config.nodes[0].endpoint == "tcp://[::1]:5"
+    assert config.nodes[0].bind_endpoint == "tcp://*:5"
+
+
+def replace_line(old: str, new: str) -> str:
+    assert old in ORIGINAL
+    return ORIGINAL.replace(old, new)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (replace_line("port: 45001", "port: 70000"), r"nodes\[1\]\.port must be an integer in 1\.\.65535, got 70000"),
+        (replace_line("port: 45001", "port: 0"), r"nodes\[1\]\.port must be an integer in 1\.\.65535, got 0"),
+        (replace_line("port: 45001", "port: '45001'"), r"nodes\[1\]\.port must be an integer"),
+        (replace_line("name: w2", "name: w1"), r"nodes\[1\]\.name 'w1' is used by two nodes"),
+        (replace_line("port: 45001", "port: 45000"), r"nodes\[1\] uses localhost:45000, which node 'w1' already uses"),
+        (replace_line("fetch_probability: 1 ", "fetch_probability: 1.5 "),
+         r"fetch_probability must be a number in \[0, 1\], got 1\.5"),
+        (replace_line("fetch_probability: 1 ", "fetch_probability: -0.1 "), r"fetch_probability must be a number in \[0, 1\]"),
+        (replace_line("timeout_ms: 2500", "timeout_ms: -5"), r"timeout_ms must be a positive integer, got -5"),
+        (replace_line("timeout_ms: 2500", "timeout_ms: 0"), r"timeout_ms must be a positive integer, got 0"),
+        (replace_line("timeout_ms: 2500", "timeout_ms: 2.5"), r"timeout_ms must be a positive integer, got 2\.5"),
+        (replace_line("interpolation: constant", "interpolation: clok"),
+         r"interpolation must be one of constant, clock, loss, got 'clok'; did you mean 'clock'\?"),
+        (replace_line("{ value: 0.5 }", "{ value: 1.5 }"), r"constant\.value must be a number in \[0, 1\], got 1\.5"),
+        (replace_line("{ value: 0.5 }", "{ valeu: 0.5 }"), r"unknown key constant\.'valeu'; did you mean 'value'\?"),
+        (replace_line("- loss: 0", "- los: 0"), r"unknown key 'los'; did you mean 'loss'\?"),
+        (replace_line("- loss: 0", "- timout_ms: 5"), r"unknown key 'timout_ms'; did you mean 'timeout_ms'\?"),
+        (replace_line("{name: w2, host: localhost, port: 45001}", "{name: w2, hots: localhost, port: 45001}"),
+         r"unknown key nodes\[1\]\.'hots'; did you mean 'host'\?"),
+        (replace_line("{name: w2, host: localhost, port: 45001}", "{name: w2, port: 45001}"),
+         r"nodes\[1\] is missing the key 'host'"),
+        (replace_line("divergence_threshold: 0.2", "divergence_threshold: -1"),
+         r"divergence_threshold must be a number >= 0, got -1"),
+        (replace_line("- clock: 0 ", "- clock: {speed: 2} "), r"clock interpolation takes no options"),
+        (ORIGINAL + "- timeout_ms: 10\n", r"key 'timeout_ms' is given twice"),
+        ("- nodes: []\n", r"'nodes' must be a non-empty list"),
+        ("- fetch_probability: 1\n", r"missing key 'nodes'"),
+        ("", r"the configuration is empty"),
+        ("- [1, 2]\n", r"item 1 of the top-level list must be a map with exactly one key"),
+        ("nodes: [\n", r"cfg\.yaml:2:1: not valid YAML"),
+        ("timeout_ms: 1\ntimeout_ms: 2\nnodes: []\n", r"key 'timeout_ms' appears twice"),
+    ],
+)
+def test_each_error_names_the_file_the_key_and_what_was_expected(text, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_config(text, source="cfg.yaml")
+    assert str(info.value).startswith("cfg.yaml")
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing\.yaml: cannot read the configuration"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_config_errors_come_before_any_socket(nodes):
+    # The name is checked before the node binds anything, so a wrong name leaves no port or thread behind.
+    from dpwa import NumpyParams
+    import numpy as np
+
+    with pytest.raises(ConfigError, match="no node named 'nope'"):
+        nodes(parse_config(ORIGINAL), "nope", NumpyParams(np.zeros(4, np.float32)))
+
+
+def test_pointless_settings_are_reported():
+    single = parse_config({"nodes": [{"name": "a", "host": "h", "port": 1}]})
+    assert any("only one node" in n for n in pointless_settings(single))
+    never = parse_config(replace_line("fetch_probability: 1 ", "fetch_probability: 0 "))
+    assert any("fetch_probability is 0 with 4 nodes" in n for n in pointless_settings(never))
+    zero = parse_config(replace_line("{ value: 0.5 }", "{ value: 0 }"))
+    assert any("constant.value is 0" in n for n in pointless_settings(zero))
+    assert pointless_settings(parse_config(ORIGINAL)) == []

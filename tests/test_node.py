@@ -1,0 +1,296 @@
+"""Nodes as threads in one process, over real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dpwa import Node, NumpyParams, parse_config
+from dpwa.node import WAIT_SLACK_S
+from dpwa.transport import TransportError
+
+from conftest import filled, free_port, make_config, port_is_free, wait_until
+
+
+class RecordingParams(NumpyParams):
+    """NumpyParams that keeps a copy of every peer buffer it is given."""
+
+    def __init__(self, array):
+        super().__init__(array)
+        self.received: list[np.ndarray] = []
+
+    def lerp_from(self, peer, f):
+        self.received.append(np.array(peer, copy=True))
+        super().lerp_from(peer, f)
+
+
+def serving_only(config: dict) -> dict:
+    """The same cluster, seen by a node that never fetches (it only serves)."""
+    return {**config, "fetch_probability": 0}
+
+
+def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
+    for _ in range(steps):
+        node.update_send(loss, batch_size)
+        node.update_wait(loss)
+
+
+def test_a_fetch_returns_the_peers_exact_bytes(nodes):
+    cfg = make_config(2, constant={"value": 1.0})
+    theirs = np.random.default_rng(3).standard_normal(100_003).astype(np.float32)
+    theirs[:4] = [np.finfo(np.float32).max, np.finfo(np.float32).tiny, -0.0, 1e-45]  # extremes survive the wire
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs.copy()))
+    publish(peer)
+    mine = RecordingParams(np.zeros_like(theirs))
+    node = nodes(cfg, "w0", mine)
+    assert node.update_send()
+    update = node.update_wait()
+    assert update.averaged and update.peer == "w1" and update.factor == 1.0
+    assert mine.received[0].tobytes() == theirs.tobytes()
+    assert mine.array.tobytes() == theirs.tobytes()  # f = 1 takes the peer whole, bit for bit
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_blends_match_values_known_in_advance(nodes, n):
+    """Node k holds k everywhere. w0 pulls with f = 1/2, so after a blend with peer k
+    its value is (x + k) / 2, exactly representable in float32 for these steps."""
+    cfg = make_config(n)
+    for k in range(1, n):
+        publish(nodes(serving_only(cfg), f"w{k}", NumpyParams(filled(k))))
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine), rng=random.Random(n))
+    expected = 0.0
+    seen = set()
+    for _ in range(20):  # 20 halvings of values < 4 stay exact in float32's 24-bit significand
+        assert node.update_send()
+        update = node.update_wait()
+        assert update.averaged, update
+        k = int(update.peer[1:])
+        seen.add(k)
+        expected = (expected + k) / 2
+        assert np.all(mine == np.float32(expected)), (update, mine[:3], expected)
+    assert seen == set(range(1, n))  # every peer was used
+    stats = node.stats()
+    assert stats["fetches_ok"] == 20 and stats["averaged"] == 20
+    assert stats["bytes_in"] == 20 * mine.nbytes
+    assert set(stats["peers"]) == {f"w{k}" for k in range(1, n)}
+
+
+def test_clock_interpolation_and_clock_blend(nodes):
+    cfg = make_config(2, interpolation="clock")
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(4)))
+    publish(peer, batch_size=10, steps=3)  # clock 30
+    peer.update_send(batch_size=10)  # publishes clock 30
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send(batch_size=10)
+    update = node.update_wait()  # own clock 10, peer 30: f = 30 / 40
+    assert update.factor == pytest.approx(0.75)
+    assert np.all(mine == 3.0)
+    assert update.clock == pytest.approx(0.75 * 30 + 0.25 * 10)
+
+
+def test_loss_interpolation_and_divergence(nodes):
+    cfg = make_config(2, interpolation="loss")
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(8)))
+    peer.update_send(loss=1.0)  # the peer's snapshot carries loss 1.0
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send(loss=5.0)
+    update = node.update_wait(loss=3.0)  # the newest loss counts: f = 3 / (3 + 1)
+    assert update.factor == pytest.approx(0.75) and np.all(mine == 6.0)
+
+    cfg = make_config(2, divergence_threshold=0.2)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(8)))
+    publish(peer)
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send()
+    update = node.update_wait(loss=0.1)  # below the threshold: f = 0.5 * 0.1 / 0.2
+    assert update.factor == pytest.approx(0.25) and np.allclose(mine, 2.0)
+
+
+def test_update_wait_returns_at_once_without_a_fetch(nodes):
+    cfg = make_config(2, fetch_probability=0)
+    node = nodes(cfg, "w0", NumpyParams(filled(1)))
+    assert node.update_send() is False
+    update = node.update_wait()
+    assert (update.averaged, update.outcome) == (False, "no_fetch")
+    assert update.clock == 1.0
+    single = nodes({"nodes": [{"name": "solo", "host": "127.0.0.1", "port": free_port()}]}, "solo",
+                   NumpyParams(filled(1)))
+    assert single.update_send() is False and single.update_wait().outcome == "no_fetch"
+
+
+def test_a_skipped_update_wait_still_counts_the_batch(nodes):
+    cfg = make_config(2)
+    nodes(serving_only(cfg), "w1", NumpyParams(filled(1)))
+    node = nodes(cfg, "w0", NumpyParams(filled(0)))
+    node.update_send(batch_size=5)
+    node.update_send(batch_size=5)  # no update_wait in between: the first fetch is abandoned
+    assert not node.update_wait().averaged  # the peer never published
+    assert node.clock == 10.0  # both batches counted
+    assert node.stats()["fetches_abandoned"] == 1
+
+
+def test_a_node_before_its_first_publish_is_not_ready(nodes):
+    cfg = make_config(2)
+    nodes(serving_only(cfg), "w1", NumpyParams(filled(1)))  # never publishes
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send()
+    update = node.update_wait()
+    assert (update.averaged, update.outcome) == (False, "refused") and "not_ready" in update.reason
+    assert np.all(mine == 0)
+
+
+def disagreement(arrays) -> float:
+    stacked = np.stack([a.astype(np.float64) for a in arrays])
+    return float(((stacked - stacked.mean(axis=0)) ** 2).sum())
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_averaging_alone_reaches_consensus_geometrically(nodes, n):
+    """Nodes that only average contract their disagreement D = sum ||x_i - mean||^2 geometrically.
+
+    With fresh snapshots and f = 1/2, one round (every node pulls once from a
+    uniform random peer) gives E[D'] = D (n - 2) / (2 (n - 1)): 1/4 for n = 3
+    and 1/3 for n = 4. Here a node may fetch a peer's snapshot from the
+    previous round (the peer has not published yet), which slows the
+    contraction; the test asserts the weaker D_r <= D_0 * 0.7^r for every
+    round r, and a 1000-fold drop over 30 rounds (theory: about 10^-14).
+    """
+    cfg = make_config(n)
+    arrays = [filled(k) for k in range(n)]
+    group = [nodes(cfg, f"w{k}", NumpyParams(arrays[k]), rng=random.Random(100 + k)) for k in range(n)]
+    for node in group:  # first snapshots
+        node.update_send()
+    for node in group:
+        node.update_wait()
+    d0 = disagreement(arrays)
+    for r in range(1, 31):
+        for node in group:
+            node.update_send()
+        updates = [node.update_wait() for node in group]
+        assert all(u.averaged for u in updates), updates
+        d = disagreement(arrays)
+        assert d <= d0 * 0.7 ** r + 1e-9, (r, d, d0)
+    assert disagreement(arrays) < d0 * 1e-3
+
+
+def test_a_dead_peer_costs_one_timeout_and_training_goes_on(nodes):
+    timeout_ms = 300
+    cfg = make_config(3, timeout_ms=timeout_ms)
+    dead_port = cfg["nodes"][2]["port"]
+    publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(1))))
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine), rng=random.Random(5))
+    outcomes = []
+    for step in range(20):
+        node.update_send()
+        mine += 0.0  # the "training" of this step would happen here
+        t0 = time.monotonic()
+        update = node.update_wait()
+        waited = time.monotonic() - t0
+        # the bound is the contract: timeout plus slack, and a margin for a loaded machine
+        assert waited <= timeout_ms / 1000 + WAIT_SLACK_S + 0.5, (step, waited, update)
+        outcomes.append((update.peer, update.outcome))
+    assert ("w2", "timeout") in outcomes
+    assert ("w1", "ok") in outcomes
+    assert node.stats()["peers"]["w2"]["score"] < 1.0
+    assert node.stats()["fetches_timed_out"] == outcomes.count(("w2", "timeout"))
+
+    # The dead peer comes up on its port: it is chosen again (its score never reaches 0)
+    assert port_is_free(dead_port)
+    publish(nodes(serving_only(cfg), "w2", NumpyParams(filled(2))))
+    deadline = time.monotonic() + 60
+    used_again = False
+    for _ in range(400):
+        if time.monotonic() > deadline:
+            break
+        node.update_send()
+        update = node.update_wait()
+        if update.peer == "w2" and update.averaged:
+            used_again = True
+            break
+    assert used_again
+    assert node.stats()["peers"]["w2"]["score"] > 0.05
+
+
+def test_a_restarted_peer_on_the_same_port_is_used_again(nodes):
+    cfg = make_config(2, timeout_ms=300)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(1)))
+    publish(peer)
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    assert node.update_send() and node.update_wait().averaged
+    peer.close()
+    node.update_send()
+    assert node.update_wait().outcome == "timeout"
+    restarted = nodes(serving_only(cfg), "w1", NumpyParams(filled(3)))
+    publish(restarted)
+    results = []
+    for _ in range(5):  # the first try may still hit the reconnect delay
+        node.update_send()
+        results.append(node.update_wait())
+        if results[-1].averaged:
+            break
+    assert results[-1].averaged, results
+    assert np.all(mine >= 1.0)  # blended with the restarted peer's 3s
+
+
+def test_close_frees_the_port_at_once_and_leaves_no_thread(nodes):
+    cfg = make_config(2)
+    port = cfg["nodes"][0]["port"]
+    before = set(threading.enumerate())
+    node = Node(cfg, "w0", NumpyParams(filled(0)))
+    assert not port_is_free(port)
+    node.update_send()  # a fetch in flight to a peer that does not exist
+    node.close()
+    assert port_is_free(port)
+    assert set(threading.enumerate()) - before == set()
+    node.close()  # idempotent
+    with pytest.raises(RuntimeError, match="is closed"):
+        node.update_send()
+    with Node(cfg, "w0", NumpyParams(filled(0))) as again:  # the port is usable at once
+        assert again.update_send() in (True, False)
+    assert port_is_free(port)
+
+
+def test_a_port_in_use_is_a_clear_error_and_leaves_nothing_behind(nodes):
+    cfg = make_config(2)
+    nodes(cfg, "w0", NumpyParams(filled(0)))
+    before = set(threading.enumerate())
+    with pytest.raises(TransportError, match=r"cannot bind tcp://127\.0\.0\.1:\d+: .*using that port"):
+        Node(cfg, "w0", NumpyParams(filled(0)))
+    assert wait_until(lambda: set(threading.enumerate()) - before == set(), 5)
+
+
+def test_mismatched_models_never_blend(nodes):
+    cfg = make_config(2)
+    publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(1, size=999))))
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send()
+    update = node.update_wait()
+    assert not update.averaged and update.outcome == "refused" and "bad_fingerprint" in update.reason
+    assert np.all(mine == 0)
+    assert node.stats()["fetches_refused"] == 1
+
+
+def test_loss_may_be_a_tensor_or_unknown(nodes):
+    torch = pytest.importorskip("torch")
+    cfg = make_config(2, interpolation="loss")
+    publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(4))), loss=torch.tensor(1.0))
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send(torch.tensor(float("nan")))
+    assert node.update_wait(None).factor == 0.5  # unknown own loss: even split
+    with pytest.raises(TypeError, match="loss must be a number"):
+        node.update_send("high")
+    with pytest.raises(ValueError, match="batch_size must be a number >= 0"):
+        node.update_send(1.0, batch_size=-1)

@@ -1,0 +1,152 @@
+"""The PyTorch adapter: in-place blends of parameters and floating buffers, storage untouched."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import dpwa  # noqa: E402
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
+
+from conftest import make_config  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int32))
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def filled_net(k: float, **kwargs) -> Net:
+    net = Net()
+    with torch.no_grad():
+        for t in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
+            t.fill_(k)
+        net.bn.num_batches_tracked.fill_(int(k) * 10)
+        net.steps.fill_(int(k))
+    return net
+
+
+@pytest.fixture
+def adapters():
+    made = []
+
+    def make(*args, **kwargs):
+        adapter = DpwaPyTorchAdapter(*args, **kwargs)
+        made.append(adapter)
+        return adapter
+
+    yield make
+    for adapter in made:
+        adapter.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-")]
+
+
+def pair(adapters, k0, k1, **kwargs):
+    cfg = make_config(2)
+    peer_net, my_net = filled_net(k1), filled_net(k0)
+    peer = adapters(peer_net, "w1", {**cfg, "fetch_probability": 0}, **kwargs)
+    peer.update_send()
+    peer.update_wait()
+    mine = adapters(my_net, "w0", cfg, **kwargs)
+    return mine, my_net, peer_net
+
+
+def test_the_adapter_is_exported_at_the_top_level():
+    assert dpwa.DpwaPyTorchAdapter is DpwaPyTorchAdapter
+
+
+def test_parameters_and_float_buffers_blend_in_place(adapters):
+    mine, net, _ = pair(adapters, 2.0, 6.0)
+    pointers = {name: t.data_ptr() for name, t in list(net.named_parameters()) + list(net.named_buffers())}
+    params_before = list(net.parameters())
+    mine.update_send(loss=1.0)
+    update = mine.update_wait(loss=1.0)
+    assert update.averaged and update.factor == 0.5
+    for name, t in list(net.named_parameters()) + [(n, b) for n, b in net.named_buffers() if b.is_floating_point()]:
+        assert torch.all(t == 4.0), name
+    assert torch.all(net.bn.num_batches_tracked == 20)  # integer buffers are left alone
+    assert torch.all(net.steps == 2)
+    after = {name: t.data_ptr() for name, t in list(net.named_parameters()) + list(net.named_buffers())}
+    assert after == pointers  # storage never replaced
+    assert all(a is b for a, b in zip(net.parameters(), params_before))
+
+
+def test_buffers_can_be_excluded(adapters):
+    mine, net, _ = pair(adapters, 2.0, 6.0, include_buffers=False)
+    mine.update_send()
+    assert mine.update_wait().averaged
+    assert torch.all(net.fc.weight == 4.0)
+    assert torch.all(net.bn.running_mean == 2.0) and torch.all(net.bn.running_var == 2.0)
+
+
+def test_an_optimizer_keeps_working_across_blends(adapters):
+    torch.manual_seed(0)
+    mine, net, _ = pair(adapters, 0.0, 1.0)
+    for p in net.parameters():
+        torch.nn.init.normal_(p)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 2, 6, 6), torch.randint(0, 3, (8,))
+    losses = []
+    for _ in range(5):
+        mine.update_send(losses[-1] if losses else None, batch_size=8)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        before = net.fc.weight.detach().clone()
+        opt.step()
+        stepped = net.fc.weight.detach().clone()
+        assert not torch.equal(before, stepped)  # the optimizer still moves the real parameters
+        update = mine.update_wait(loss)
+        assert update.averaged
+        assert torch.allclose(net.fc.weight, 0.5 * stepped + 0.5 * 1.0)  # and the blend acts on them too
+        losses.append(loss.item())
+    # each step: clock += 8, then clock = 0.5 * peer_clock (0) + 0.5 * clock
+    assert mine.clock == 4 + 2 + 1 + 0.5 + 0.25
+
+
+def test_mixed_dtypes_and_channels_last():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(2, 2).double())
+    net[0].to(memory_format=torch.channels_last)
+    params = TorchParams(net)
+    assert params.size == sum(p.numel() for p in net.parameters())
+    flat = np.empty(params.size, np.float32)
+    with torch.no_grad():
+        for i, p in enumerate(net.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) + 100 * i)
+    params.copy_to(flat)
+    expected = np.concatenate([(np.arange(p.numel()) + 100 * i) for i, p in enumerate(net.parameters())])
+    assert np.array_equal(flat, expected.astype(np.float32))  # logical order, whatever the memory format
+    params.lerp_from(np.zeros(params.size, np.float32), 0.5)
+    for i, p in enumerate(net.parameters()):
+        ref = (torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) + 100 * i) / 2
+        assert torch.allclose(p.double(), ref), i
+    assert net[1].weight.dtype == torch.float64
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_fingerprints_tell_models_apart():
+    a, b = TorchParams(Net()), TorchParams(Net())
+    assert a.fingerprint == b.fingerprint
+    assert TorchParams(Net(), include_buffers=False).fingerprint != a.fingerprint
+    assert TorchParams(nn.Linear(4, 3)).fingerprint != TorchParams(nn.Linear(3, 4)).fingerprint
+
+
+def test_unusable_models_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match="has no parameters to average"):
+        TorchParams(nn.ReLU())
+    meta = nn.Linear(2, 2, device="meta")
+    with pytest.raises(ValueError, match="device meta is not supported"):
+        TorchParams(meta)
