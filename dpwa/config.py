@@ -42,6 +42,8 @@ __all__ = [
 ]
 
 INTERPOLATIONS = ("constant", "clock", "loss")
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+SAME_HOST_MODES = ("auto", "off")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -86,6 +88,8 @@ class Config:
     interpolation: str = "constant"  # constant | clock | loss
     divergence_threshold: float = 0.0  # below this loss, pull less; 0 disables
     constant: ConstantOptions = field(default_factory=ConstantOptions)
+    wire_dtype: str = "float32"  # dtype of parameters on the wire; blending is always float32
+    same_host: str = "auto"  # auto: shared memory with peers on this machine; off: TCP only
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property
@@ -116,7 +120,8 @@ class Config:
             f"nodes=[{nodes}] fetch_probability={self.fetch_probability} "
             f"timeout_ms={self.timeout_ms} interpolation={self.interpolation} "
             f"constant.value={self.constant.value} "
-            f"divergence_threshold={self.divergence_threshold}"
+            f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
+            f"same_host={self.same_host}"
         )
 
 
@@ -131,6 +136,8 @@ _TOP_KEYS = (
     "constant",
     "clock",
     "loss",
+    "wire_dtype",
+    "same_host",
 )
 _NODE_KEYS = ("name", "host", "port", "bind")
 _CONSTANT_KEYS = ("value",)
@@ -157,16 +164,13 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     nodes = _parse_nodes(raw.get("nodes"), source)
     fetch_probability = _number(raw, "fetch_probability", 1.0, source, lo=0.0, hi=1.0)
     timeout_ms = _positive_int(raw, "timeout_ms", 2500, source)
-    interpolation = raw.get("interpolation", "constant")
-    if interpolation not in INTERPOLATIONS:
-        raise ConfigError(
-            f"{source}: interpolation must be one of {', '.join(INTERPOLATIONS)}, "
-            f"got {interpolation!r}" + _suggest(str(interpolation), INTERPOLATIONS)
-        )
+    interpolation = _choice(raw, "interpolation", INTERPOLATIONS, source)
     divergence = _number(raw, "divergence_threshold", 0.0, source, lo=0.0)
     constant = _parse_constant(raw.get("constant"), source)
     for key in ("clock", "loss"):
         _parse_no_options(raw, key, source)
+    wire_dtype = _choice(raw, "wire_dtype", WIRE_DTYPES, source)
+    same_host = _choice(raw, "same_host", SAME_HOST_MODES, source)
 
     return Config(
         nodes=nodes,
@@ -175,6 +179,8 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         interpolation=interpolation,
         divergence_threshold=divergence,
         constant=constant,
+        wire_dtype=wire_dtype,
+        same_host=same_host,
         source=source,
     )
 
@@ -323,6 +329,21 @@ def _positive_int(raw: Mapping[str, Any], key: str, default: int, source: str) -
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _choice(raw: Mapping[str, Any], key: str, choices: tuple[str, ...], source: str) -> str:
+    """A value that must be one of `choices`; the first choice is the default."""
+    value = raw.get(key)
+    if value is None:
+        return choices[0]
+    if value is False and "off" in choices:  # YAML reads a bare `off` as false
+        return "off"
+    if value not in choices:
+        raise ConfigError(
+            f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}"
+            + _suggest(str(value), choices)
+        )
     return value
 
 

@@ -157,11 +157,17 @@ class Node:
         if self._pending_batch is not None:  # update_wait was skipped: count the batch, drop the fetch
             self._abandon_step()
         self._send_loss = _loss_value(loss)
+        self._pending_batch = float(batch_size)
+        # Start the fetch first: it does not need our snapshot, so the copy below
+        # overlaps with the request in flight.
+        started = self._start_fetch()
         if not self._store.publish(self.params.copy_to, self._clock, self._send_loss):
             self.counters.add("publish_skipped")
             self._log(30, "publish_skipped", "%s: every snapshot slot is held by slow readers; "
                       "peers get the previous snapshot", self.name)
-        self._pending_batch = float(batch_size)
+        return started
+
+    def _start_fetch(self) -> bool:
         if not self.peers or self._rng.random() >= self.config.fetch_probability:
             return False
         peer = self._selector.choose()
@@ -209,6 +215,8 @@ class Node:
         f = self._interpolation.factor(self._clock, peer_clock, own_loss, peer_loss)
         f = interp.damp_by_divergence(f, own_loss, self.config.divergence_threshold)
         self.params.lerp_from(np.frombuffer(payload, dtype=self.params.dtype), f)
+        self._tx.discard(payload)  # unmapping a large frame is slow: let the Tx thread do it
+        del payload
         self._clock = interp.blend_clock(f, self._clock, peer_clock)
         self.counters.add("averaged")
         return Update(True, "ok", job.peer, factor=f, latency_s=job.latency_s, clock=self._clock)

@@ -65,6 +65,13 @@ class Job:
         self.done.set()
 
 
+class _Discard:
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+
 class TxWorker:
     """Runs :class:`Job` s one at a time on its own thread, which owns all client sockets.
 
@@ -93,7 +100,7 @@ class TxWorker:
         self._on_done = on_done
         self._max_reply_bytes = max_reply_bytes
         self._socket_options = dict(socket_options or {})
-        self._jobs: queue.Queue[Job] = queue.Queue()
+        self._jobs: queue.Queue[Job | _Discard] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"dpwa-tx-{name}", daemon=True)
 
@@ -106,6 +113,15 @@ class TxWorker:
             job.finish("cancelled", "the node is closing")
             return
         self._jobs.put(job)
+
+    def discard(self, obj: Any) -> None:
+        """Drop `obj` (a received frame, say) on the Tx thread.
+
+        Freeing a large ZeroMQ message unmaps its memory, which takes
+        milliseconds; this keeps that cost off the caller's thread.
+        """
+        if not self._stop.is_set():
+            self._jobs.put(_Discard(obj))
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop the thread, cancel queued jobs, close every socket. True if it ended in time."""
@@ -126,9 +142,11 @@ class TxWorker:
     def _drain(self) -> None:
         while True:
             try:
-                self._jobs.get_nowait().finish("cancelled", "the node is closing")
+                item = self._jobs.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(item, Job):
+                item.finish("cancelled", "the node is closing")
 
     def _run(self) -> None:
         requesters: dict[str, Requester] = {}
@@ -137,6 +155,9 @@ class TxWorker:
                 try:
                     job = self._jobs.get(timeout=POLL_SLICE_S)
                 except queue.Empty:
+                    continue
+                if isinstance(job, _Discard):
+                    del job  # the last reference: the memory is freed here
                     continue
                 self._execute(job, requesters)
                 try:

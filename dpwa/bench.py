@@ -1,0 +1,387 @@
+"""Benchmark: dpwa's exchange against the raw floors it is built on, measured in one run.
+
+Commands (they run as written from the repository root)::
+
+    python -m dpwa.bench                         # the full table (about two minutes on 2 cores)
+    python -m dpwa.bench --json bench.json       # the same, also written as JSON
+    python -m dpwa.bench --quick                 # small sizes, few repetitions: a smoke test
+
+For each model size it measures, in the same run and on the same machine:
+
+(a) ``copy``: ``np.copyto`` of the model's bytes (a memory-copy floor);
+(b) ``zmq``: a raw pyzmq REQ/REP round trip over tcp://127.0.0.1 between two
+    processes, the reply carrying the model's bytes (``copy=False`` on both
+    sides): the transport floor;
+(c) dpwa between two processes: ``update_send`` alone, ``update_wait`` alone
+    and the full exchange, over TCP and over the same-host path.
+
+Every figure is a median over repetitions, and the ratios to (a) and (b) are
+printed beside it. Machines are shared and noisy: compare ratios taken in one
+run, not absolute times across runs. A second table scales the number of
+nodes (threads in one process, small model) and reports exchanges per second
+and per-node cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+SMALL = 100_000  # parameters of the small model
+RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    """A helper process of this module; stopped by PID, never by name."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dpwa.bench", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})},
+        )
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.stop()
+            raise RuntimeError(f"benchmark helper {args} failed to start (said {line!r})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(10)
+            except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> "Child":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --------------------------------------------------------------------------- helper processes
+
+
+def serve_raw(port: int, size: int) -> None:
+    """REP socket that answers every request with `size` float32s, without a copy."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    payload = np.ones(size, np.float32)
+    print("ready", flush=True)
+    stdin_closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+    while not stdin_closed.is_set():
+        if sock.poll(100):
+            sock.recv()
+            sock.send(payload, copy=False)
+    sock.close(0)
+    ctx.term()
+
+
+def serve_node(config_path: str, size: int) -> None:
+    """A dpwa node that publishes `size` float32s and serves them until stdin closes."""
+    import dataclasses
+
+    from dpwa import Node, NumpyParams, load_config
+
+    config = dataclasses.replace(load_config(config_path), fetch_probability=0)  # it only serves
+    with Node(config, "server", NumpyParams(np.ones(size, np.float32))) as node:
+        node.update_send()
+        node.update_wait()
+        print("ready", flush=True)
+        sys.stdin.read()
+
+
+def write_pair_config(directory: str, *, same_host: bool, wire_dtype: str = "float32") -> str:
+    import yaml
+
+    config = {
+        "nodes": [
+            {"name": "client", "host": "127.0.0.1", "port": free_port()},
+            {"name": "server", "host": "127.0.0.1", "port": free_port()},
+        ],
+        "fetch_probability": 1,
+        "timeout_ms": 10_000,
+        "same_host": "auto" if same_host else "off",
+        "wire_dtype": wire_dtype,
+    }
+    path = os.path.join(directory, f"pair-{'shm' if same_host else 'tcp'}-{wire_dtype}.yaml")
+    with open(path, "w") as fh:
+        yaml.safe_dump(config, fh)
+    return path
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+class CopyFloor:
+    """(a): np.copyto of the model's bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.src, self.dst = np.ones(size, np.float32), np.empty(size, np.float32)
+
+    def sample(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        return {"ms": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        pass
+
+
+class ZmqFloor:
+    """(b): a raw pyzmq REQ/REP round trip whose reply carries the model's bytes."""
+
+    def __init__(self, size: int) -> None:
+        import zmq
+
+        port = free_port()
+        self.child = Child("--serve-raw", str(port), str(size))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def sample(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.sock.send(b"fetch")
+        if not self.sock.poll(30_000):
+            raise RuntimeError("raw zmq server did not answer")
+        frame = self.sock.recv(copy=False)
+        np.frombuffer(frame.buffer, np.float32)
+        del frame
+        return {"ms": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+        self.child.stop()
+
+
+class DpwaPair:
+    """(c): a dpwa node here fetching from a dpwa node in another process."""
+
+    def __init__(self, size: int, directory: str, *, same_host: bool, wire_dtype: str = "float32") -> None:
+        from dpwa import Node, NumpyParams
+
+        self.same_host = same_host
+        path = write_pair_config(directory, same_host=same_host, wire_dtype=wire_dtype)
+        self.child = Child("--serve-node", path, str(size))
+        try:
+            self.node = Node(path, "client", NumpyParams(np.zeros(size, np.float32)), rng=random.Random(0))
+        except BaseException:
+            self.child.stop()
+            raise
+
+    def sample(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.node.update_send()
+        t1 = time.perf_counter()
+        update = self.node.update_wait()
+        t2 = time.perf_counter()
+        if not update.averaged:
+            raise RuntimeError(f"benchmark exchange failed: {update}")
+        return {"update_send": t1 - t0, "update_wait": t2 - t1, "exchange": t2 - t0}
+
+    def close(self) -> None:
+        used_same_host = self.node.stats().get("same_host_fetches", 0) > 0
+        self.node.close()
+        self.child.stop()
+        if used_same_host != self.same_host:
+            raise RuntimeError(f"expected the {'same-host' if self.same_host else 'TCP'} path; "
+                               "the node used the other")
+
+
+def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
+    """Every measurement for one model size, interleaved: one sample of each per repetition."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subjects: dict[str, Any] = {}
+        try:
+            subjects["copy"] = CopyFloor(size)
+            subjects["zmq"] = ZmqFloor(size)
+            subjects["tcp"] = DpwaPair(size, tmp, same_host=False)
+            subjects["same_host"] = DpwaPair(size, tmp, same_host=True)
+            for dtype in wire_dtypes:
+                subjects[f"tcp_{dtype}"] = DpwaPair(size, tmp, same_host=False, wire_dtype=dtype)
+            samples: dict[str, list[dict[str, float]]] = {name: [] for name in subjects}
+            for rep in range(warmup + reps):
+                for name, subject in subjects.items():
+                    sample = subject.sample()
+                    if rep >= warmup:
+                        samples[name].append(sample)
+        finally:
+            for subject in subjects.values():
+                subject.close()
+    row: dict[str, Any] = {"parameters": size, "mbytes": size * 4 / 1e6, "reps": reps}
+    for name, rows in samples.items():
+        medians = {key: median_ms([r[key] for r in rows]) for key in rows[0]}
+        row[f"{name}_ms" if name in ("copy", "zmq") else name] = medians.get("ms", medians)
+    return row
+
+
+def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
+    """n nodes as threads in one process, each running `steps` exchanges as fast as it can."""
+    from dpwa import Node, NumpyParams, parse_config
+
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port())
+    config = parse_config({
+        "nodes": [{"name": f"n{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))],
+        "fetch_probability": 1, "timeout_ms": 10_000, "same_host": "off",
+    })
+    arrays = [np.full(size, float(i), np.float32) for i in range(n)]
+    nodes = [Node(config, f"n{i}", NumpyParams(arrays[i]), rng=random.Random(i)) for i in range(n)]
+    try:
+        for node in nodes:  # first snapshots, so no fetch finds a peer "not ready"
+            node.update_send()
+        for node in nodes:
+            node.update_wait()
+        barrier = threading.Barrier(n + 1)
+        failures = [0] * n
+
+        def run(i: int) -> None:
+            barrier.wait()
+            for _ in range(steps):
+                nodes[i].update_send()
+                if not nodes[i].update_wait().averaged:
+                    failures[i] += 1
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join(600)
+        elapsed = time.perf_counter() - t0
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError(f"scale benchmark with {n} nodes did not finish: deadlock?")
+    finally:
+        for node in nodes:
+            node.close()
+    exchanges = n * steps - sum(failures)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "nodes": n,
+        "exchanges_per_s": exchanges / elapsed,
+        "failed": sum(failures),
+        # wall time each node spends per exchange, normalised by how many nodes share each core
+        "per_node_cost_ms": elapsed / steps * 1e3 / max(1.0, n / cpus),
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine() -> dict[str, Any]:
+    import zmq
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    return {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpus": os.cpu_count(), "pyzmq": zmq.pyzmq_version(), "libzmq": zmq.zmq_version(),
+        "numpy": np.__version__, "torch": torch_version,
+    }
+
+
+def run(sizes: list[int], reps_small: int, reps_large: int, scale_sizes: list[int], scale_steps: int,
+        wire_dtypes: list[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {"machine": machine(), "sizes": [], "scale": []}
+    for size in sizes:
+        row = measure_size(size, reps_small if size <= 1_000_000 else reps_large, wire_dtypes)
+        results["sizes"].append(row)
+        print(format_size_row(row), flush=True)
+    for n in scale_sizes:
+        results["scale"].append(bench_scale(n, SMALL, scale_steps))
+    return results
+
+
+def format_size_row(row: dict[str, Any]) -> str:
+    a, b = row["copy_ms"], row["zmq_ms"]
+    lines = [f"\n{row['parameters']:,} parameters ({row['mbytes']:.1f} MB), medians of {row['reps']} runs",
+             f"  {'measurement':<38}{'ms':>9}{'x copy':>9}{'x zmq':>9}",
+             f"  {'(a) numpy copy':<38}{a:>9.2f}{1:>9.2f}{a / b:>9.2f}",
+             f"  {'(b) raw pyzmq REQ/REP, tcp':<38}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}"]
+    for path in [k for k in row if k == "tcp" or k == "same_host" or k.startswith("tcp_")]:
+        label = {"tcp": "tcp", "same_host": "same-host"}.get(path, path.replace("tcp_", "tcp, wire "))
+        for key in ("update_send", "update_wait", "exchange"):
+            v = row[path][key]
+            lines.append(f"  {'(c) dpwa ' + key + ', ' + label:<38}{v:>9.2f}{v / a:>9.2f}{v / b:>9.2f}")
+    return "\n".join(lines)
+
+
+def format_scale(rows: list[dict[str, Any]]) -> str:
+    lines = ["\nScale: nodes as threads in one process, 100,000 parameters, fetch every step",
+             f"  {'nodes':>5}{'exchanges/s':>14}{'per-node ms/exchange':>23}{'failed':>8}"]
+    for r in rows:
+        lines.append(f"  {r['nodes']:>5}{r['exchanges_per_s']:>14.0f}{r['per_node_cost_ms']:>23.2f}{r['failed']:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dpwa.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions for large models (default 30)")
+    parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-node", nargs=2, metavar=("CONFIG", "SIZE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_raw:
+        serve_raw(int(args.serve_raw[0]), int(args.serve_raw[1]))
+        return 0
+    if args.serve_node:
+        serve_node(args.serve_node[0], int(args.serve_node[1]))
+        return 0
+    if args.quick:
+        results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"])
+    else:
+        results = run([SMALL, RESNET18], 200, args.reps or 30, [2, 4, 8, 16], 200, ["float16", "bfloat16"])
+    print(format_scale(results["scale"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
