@@ -4,10 +4,15 @@ All functions work on 1-D numpy arrays and never allocate a buffer the size of
 the model: the destination is updated in place (so parameter storage is never
 replaced) and inputs are read where they lie.
 
+Parameters travel in a *wire dtype*: ``float32``, ``float16`` or ``bfloat16``.
+numpy has no bfloat16, so such buffers are stored as ``uint16`` holding the
+bit patterns. Blending always happens in float32: a half-precision input is
+decoded block by block into a small float32 scratch buffer.
+
 torch's CPU kernels do ``x += f * (y - x)`` in one pass, about three times
-faster than numpy's three passes, so they are used through zero-copy views when
-torch is importable; the numpy path is the fallback and the reference the tests
-compare against.
+faster than numpy's three passes, and copy with all of torch's threads, so
+they are used through zero-copy views; the numpy path is the fallback when
+torch is missing, and the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -16,19 +21,36 @@ import warnings
 
 import numpy as np
 
+__all__ = [
+    "WIRE_STORAGE",
+    "add_scaled_diff_",
+    "aligned",
+    "all_finite",
+    "as_torch",
+    "encode_",
+    "lerp_",
+    "storage_dtype",
+    "use_torch",
+]
 
+# wire dtype name -> numpy dtype of the stored elements
+WIRE_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
 
-__all__ = ["aligned", "as_torch", "lerp_", "add_scaled_diff_", "all_finite", "use_torch"]
+_BLOCK = 1 << 18  # elements per block when decoding or blending piecewise (1 MB of float32)
+# Below this many elements numpy is faster: starting torch's thread pool costs more
+# than the work (and stalls for a scheduler time slice when the other cores are busy).
+TORCH_MIN_ELEMENTS = 1 << 20
 
-_CHUNK = 1 << 16  # elements per numpy block: keeps the temporaries in cache
-
-use_torch = True  # set to False to force the numpy path (tests compare the two)
+use_torch = True  # set to False to force the numpy path (the tests compare the two)
 _torch_module = None
 
 
-def _torch():
-    """torch, imported on first use (importing dpwa must stay cheap), or None."""
+def _torch(size: int = TORCH_MIN_ELEMENTS):
+    """torch, imported on first use (importing dpwa must stay cheap), if it is
+    available and worth it for `size` elements; else None."""
     global _torch_module, use_torch
+    if size < TORCH_MIN_ELEMENTS:
+        return None
     if _torch_module is None and use_torch:
         try:
             import torch
@@ -37,6 +59,14 @@ def _torch():
         else:
             _torch_module = torch
     return _torch_module if use_torch else None
+
+
+def storage_dtype(wire: str) -> np.dtype:
+    """The numpy dtype that holds a buffer of wire dtype `wire`."""
+    try:
+        return WIRE_STORAGE[wire]
+    except KeyError:
+        raise ValueError(f"unknown wire dtype {wire!r}; expected one of {', '.join(WIRE_STORAGE)}") from None
 
 
 def aligned(array: np.ndarray) -> np.ndarray:
@@ -49,74 +79,156 @@ def aligned(array: np.ndarray) -> np.ndarray:
     return array.copy()
 
 
-def as_torch(array: np.ndarray):
-    """A torch tensor sharing `array`'s memory."""
+def as_torch(array: np.ndarray, wire: str = "float32"):
+    """A torch tensor sharing `array`'s memory, typed as wire dtype `wire`."""
     import torch
 
     with warnings.catch_warnings():
         # Frames received from ZeroMQ are read-only; we only ever read them.
         warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
+        tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if wire == "bfloat16" else tensor
 
 
-def lerp_(x: np.ndarray, y: np.ndarray, f: float) -> None:
-    """x = f * y + (1 - f) * x, in place."""
-    _check(x, y)
+def _blocks(n: int):
+    for start in range(0, n, _BLOCK):
+        yield start, min(n, start + _BLOCK)
+
+
+# --------------------------------------------------------------------------- numpy codecs
+
+
+def _decode_np(src: np.ndarray, wire: str, out: np.ndarray) -> np.ndarray:
+    """float32 values of a wire buffer, written into `out` (same length)."""
+    if wire == "bfloat16":
+        np.left_shift(src, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, src, casting="same_kind")
+    return out
+
+
+def _encode_bf16_np(dst: np.ndarray, src: np.ndarray) -> None:
+    """Round float32 to bfloat16 bit patterns, to nearest even; NaN stays NaN."""
+    bits = src.view(np.uint32)
+    for s, e in _blocks(src.size):
+        u = bits[s:e]
+        rounded = (u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) >> 16
+        nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+        rounded[nan] = (u[nan] >> 16) | np.uint32(0x40)
+        dst[s:e] = rounded.astype(np.uint16)
+
+
+# --------------------------------------------------------------------------- operations
+
+
+def encode_(dst: np.ndarray, src: np.ndarray, wire: str = "float32") -> None:
+    """dst = src converted to wire dtype `wire` (dst holds that wire dtype's storage)."""
+    _check_shapes(dst, src)
+    if dst.dtype != storage_dtype(wire) or src.dtype != np.float32:
+        raise ValueError(f"encode_ expects float32 -> {wire}, got {src.dtype} -> {dst.dtype}")
+    torch = _torch(src.size)
+    if torch is not None:  # torch copies with all its threads; np.copyto with one
+        as_torch(dst, wire).copy_(as_torch(aligned(src)))
+    elif wire == "float32":
+        np.copyto(dst, src)
+    elif wire == "bfloat16":
+        _encode_bf16_np(dst, src)
+    else:
+        np.copyto(dst, src, casting="same_kind")
+
+
+def lerp_(x: np.ndarray, y: np.ndarray, f: float, wire: str = "float32") -> None:
+    """x = f * y + (1 - f) * x in place; x is float32, y holds wire dtype `wire`."""
+    _check_dest(x)
+    _check_source(x, y, wire)
     y = aligned(y)
-    if _torch() is not None:
-        as_torch(x).lerp_(as_torch(y), float(f))
+    f = float(f)
+    torch = _torch(x.size)
+    if torch is not None:
+        tx, ty = as_torch(x), as_torch(y, wire)
+        if wire == "float32":
+            tx.lerp_(ty, f)
+            return
+        scratch = torch.empty(min(_BLOCK, x.size), dtype=torch.float32)
+        for s, e in _blocks(x.size):
+            t = scratch[: e - s]
+            t.copy_(ty[s:e])
+            tx[s:e].lerp_(t, f)
         return
-    scratch = np.empty(min(_CHUNK, x.size), dtype=x.dtype)
-    for start in range(0, x.size, _CHUNK):
-        xs, ys = x[start:start + _CHUNK], y[start:start + _CHUNK]
-        t = scratch[: xs.size]
-        np.subtract(ys, xs, out=t)
+    scratch = np.empty(min(_BLOCK, x.size), dtype=np.float32)
+    for s, e in _blocks(x.size):
+        t = scratch[: e - s]
+        _decode_np(y[s:e], wire, t)
+        xs = x[s:e]
+        np.subtract(t, xs, out=t)
         np.multiply(t, f, out=t)
         np.add(xs, t, out=xs)
 
 
-def add_scaled_diff_(x: np.ndarray, a: np.ndarray, b: np.ndarray, f: float) -> None:
-    """x += f * (a - b), in place."""
-    _check(x, a)
-    _check(x, b)
+def add_scaled_diff_(x: np.ndarray, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
+    """x += f * (a - b) in place; x is float32, a and b hold wire dtype `wire`."""
+    _check_dest(x)
+    _check_source(x, a, wire)
+    _check_source(x, b, wire)
     a, b = aligned(a), aligned(b)
-    if _torch() is not None:
-        tx, ta, tb = as_torch(x), as_torch(a), as_torch(b)
-        # Block-wise so the difference never needs a model-sized temporary.
-        for start in range(0, x.size, 1 << 20):
-            end = start + (1 << 20)
-            tx[start:end].add_(ta[start:end] - tb[start:end], alpha=float(f))
+    f = float(f)
+    torch = _torch(x.size)
+    if torch is not None:
+        tx, ta, tb = as_torch(x), as_torch(a, wire), as_torch(b, wire)
+        scratch = torch.empty(min(_BLOCK, x.size), dtype=torch.float32)
+        for s, e in _blocks(x.size):
+            t = scratch[: e - s]
+            t.copy_(ta[s:e])
+            t.sub_(tb[s:e])
+            tx[s:e].add_(t, alpha=f)
         return
-    scratch = np.empty(min(_CHUNK, x.size), dtype=x.dtype)
-    for start in range(0, x.size, _CHUNK):
-        xs, as_, bs = x[start:start + _CHUNK], a[start:start + _CHUNK], b[start:start + _CHUNK]
-        t = scratch[: xs.size]
-        np.subtract(as_, bs, out=t)
-        np.multiply(t, f, out=t)
-        np.add(xs, t, out=xs)
+    scratch = np.empty((2, min(_BLOCK, x.size)), dtype=np.float32)
+    for s, e in _blocks(x.size):
+        ta, tb = _decode_np(a[s:e], wire, scratch[0, : e - s]), _decode_np(b[s:e], wire, scratch[1, : e - s])
+        np.subtract(ta, tb, out=ta)
+        np.multiply(ta, f, out=ta)
+        xs = x[s:e]
+        np.add(xs, ta, out=xs)
 
 
-def all_finite(y: np.ndarray) -> bool:
-    """True if no element is NaN or infinite.
+def all_finite(y: np.ndarray, wire: str = "float32") -> bool:
+    """True if no element of the wire buffer `y` is NaN or infinite.
 
-    A float32 sum is one fast pass and is finite whenever every element is;
-    only when it is not (a NaN, an Inf, or an overflow of huge finite values)
-    is the exact element-wise check run.
+    float32: a float32 sum is one fast pass and is finite whenever every
+    element is; only when it is not (a NaN, an Inf, or an overflow of huge
+    finite values) is the exact element-wise check run. Half precisions are
+    checked on their exponent bits.
     """
     if y.size == 0:
         return True
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.add.reduce(y, dtype=y.dtype)):
-            return True
-    return bool(np.isfinite(y).all())
+    if wire == "float32":
+        with np.errstate(over="ignore", invalid="ignore"):
+            if np.isfinite(np.add.reduce(y, dtype=np.float32)):
+                return True
+        return bool(np.isfinite(y).all())
+    mask = np.uint16(0x7F80 if wire == "bfloat16" else 0x7C00)  # exponent bits: all ones is Inf or NaN
+    bits = y.view(np.uint16)
+    for s, e in _blocks(y.size):
+        if np.any((bits[s:e] & mask) == mask):
+            return False
+    return True
 
 
-def _check(x: np.ndarray, y: np.ndarray) -> None:
+def _check_shapes(x: np.ndarray, y: np.ndarray) -> None:
     if x.ndim != 1 or y.ndim != 1:
         raise ValueError(f"flat 1-D arrays expected, got shapes {x.shape} and {y.shape}")
-    if x.shape != y.shape or x.dtype != y.dtype:
-        raise ValueError(
-            f"arrays must match: destination is {x.dtype}[{x.size}], source is {y.dtype}[{y.size}]"
-        )
+    if x.shape != y.shape:
+        raise ValueError(f"arrays must match: destination has {x.size} elements, source {y.size}")
+
+
+def _check_dest(x: np.ndarray) -> None:
+    if x.dtype != np.float32:
+        raise ValueError(f"the destination must be float32, got {x.dtype}")
     if not x.flags.writeable:
         raise ValueError("the destination array is read-only")
+
+
+def _check_source(x: np.ndarray, y: np.ndarray, wire: str) -> None:
+    _check_shapes(x, y)
+    if y.dtype != storage_dtype(wire):
+        raise ValueError(f"arrays must match: a {wire} source is stored as {storage_dtype(wire)}, got {y.dtype}")

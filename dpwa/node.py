@@ -15,38 +15,44 @@ ever making the training thread wait. The Tx thread fetches from one peer
 chosen by :class:`~dpwa.peers.PeerSelector`, validates the reply, and hands the
 received buffer to ``update_wait``, which blends it in on the training thread
 (the only thread that writes the model).
+
+Peers on the same machine exchange through shared memory (:mod:`dpwa.shm`)
+instead of TCP when ``same_host: auto`` (the default): the request still goes
+over ZeroMQ, but the reply names a snapshot slot that the peer reads in place.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
-import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import zmq
 
 from . import interpolation as interp
+from . import kernels
 from .config import Config, ConfigError, load_config, parse_config, pointless_settings
 from .logs import RateLimitedLog, logger
 from .params import FlatParams
 from .peers import PeerSelector
 from .protocol import MAX_HEADER_BYTES, Header, ProtocolError, check_payload, encode_header
+from .shm import PeerSlots, SharedMemoryError, SharedSlots
 from .snapshot import SnapshotStore
 from .stats import Counters
-from .transport import Reply, Request, Server
+from .transport import Reply, Request, Server, is_local_host
 from .tx import Job, TxWorker
 
 __all__ = ["Node", "Update", "WAIT_SLACK_S"]
 
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a fetch's deadline
 MAX_SNAPSHOT_SLOTS = 6  # model copies kept for readers at most; past that, publishing is skipped
-WIRE_DTYPE = "float32"
+SHM_ATTEMPTS = 4  # same-host fetches asked again when the slot was rewritten before we locked it
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,22 @@ class Update:
     reason: str = ""  # why not averaged, in words
     latency_s: float | None = None  # fetch time, when a fetch finished
     clock: float = 0.0  # this node's clock after the update
+
+
+class _Received:
+    """A fetched snapshot held for blending: its header, its elements, and how to let go of them."""
+
+    __slots__ = ("header", "array", "same_host", "_release")
+
+    def __init__(self, header: Header, array: np.ndarray, release: Callable[[], None], same_host: bool) -> None:
+        self.header, self.array, self.same_host, self._release = header, array, same_host, release
+
+    def release(self) -> None:
+        """Give the memory back (a frame to the Tx thread, a shared slot's lock). Idempotent."""
+        release, self._release = self._release, None
+        self.array = None
+        if release is not None:
+            release()
 
 
 def _as_config(config: Config | str | os.PathLike[str] | Mapping[str, Any] | list) -> Config:
@@ -106,12 +128,12 @@ class Node:
         self.name = name
         self.params = params
         self.peers = {spec.name: spec for spec in self.config.peers_of(name)}
+        self.wire = self.config.wire_dtype
+        self._storage = kernels.storage_dtype(self.wire)
+        self.nbytes = params.size * self._storage.itemsize  # bytes of one snapshot on the wire
         self._rng = rng or random.Random()
         self._interpolation = interp.from_config(self.config)
         self._selector = PeerSelector(list(self.peers), rng=self._rng)
-        self._store = SnapshotStore(
-            params.size, params.dtype, max_slots=MAX_SNAPSHOT_SLOTS, allocate=params.allocate
-        )
         self.counters = Counters()
         self._log = RateLimitedLog()
         self._clock = 0.0
@@ -120,15 +142,22 @@ class Node:
         self._job: Job | None = None
         self._closed = False
         self._close_lock = threading.Lock()
+        self._ctx: zmq.Context | None = None
+        self._server: Server | None = None
+        self._tx: TxWorker | None = None
+        self._shared: SharedSlots | None = None
+        self._readers: dict[str, PeerSlots] = {}  # same-host peers whose slots we may read
 
         logger.info("%s: starting on %s; %s", name, self.spec.bind_endpoint, self.config.describe())
         for note in pointless_settings(self.config):
             logger.warning("%s: %s", name, note)
-
-        self._ctx = zmq.Context()
-        self._server: Server | None = None
-        self._tx: TxWorker | None = None
         try:
+            self._setup_same_host()
+            self._store = SnapshotStore(
+                params.size, self._storage, max_slots=MAX_SNAPSHOT_SLOTS, allocate=params.allocate,
+                memory=self._shared.allocate if self._shared else None,
+            )
+            self._ctx = zmq.Context()
             self._server = Server(
                 self._ctx, self.spec.bind_endpoint, {"fetch": self._serve_fetch},
                 name=name, counters=self.counters,
@@ -136,11 +165,25 @@ class Node:
             self._tx = TxWorker(
                 self._ctx, {peer: spec.endpoint for peer, spec in self.peers.items()},
                 name=name, on_done=self._fetch_done,
-                max_reply_bytes=max(params.nbytes, MAX_HEADER_BYTES),
+                max_reply_bytes=max(self.nbytes, MAX_HEADER_BYTES),
             ).start()
         except BaseException:
             self.close()
             raise
+
+    def _setup_same_host(self) -> None:
+        if self.config.same_host == "off":
+            return
+        local = [peer for peer, spec in self.peers.items() if is_local_host(spec.host)]
+        if not local:
+            return
+        try:
+            self._shared = SharedSlots(self.name, self.spec.port, self.nbytes, self._storage)
+        except (SharedMemoryError, OSError) as exc:
+            logger.warning("%s: same-host peers will use TCP: shared memory is unavailable: %s", self.name, exc)
+            return
+        self._readers = {peer: PeerSlots(peer, self.peers[peer].port) for peer in local}
+        logger.info("%s: same-host path (shared memory) for %s", self.name, ", ".join(local))
 
     # ----------------------------------------------------------------- training thread
 
@@ -161,7 +204,8 @@ class Node:
         # Start the fetch first: it does not need our snapshot, so the copy below
         # overlaps with the request in flight.
         started = self._start_fetch()
-        if not self._store.publish(self.params.copy_to, self._clock, self._send_loss):
+        publish = functools.partial(self.params.copy_to, wire=self.wire)
+        if not self._store.publish(publish, self._clock, self._send_loss):
             self.counters.add("publish_skipped")
             self._log(30, "publish_skipped", "%s: every snapshot slot is held by slow readers; "
                       "peers get the previous snapshot", self.name)
@@ -171,14 +215,17 @@ class Node:
         if not self.peers or self._rng.random() >= self.config.fetch_probability:
             return False
         peer = self._selector.choose()
-        request_id = secrets.randbits(64)
+        fields: dict[str, Any] = {"from": self.name, "fp": self.params.fingerprint, "dtype": self.wire}
+        if peer in self._readers:
+            fields["shm"] = True
         self._job = Job(
             peer=peer,
-            frames=[encode_header("fetch", request_id, **{"from": self.name}, fp=self.params.fingerprint,
-                                  dtype=WIRE_DTYPE)],
-            request_id=request_id,
+            make_frames=lambda request_id: [encode_header("fetch", request_id, **fields)],
             deadline=time.monotonic() + self.config.timeout_s,
-            validate=self._validate_params,
+            validate=functools.partial(self._receive, peer=peer),
+            # a same-host slot rewritten between the reply and our lock: just ask again
+            retry_on=frozenset({"shm_stale", "shm_busy"}),
+            max_attempts=SHM_ATTEMPTS,
         )
         self.counters.add("fetches_started")
         self._tx.submit(self._job)
@@ -203,20 +250,20 @@ class Node:
         if job is None:
             return Update(False, "no_fetch", reason="no fetch was started this step", clock=self._clock)
         if not job.done.wait(max(0.0, job.deadline + WAIT_SLACK_S - time.monotonic())):
-            job.cancel()
+            job.abandon()
             return Update(False, "timeout", job.peer, reason="the Tx thread did not finish in time",
                           clock=self._clock)
         if job.outcome != "ok":
             return Update(False, job.outcome, job.peer, reason=job.reason, latency_s=job.latency_s,
                           clock=self._clock)
-        header, payload = job.value
-        job.value = None
-        peer_clock, peer_loss = header["clock"], header["loss"]
-        f = self._interpolation.factor(self._clock, peer_clock, own_loss, peer_loss)
-        f = interp.damp_by_divergence(f, own_loss, self.config.divergence_threshold)
-        self.params.lerp_from(np.frombuffer(payload, dtype=self.params.dtype), f)
-        self._tx.discard(payload)  # unmapping a large frame is slow: let the Tx thread do it
-        del payload
+        received: _Received = job.take()
+        try:
+            peer_clock, peer_loss = received.header["clock"], received.header["loss"]
+            f = self._interpolation.factor(self._clock, peer_clock, own_loss, peer_loss)
+            f = interp.damp_by_divergence(f, own_loss, self.config.divergence_threshold)
+            self.params.lerp_from(received.array, f, self.wire)
+        finally:
+            received.release()
         self._clock = interp.blend_clock(f, self._clock, peer_clock)
         self.counters.add("averaged")
         return Update(True, "ok", job.peer, factor=f, latency_s=job.latency_s, clock=self._clock)
@@ -225,7 +272,7 @@ class Node:
         self._clock += self._pending_batch or 0.0
         self._pending_batch = None
         if self._job is not None:
-            self._job.cancel()
+            self._job.abandon()
             self._job = None
             self.counters.add("fetches_abandoned")
 
@@ -236,13 +283,33 @@ class Node:
 
     # ----------------------------------------------------------------- Tx thread
 
-    def _validate_params(self, header: Header, rest: list[zmq.Frame]) -> tuple[Header, memoryview]:
-        if header.kind != "params" or len(rest) != 1:
-            raise ProtocolError("bad_reply", f"expected a params reply with one payload frame, got "
-                                f"{header.kind!r} with {len(rest)} frames")
-        payload = rest[0].buffer
-        check_payload(header, payload, fp=self.params.fingerprint, dtype=WIRE_DTYPE, nbytes=self.params.nbytes)
-        return header, payload
+    def _receive(self, header: Header, rest: list[zmq.Frame], *, peer: str) -> _Received:
+        """Validate a reply to a fetch and take hold of its parameters (frame or shared slot)."""
+        if header.kind != "params":
+            raise ProtocolError("bad_reply", f"expected a params reply, got {header.kind!r}")
+        if "shm_slot" in header.fields:
+            reader = self._readers.get(peer)
+            if reader is None or rest or "shm_id" not in header.fields or "version" not in header.fields:
+                raise ProtocolError("bad_reply", "a shared-memory reply that was not asked for, or incomplete")
+            check_payload(header, None, fp=self.params.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+            try:
+                view = reader.acquire(header["shm_id"], header["shm_slot"], header["version"], self.nbytes,
+                                      self._storage)
+            except ProtocolError as exc:
+                if exc.reason == "shm_unavailable":  # e.g. the peer runs as another user: use TCP from now on
+                    self._readers.pop(peer, None)
+                    logger.info("%s: %s: falling back to TCP for %s", self.name, exc.detail, peer)
+                raise
+            self.counters.add("same_host_fetches")
+            return _Received(header, view.array, view.release, same_host=True)
+        if len(rest) != 1:
+            raise ProtocolError("bad_reply", f"expected one payload frame, got {len(rest)}")
+        frame = rest[0]
+        check_payload(header, frame.buffer, fp=self.params.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+        array = np.frombuffer(frame.buffer, dtype=self._storage)
+        self.counters.add("bytes_in", self.nbytes)
+        # Unmapping a large frame takes milliseconds: the Tx thread frees it, off the training thread.
+        return _Received(header, array, functools.partial(self._tx.discard, frame), same_host=False)
 
     def _fetch_done(self, job: Job) -> None:
         if job.outcome == "cancelled":
@@ -251,7 +318,8 @@ class Node:
         if job.outcome == "ok":
             self._selector.success(job.peer)
             self.counters.add("fetches_ok")
-            self.counters.add("bytes_in", self.params.nbytes)
+            if job.retries:
+                self.counters.add("same_host_retries", job.retries)
             self.counters.set("last_fetch_latency_s", job.latency_s)
             return
         self._selector.failure(job.peer)
@@ -269,17 +337,23 @@ class Node:
         if header["fp"] != self.params.fingerprint:
             raise ProtocolError("bad_fingerprint", f"requester's model fingerprint {header['fp'].hex()} "
                                 f"differs from ours {self.params.fingerprint.hex()}")
-        if header["dtype"] != WIRE_DTYPE:
-            raise ProtocolError("bad_dtype", f"requester wants {header['dtype']!r}, this node sends {WIRE_DTYPE!r}")
+        if header["dtype"] != self.wire:
+            raise ProtocolError("bad_dtype", f"requester wants {header['dtype']!r}, this node sends {self.wire!r} "
+                                "(do the nodes share one config?)")
         lease = self._store.lease()
         if lease is None:
             return Reply(encode_header("error", header.id, reason="not_ready", detail="no snapshot published yet"))
         snap = lease.snapshot
-        reply_header = encode_header(
-            "params", header.id, **{"from": self.name}, fp=self.params.fingerprint, dtype=WIRE_DTYPE,
-            nbytes=snap.array.nbytes, clock=snap.clock, loss=snap.loss,
-        )
-        return Reply(reply_header, payload=snap.array, lease=lease)
+        fields = {"from": self.name, "fp": self.params.fingerprint, "dtype": self.wire, "nbytes": self.nbytes,
+                  "clock": snap.clock, "loss": snap.loss, "version": snap.version}
+        if header.fields.get("shm") and self._shared is not None:
+            # The peer locks the slot's file and checks its version itself: if we
+            # rewrite the slot before it locks it, it sees a newer version and
+            # rejects it; once it holds the lock, we cannot rewrite it.
+            lease.release()
+            self.counters.add("same_host_served")
+            return Reply(encode_header("params", header.id, **fields, shm_slot=snap.slot, shm_id=self._shared.id))
+        return Reply(encode_header("params", header.id, **fields), payload=snap.array, lease=lease)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -288,7 +362,7 @@ class Node:
         out = self.counters.snapshot()
         for key in ("fetches_started", "fetches_ok", "fetches_timed_out", "fetches_rejected",
                     "fetches_refused", "fetches_failed", "averaged", "bytes_in", "bytes_out",
-                    "requests_served", "requests_rejected"):
+                    "requests_served", "requests_rejected", "same_host_fetches"):
             out.setdefault(key, 0)
         out.setdefault("last_fetch_latency_s", None)
         scores = self._selector.scores()
@@ -312,24 +386,29 @@ class Node:
 
         A fetch in flight is abandoned; the model is left as it is. Takes at
         most about `timeout_s` per thread, and logs an error if a thread is
-        still alive after that.
+        still alive after that. Shared-memory slot files are deleted.
         """
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         if self._job is not None:
-            self._job.cancel()
+            self._job.abandon()
             self._job = None
         stopped = True
         if self._tx is not None:
             stopped &= self._tx.close(timeout_s)
         if self._server is not None:
             stopped &= self._server.close(timeout_s)
-        if stopped:
-            self._ctx.term()  # every socket is closed, so this returns at once
-        else:
-            logger.error("%s: leaving the ZeroMQ context open because a thread did not stop", self.name)
+        if self._ctx is not None:
+            if stopped:
+                self._ctx.term()  # every socket is closed, so this returns at once
+            else:
+                logger.error("%s: leaving the ZeroMQ context open because a thread did not stop", self.name)
+        for reader in self._readers.values():
+            reader.close()
+        if self._shared is not None:
+            self._shared.close()
         logger.info("%s: closed", self.name)
 
     def __enter__(self) -> "Node":

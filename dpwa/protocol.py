@@ -10,8 +10,9 @@ A message is one or two ZeroMQ frames:
    and received into numpy memory without copies. The header states their
    dtype and byte count, and a message whose payload disagrees is rejected.
 
-Kinds are registered in :data:`SCHEMAS`, so the same transport can carry other
-requests than parameter fetches. :func:`decode_header` checks a header against
+Kinds are registered in :data:`SCHEMAS` (required fields) and :data:`OPTIONAL`
+(fields that may be absent), so the same transport can carry other requests
+than parameter fetches. :func:`decode_header` checks a header against
 its schema before anyone reads it and raises :class:`ProtocolError` with a short
 machine-readable ``reason`` (for counters) and a human-readable detail.
 """
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import msgpack
-import numpy as np
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "OPTIONAL",
     "PROTOCOL_VERSION",
     "SCHEMAS",
     "WIRE_DTYPES",
@@ -43,8 +44,8 @@ PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 4096
 MAX_REQUEST_ID = 2**64 - 1
 
-# Wire dtype name -> numpy dtype of the payload's elements.
-WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32)}
+# Wire dtype names a payload may have (see dpwa.kernels for their storage).
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ProtocolError(ValueError):
@@ -68,15 +69,25 @@ class _Count:
     """Schema marker: a non-negative integer."""
 
 
-# kind -> {field: type}; every field listed is required, and no other is allowed.
+class _ShmId:
+    """Schema marker: 16 lowercase hex digits (it becomes part of a file name)."""
+
+
+# kind -> {field: type}: fields every message of that kind carries.
 SCHEMAS: dict[str, dict[str, Any]] = {
     # requester -> server: "send me your latest snapshot"
     "fetch": {"from": str, "fp": bytes, "dtype": str},
-    # server -> requester, followed by a payload frame of `nbytes` bytes
+    # server -> requester, followed by a payload frame of `nbytes` bytes, or,
+    # with shm_slot, nothing: the snapshot is in that same-host shared-memory slot
     "params": {"from": str, "fp": bytes, "dtype": str, "nbytes": _Count,
                "clock": _Float, "loss": _OptionalFloat},
     # server -> requester: the request was refused; nothing follows
     "error": {"reason": str, "detail": str},
+}
+# kind -> {field: type}: fields that may be absent. Any field in neither table is refused.
+OPTIONAL: dict[str, dict[str, Any]] = {
+    "fetch": {"shm": bool},  # the requester runs on the same host and can read shared memory
+    "params": {"version": _Count, "shm_slot": _Count, "shm_id": _ShmId},
 }
 _COMMON = ("v", "kind", "id")
 
@@ -142,13 +153,15 @@ def _validate(header: Mapping[str, Any]) -> None:
     request_id = header.get("id")
     if not _is_int(request_id) or not 0 <= request_id <= MAX_REQUEST_ID:
         raise ProtocolError("bad_header", f"{kind}: id must be an integer in [0, 2**64), got {request_id!r}")
-    schema = SCHEMAS[kind]
-    extra = set(header) - set(schema) - set(_COMMON)
+    schema, optional = SCHEMAS[kind], OPTIONAL.get(kind, {})
+    extra = set(header) - set(schema) - set(optional) - set(_COMMON)
     if extra:
         raise ProtocolError("bad_header", f"{kind}: unexpected fields {sorted(map(str, extra))}")
-    for key, expected in schema.items():
+    for key, expected in list(schema.items()) + list(optional.items()):
         if key not in header:
-            raise ProtocolError("bad_header", f"{kind}: missing field {key!r}")
+            if key in schema:
+                raise ProtocolError("bad_header", f"{kind}: missing field {key!r}")
+            continue
         value = header[key]
         if not _matches(value, expected):
             raise ProtocolError("bad_header", f"{kind}: field {key!r} has a bad value {value!r:.80}")
@@ -165,6 +178,10 @@ def _matches(value: Any, expected: Any) -> bool:
         return value is None or ((_is_int(value) or isinstance(value, float)) and math.isfinite(value))
     if expected is _Count:
         return _is_int(value) and value >= 0
+    if expected is _ShmId:
+        return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+    if expected is bool:
+        return isinstance(value, bool)
     return isinstance(value, expected) and not isinstance(value, bool)
 
 
@@ -172,7 +189,8 @@ def check_payload(header: Header, payload: memoryview | bytes | None, *, fp: byt
     """Check that a tensor-carrying message is the one we can use.
 
     The fingerprint, dtype and byte count in the header must be ours, and the
-    payload frame must hold exactly the number of bytes the header announces.
+    payload frame must hold exactly the number of bytes the header announces
+    (pass ``payload=None`` when the bytes come another way, e.g. shared memory).
     """
     if header["fp"] != fp:
         raise ProtocolError(
@@ -184,9 +202,8 @@ def check_payload(header: Header, payload: memoryview | bytes | None, *, fp: byt
         raise ProtocolError("bad_dtype", f"payload dtype {header['dtype']!r}, expected {dtype!r}")
     if header["nbytes"] != nbytes:
         raise ProtocolError("bad_size", f"header announces {header['nbytes']} bytes, expected {nbytes}")
-    got = 0 if payload is None else len(payload)
-    if got != nbytes:
-        raise ProtocolError("bad_size", f"payload frame holds {got} bytes, header announces {nbytes}")
+    if payload is not None and len(payload) != nbytes:
+        raise ProtocolError("bad_size", f"payload frame holds {len(payload)} bytes, header announces {nbytes}")
 
 
 def fingerprint(entries: Iterable[tuple[str, tuple[int, ...], str]]) -> bytes:

@@ -11,6 +11,10 @@ So a snapshot is never served torn, and publishing never waits for a reader:
 when every slot is held (peers that ask and never read, say), a new slot is
 allocated, up to ``max_slots``; past that the publish is skipped and counted,
 and peers keep getting the previous snapshot.
+
+A slot's memory is an ordinary array, or a shared-memory file
+(:class:`dpwa.shm.SlotFile`) that same-host peers read directly; those peers
+hold the slot with a file lock, which ``begin_write`` respects.
 """
 
 from __future__ import annotations
@@ -36,6 +40,31 @@ class _ManualHold:
         self.done = False
 
 
+class SlotMemory(Protocol):
+    """Where a slot's bytes live."""
+
+    array: np.ndarray
+
+    def begin_write(self) -> bool:
+        """Claim the memory for writing if no out-of-process reader holds it; never waits."""
+
+    def end_write(self, version: int) -> None:
+        """Writing is over; `version` is now in it (0: nothing valid)."""
+
+
+class HeapMemory:
+    """Slot memory that only this process can see."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def begin_write(self) -> bool:
+        return True
+
+    def end_write(self, version: int) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """One published state of the model."""
@@ -44,13 +73,16 @@ class Snapshot:
     version: int  # 1 for the first publish, then +1 each time
     clock: float  # samples (or batches) trained when it was published
     loss: float | None  # the loss reported with it, None if unknown
+    slot: int = 0  # which slot holds it
 
 
 class _Slot:
-    __slots__ = ("array", "holds")
+    __slots__ = ("index", "memory", "array", "holds")
 
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
+    def __init__(self, index: int, memory: SlotMemory) -> None:
+        self.index = index
+        self.memory = memory
+        self.array = memory.array
         self.holds: list[_Hold] = []
 
     def busy(self) -> bool:
@@ -94,7 +126,15 @@ class SnapshotStore:
         *,
         max_slots: int = 8,
         allocate: Callable[[int, np.dtype], np.ndarray] | None = None,
+        memory: Callable[[int], SlotMemory] | None = None,
     ) -> None:
+        """
+        Args:
+            size, dtype: elements per snapshot and their (storage) dtype.
+            max_slots: the most buffers ever allocated.
+            allocate: makes a heap buffer (size, dtype) -> array; np.empty by default.
+            memory: makes slot `index`'s memory instead (shared-memory files).
+        """
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
         if max_slots < 2:
@@ -102,7 +142,8 @@ class SnapshotStore:
         self.size = size
         self.dtype = np.dtype(dtype)
         self.max_slots = max_slots
-        self._allocate = allocate or (lambda n, dt: np.empty(n, dtype=dt))
+        allocate = allocate or (lambda n, dt: np.empty(n, dtype=dt))
+        self._memory = memory or (lambda index: HeapMemory(allocate(self.size, self.dtype)))
         self._lock = threading.Lock()
         self._publishing = threading.Lock()
         self._slots: list[_Slot] = []
@@ -131,24 +172,32 @@ class SnapshotStore:
             if slot is None:
                 self.skipped += 1
                 return False
-            fill(slot.array)  # outside the lock: readers only ever lease the current slot
+            version = self._current[1].version + 1 if self._current else 1
+            try:
+                fill(slot.array)  # outside the lock: readers only ever lease the current slot
+            except BaseException:
+                slot.memory.end_write(0)
+                raise
+            slot.memory.end_write(version)
             with self._lock:
-                version = self._current[1].version + 1 if self._current else 1
-                self._current = (slot, Snapshot(slot.array, version, float(clock), loss))
+                self._current = (slot, Snapshot(slot.array, version, float(clock), loss, slot.index))
             return True
         finally:
             self._publishing.release()
 
     def _free_slot(self) -> _Slot | None:
+        """A slot nobody holds, claimed for writing; None when all are held and max_slots is reached."""
         with self._lock:
             current = self._current[0] if self._current else None
             for slot in self._slots:
-                if slot is not current and not slot.busy():
+                if slot is not current and not slot.busy() and slot.memory.begin_write():
                     return slot
             if len(self._slots) >= self.max_slots:
                 return None
+            index = len(self._slots)
         # Allocate outside the lock: a model-sized allocation can take milliseconds.
-        slot = _Slot(self._allocate(self.size, self.dtype))
+        slot = _Slot(index, self._memory(index))
+        slot.memory.begin_write()
         with self._lock:
             self._slots.append(slot)
         return slot

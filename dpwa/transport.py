@@ -21,6 +21,8 @@ Neither class knows what a model is; :mod:`dpwa.node` supplies the handlers.
 from __future__ import annotations
 
 import errno
+import ipaddress
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from .snapshot import Lease
 from .stats import Counters
 
 __all__ = [
+    "is_local_host",
     "Reply",
     "Request",
     "Requester",
@@ -79,13 +82,35 @@ class Reply:
 Handler = Callable[[Request], Reply]
 
 
-def _base_options(socket: zmq.Socket, heartbeat_ms: int) -> None:
-    socket.setsockopt(zmq.LINGER, 0)
+def is_local_host(host: str) -> bool:
+    """True if `host` names this machine: a loopback address, or an address of a local interface."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        address = sockaddr[0]
+        try:
+            if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+                return True
+        except ValueError:
+            continue
+        try:  # an address this machine can bind is one of its own
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _base_options(sock: zmq.Socket, heartbeat_ms: int) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
     # Detect dead or stalled connections: without a PONG within the timeout the
     # connection is dropped, and payloads queued for it are released.
-    socket.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
-    socket.setsockopt(zmq.HEARTBEAT_TTL, 3 * heartbeat_ms)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * heartbeat_ms)
 
 
 class Server:

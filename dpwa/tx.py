@@ -5,7 +5,8 @@ Tx thread owns every client socket (one :class:`~dpwa.transport.Requester` per
 peer) and runs jobs in order. A job ends in exactly one outcome:
 
 * ``ok``: the reply passed the job's ``validate`` and ``job.value`` holds what
-  it returned;
+  it returned (a reply rejected for a reason in ``retry_on`` is asked for
+  again, with a fresh request id, while attempts and time remain);
 * ``timeout``: no reply by the deadline (the socket was replaced);
 * ``refused``: the peer answered with an ``error`` message (busy, not ready, ...);
 * ``rejected``: the reply broke the protocol or failed validation;
@@ -18,6 +19,7 @@ Nothing a peer sends can raise out of this thread.
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,30 +41,58 @@ class Job:
     """One request to one peer, and, once ``done`` is set, its outcome."""
 
     peer: str
-    frames: Sequence[Any]  # the request, header first
-    request_id: int
+    make_frames: Callable[[int], Sequence[Any]]  # request id -> the request, header first
     deadline: float  # time.monotonic() after which the request has failed
     validate: Callable[[Header, list[zmq.Frame]], Any]  # raises ProtocolError; returns job.value
+    retry_on: frozenset[str] = frozenset()  # ProtocolError reasons worth asking again for
+    max_attempts: int = 1
     done: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
     outcome: str = ""
     reason: str = ""
     value: Any = None
     latency_s: float | None = None
+    retries: int = 0
     _cancelled: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def cancel(self) -> None:
-        """Give up on the job; the Tx thread abandons it at its next look."""
-        self._cancelled = True
+    def abandon(self) -> None:
+        """The submitter will not read the result: cancel the job and release its value.
+
+        A value with a ``release()`` method (a received frame, a locked
+        shared-memory slot) is released exactly once, whether it arrived
+        before this call or arrives after it.
+        """
+        with self._lock:
+            self._cancelled = True
+            value, self.value = self.value, None
+        _release(value)
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled
 
+    def take(self) -> Any:
+        """The value, now owned by the caller (who must release it)."""
+        with self._lock:
+            value, self.value = self.value, None
+        return value
+
     def finish(self, outcome: str, reason: str = "", value: Any = None) -> None:
-        self.outcome, self.reason, self.value = outcome, reason, value
-        self.latency_s = time.monotonic() - self.started
-        self.done.set()
+        with self._lock:
+            abandoned = self._cancelled
+            self.outcome, self.reason = outcome, reason
+            self.value = None if abandoned else value
+            self.latency_s = time.monotonic() - self.started
+            self.done.set()
+        if abandoned:
+            _release(value)
+
+
+def _release(value: Any) -> None:
+    release = getattr(value, "release", None)
+    if release is not None:
+        release()
 
 
 class _Discard:
@@ -185,33 +215,40 @@ class TxWorker:
                 self._ctx, endpoint, name=f"{self.name} -> {job.peer}",
                 max_reply_bytes=self._max_reply_bytes, socket_options=self._socket_options,
             )
-        try:
-            header, rest = requester.request(
-                job.frames, job.request_id, job.deadline,
-                cancelled=lambda: job.cancelled or self._stop.is_set(),
-            )
-        except RequestTimeout:
-            job.finish("timeout", f"no reply within the deadline from {endpoint}")
-            return
-        except RequestCancelled:
-            job.finish("cancelled", "cancelled while waiting for the reply")
-            return
-        except ProtocolError as exc:
-            job.finish("rejected", str(exc))
-            return
-        except TransportError as exc:
-            job.finish("failed", str(exc))
-            return
-        if header.kind == "error":
-            job.finish("refused", f"{header['reason']}: {header['detail']}")
-            return
-        try:
-            value = job.validate(header, rest)
-        except ProtocolError as exc:
-            job.finish("rejected", str(exc))
-            return
-        except Exception as exc:  # a bug in a validator must not kill the thread
-            logger.exception("%s: validating a reply from %s failed", self.name, job.peer)
-            job.finish("failed", f"validation error: {type(exc).__name__}: {exc}")
-            return
+        for attempt in range(max(1, job.max_attempts)):
+            request_id = secrets.randbits(64)
+            try:
+                header, rest = requester.request(
+                    job.make_frames(request_id), request_id, job.deadline,
+                    cancelled=lambda: job.cancelled or self._stop.is_set(),
+                )
+            except RequestTimeout:
+                job.finish("timeout", f"no reply within the deadline from {endpoint}")
+                return
+            except RequestCancelled:
+                job.finish("cancelled", "cancelled while waiting for the reply")
+                return
+            except ProtocolError as exc:
+                job.finish("rejected", str(exc))
+                return
+            except TransportError as exc:
+                job.finish("failed", str(exc))
+                return
+            if header.kind == "error":
+                job.finish("refused", f"{header['reason']}: {header['detail']}")
+                return
+            try:
+                value = job.validate(header, rest)
+            except ProtocolError as exc:
+                if (exc.reason in job.retry_on and attempt + 1 < job.max_attempts
+                        and time.monotonic() < job.deadline):
+                    job.retries += 1
+                    continue
+                job.finish("rejected", str(exc))
+                return
+            except Exception as exc:  # a bug in a validator must not kill the thread
+                logger.exception("%s: validating a reply from %s failed", self.name, job.peer)
+                job.finish("failed", f"validation error: {type(exc).__name__}: {exc}")
+                return
+            break
         job.finish("ok", value=value)

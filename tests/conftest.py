@@ -90,9 +90,16 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     return config
 
 
-@pytest.fixture
-def config_factory():
-    return make_config
+@pytest.fixture(params=["tcp", "shm"])
+def make_cluster(request):
+    """make_config, run once over TCP only and once with the same-host (shared memory) path."""
+    same_host = "off" if request.param == "tcp" else "auto"
+
+    def make(n: int, **settings: Any) -> dict[str, Any]:
+        return make_config(n, same_host=same_host, **settings)
+
+    make.transport = request.param
+    return make
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:

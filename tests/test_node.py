@@ -23,9 +23,9 @@ class RecordingParams(NumpyParams):
         super().__init__(array)
         self.received: list[np.ndarray] = []
 
-    def lerp_from(self, peer, f):
+    def lerp_from(self, peer, f, wire="float32"):
         self.received.append(np.array(peer, copy=True))
-        super().lerp_from(peer, f)
+        super().lerp_from(peer, f, wire)
 
 
 def serving_only(config: dict) -> dict:
@@ -39,8 +39,8 @@ def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
         node.update_wait(loss)
 
 
-def test_a_fetch_returns_the_peers_exact_bytes(nodes):
-    cfg = make_config(2, constant={"value": 1.0})
+def test_a_fetch_returns_the_peers_exact_bytes(nodes, make_cluster):
+    cfg = make_cluster(2, constant={"value": 1.0})
     theirs = np.random.default_rng(3).standard_normal(100_003).astype(np.float32)
     theirs[:4] = [np.finfo(np.float32).max, np.finfo(np.float32).tiny, -0.0, 1e-45]  # extremes survive the wire
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs.copy()))
@@ -55,10 +55,10 @@ def test_a_fetch_returns_the_peers_exact_bytes(nodes):
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_blends_match_values_known_in_advance(nodes, n):
+def test_blends_match_values_known_in_advance(nodes, n, make_cluster):
     """Node k holds k everywhere. w0 pulls with f = 1/2, so after a blend with peer k
     its value is (x + k) / 2, exactly representable in float32 for these steps."""
-    cfg = make_config(n)
+    cfg = make_cluster(n)
     for k in range(1, n):
         publish(nodes(serving_only(cfg), f"w{k}", NumpyParams(filled(k))))
     mine = filled(0)
@@ -76,12 +76,15 @@ def test_blends_match_values_known_in_advance(nodes, n):
     assert seen == set(range(1, n))  # every peer was used
     stats = node.stats()
     assert stats["fetches_ok"] == 20 and stats["averaged"] == 20
-    assert stats["bytes_in"] == 20 * mine.nbytes
+    if make_cluster.transport == "tcp":
+        assert stats["bytes_in"] == 20 * mine.nbytes and stats["same_host_fetches"] == 0
+    else:
+        assert stats["same_host_fetches"] == 20 and stats["bytes_in"] == 0
     assert set(stats["peers"]) == {f"w{k}" for k in range(1, n)}
 
 
-def test_clock_interpolation_and_clock_blend(nodes):
-    cfg = make_config(2, interpolation="clock")
+def test_clock_interpolation_and_clock_blend(nodes, make_cluster):
+    cfg = make_cluster(2, interpolation="clock")
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(4)))
     publish(peer, batch_size=10, steps=3)  # clock 30
     peer.update_send(batch_size=10)  # publishes clock 30
@@ -94,8 +97,8 @@ def test_clock_interpolation_and_clock_blend(nodes):
     assert update.clock == pytest.approx(0.75 * 30 + 0.25 * 10)
 
 
-def test_loss_interpolation_and_divergence(nodes):
-    cfg = make_config(2, interpolation="loss")
+def test_loss_interpolation_and_divergence(nodes, make_cluster):
+    cfg = make_cluster(2, interpolation="loss")
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(8)))
     peer.update_send(loss=1.0)  # the peer's snapshot carries loss 1.0
     mine = filled(0)
@@ -104,7 +107,7 @@ def test_loss_interpolation_and_divergence(nodes):
     update = node.update_wait(loss=3.0)  # the newest loss counts: f = 3 / (3 + 1)
     assert update.factor == pytest.approx(0.75) and np.all(mine == 6.0)
 
-    cfg = make_config(2, divergence_threshold=0.2)
+    cfg = make_cluster(2, divergence_threshold=0.2)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(8)))
     publish(peer)
     mine = filled(0)
@@ -154,7 +157,7 @@ def disagreement(arrays) -> float:
 
 
 @pytest.mark.parametrize("n", [3, 4])
-def test_averaging_alone_reaches_consensus_geometrically(nodes, n):
+def test_averaging_alone_reaches_consensus_geometrically(nodes, n, make_cluster):
     """Nodes that only average contract their disagreement D = sum ||x_i - mean||^2 geometrically.
 
     With fresh snapshots and f = 1/2, one round (every node pulls once from a
@@ -164,7 +167,7 @@ def test_averaging_alone_reaches_consensus_geometrically(nodes, n):
     contraction; the test asserts the weaker D_r <= D_0 * 0.7^r for every
     round r, and a 1000-fold drop over 30 rounds (theory: about 10^-14).
     """
-    cfg = make_config(n)
+    cfg = make_cluster(n)
     arrays = [filled(k) for k in range(n)]
     group = [nodes(cfg, f"w{k}", NumpyParams(arrays[k]), rng=random.Random(100 + k)) for k in range(n)]
     for node in group:  # first snapshots
@@ -182,9 +185,9 @@ def test_averaging_alone_reaches_consensus_geometrically(nodes, n):
     assert disagreement(arrays) < d0 * 1e-3
 
 
-def test_a_dead_peer_costs_one_timeout_and_training_goes_on(nodes):
+def test_a_dead_peer_costs_one_timeout_and_training_goes_on(nodes, make_cluster):
     timeout_ms = 300
-    cfg = make_config(3, timeout_ms=timeout_ms)
+    cfg = make_cluster(3, timeout_ms=timeout_ms)
     dead_port = cfg["nodes"][2]["port"]
     publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(1))))
     mine = filled(0)
@@ -221,8 +224,8 @@ def test_a_dead_peer_costs_one_timeout_and_training_goes_on(nodes):
     assert node.stats()["peers"]["w2"]["score"] > 0.05
 
 
-def test_a_restarted_peer_on_the_same_port_is_used_again(nodes):
-    cfg = make_config(2, timeout_ms=300)
+def test_a_restarted_peer_on_the_same_port_is_used_again(nodes, make_cluster):
+    cfg = make_cluster(2, timeout_ms=300)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(1)))
     publish(peer)
     mine = filled(0)
@@ -270,8 +273,8 @@ def test_a_port_in_use_is_a_clear_error_and_leaves_nothing_behind(nodes):
     assert wait_until(lambda: set(threading.enumerate()) - before == set(), 5)
 
 
-def test_mismatched_models_never_blend(nodes):
-    cfg = make_config(2)
+def test_mismatched_models_never_blend(nodes, make_cluster):
+    cfg = make_cluster(2)
     publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(1, size=999))))
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -294,3 +297,29 @@ def test_loss_may_be_a_tensor_or_unknown(nodes):
         node.update_send("high")
     with pytest.raises(ValueError, match="batch_size must be a number >= 0"):
         node.update_send(1.0, batch_size=-1)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_a_half_precision_wire_halves_the_bytes_and_blends_in_float32(nodes, make_cluster, wire):
+    """Small integers are exact in every wire dtype, so the blend of 8 into 0 at f = 1/2 is exactly 4."""
+    cfg = make_cluster(2, wire_dtype=wire)
+    publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(8))))
+    mine = filled(0)
+    mine[0] = 2.0 ** -20  # a float32 detail no half format holds: our side keeps float32 precision
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send()
+    assert node.update_wait().averaged
+    assert np.all(mine[1:] == 4.0)
+    assert mine[0] == np.float32(0.5 * 2.0 ** -20 + 4.0)
+    if make_cluster.transport == "tcp":
+        assert node.stats()["bytes_in"] == mine.size * 2
+
+
+def test_nodes_with_different_wire_dtypes_refuse_each_other(nodes):
+    cfg = make_config(2, same_host="off")
+    publish(nodes({**serving_only(cfg), "wire_dtype": "float16"}, "w1", NumpyParams(filled(8))))
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send()
+    update = node.update_wait()
+    assert update.outcome == "refused" and "bad_dtype" in update.reason and np.all(mine == 0)

@@ -18,8 +18,8 @@ from test_node import RecordingParams, disagreement
 pytestmark = pytest.mark.slow
 
 
-def test_exact_bytes_and_known_blends_across_processes(nodes, children):
-    cfg = make_config(4, constant={"value": 0.5})
+def test_exact_bytes_and_known_blends_across_processes(nodes, children, make_cluster):
+    cfg = make_cluster(4, constant={"value": 0.5})
     pattern = children(cfg, "w1", seed=11, size=50_000, fetch=False)
     fills = [children(cfg, f"w{k}", fill=k, size=50_000, fetch=False) for k in (2, 3)]
     for child in [pattern] + fills:
@@ -48,13 +48,13 @@ def test_exact_bytes_and_known_blends_across_processes(nodes, children):
         assert child.stop() == 0
 
 
-def test_four_processes_gossip_to_consensus(children):
+def test_four_processes_gossip_to_consensus(children, make_cluster):
     """Four processes, node k starting at k everywhere, each pulling from a random peer
     each step with f = 1/2. Theory for fresh snapshots gives a contraction of the
     disagreement by 1/3 per round; with the nodes running freely (stale snapshots,
     uneven speed) we assert only a 100-fold drop over 40 steps (theory: 1e-19)."""
     n = 4
-    cfg = make_config(n, timeout_ms=2000)
+    cfg = make_cluster(n, timeout_ms=2000)
     group = [children(cfg, f"w{k}", fill=k, size=10_000, rng_seed=k) for k in range(n)]
     for child in group:
         child.expect("ready")
@@ -76,9 +76,9 @@ def test_four_processes_gossip_to_consensus(children):
     assert all(port_is_free(p) for p in ports)
 
 
-def test_a_killed_peer_costs_bounded_waits_and_is_used_again_after_restart(nodes, children):
+def test_a_killed_peer_costs_bounded_waits_and_is_used_again_after_restart(nodes, children, make_cluster):
     timeout_ms = 400
-    cfg = make_config(2, timeout_ms=timeout_ms)
+    cfg = make_cluster(2, timeout_ms=timeout_ms)
     peer = children(cfg, "w1", fill=1, fetch=False)
     peer.expect("ready")
     mine = filled(0)

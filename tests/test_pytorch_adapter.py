@@ -13,7 +13,6 @@ from torch import nn  # noqa: E402
 import dpwa  # noqa: E402
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
 
-from conftest import make_config  # noqa: E402
 
 
 class Net(nn.Module):
@@ -54,8 +53,7 @@ def adapters():
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-")]
 
 
-def pair(adapters, k0, k1, **kwargs):
-    cfg = make_config(2)
+def pair(adapters, cfg, k0, k1, **kwargs):
     peer_net, my_net = filled_net(k1), filled_net(k0)
     peer = adapters(peer_net, "w1", {**cfg, "fetch_probability": 0}, **kwargs)
     peer.update_send()
@@ -68,8 +66,8 @@ def test_the_adapter_is_exported_at_the_top_level():
     assert dpwa.DpwaPyTorchAdapter is DpwaPyTorchAdapter
 
 
-def test_parameters_and_float_buffers_blend_in_place(adapters):
-    mine, net, _ = pair(adapters, 2.0, 6.0)
+def test_parameters_and_float_buffers_blend_in_place(adapters, make_cluster):
+    mine, net, _ = pair(adapters, make_cluster(2), 2.0, 6.0)
     pointers = {name: t.data_ptr() for name, t in list(net.named_parameters()) + list(net.named_buffers())}
     params_before = list(net.parameters())
     mine.update_send(loss=1.0)
@@ -84,17 +82,17 @@ def test_parameters_and_float_buffers_blend_in_place(adapters):
     assert all(a is b for a, b in zip(net.parameters(), params_before))
 
 
-def test_buffers_can_be_excluded(adapters):
-    mine, net, _ = pair(adapters, 2.0, 6.0, include_buffers=False)
+def test_buffers_can_be_excluded(adapters, make_cluster):
+    mine, net, _ = pair(adapters, make_cluster(2), 2.0, 6.0, include_buffers=False)
     mine.update_send()
     assert mine.update_wait().averaged
     assert torch.all(net.fc.weight == 4.0)
     assert torch.all(net.bn.running_mean == 2.0) and torch.all(net.bn.running_var == 2.0)
 
 
-def test_an_optimizer_keeps_working_across_blends(adapters):
+def test_an_optimizer_keeps_working_across_blends(adapters, make_cluster):
     torch.manual_seed(0)
-    mine, net, _ = pair(adapters, 0.0, 1.0)
+    mine, net, _ = pair(adapters, make_cluster(2), 0.0, 1.0)
     for p in net.parameters():
         torch.nn.init.normal_(p)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

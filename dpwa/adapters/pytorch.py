@@ -16,7 +16,8 @@ blended in place, under ``torch.no_grad()``: their storage is never replaced,
 so optimizers and anything else holding a reference keep working. Integer
 buffers (``num_batches_tracked``) are left alone. On CUDA, snapshots are
 copied into pinned host memory, and received parameters go through one pinned
-staging buffer to one flat device buffer before the in-place blend.
+staging buffer to one flat device buffer before the in-place blend. Blending
+is done in float32 (or the tensor's own dtype) whatever the wire dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import Config
-from ..node import WIRE_DTYPE, Node, Update
+from ..node import Node, Update
 from ..params import FlatParams
 from ..protocol import fingerprint
 
@@ -65,15 +66,23 @@ class TorchParams(FlatParams):
         self._tensors = [t.detach() for _, t in named]  # same storage; no autograd history
         self._sizes = [t.numel() for t in self._tensors]
         self.size = sum(self._sizes)
-        self.dtype = np.dtype(WIRE_DTYPE)
         self.fingerprint = fingerprint((n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named)
         self._float32 = [i for i, t in enumerate(self._tensors) if t.dtype == torch.float32]
         self._other = [i for i, t in enumerate(self._tensors) if t.dtype != torch.float32]
-        if self.device.type == "cuda":
-            self._staging = torch.empty(self.size, dtype=torch.float32, pin_memory=True)
-            self._device_flat = torch.empty(self.size, dtype=torch.float32, device=self.device)
-        elif self.device.type != "cpu":
+        if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
+
+    def _buffer(self, where: str, wire: str) -> torch.Tensor:
+        """A flat work buffer: "device" (on the model's device) or "pinned" (host), of dtype `wire`."""
+        key = (where, wire)
+        if key not in self._buffers:
+            dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
+            if where == "pinned":
+                self._buffers[key] = torch.empty(self.size, dtype=dtype, pin_memory=True)
+            else:
+                self._buffers[key] = torch.empty(self.size, dtype=dtype, device=self.device)
+        return self._buffers[key]
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` split into one view per tensor, each in that tensor's shape."""
@@ -81,25 +90,30 @@ class TorchParams(FlatParams):
 
     def allocate(self, size: int, dtype: np.dtype) -> np.ndarray:
         if self.device.type == "cuda":  # pinned, so device-to-host copies run at full speed
-            return torch.empty(size, dtype=torch.float32, pin_memory=True).numpy()
+            nbytes = size * np.dtype(dtype).itemsize
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy().view(dtype)
         return super().allocate(size, dtype)
 
     @torch.no_grad()
-    def copy_to(self, out: np.ndarray) -> None:
-        host = torch.from_numpy(out)
+    def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
+        host = kernels.as_torch(out, wire)
         if self.device.type == "cuda":
-            torch._foreach_copy_(self._views(self._device_flat), self._tensors)
-            host.copy_(self._device_flat)
+            flat = self._buffer("device", wire)
+            torch._foreach_copy_(self._views(flat), self._tensors)
+            host.copy_(flat)
         else:
             torch._foreach_copy_(self._views(host), self._tensors)
 
     @torch.no_grad()
-    def lerp_from(self, peer: np.ndarray, f: float) -> None:
-        source = kernels.as_torch(kernels.aligned(peer))
+    def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
+        source = kernels.as_torch(kernels.aligned(peer), wire)
         if self.device.type == "cuda":
-            self._staging.copy_(source)
-            self._device_flat.copy_(self._staging)
-            source = self._device_flat
+            staging = self._buffer("pinned", wire)
+            staging.copy_(source)
+            source = self._buffer("device", "float32")
+            source.copy_(staging)  # converted to float32 on the device
+        elif wire != "float32":
+            source = self._buffer("device", "float32").copy_(source)
         views = self._views(source)
         if self._float32:
             torch._foreach_lerp_([self._tensors[i] for i in self._float32], [views[i] for i in self._float32], float(f))

@@ -5,7 +5,8 @@ pattern), rng_seed (fetch decisions), fetch (False: never fetch; this node only
 serves).
 
 Commands: {"cmd": "steps", "n": N} runs N update_send / update_wait pairs and
-answers {"event": "steps_done", ...}; {"cmd": "values"} answers the parameter
+answers {"event": "steps_done", ...}; {"cmd": "churn", "n": N} publishes N
+snapshots, the k-th with every element equal to k; {"cmd": "values"} answers the parameter
 summary; {"cmd": "exit"} (or end of stdin) closes the node and exits 0.
 """
 
@@ -57,6 +58,13 @@ def main() -> int:
                     outcomes.append([update.outcome, update.peer])
                 say(event="steps_done", outcomes=outcomes, mean=float(values.mean()),
                     min=float(values.min()), max=float(values.max()), stats=_jsonable(node.stats()))
+            elif command["cmd"] == "churn":
+                # publish snapshots whose elements all equal the step number, as fast as possible
+                for step in range(1, command["n"] + 1):
+                    values.fill(float(step))
+                    node.update_send()
+                    node.update_wait()
+                say(event="churn_done", stats=_jsonable(node.stats()))
             elif command["cmd"] == "values":
                 say(event="values", values=values.tolist())
     finally:

@@ -1,0 +1,143 @@
+"""The same-host path: private files, flock-guarded slots, and never a torn snapshot."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dpwa import NumpyParams
+from dpwa.protocol import ProtocolError
+from dpwa.shm import PeerSlots, SharedMemoryError, SharedSlots, user_dir
+from dpwa.snapshot import SnapshotStore
+
+from conftest import filled, make_config
+from test_node import RecordingParams
+
+F32 = np.dtype(np.float32)
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path
+
+
+def test_slot_files_are_private_and_removed_on_close(root):
+    slots = SharedSlots("w0", 45000, 400, F32, root=root)
+    slot = slots.allocate(0)
+    assert stat.S_IMODE(os.stat(user_dir(root)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(slots.dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(slot.path).st_mode) == 0o600
+    slots.close()
+    assert not slots.dir.exists()
+
+
+def test_a_directory_others_can_enter_is_refused(root):
+    path = user_dir(root)
+    os.chmod(path, 0o755)
+    with pytest.raises(SharedMemoryError, match=r"must be a directory owned by uid \d+ with mode 0700"):
+        user_dir(root)
+    os.chmod(path, 0o700)
+    path.rmdir()
+    path.symlink_to(root)  # a symlink planted where our directory should be
+    with pytest.raises(SharedMemoryError, match="must be a directory"):
+        user_dir(root)
+
+
+def test_reader_lock_and_version_rules(root):
+    slots = SharedSlots("w0", 45000, 40, F32, root=root)
+    store = SnapshotStore(10, F32, max_slots=2, memory=slots.allocate)
+    store.publish(lambda a: a.fill(1.0), 0, None)  # slot 0, version 1
+    reader = PeerSlots("w0", 45000, root=root)
+    view = reader.acquire(slots.id, 0, 1, 40, F32)
+    assert np.all(view.array == 1.0)
+    store.publish(lambda a: a.fill(2.0), 0, None)  # slot 1, version 2
+    assert not store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 is locked by the reader: skipped
+    assert np.all(view.array == 1.0)  # and untouched
+    view.release()
+    assert store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 again, version 3
+    with pytest.raises(ProtocolError) as info:  # an old reply naming version 1 of slot 0
+        reader.acquire(slots.id, 0, 1, 40, F32)
+    assert info.value.reason == "shm_stale"
+    with pytest.raises(ProtocolError) as info:
+        reader.acquire("0" * 16, 0, 3, 40, F32)  # a slot directory that does not exist
+    assert info.value.reason == "shm_unavailable"
+    with pytest.raises(ProtocolError) as info:
+        reader.acquire(slots.id, 0, 3, 44, F32)  # the wrong size
+    assert info.value.reason == "shm_unavailable"
+    reader.close()
+    slots.close()
+
+
+def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
+    slots = SharedSlots("w0", 45000, 40, F32, root=root)
+    store = SnapshotStore(10, F32, max_slots=2, memory=slots.allocate)
+    store.publish(lambda a: a.fill(1.0), 0, None)
+    store.publish(lambda a: a.fill(2.0), 0, None)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, sys; f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_SH); "
+         "print('locked', flush=True); sys.stdin.read()", str(slots.dir / "slot-0")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert not store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 held by the other process
+        holder.kill()
+        holder.wait(10)
+        assert store.publish(lambda a: a.fill(3.0), 0, None)  # its lock died with it
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+    slots.close()
+
+
+def test_directories_of_dead_owners_are_swept(root):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(10)
+    stale = user_dir(root) / "w9-1234-0123456789abcdef"
+    stale.mkdir(mode=0o700)
+    (stale / "owner").write_text(str(dead.pid))
+    live = user_dir(root) / "w8-1234-0123456789abcdef"
+    live.mkdir(mode=0o700)
+    (live / "owner").write_text(str(os.getpid()))
+    slots = SharedSlots("w0", 45000, 40, F32, root=root)
+    assert not stale.exists() and live.exists()
+    slots.close()
+
+
+@pytest.mark.parametrize("same_host", ["auto", "off"])
+def test_a_churning_peer_is_never_read_torn(nodes, children, same_host):
+    """The peer republishes as fast as it can, the k-th snapshot holding k everywhere;
+    every snapshot this node receives must hold one value everywhere."""
+    cfg = make_config(2, constant={"value": 1.0}, same_host=same_host, timeout_ms=2000)
+    peer = children(cfg, "w1", fill=0, size=200_000, fetch=False)
+    peer.expect("ready")
+    mine = RecordingParams(filled(0, 200_000))
+    node = nodes(cfg, "w0", mine, rng=random.Random(0))
+    peer.send(cmd="churn", n=3000)
+    received = 0
+    for _ in range(150):
+        node.update_send()
+        update = node.update_wait()
+        if update.averaged:
+            snapshot = mine.received.pop()
+            assert np.all(snapshot == snapshot[0]), f"torn snapshot: values {np.unique(snapshot)[:5]}"
+            received += 1
+    peer.expect("churn_done", timeout_s=120)
+    assert received >= 120
+    stats = node.stats()
+    assert (stats["same_host_fetches"] > 0) == (same_host == "auto")
+    assert peer.stop() == 0
+
+
+def test_same_host_off_creates_no_shared_memory(nodes):
+    cfg = make_config(2, same_host="off")
+    node = nodes(cfg, "w0", NumpyParams(filled(0)))
+    assert node._shared is None
+    assert not list(user_dir().glob(f"w0-{cfg['nodes'][0]['port']}-*"))
