@@ -31,6 +31,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from .keys import valid_public_key
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -59,6 +61,8 @@ class NodeSpec:
     host: str  # where peers connect to this node
     port: int  # TCP port the node's Rx thread listens on
     bind: str | None = None  # address to bind; None binds `host` ("*" binds every interface)
+    public_key: str | None = None  # Z85 CURVE public key; set on every node or on none
+    secret_key_file: str | None = None  # where this node finds its secret key (absolute path)
 
     @property
     def endpoint(self) -> str:
@@ -90,7 +94,13 @@ class Config:
     constant: ConstantOptions = field(default_factory=ConstantOptions)
     wire_dtype: str = "float32"  # dtype of parameters on the wire; blending is always float32
     same_host: str = "auto"  # auto: shared memory with peers on this machine; off: TCP only
+    max_peer_distance: float = 0.0  # reject a peer with ||peer - ours|| / ||ours|| above this; 0 disables
     source: str = "<config>"  # where this configuration came from, for messages
+
+    @property
+    def secure(self) -> bool:
+        """True when the nodes authenticate and encrypt with CURVE (every node lists a public key)."""
+        return self.nodes[0].public_key is not None
 
     @property
     def timeout_s(self) -> float:
@@ -121,7 +131,8 @@ class Config:
             f"timeout_ms={self.timeout_ms} interpolation={self.interpolation} "
             f"constant.value={self.constant.value} "
             f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
-            f"same_host={self.same_host}"
+            f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
+            f"curve={'on' if self.secure else 'off'}"
         )
 
 
@@ -138,8 +149,9 @@ _TOP_KEYS = (
     "loss",
     "wire_dtype",
     "same_host",
+    "max_peer_distance",
 )
-_NODE_KEYS = ("name", "host", "port", "bind")
+_NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
 
 
@@ -161,7 +173,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     raw = _flatten(data, source)
     _reject_unknown(raw, _TOP_KEYS, source, where="")
 
-    nodes = _parse_nodes(raw.get("nodes"), source)
+    nodes = _parse_nodes(raw.get("nodes"), source, base_dir=_base_dir(source))
     fetch_probability = _number(raw, "fetch_probability", 1.0, source, lo=0.0, hi=1.0)
     timeout_ms = _positive_int(raw, "timeout_ms", 2500, source)
     interpolation = _choice(raw, "interpolation", INTERPOLATIONS, source)
@@ -171,6 +183,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         _parse_no_options(raw, key, source)
     wire_dtype = _choice(raw, "wire_dtype", WIRE_DTYPES, source)
     same_host = _choice(raw, "same_host", SAME_HOST_MODES, source)
+    max_peer_distance = _number(raw, "max_peer_distance", 0.0, source, lo=0.0)
 
     return Config(
         nodes=nodes,
@@ -181,6 +194,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         constant=constant,
         wire_dtype=wire_dtype,
         same_host=same_host,
+        max_peer_distance=max_peer_distance,
         source=source,
     )
 
@@ -260,7 +274,14 @@ def _suggest(word: str, choices: tuple[str, ...] | list[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _parse_nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
+def _base_dir(source: str) -> str:
+    """Relative paths in a config file are relative to the file's directory."""
+    if source.startswith("<"):
+        return os.getcwd()
+    return os.path.dirname(os.path.abspath(source))
+
+
+def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]:
     if value is None:
         raise ConfigError(f"{source}: missing key 'nodes': expected a list of {{name, host, port}}")
     if not isinstance(value, list) or not value:
@@ -287,6 +308,18 @@ def _parse_nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
             raise ConfigError(f"{source}: {where}.port must be an integer in 1..65535, got {port!r}")
         if bind is not None and (not isinstance(bind, str) or not bind.strip()):
             raise ConfigError(f"{source}: {where}.bind must be an address or '*', got {bind!r}")
+        public_key, secret_file = entry.get("public_key"), entry.get("secret_key_file")
+        if public_key is not None and not valid_public_key(public_key):
+            raise ConfigError(
+                f"{source}: {where}.public_key must be a 40-character Z85 CURVE key "
+                f"(from 'python -m dpwa keygen {name}'), got {str(public_key)[:60]!r}"
+            )
+        if secret_file is not None:
+            if not isinstance(secret_file, str) or not secret_file.strip():
+                raise ConfigError(f"{source}: {where}.secret_key_file must be a path, got {secret_file!r}")
+            if public_key is None:
+                raise ConfigError(f"{source}: {where} has a secret_key_file but no public_key")
+            secret_file = os.path.join(base_dir, os.path.expanduser(secret_file))
         if name in names:
             raise ConfigError(f"{source}: {where}.name {name!r} is used by two nodes; names must be unique")
         address = (host.strip().lower(), port)
@@ -296,7 +329,14 @@ def _parse_nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
             )
         names.add(name)
         addresses[address] = name
-        specs.append(NodeSpec(name=name, host=host.strip(), port=port, bind=bind.strip() if bind else None))
+        specs.append(NodeSpec(name=name, host=host.strip(), port=port, bind=bind.strip() if bind else None,
+                              public_key=public_key, secret_key_file=secret_file))
+    keyed = [spec.name for spec in specs if spec.public_key is not None]
+    if keyed and len(keyed) != len(specs):
+        missing = [spec.name for spec in specs if spec.public_key is None]
+        raise ConfigError(
+            f"{source}: CURVE needs a public_key on every node or on none; missing on {', '.join(missing)}"
+        )
     return tuple(specs)
 
 

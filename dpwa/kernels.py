@@ -29,6 +29,7 @@ __all__ = [
     "as_torch",
     "encode_",
     "lerp_",
+    "relative_distance",
     "storage_dtype",
     "use_torch",
 ]
@@ -155,14 +156,19 @@ def lerp_(x: np.ndarray, y: np.ndarray, f: float, wire: str = "float32") -> None
             t.copy_(ty[s:e])
             tx[s:e].lerp_(t, f)
         return
-    scratch = np.empty(min(_BLOCK, x.size), dtype=np.float32)
+    # Like torch: x + f (y - x) for f < 1/2, y - (1 - f)(y - x) above, so f = 0 and f = 1 are exact.
+    scratch = np.empty((2, min(_BLOCK, x.size)), dtype=np.float32)
     for s, e in _blocks(x.size):
-        t = scratch[: e - s]
-        _decode_np(y[s:e], wire, t)
+        ys = _decode_np(y[s:e], wire, scratch[0, : e - s])
+        t = scratch[1, : e - s]
         xs = x[s:e]
-        np.subtract(t, xs, out=t)
-        np.multiply(t, f, out=t)
-        np.add(xs, t, out=xs)
+        np.subtract(ys, xs, out=t)
+        if f < 0.5:
+            np.multiply(t, f, out=t)
+            np.add(xs, t, out=xs)
+        else:
+            np.multiply(t, 1.0 - f, out=t)
+            np.subtract(ys, t, out=xs)
 
 
 def add_scaled_diff_(x: np.ndarray, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
@@ -189,6 +195,25 @@ def add_scaled_diff_(x: np.ndarray, a: np.ndarray, b: np.ndarray, f: float, wire
         np.multiply(ta, f, out=ta)
         xs = x[s:e]
         np.add(xs, ta, out=xs)
+
+
+def relative_distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") -> float:
+    """||y - ours|| / ||ours|| for two wire buffers, computed block by block in float32.
+
+    Returns 0.0 when both are zero, and inf when only `ours` is zero.
+    """
+    _check_shapes(y, ours)
+    y, ours = aligned(y), aligned(ours)
+    scratch = np.empty((2, min(_BLOCK, y.size)), dtype=np.float32)
+    diff_sq = ours_sq = 0.0
+    for s, e in _blocks(y.size):
+        a, b = _decode_np(y[s:e], wire, scratch[0, : e - s]), _decode_np(ours[s:e], wire, scratch[1, : e - s])
+        ours_sq += float(np.dot(b, b))
+        np.subtract(a, b, out=a)
+        diff_sq += float(np.dot(a, a))
+    if ours_sq == 0.0:
+        return 0.0 if diff_sq == 0.0 else float("inf")
+    return (diff_sq / ours_sq) ** 0.5
 
 
 def all_finite(y: np.ndarray, wire: str = "float32") -> bool:

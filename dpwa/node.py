@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import zmq
+from zmq.utils import z85
 
 from . import interpolation as interp
 from . import kernels
@@ -42,10 +43,11 @@ from .logs import RateLimitedLog, logger
 from .params import FlatParams
 from .peers import PeerSelector
 from .protocol import MAX_HEADER_BYTES, Header, ProtocolError, check_payload, encode_header
+from .keys import KeyFileError, load_secret
 from .shm import PeerSlots, SharedMemoryError, SharedSlots
 from .snapshot import SnapshotStore
 from .stats import Counters
-from .transport import Reply, Request, Server, is_local_host
+from .transport import Curve, Reply, Request, Server, is_local_host
 from .tx import Job, TxWorker
 
 __all__ = ["Node", "Update", "WAIT_SLACK_S"]
@@ -147,6 +149,9 @@ class Node:
         self._tx: TxWorker | None = None
         self._shared: SharedSlots | None = None
         self._readers: dict[str, PeerSlots] = {}  # same-host peers whose slots we may read
+        self._failing: set[str] = set()  # peers whose last fetch failed
+        self._alone = False  # every peer is failing: we said so once
+        curve = self._load_curve()  # key problems are reported before any socket exists
 
         logger.info("%s: starting on %s; %s", name, self.spec.bind_endpoint, self.config.describe())
         for note in pointless_settings(self.config):
@@ -160,16 +165,31 @@ class Node:
             self._ctx = zmq.Context()
             self._server = Server(
                 self._ctx, self.spec.bind_endpoint, {"fetch": self._serve_fetch},
-                name=name, counters=self.counters,
+                name=name, counters=self.counters, curve=curve,
             ).start()
             self._tx = TxWorker(
                 self._ctx, {peer: spec.endpoint for peer, spec in self.peers.items()},
                 name=name, on_done=self._fetch_done,
                 max_reply_bytes=max(self.nbytes, MAX_HEADER_BYTES),
+                socket_options={peer: curve.client_options(spec.public_key.encode())
+                                for peer, spec in self.peers.items()} if curve else None,
             ).start()
         except BaseException:
             self.close()
             raise
+
+    def _load_curve(self) -> Curve | None:
+        if not self.config.secure:
+            return None
+        if self.spec.secret_key_file is None:
+            raise ConfigError(f"{self.config.source}: node {self.name!r} has a public_key but no "
+                              "secret_key_file: it cannot prove who it is")
+        try:
+            pair = load_secret(self.spec.secret_key_file, self.spec.public_key)
+        except KeyFileError as exc:
+            raise ConfigError(f"{self.config.source}: node {self.name!r}: {exc}") from None
+        allowed = {z85.decode(spec.public_key.encode()): spec.name for spec in self.config.nodes}
+        return Curve(public=pair.public, secret=pair.secret, allowed=allowed)
 
     def _setup_same_host(self) -> None:
         if self.config.same_host == "off":
@@ -301,7 +321,7 @@ class Node:
                     logger.info("%s: %s: falling back to TCP for %s", self.name, exc.detail, peer)
                 raise
             self.counters.add("same_host_fetches")
-            return _Received(header, view.array, view.release, same_host=True)
+            return self._checked(_Received(header, view.array, view.release, same_host=True))
         if len(rest) != 1:
             raise ProtocolError("bad_reply", f"expected one payload frame, got {len(rest)}")
         frame = rest[0]
@@ -309,13 +329,36 @@ class Node:
         array = np.frombuffer(frame.buffer, dtype=self._storage)
         self.counters.add("bytes_in", self.nbytes)
         # Unmapping a large frame takes milliseconds: the Tx thread frees it, off the training thread.
-        return _Received(header, array, functools.partial(self._tx.discard, frame), same_host=False)
+        return self._checked(_Received(header, array, functools.partial(self._tx.discard, frame), same_host=False))
+
+    def _checked(self, received: _Received) -> _Received:
+        """Refuse parameters that must never be blended: NaN or Inf, or implausibly far from ours."""
+        try:
+            if not kernels.all_finite(received.array, self.wire):
+                raise ProtocolError("not_finite", "the parameters contain NaN or Inf")
+            limit = self.config.max_peer_distance
+            if limit > 0:
+                lease = self._store.lease()
+                if lease is not None:
+                    with lease:
+                        distance = kernels.relative_distance(received.array, lease.snapshot.array, self.wire)
+                    if distance > limit:
+                        raise ProtocolError("too_far", f"||peer - ours|| / ||ours|| = {distance:.3g} "
+                                            f"exceeds max_peer_distance {limit:g}")
+        except BaseException:
+            received.release()
+            raise
+        return received
 
     def _fetch_done(self, job: Job) -> None:
         if job.outcome == "cancelled":
             self.counters.add("fetches_cancelled")
             return
         if job.outcome == "ok":
+            self._failing.discard(job.peer)
+            if self._alone:
+                self._alone = False
+                logger.warning("%s: %s answered: averaging again", self.name, job.peer)
             self._selector.success(job.peer)
             self.counters.add("fetches_ok")
             if job.retries:
@@ -323,6 +366,11 @@ class Node:
             self.counters.set("last_fetch_latency_s", job.latency_s)
             return
         self._selector.failure(job.peer)
+        self._failing.add(job.peer)
+        if not self._alone and len(self._failing) == len(self.peers):
+            self._alone = True
+            logger.warning("%s: the last fetch from each of the %d peers failed; training alone "
+                           "until one of them answers", self.name, len(self.peers))
         key = {"timeout": "fetches_timed_out", "rejected": "fetches_rejected",
                "refused": "fetches_refused"}.get(job.outcome, "fetches_failed")
         self.counters.add(key)

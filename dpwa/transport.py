@@ -15,6 +15,13 @@
   never send again, and a late reply must never be taken for the next one.
   Every reply's request id is checked too.
 
+With :class:`Curve` keys, every connection is encrypted and authenticated
+(ZeroMQ CURVE). The server thread also answers ZeroMQ's authentication (ZAP)
+requests itself: a client whose public key is not in the allowed set is
+refused during the handshake, never reaches a handler, and is counted
+(``auth_denied``) and logged. A socket monitor counts handshakes that fail
+before authentication (a client without CURVE, say) as ``handshakes_failed``.
+
 Neither class knows what a model is; :mod:`dpwa.node` supplies the handlers.
 """
 
@@ -29,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import zmq
+import zmq.utils.monitor
+import zmq.utils.z85
 
 from .logs import RateLimitedLog, logger
 from .protocol import MAX_HEADER_BYTES, Header, ProtocolError, decode_header, encode_header
@@ -36,6 +45,7 @@ from .snapshot import Lease
 from .stats import Counters
 
 __all__ = [
+    "Curve",
     "is_local_host",
     "Reply",
     "Request",
@@ -59,6 +69,26 @@ class RequestTimeout(TransportError):
 
 class RequestCancelled(TransportError):
     """The caller gave up on the request before it completed."""
+
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks for authentication (RFC 27)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """CURVE keys of one node: its own pair, and who may talk to it."""
+
+    public: bytes  # this node's public key, Z85
+    secret: bytes  # this node's secret key, Z85
+    allowed: Mapping[bytes, str] = field(default_factory=dict)  # raw 32-byte client key -> node name
+
+    def server_options(self) -> dict[int, Any]:
+        return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: self.public, zmq.CURVE_SECRETKEY: self.secret,
+                zmq.ZAP_DOMAIN: b"dpwa"}
+
+    def client_options(self, server_public: bytes) -> dict[int, Any]:
+        return {zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: self.public,
+                zmq.CURVE_SECRETKEY: self.secret}
 
 
 @dataclass
@@ -124,7 +154,7 @@ class Server:
         max_request_bytes: larger inbound frames make ZeroMQ drop the connection
             before the frame is allocated.
         counters: where to count served and rejected requests.
-        socket_options: extra options set before binding (CURVE keys, say).
+        curve: encrypt, and serve only the clients whose keys it allows.
     """
 
     def __init__(
@@ -136,7 +166,7 @@ class Server:
         name: str = "dpwa",
         max_request_bytes: int = MAX_HEADER_BYTES,
         counters: Counters | None = None,
-        socket_options: Mapping[int, Any] | None = None,
+        curve: Curve | None = None,
         heartbeat_ms: int = 1000,
     ) -> None:
         self._ctx = context
@@ -145,7 +175,7 @@ class Server:
         self.name = name
         self._max_request_bytes = max_request_bytes
         self.counters = counters or Counters()
-        self._socket_options = dict(socket_options or {})
+        self._curve = curve
         self._heartbeat_ms = heartbeat_ms
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -189,23 +219,32 @@ class Server:
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
-        try:
-            sock = self._ctx.socket(zmq.ROUTER)
-        except zmq.ZMQError as exc:
-            self._error = exc
-            self._ready.set()
-            return
+        sockets: list[zmq.Socket] = []
         try:
             try:
+                sock = self._ctx.socket(zmq.ROUTER)
+                sockets.append(sock)
+                zap = monitor = None
+                if self._curve is not None:
+                    # The authentication handler must exist before the first handshake.
+                    zap = self._ctx.socket(zmq.REP)
+                    sockets.append(zap)
+                    zap.setsockopt(zmq.LINGER, 0)
+                    zap.bind(ZAP_ENDPOINT)
                 _base_options(sock, self._heartbeat_ms)
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer is an error, not a block
                 sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
                 sock.setsockopt(zmq.SNDHWM, 2)
                 sock.setsockopt(zmq.RCVHWM, 64)
-                if ":" in self.endpoint.rsplit(":", 1)[0].split("//", 1)[-1]:
+                if "[" in self.endpoint:
                     sock.setsockopt(zmq.IPV6, 1)
-                for option, value in self._socket_options.items():
-                    sock.setsockopt(option, value)
+                if self._curve is not None:
+                    for option, value in self._curve.server_options().items():
+                        sock.setsockopt(option, value)
+                    monitor = sock.get_monitor_socket(
+                        zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                        | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+                    sockets.append(monitor)
                 sock.bind(self.endpoint)
                 self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             except zmq.ZMQError as exc:
@@ -213,8 +252,17 @@ class Server:
                 return
             finally:
                 self._ready.set()
+            poller = zmq.Poller()
+            for s in (sock, zap, monitor):
+                if s is not None:
+                    poller.register(s, zmq.POLLIN)
             while not self._stop.is_set():
-                if sock.poll(int(POLL_SLICE_S * 1000)):
+                ready = dict(poller.poll(int(POLL_SLICE_S * 1000)))
+                if zap is not None and zap in ready:
+                    self._authenticate(zap)
+                if monitor is not None and monitor in ready:
+                    self._handshake_event(monitor)
+                if sock in ready:
                     for _ in range(64):  # bounded, so the stop flag is seen under load
                         try:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -226,7 +274,39 @@ class Server:
         except Exception:  # a bug here must be loud, but must not hang close()
             logger.exception("%s: Rx thread failed", self.name)
         finally:
-            sock.close(linger=0)
+            if len(sockets) > 2:
+                try:
+                    sockets[0].disable_monitor()
+                except zmq.ZMQError:
+                    pass
+            for s in reversed(sockets):
+                s.close(linger=0)
+
+    def _authenticate(self, zap: zmq.Socket) -> None:
+        """Answer one ZAP request (RFC 27): allow exactly the configured CURVE keys."""
+        frames = zap.recv_multipart()
+        if len(frames) < 6:  # not from libzmq; a REP socket must still answer
+            zap.send_multipart([b"1.0", b"", b"500", b"malformed ZAP request", b"", b""])
+            return
+        version, request_id, _domain, address, _identity, mechanism = frames[:6]
+        credentials = frames[6:]
+        name = None
+        if mechanism == b"CURVE" and len(credentials) == 1:
+            name = self._curve.allowed.get(credentials[0])
+        if name is not None:
+            zap.send_multipart([version, request_id, b"200", b"OK", name.encode(), b""])
+            return
+        self.counters.add("auth_denied")
+        key = zmq.utils.z85.encode(credentials[0]).decode() if len(credentials) == 1 and len(credentials[0]) == 32 else "?"
+        self._log(30, ("auth", key), "%s: refused a %s connection from %s with public key %s: not in the config",
+                  self.name, mechanism.decode(errors="replace"), address.decode(errors="replace"), key)
+        zap.send_multipart([version, request_id, b"400", b"key not allowed", b"", b""])
+
+    def _handshake_event(self, monitor: zmq.Socket) -> None:
+        event = zmq.utils.monitor.recv_monitor_message(monitor)
+        self.counters.add("handshakes_failed")
+        self._log(30, ("handshake", event["event"]), "%s: a connection failed its handshake (%s); "
+                  "a peer without the right CURVE settings?", self.name, zmq.Event(event["event"]).name)
 
     def _handle(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         # A REQ client's message reaches a ROUTER as [routing id, b"", header, *payload].

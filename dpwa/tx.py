@@ -111,7 +111,7 @@ class TxWorker:
         name: this node's name, for logs and the thread name.
         on_done: called on the Tx thread with each finished job (scores, counters).
         max_reply_bytes: passed to every :class:`Requester`.
-        socket_options: passed to every :class:`Requester`.
+        socket_options: peer name -> options for its sockets (CURVE keys, say).
     """
 
     def __init__(
@@ -122,7 +122,7 @@ class TxWorker:
         name: str,
         on_done: Callable[[Job], None] = lambda job: None,
         max_reply_bytes: int,
-        socket_options: Mapping[int, Any] | None = None,
+        socket_options: Mapping[str, Mapping[int, Any]] | None = None,
     ) -> None:
         self._ctx = context
         self._endpoints = dict(endpoints)
@@ -213,7 +213,7 @@ class TxWorker:
         if requester is None:
             requester = requesters[job.peer] = Requester(
                 self._ctx, endpoint, name=f"{self.name} -> {job.peer}",
-                max_reply_bytes=self._max_reply_bytes, socket_options=self._socket_options,
+                max_reply_bytes=self._max_reply_bytes, socket_options=self._socket_options.get(job.peer),
             )
         for attempt in range(max(1, job.max_attempts)):
             request_id = secrets.randbits(64)

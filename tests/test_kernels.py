@@ -26,6 +26,18 @@ def test_lerp_matches_the_formula_in_place(backend):
     np.testing.assert_allclose(x, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_lerp_is_exact_at_both_ends(backend):
+    rng = np.random.default_rng(5)
+    x0 = rng.standard_normal(10_000).astype(np.float32) * 1e-8
+    y = rng.standard_normal(10_000).astype(np.float32)
+    x = x0.copy()
+    kernels.lerp_(x, y, 1.0)
+    assert x.tobytes() == y.tobytes()
+    x = x0.copy()
+    kernels.lerp_(x, y, 0.0)
+    assert x.tobytes() == x0.tobytes()
+
+
 def test_lerp_of_filled_arrays_is_exact(backend):
     x, y = np.full(1000, 2.0, np.float32), np.full(1000, 6.0, np.float32)
     kernels.lerp_(x, y, 0.25)
