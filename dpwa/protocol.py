@@ -133,7 +133,12 @@ def decode_header(data: bytes | memoryview) -> Header:
         raise ProtocolError("bad_header", f"not a msgpack map: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict):
         raise ProtocolError("bad_header", f"header must be a map, got {type(header).__name__}")
-    _validate(header)
+    try:
+        _validate(header)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # any other surprise in hostile input is still just a bad header
+        raise ProtocolError("bad_header", f"unusable header: {type(exc).__name__}: {exc}") from None
     fields = {k: v for k, v in header.items() if k not in _COMMON}
     for key, kind in SCHEMAS[header["kind"]].items():
         if kind is _Float:
@@ -148,7 +153,7 @@ def _validate(header: Mapping[str, Any]) -> None:
     if version != PROTOCOL_VERSION:
         raise ProtocolError("bad_version", f"protocol version {version!r}, this node speaks {PROTOCOL_VERSION}")
     kind = header.get("kind")
-    if kind not in SCHEMAS:
+    if not isinstance(kind, str) or kind not in SCHEMAS:
         raise ProtocolError("bad_kind", f"unknown message kind {kind!r}")
     request_id = header.get("id")
     if not _is_int(request_id) or not 0 <= request_id <= MAX_REQUEST_ID:

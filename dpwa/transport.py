@@ -57,6 +57,9 @@ __all__ = [
 ]
 
 POLL_SLICE_S = 0.05  # how often blocked loops look at their stop / cancel flags
+# ZMQ_MAXMSGSIZE applies to a message as it arrives, and a CURVE-encrypted frame is
+# longer than its plaintext (command name, nonce, MAC): limits get this allowance.
+FRAME_ALLOWANCE = 256
 
 
 class TransportError(RuntimeError):
@@ -233,7 +236,7 @@ class Server:
                     zap.bind(ZAP_ENDPOINT)
                 _base_options(sock, self._heartbeat_ms)
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer is an error, not a block
-                sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
+                sock.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes + FRAME_ALLOWANCE)
                 sock.setsockopt(zmq.SNDHWM, 2)
                 sock.setsockopt(zmq.RCVHWM, 64)
                 if "[" in self.endpoint:
@@ -268,7 +271,14 @@ class Server:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._handle(sock, frames)
+                        try:
+                            self._handle(sock, frames)
+                        except zmq.ContextTerminated:
+                            raise
+                        except Exception:  # one message must never stop the server
+                            self.counters.add("requests_rejected")
+                            self.counters.add("rejected.internal")
+                            logger.exception("%s: failed to handle a request; serving on", self.name)
         except zmq.ContextTerminated:
             pass
         except Exception:  # a bug here must be loud, but must not hang close()
@@ -434,6 +444,8 @@ class Requester:
         except zmq.ZMQError as exc:
             self.reset()
             raise TransportError(f"{self.name}: receive from {self.endpoint} failed: {exc}") from exc
+        if not reply:
+            raise ProtocolError("bad_reply", f"from {self.endpoint}: an empty message")
         try:
             header = decode_header(reply[0].buffer)
         except ProtocolError as exc:
@@ -448,7 +460,7 @@ class Requester:
             sock = self._ctx.socket(zmq.REQ)
             try:
                 _base_options(sock, self._heartbeat_ms)
-                sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes)
+                sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes + FRAME_ALLOWANCE)
                 sock.setsockopt(zmq.RECONNECT_IVL, 100)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
                 if "[" in self.endpoint:

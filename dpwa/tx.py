@@ -189,7 +189,15 @@ class TxWorker:
                 if isinstance(job, _Discard):
                     del job  # the last reference: the memory is freed here
                     continue
-                self._execute(job, requesters)
+                try:
+                    self._execute(job, requesters)
+                except Exception as exc:  # a bug must fail this job, not the thread
+                    logger.exception("%s: fetch from %s failed unexpectedly", self.name, job.peer)
+                    stale = requesters.pop(job.peer, None)
+                    if stale is not None:
+                        stale.close()
+                    if not job.done.is_set():
+                        job.finish("failed", f"internal error: {type(exc).__name__}: {exc}")
                 try:
                     self._on_done(job)
                 except Exception:

@@ -91,3 +91,11 @@ def test_payload_checks(override, payload_len, reason):
 def test_payload_check_accepts_the_right_message():
     header = decode_header(encode_header("params", 1, **params_header()))
     check_payload(header, memoryview(b"\x00" * 60), fp=FP, dtype="float32", nbytes=60)
+
+
+@pytest.mark.parametrize("kind", [[1, 2], {"a": 1}, b"fetch", 3, None])
+def test_a_kind_of_any_type_is_just_a_bad_header(kind):
+    # found by the fuzzer: an unhashable kind once escaped as a TypeError and stopped the Rx thread
+    with pytest.raises(ProtocolError) as info:
+        decode_header(raw(**{**GOOD, "kind": kind}))
+    assert info.value.reason in ("bad_kind", "bad_header")

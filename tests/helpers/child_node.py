@@ -12,12 +12,14 @@ summary; {"cmd": "exit"} (or end of stdin) closes the node and exits 0.
 
 import argparse
 import json
+import os
 import random
 import sys
 
 import numpy as np
 
 from dpwa import Node, NumpyParams, load_config, parse_config
+from dpwa.signals import stop_on_signals
 
 
 def say(**message):
@@ -42,35 +44,40 @@ def main() -> int:
         raw["fetch_probability"] = 0
         config = parse_config(raw, source=args.config)
     node = Node(config, args.name, NumpyParams(values), rng=random.Random(options.get("rng_seed")))
-    try:
-        node.update_send()  # publish once so peers can fetch at once
-        node.update_wait()
-        say(event="ready", name=args.name, pid=__import__("os").getpid())
-        for line in sys.stdin:
-            command = json.loads(line)
-            if command["cmd"] == "exit":
-                break
-            if command["cmd"] == "steps":
-                outcomes = []
-                for _ in range(command["n"]):
-                    node.update_send()
-                    update = node.update_wait()
-                    outcomes.append([update.outcome, update.peer])
-                say(event="steps_done", outcomes=outcomes, mean=float(values.mean()),
-                    min=float(values.min()), max=float(values.max()), stats=_jsonable(node.stats()))
-            elif command["cmd"] == "churn":
-                # publish snapshots whose elements all equal the step number, as fast as possible
-                for step in range(1, command["n"] + 1):
-                    values.fill(float(step))
-                    node.update_send()
-                    node.update_wait()
-                say(event="churn_done", stats=_jsonable(node.stats()))
-            elif command["cmd"] == "values":
-                say(event="values", values=values.tolist())
-    finally:
-        node.close()
-    say(event="closed")
+    with stop_on_signals():
+        try:
+            serve(node, values, args)
+        finally:
+            node.close()
+            say(event="closed")
     return 0
+
+
+def serve(node, values, args) -> None:
+    node.update_send()  # publish once so peers can fetch at once
+    node.update_wait()
+    say(event="ready", name=args.name, pid=os.getpid())
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "exit":
+            return
+        if command["cmd"] == "steps":
+            outcomes = []
+            for _ in range(command["n"]):
+                node.update_send()
+                update = node.update_wait()
+                outcomes.append([update.outcome, update.peer])
+            say(event="steps_done", outcomes=outcomes, mean=float(values.mean()),
+                min=float(values.min()), max=float(values.max()), stats=_jsonable(node.stats()))
+        elif command["cmd"] == "churn":
+            # publish snapshots whose elements all equal the step number, as fast as possible
+            for step in range(1, command["n"] + 1):
+                values.fill(float(step))
+                node.update_send()
+                node.update_wait()
+            say(event="churn_done", stats=_jsonable(node.stats()))
+        elif command["cmd"] == "values":
+            say(event="values", values=values.tolist())
 
 
 def _jsonable(stats):
