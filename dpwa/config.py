@@ -46,6 +46,8 @@ __all__ = [
 INTERPOLATIONS = ("constant", "clock", "loss")
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
 SAME_HOST_MODES = ("auto", "off")
+MODES = ("pull", "symmetric")
+BLENDS = ("state", "delta")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -95,6 +97,8 @@ class Config:
     wire_dtype: str = "float32"  # dtype of parameters on the wire; blending is always float32
     same_host: str = "auto"  # auto: shared memory with peers on this machine; off: TCP only
     max_peer_distance: float = 0.0  # reject a peer with ||peer - ours|| / ||ours|| above this; 0 disables
+    mode: str = "pull"  # pull: only the requester moves; symmetric: both move, the mean is kept
+    blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property
@@ -132,7 +136,7 @@ class Config:
             f"constant.value={self.constant.value} "
             f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
             f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
-            f"curve={'on' if self.secure else 'off'}"
+            f"mode={self.mode} blend={self.blend} curve={'on' if self.secure else 'off'}"
         )
 
 
@@ -150,6 +154,8 @@ _TOP_KEYS = (
     "wire_dtype",
     "same_host",
     "max_peer_distance",
+    "mode",
+    "blend",
 )
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
@@ -184,6 +190,8 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     wire_dtype = _choice(raw, "wire_dtype", WIRE_DTYPES, source)
     same_host = _choice(raw, "same_host", SAME_HOST_MODES, source)
     max_peer_distance = _number(raw, "max_peer_distance", 0.0, source, lo=0.0)
+    mode = _choice(raw, "mode", MODES, source)
+    blend = _choice(raw, "blend", BLENDS, source)
 
     return Config(
         nodes=nodes,
@@ -195,6 +203,8 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         wire_dtype=wire_dtype,
         same_host=same_host,
         max_peer_distance=max_peer_distance,
+        mode=mode,
+        blend=blend,
         source=source,
     )
 
@@ -422,6 +432,11 @@ def pointless_settings(config: Config) -> list[str]:
         notes.append(
             f"{config.source}: fetch_probability is 0 with {len(config.nodes)} nodes: "
             "no node ever fetches, so the nodes train independently"
+        )
+    if config.mode == "symmetric" and config.blend == "state":
+        notes.append(
+            f"{config.source}: mode symmetric with blend state keeps the nodes' mean only when nothing "
+            "trains between update_send and update_wait; use blend: delta to keep it while training"
         )
     if config.interpolation == "constant" and config.constant.value == 0:
         notes.append(

@@ -19,6 +19,11 @@ received buffer to ``update_wait``, which blends it in on the training thread
 Peers on the same machine exchange through shared memory (:mod:`dpwa.shm`)
 instead of TCP when ``same_host: auto`` (the default): the request still goes
 over ZeroMQ, but the reply names a snapshot slot that the peer reads in place.
+
+How a fetched snapshot changes the model is decided by :mod:`dpwa.mixing`
+(``blend: state | delta``). With ``mode: symmetric`` the request carries our
+snapshot too, and the peer applies the mirror image of our correction once we
+confirm (:mod:`dpwa.exchange`), so the mean of all nodes is kept.
 """
 
 from __future__ import annotations
@@ -37,17 +42,18 @@ import zmq
 from zmq.utils import z85
 
 from . import interpolation as interp
-from . import kernels
+from . import kernels, mixing
 from .config import Config, ConfigError, load_config, parse_config, pointless_settings
 from .logs import RateLimitedLog, logger
 from .params import FlatParams
 from .peers import PeerSelector
 from .protocol import MAX_HEADER_BYTES, Header, ProtocolError, check_payload, encode_header
+from .exchange import Pending, PendingExchanges
 from .keys import KeyFileError, load_secret
 from .shm import PeerSlots, SharedMemoryError, SharedSlots
-from .snapshot import SnapshotStore
+from .snapshot import Lease, SnapshotStore
 from .stats import Counters
-from .transport import Curve, Reply, Request, Server, is_local_host
+from .transport import Curve, Reply, Request, RequestTimeout, Server, is_local_host
 from .tx import Job, TxWorker
 
 __all__ = ["Node", "Update", "WAIT_SLACK_S"]
@@ -55,6 +61,7 @@ __all__ = ["Node", "Update", "WAIT_SLACK_S"]
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a fetch's deadline
 MAX_SNAPSHOT_SLOTS = 6  # model copies kept for readers at most; past that, publishing is skipped
 SHM_ATTEMPTS = 4  # same-host fetches asked again when the slot was rewritten before we locked it
+EXCHANGE_TTL_MARGIN_S = 1.0  # an unconfirmed symmetric exchange is dropped this long after the deadline
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,20 @@ class Update:
     reason: str = ""  # why not averaged, in words
     latency_s: float | None = None  # fetch time, when a fetch finished
     clock: float = 0.0  # this node's clock after the update
+
+
+@dataclass(eq=False)
+class _Committed:
+    """Our half of a confirmed symmetric exchange, waiting for update_wait."""
+
+    peer: str
+    received: "_Received"  # the peer's snapshot s_j
+    own: Lease  # our snapshot s_i, as sent
+    f: float
+
+    def release(self) -> None:
+        self.received.release()
+        self.own.release()
 
 
 class _Received:
@@ -135,6 +156,8 @@ class Node:
         self.nbytes = params.size * self._storage.itemsize  # bytes of one snapshot on the wire
         self._rng = rng or random.Random()
         self._interpolation = interp.from_config(self.config)
+        self._blend = mixing.from_config(self.config)
+        self._symmetric = self.config.mode == "symmetric"
         self._selector = PeerSelector(list(self.peers), rng=self._rng)
         self.counters = Counters()
         self._log = RateLimitedLog()
@@ -142,6 +165,11 @@ class Node:
         self._pending_batch: float | None = None  # set by update_send, consumed by update_wait
         self._send_loss: float | None = None
         self._job: Job | None = None
+        self._own: Lease | None = None  # our snapshot of this step, when the blend needs it (pull mode)
+        self._committed: list[_Committed] = []  # symmetric: our confirmed halves, for update_wait
+        self._committed_lock = threading.Lock()
+        self._exchanges = PendingExchanges(ttl_s=self.config.timeout_s + EXCHANGE_TTL_MARGIN_S,
+                                           capacity=2 * len(self.peers) + 2)  # served, waiting to be applied
         self._closed = False
         self._close_lock = threading.Lock()
         self._ctx: zmq.Context | None = None
@@ -163,13 +191,16 @@ class Node:
                 memory=self._shared.allocate if self._shared else None,
             )
             self._ctx = zmq.Context()
+            handlers = {"fetch": self._serve_fetch}
+            if self._symmetric:
+                handlers.update(exchange=self._serve_exchange, confirm=self._serve_confirm)
             self._server = Server(
-                self._ctx, self.spec.bind_endpoint, {"fetch": self._serve_fetch},
-                name=name, counters=self.counters, curve=curve,
+                self._ctx, self.spec.bind_endpoint, handlers, name=name, counters=self.counters, curve=curve,
+                max_request_bytes=max(self.nbytes, MAX_HEADER_BYTES) if self._symmetric else MAX_HEADER_BYTES,
             ).start()
             self._tx = TxWorker(
                 self._ctx, {peer: spec.endpoint for peer, spec in self.peers.items()},
-                name=name, on_done=self._fetch_done,
+                name=name, on_done=self._job_done,
                 max_reply_bytes=max(self.nbytes, MAX_HEADER_BYTES),
                 socket_options={peer: curve.client_options(spec.public_key.encode())
                                 for peer, spec in self.peers.items()} if curve else None,
@@ -221,24 +252,41 @@ class Node:
             self._abandon_step()
         self._send_loss = _loss_value(loss)
         self._pending_batch = float(batch_size)
-        # Start the fetch first: it does not need our snapshot, so the copy below
-        # overlaps with the request in flight.
+        if self._symmetric:  # the request carries our snapshot: publish it first
+            self._publish()
+            return self._start_exchange()
+        # Start the fetch first: it does not need our snapshot, so the copy overlaps with the request.
         started = self._start_fetch()
+        self._publish()
+        if started and isinstance(self._blend, mixing.DeltaBlend):
+            self._own = self._store.lease()  # the snapshot the delta is taken from
+        return started
+
+    def _publish(self) -> None:
         publish = functools.partial(self.params.copy_to, wire=self.wire)
         if not self._store.publish(publish, self._clock, self._send_loss):
             self.counters.add("publish_skipped")
             self._log(30, "publish_skipped", "%s: every snapshot slot is held by slow readers; "
                       "peers get the previous snapshot", self.name)
-        return started
 
-    def _start_fetch(self) -> bool:
+    def _fetch_decision(self) -> str | None:
+        """The peer to ask this step, or None (no peers, or the coin said no)."""
         if not self.peers or self._rng.random() >= self.config.fetch_probability:
-            return False
-        peer = self._selector.choose()
+            return None
+        return self._selector.choose()
+
+    def _request_fields(self, peer: str) -> dict[str, Any]:
         fields: dict[str, Any] = {"from": self.name, "fp": self.params.fingerprint, "dtype": self.wire}
         if peer in self._readers:
             fields["shm"] = True
-        self._job = Job(
+        return fields
+
+    def _start_fetch(self) -> bool:
+        peer = self._fetch_decision()
+        if peer is None:
+            return False
+        fields = self._request_fields(peer)
+        self._submit(Job(
             peer=peer,
             make_frames=lambda request_id: [encode_header("fetch", request_id, **fields)],
             deadline=time.monotonic() + self.config.timeout_s,
@@ -246,10 +294,34 @@ class Node:
             # a same-host slot rewritten between the reply and our lock: just ask again
             retry_on=frozenset({"shm_stale", "shm_busy"}),
             max_attempts=SHM_ATTEMPTS,
-        )
-        self.counters.add("fetches_started")
-        self._tx.submit(self._job)
+        ))
         return True
+
+    def _start_exchange(self) -> bool:
+        peer = self._fetch_decision()
+        if peer is None:
+            return False
+        own = self._store.lease()
+        if own is None:  # nothing published (every slot held at our first publish): nothing to offer
+            return False
+        snap = own.snapshot
+        fields = {**self._request_fields(peer), "nbytes": self.nbytes, "clock": snap.clock, "loss": snap.loss}
+        self._submit(Job(
+            peer=peer,
+            make_frames=lambda request_id: [encode_header("exchange", request_id, **fields), snap.array],
+            deadline=time.monotonic() + self.config.timeout_s,
+            validate=functools.partial(self._receive_exchange, peer=peer, own=own),
+            retry_on=frozenset({"shm_stale", "shm_busy"}),
+            max_attempts=SHM_ATTEMPTS,
+            kind="exchange",
+            context=own,  # the Tx thread owns this lease until the exchange commits or fails
+        ))
+        return True
+
+    def _submit(self, job: Job) -> None:
+        self._job = job
+        self.counters.add("fetches_started")
+        self._tx.submit(job)
 
     def update_wait(self, loss: Any = None) -> Update:
         """Finish the step: wait for the fetch started by update_send, if any, and blend it in.
@@ -266,7 +338,22 @@ class Node:
         own_loss = _loss_value(loss)
         if own_loss is None:
             own_loss = self._send_loss
+        self._apply_mirrors()
         job, self._job = self._job, None
+        try:
+            failed = self._wait(job)
+            if self._symmetric:
+                return self._apply_committed(job, failed)
+            if failed is not None:
+                return failed
+            return self._apply_fetch(job, own_loss)
+        finally:
+            if self._own is not None:
+                self._own.release()
+                self._own = None
+
+    def _wait(self, job: Job | None) -> Update | None:
+        """Wait for `job`; None if it succeeded, else the Update that says why not."""
         if job is None:
             return Update(False, "no_fetch", reason="no fetch was started this step", clock=self._clock)
         if not job.done.wait(max(0.0, job.deadline + WAIT_SLACK_S - time.monotonic())):
@@ -276,17 +363,54 @@ class Node:
         if job.outcome != "ok":
             return Update(False, job.outcome, job.peer, reason=job.reason, latency_s=job.latency_s,
                           clock=self._clock)
+        return None
+
+    def _apply_fetch(self, job: Job, own_loss: float | None) -> Update:
         received: _Received = job.take()
+        own = self._own.snapshot if self._own is not None else None
         try:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
             f = self._interpolation.factor(self._clock, peer_clock, own_loss, peer_loss)
             f = interp.damp_by_divergence(f, own_loss, self.config.divergence_threshold)
-            self.params.lerp_from(received.array, f, self.wire)
+            self._blend.apply(self.params, own.array if own else None, received.array, f, self.wire)
         finally:
             received.release()
-        self._clock = interp.blend_clock(f, self._clock, peer_clock)
+        self._clock = self._blend.clock(self._clock, own.clock if own else 0.0, peer_clock, f)
         self.counters.add("averaged")
         return Update(True, "ok", job.peer, factor=f, latency_s=job.latency_s, clock=self._clock)
+
+    def _apply_committed(self, job: Job | None, failed: Update | None) -> Update:
+        """Apply our halves of every confirmed exchange: this step's, and any confirmed after
+        an earlier update_wait had stopped waiting (a confirmed half is never dropped)."""
+        with self._committed_lock:
+            committed, self._committed = self._committed, []
+        last: _Committed | None = None
+        for item in committed:
+            try:
+                peer_clock = item.received.header["clock"]
+                self._blend.apply(self.params, item.own.snapshot.array, item.received.array, item.f, self.wire)
+                self._clock = self._blend.clock(self._clock, item.own.snapshot.clock, peer_clock, item.f)
+            finally:
+                item.release()
+            self.counters.add("averaged")
+            last = item
+        if last is None:
+            return failed if failed is not None else Update(False, "failed", job.peer if job else None,
+                                                              reason="the exchange was not confirmed",
+                                                              clock=self._clock)
+        latency = job.latency_s if job is not None and failed is None else None
+        return Update(True, "ok", last.peer, factor=last.f, latency_s=latency, clock=self._clock)
+
+    def _apply_mirrors(self) -> None:
+        """Apply the server halves of the symmetric exchanges peers have confirmed."""
+        for pending in self._exchanges.take_confirmed():
+            try:
+                mixing.mirror(self.params, pending.served.snapshot.array, pending.requester, pending.f, self.wire)
+                self._clock = mixing.mirror_clock(self._clock, pending.served.snapshot.clock,
+                                                  pending.requester_clock, pending.f)
+            finally:
+                pending.release()
+            self.counters.add("mirrored")
 
     def _abandon_step(self) -> None:
         self._clock += self._pending_batch or 0.0
@@ -295,6 +419,9 @@ class Node:
             self._job.abandon()
             self._job = None
             self.counters.add("fetches_abandoned")
+        if self._own is not None:
+            self._own.release()
+            self._own = None
 
     @property
     def clock(self) -> float:
@@ -303,7 +430,7 @@ class Node:
 
     # ----------------------------------------------------------------- Tx thread
 
-    def _receive(self, header: Header, rest: list[zmq.Frame], *, peer: str) -> _Received:
+    def _receive(self, header: Header, rest: list[zmq.Frame], ask: Any = None, *, peer: str) -> _Received:
         """Validate a reply to a fetch and take hold of its parameters (frame or shared slot)."""
         if header.kind != "params":
             raise ProtocolError("bad_reply", f"expected a params reply, got {header.kind!r}")
@@ -334,23 +461,60 @@ class Node:
     def _checked(self, received: _Received) -> _Received:
         """Refuse parameters that must never be blended: NaN or Inf, or implausibly far from ours."""
         try:
-            if not kernels.all_finite(received.array, self.wire):
-                raise ProtocolError("not_finite", "the parameters contain NaN or Inf")
-            limit = self.config.max_peer_distance
-            if limit > 0:
-                lease = self._store.lease()
-                if lease is not None:
-                    with lease:
-                        distance = kernels.relative_distance(received.array, lease.snapshot.array, self.wire)
-                    if distance > limit:
-                        raise ProtocolError("too_far", f"||peer - ours|| / ||ours|| = {distance:.3g} "
-                                            f"exceeds max_peer_distance {limit:g}")
+            self._check_values(received.array)
         except BaseException:
             received.release()
             raise
         return received
 
-    def _fetch_done(self, job: Job) -> None:
+    def _check_values(self, array: np.ndarray) -> None:
+        if not kernels.all_finite(array, self.wire):
+            raise ProtocolError("not_finite", "the parameters contain NaN or Inf")
+        limit = self.config.max_peer_distance
+        if limit > 0:
+            lease = self._store.lease()
+            if lease is not None:
+                with lease:
+                    distance = kernels.relative_distance(array, lease.snapshot.array, self.wire)
+                if distance > limit:
+                    raise ProtocolError("too_far", f"||peer - ours|| / ||ours|| = {distance:.3g} "
+                                        f"exceeds max_peer_distance {limit:g}")
+
+    def _receive_exchange(self, header: Header, rest: list[zmq.Frame], ask: Any, *, peer: str, own: Lease) -> bool:
+        """Validate the peer's snapshot, confirm the exchange, and queue our half for update_wait."""
+        received = self._receive(header, rest, peer=peer)
+        try:
+            snap = own.snapshot
+            f = self._interpolation.factor(snap.clock, header["clock"], snap.loss, header["loss"])
+            f = interp.damp_by_divergence(f, snap.loss, self.config.divergence_threshold)
+            self._confirm(ask, header.id, f)
+        except BaseException:
+            received.release()
+            raise
+        with self._committed_lock:
+            self._committed.append(_Committed(peer, received, own, f))
+        self.counters.add("exchanges_confirmed")
+        return True
+
+    def _confirm(self, ask: Any, xid: int, f: float) -> None:
+        """Tell the server to apply its half; ask again if an ack is lost (a confirm is idempotent)."""
+        for attempt in range(2):
+            deadline = None if attempt else time.monotonic() + self.config.timeout_s / 4
+            try:
+                reply, _ = ask(lambda rid: [encode_header("confirm", rid, **{"from": self.name}, xid=xid, f=f)],
+                               deadline=deadline)
+            except RequestTimeout:
+                if attempt:
+                    raise
+                continue
+            if reply.kind == "ack":
+                return
+            detail = f"{reply['reason']}: {reply['detail']}" if reply.kind == "error" else reply.kind
+            raise ProtocolError("not_confirmed", f"the peer did not take the exchange: {detail}")
+
+    def _job_done(self, job: Job) -> None:
+        if job.kind == "exchange" and job.outcome != "ok":
+            job.context.release()  # our snapshot was only held for this exchange
         if job.outcome == "cancelled":
             self.counters.add("fetches_cancelled")
             return
@@ -380,17 +544,26 @@ class Node:
 
     # ----------------------------------------------------------------- Rx thread
 
-    def _serve_fetch(self, request: Request) -> Reply:
-        header = request.header
+    def _check_request(self, header: Header) -> None:
         if header["fp"] != self.params.fingerprint:
             raise ProtocolError("bad_fingerprint", f"requester's model fingerprint {header['fp'].hex()} "
                                 f"differs from ours {self.params.fingerprint.hex()}")
         if header["dtype"] != self.wire:
             raise ProtocolError("bad_dtype", f"requester wants {header['dtype']!r}, this node sends {self.wire!r} "
                                 "(do the nodes share one config?)")
+
+    def _serve_fetch(self, request: Request) -> Reply:
+        self._check_request(request.header)
         lease = self._store.lease()
         if lease is None:
-            return Reply(encode_header("error", header.id, reason="not_ready", detail="no snapshot published yet"))
+            return self._not_ready(request.header)
+        return self._params_reply(request.header, lease)
+
+    def _not_ready(self, header: Header) -> Reply:
+        return Reply(encode_header("error", header.id, reason="not_ready", detail="no snapshot published yet"))
+
+    def _params_reply(self, header: Header, lease: Lease) -> Reply:
+        """Our snapshot for a requester: a zero-copy frame, or the name of a shared-memory slot."""
         snap = lease.snapshot
         fields = {"from": self.name, "fp": self.params.fingerprint, "dtype": self.wire, "nbytes": self.nbytes,
                   "clock": snap.clock, "loss": snap.loss, "version": snap.version}
@@ -402,6 +575,39 @@ class Node:
             self.counters.add("same_host_served")
             return Reply(encode_header("params", header.id, **fields, shm_slot=snap.slot, shm_id=self._shared.id))
         return Reply(encode_header("params", header.id, **fields), payload=snap.array, lease=lease)
+
+    def _serve_exchange(self, request: Request) -> Reply:
+        header = request.header
+        self._check_request(header)
+        if len(request.payload) != 1:
+            raise ProtocolError("bad_request", f"an exchange carries one payload frame, got {len(request.payload)}")
+        frame = request.payload[0]
+        check_payload(header, frame.buffer, fp=self.params.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+        theirs = np.frombuffer(frame.buffer, dtype=self._storage)
+        self._check_values(theirs)
+        served = self._store.lease()
+        if served is None:
+            return self._not_ready(header)
+        pending = Pending(
+            xid=header.id, peer=header["from"], requester=theirs, requester_clock=header["clock"],
+            served=served, expires=time.monotonic() + self._exchanges.ttl_s,
+            release_requester=functools.partial(self._tx.discard, frame),
+        )
+        if not self._exchanges.add(pending):
+            served.release()
+            return Reply(encode_header("error", header.id, reason="busy",
+                                       detail=f"{self._exchanges.capacity} exchanges are waiting to be applied"))
+        return self._params_reply(header, served.share())
+
+    def _serve_confirm(self, request: Request) -> Reply:
+        header = request.header
+        f = header["f"]
+        if not 0.0 <= f <= 1.0:
+            raise ProtocolError("bad_factor", f"a factor must lie in [0, 1], got {f}")
+        if self._exchanges.confirm(header["xid"], header["from"], f):
+            return Reply(encode_header("ack", header.id))
+        return Reply(encode_header("error", header.id, reason="unknown_exchange",
+                                   detail="no such exchange is waiting (expired, or not from you)"))
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -419,6 +625,8 @@ class Node:
         }
         out["clock"] = self._clock
         out["snapshot_slots"] = self._store.slots
+        out["exchanges_pending"] = len(self._exchanges)
+        out["exchanges_expired"] = self._exchanges.expired
         return out
 
     def _check_open(self) -> None:
@@ -453,6 +661,13 @@ class Node:
                 self._ctx.term()  # every socket is closed, so this returns at once
             else:
                 logger.error("%s: leaving the ZeroMQ context open because a thread did not stop", self.name)
+        if self._own is not None:
+            self._own.release()
+        with self._committed_lock:
+            committed, self._committed = self._committed, []
+        for item in committed:
+            item.release()
+        self._exchanges.close()
         for reader in self._readers.values():
             reader.close()
         if self._shared is not None:

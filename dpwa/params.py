@@ -40,6 +40,10 @@ class FlatParams(ABC):
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
         """In place: params = f * peer + (1 - f) * params. Storage is never replaced."""
 
+    @abstractmethod
+    def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
+        """In place: params += f * (a - b), for two flat buffers of wire dtype `wire`."""
+
     def allocate(self, size: int, dtype: np.dtype) -> np.ndarray:
         """A flat buffer for snapshots (the CUDA adapter returns pinned memory)."""
         return np.empty(size, dtype=dtype)
@@ -71,3 +75,6 @@ class NumpyParams(FlatParams):
 
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
         kernels.lerp_(self.array, peer, f, wire)
+
+    def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
+        kernels.add_scaled_diff_(self.array, a, b, f, wire)

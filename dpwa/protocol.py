@@ -83,10 +83,18 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                "clock": _Float, "loss": _OptionalFloat},
     # server -> requester: the request was refused; nothing follows
     "error": {"reason": str, "detail": str},
+    # requester -> server (mode symmetric): "here is my snapshot, send me yours"; a payload
+    # frame of `nbytes` follows. The reply is a "params" message, as for "fetch".
+    "exchange": {"from": str, "fp": bytes, "dtype": str, "nbytes": _Count, "clock": _Float, "loss": _OptionalFloat},
+    # requester -> server: "I applied my half of exchange `xid` with factor f: apply yours"
+    "confirm": {"from": str, "xid": _Count, "f": _Float},
+    # server -> requester: the confirm was recorded
+    "ack": {},
 }
 # kind -> {field: type}: fields that may be absent. Any field in neither table is refused.
 OPTIONAL: dict[str, dict[str, Any]] = {
     "fetch": {"shm": bool},  # the requester runs on the same host and can read shared memory
+    "exchange": {"shm": bool},
     "params": {"version": _Count, "shm_slot": _Count, "shm_id": _ShmId},
 }
 _COMMON = ("v", "kind", "id")

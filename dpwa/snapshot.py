@@ -103,6 +103,13 @@ class Lease:
         """End the lease. Idempotent."""
         self._hold.done = True
 
+    def share(self) -> "Lease":
+        """A second, independent lease on the same snapshot."""
+        hold = _ManualHold()
+        with self._store._lock:
+            self._slot.holds.append(hold)
+        return Lease(self._store, self._slot, self.snapshot, hold)
+
     def release_when(self, tracker: _Hold) -> None:
         """Hand the lease to `tracker`: the slot stays held until ``tracker.done``."""
         with self._store._lock:

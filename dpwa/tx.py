@@ -43,9 +43,13 @@ class Job:
     peer: str
     make_frames: Callable[[int], Sequence[Any]]  # request id -> the request, header first
     deadline: float  # time.monotonic() after which the request has failed
-    validate: Callable[[Header, list[zmq.Frame]], Any]  # raises ProtocolError; returns job.value
+    # validate(header, frames, ask) checks a reply and returns job.value, or raises ProtocolError;
+    # ask(make_frames) sends one more request on the same socket and returns (header, frames)
+    validate: Callable[..., Any]
     retry_on: frozenset[str] = frozenset()  # ProtocolError reasons worth asking again for
     max_attempts: int = 1
+    kind: str = "fetch"  # what the job is for, for whoever handles its outcome
+    context: Any = None  # the submitter's data for on_done
     done: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
     outcome: str = ""
@@ -53,6 +57,7 @@ class Job:
     value: Any = None
     latency_s: float | None = None
     retries: int = 0
+    request_id: int = 0  # the id of the request whose reply was accepted
     _cancelled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -223,12 +228,20 @@ class TxWorker:
                 self._ctx, endpoint, name=f"{self.name} -> {job.peer}",
                 max_reply_bytes=self._max_reply_bytes, socket_options=self._socket_options.get(job.peer),
             )
+        cancelled = lambda: job.cancelled or self._stop.is_set()  # noqa: E731
+
+        def ask(make_frames: Callable[[int], Sequence[Any]], deadline: float | None = None):
+            """One more request on this socket, before `deadline` (the job's at most). A follow-up
+            is not cancelled with the job: once started (a confirm, say) it runs to its end."""
+            request_id = secrets.randbits(64)
+            return requester.request(make_frames(request_id), request_id, min(deadline or job.deadline, job.deadline),
+                                     cancelled=self._stop.is_set)
+
         for attempt in range(max(1, job.max_attempts)):
             request_id = secrets.randbits(64)
             try:
                 header, rest = requester.request(
-                    job.make_frames(request_id), request_id, job.deadline,
-                    cancelled=lambda: job.cancelled or self._stop.is_set(),
+                    job.make_frames(request_id), request_id, job.deadline, cancelled=cancelled,
                 )
             except RequestTimeout:
                 job.finish("timeout", f"no reply within the deadline from {endpoint}")
@@ -245,14 +258,24 @@ class TxWorker:
             if header.kind == "error":
                 job.finish("refused", f"{header['reason']}: {header['detail']}")
                 return
+            job.request_id = request_id
             try:
-                value = job.validate(header, rest)
+                value = job.validate(header, rest, ask)
+            except RequestTimeout:
+                job.finish("timeout", f"no reply within the deadline from {endpoint}")
+                return
+            except RequestCancelled:
+                job.finish("cancelled", "cancelled while waiting for the reply")
+                return
             except ProtocolError as exc:
                 if (exc.reason in job.retry_on and attempt + 1 < job.max_attempts
                         and time.monotonic() < job.deadline):
                     job.retries += 1
                     continue
                 job.finish("rejected", str(exc))
+                return
+            except TransportError as exc:
+                job.finish("failed", str(exc))
                 return
             except Exception as exc:  # a bug in a validator must not kill the thread
                 logger.exception("%s: validating a reply from %s failed", self.name, job.peer)

@@ -74,7 +74,7 @@ class TorchParams(FlatParams):
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
 
     def _buffer(self, where: str, wire: str) -> torch.Tensor:
-        """A flat work buffer: "device" (on the model's device) or "pinned" (host), of dtype `wire`."""
+        """A flat work buffer of dtype `wire`: "pinned" (host), or any other name (on the model's device)."""
         key = (where, wire)
         if key not in self._buffers:
             dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
@@ -104,21 +104,41 @@ class TorchParams(FlatParams):
         else:
             torch._foreach_copy_(self._views(host), self._tensors)
 
-    @torch.no_grad()
-    def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
+    def _float32_source(self, peer: np.ndarray, wire: str, slot: str) -> torch.Tensor:
+        """`peer` as a flat float32 tensor on the model's device (a view when no conversion is needed)."""
         source = kernels.as_torch(kernels.aligned(peer), wire)
         if self.device.type == "cuda":
             staging = self._buffer("pinned", wire)
             staging.copy_(source)
-            source = self._buffer("device", "float32")
-            source.copy_(staging)  # converted to float32 on the device
-        elif wire != "float32":
-            source = self._buffer("device", "float32").copy_(source)
-        views = self._views(source)
+            flat = self._buffer(slot, "float32")
+            flat.copy_(staging)  # converted to float32 on the device
+            return flat
+        if wire != "float32":
+            return self._buffer(slot, "float32").copy_(source)
+        return source
+
+    def _apply(self, op, *flats: torch.Tensor, f: float) -> None:
+        """op(tensors, *views, f) over the float32 tensors with one foreach call; the rest one by one."""
+        views = [self._views(flat) for flat in flats]
         if self._float32:
-            torch._foreach_lerp_([self._tensors[i] for i in self._float32], [views[i] for i in self._float32], float(f))
-        for i in self._other:  # float16 / bfloat16 / float64 tensors blend in their own dtype
-            self._tensors[i].lerp_(views[i].to(self._tensors[i].dtype), float(f))
+            op([self._tensors[i] for i in self._float32], *[[v[i] for i in self._float32] for v in views], f)
+        for i in self._other:  # float16 / bfloat16 / float64 tensors change in their own dtype
+            op([self._tensors[i]], *[[v[i].to(self._tensors[i].dtype)] for v in views], f)
+
+    @torch.no_grad()
+    def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
+        source = self._float32_source(peer, wire, "device")
+        self._apply(lambda xs, ys, w: torch._foreach_lerp_(xs, ys, w), source, f=float(f))
+
+    @torch.no_grad()
+    def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
+        first = self._float32_source(a, wire, "device")  # views, or two distinct work buffers
+        second = self._float32_source(b, wire, "device2")
+
+        def add_diff(xs, ys, zs, w):
+            torch._foreach_add_(xs, torch._foreach_sub(ys, zs), alpha=w)
+
+        self._apply(add_diff, first, second, f=float(f))
 
 
 class DpwaPyTorchAdapter:

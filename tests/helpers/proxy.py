@@ -3,7 +3,8 @@
 It forwards connections from its own free port to a target port, on one
 thread, and can be switched at any time between:
 
-* ``"pass"``: forward both ways (optionally delaying each chunk);
+* ``"pass"``: forward both ways (``delay_s`` delays each chunk from the target
+  back to the client: slow replies);
 * ``"refuse"``: close every connection, and every new one at once
   (a partition, or a peer that is down);
 * ``"blackhole"``: accept and read, but forward nothing (a peer that
@@ -154,7 +155,7 @@ class Proxy:
                 self.downstream_total += len(data)
             if self.captured is not None:
                 self.captured += data
-            delay = self.delay_s
+            delay = self.delay_s if downstream else 0.0
         if delay:
             time.sleep(delay)  # a slow link: the delay is the fault being injected, not synchronization
         try:
