@@ -21,6 +21,14 @@ so the mean of all nodes' parameters is preserved (up to float rounding);
 with state it is preserved only when nothing changed between publishing and
 blending (pure averaging).
 
+Every correction is taken relative to a snapshot, so a node that takes part
+in k exchanges in one step ends at ``(1 - k f) s_i + f * sum(partners)``: for
+``k f > 1`` its own weight turns negative and the mixing overshoots instead of
+averaging. So in symmetric mode a published snapshot serves at most one
+exchange (:data:`EXCHANGES_PER_SNAPSHOT`); a node is then in at most two per
+step (the one it starts and one it serves), and any ``f <= 1/2`` mixes
+convexly. Further requests are answered ``busy`` and asked elsewhere.
+
 Clocks follow the same rules as the parameters.
 """
 
@@ -34,7 +42,9 @@ from . import interpolation as interp
 from .config import Config
 from .params import FlatParams
 
-__all__ = ["Blend", "DeltaBlend", "StateBlend", "from_config", "mirror", "mirror_clock"]
+__all__ = ["Blend", "DeltaBlend", "EXCHANGES_PER_SNAPSHOT", "StateBlend", "from_config", "mirror", "mirror_clock"]
+
+EXCHANGES_PER_SNAPSHOT = 1  # symmetric exchanges one published snapshot may serve
 
 
 class Blend(ABC):

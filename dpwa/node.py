@@ -170,6 +170,7 @@ class Node:
         self._committed_lock = threading.Lock()
         self._exchanges = PendingExchanges(ttl_s=self.config.timeout_s + EXCHANGE_TTL_MARGIN_S,
                                            capacity=2 * len(self.peers) + 2)  # served, waiting to be applied
+        self._exchange_uses: dict[int, int] = {}  # snapshot version -> exchanges it served (Rx thread)
         self._closed = False
         self._close_lock = threading.Lock()
         self._ctx: zmq.Context | None = None
@@ -518,6 +519,9 @@ class Node:
         if job.outcome == "cancelled":
             self.counters.add("fetches_cancelled")
             return
+        if job.outcome == "refused" and job.refusal == "busy":  # a healthy peer with its hands full
+            self.counters.add("fetches_busy")
+            return
         if job.outcome == "ok":
             self._failing.discard(job.peer)
             if self._alone:
@@ -588,6 +592,13 @@ class Node:
         served = self._store.lease()
         if served is None:
             return self._not_ready(header)
+        version = served.snapshot.version
+        self._exchange_uses = {version: self._exchange_uses.get(version, 0)}  # forget older snapshots
+        if self._exchange_uses[version] >= mixing.EXCHANGES_PER_SNAPSHOT:
+            served.release()  # see dpwa.mixing: more exchanges on one snapshot would overshoot
+            return Reply(encode_header("error", header.id, reason="busy",
+                                       detail="this snapshot already serves an exchange; ask another peer"))
+        self._exchange_uses[version] += 1
         pending = Pending(
             xid=header.id, peer=header["from"], requester=theirs, requester_clock=header["clock"],
             served=served, expires=time.monotonic() + self._exchanges.ttl_s,

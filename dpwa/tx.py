@@ -58,6 +58,7 @@ class Job:
     latency_s: float | None = None
     retries: int = 0
     request_id: int = 0  # the id of the request whose reply was accepted
+    refusal: str = ""  # the peer's reason, when the outcome is "refused"
     _cancelled: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -256,6 +257,7 @@ class TxWorker:
                 job.finish("failed", str(exc))
                 return
             if header.kind == "error":
+                job.refusal = header["reason"]
                 job.finish("refused", f"{header['reason']}: {header['detail']}")
                 return
             job.request_id = request_id

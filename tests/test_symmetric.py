@@ -63,7 +63,9 @@ def total(arrays) -> np.ndarray:
 @pytest.mark.parametrize("mode", ["symmetric", "pull"])
 def test_symmetric_mode_keeps_the_mean_while_training(nodes, make_cluster, mode):
     """Four nodes start at k + noise and each adds a known step d_k every round (the "gradient"),
-    then exchange with f = 1/2 and blend delta, for 80 rounds (about 320 exchanges).
+    then exchange with f = 1/2 and blend delta, for 80 rounds: 320 requests, of which about
+    70% are served in symmetric mode (a peer whose snapshot already serves an exchange
+    answers "busy", see dpwa.mixing), so well over a hundred exchanges.
 
     Symmetric: every exchange adds f (s_j - s_i) on one side and f (s_i - s_j) on the other, so
     the sum of all parameters changes by exactly the local steps: sum_0 + rounds * sum_k d_k.
@@ -88,7 +90,7 @@ def test_symmetric_mode_keeps_the_mean_while_training(nodes, make_cluster, mode)
         averaged += sum(node.update_wait().averaged for node in group)
     for node in group:  # the last confirmed mirrors are applied at each server's next update
         node.update_wait()
-    assert averaged >= 0.9 * n * rounds
+    assert averaged >= 0.5 * n * rounds
     drift = np.abs(total(arrays) - expected).max() / n
     if mode == "symmetric":
         assert drift < 1e-4, drift
@@ -194,3 +196,25 @@ def test_unconfirmed_exchanges_expire_and_free_what_they_hold():
     assert released == [7] and book.expired == 1 and len(book) == 0
     assert not book.confirm(7, "w0", 0.5)
     assert store.held() == 0
+
+
+@pytest.mark.parametrize("settings, f, mine_after, theirs_after", [
+    # loss interpolation from the two snapshots: f = 3 / (3 + 1)
+    ({"interpolation": "loss"}, 0.75, 6.0, 2.0),
+    # divergence: our snapshot's loss 0.1 is below 0.2, so f = 0.5 * 0.1 / 0.2
+    ({"divergence_threshold": 0.2}, 0.25, 2.0, 6.0),
+])
+def test_interpolation_works_in_symmetric_mode(nodes, settings, f, mine_after, theirs_after):
+    """In symmetric mode f comes from the two exchanged snapshots, and both sides use it:
+    w0 (0) moves by f (8 - 0), w1 (8) by f (0 - 8); their sum stays 8."""
+    cfg = make_config(2, mode="symmetric", blend="delta", **settings)
+    theirs = filled(8)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    peer.update_send(loss=1.0)
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send(loss=3.0 if "interpolation" in settings else 0.1)
+    update = node.update_wait()
+    peer.update_wait()
+    assert update.factor == pytest.approx(f)
+    assert np.all(mine == mine_after) and np.all(theirs == theirs_after)

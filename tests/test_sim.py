@@ -1,0 +1,54 @@
+"""The simulator: the node's mixing code against randomized-gossip theory and exact averaging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dpwa import sim
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_symmetric_decay_matches_randomized_gossip_theory(n):
+    """One symmetric exchange of a uniformly random pair with f = 1/2 on the complete graph has
+    E[D'/D] = 1 - 4 f (1 - f) / (n - 1) (derived in sim.symmetric_decay), whatever the state.
+
+    So the mean of the observed ratios over 3,000 exchanges estimates it without bias, and
+    its standard error is sd / sqrt(3000); the test allows 4 standard errors (a false
+    failure about once in 15,000 runs) plus 1e-3 for float32 rounding of D.
+    """
+    r = sim.consensus(n, "symmetric", "delta", 0.5, exchanges=3000, seed=n)
+    expected = sim.symmetric_decay(n, 0.5)
+    assert abs(r["mean_ratio"] - expected) <= 4 * r["standard_error"] + 1e-3, r
+    assert r["max_mean_drift"] < 1e-5  # the mean is kept up to float rounding
+
+
+def test_pull_does_not_keep_the_mean():
+    r = sim.consensus(8, "pull", "state", 0.5, exchanges=300, seed=1)
+    assert r["max_mean_drift"] > 0.05
+
+
+def test_the_simulator_gives_the_real_nodes_numbers():
+    """The same exchange as test_symmetric.test_a_symmetric_exchange_moves_both_sides:
+    w0 at 0 asks w1 at 10, w1 trains +1 meanwhile: 5 and 6."""
+    arrays = [np.zeros(10, np.float32), np.full(10, 10.0, np.float32)]
+    gossip = sim.Gossip(arrays, mode="symmetric", blend="delta")
+    snapshots = [a.copy() for a in arrays]
+    arrays[1] += 1.0
+    gossip.exchange(0, 1, snapshots)
+    assert np.all(arrays[0] == 5.0) and np.all(arrays[1] == 6.0)
+
+
+@pytest.mark.timeout(180)
+def test_the_new_modes_train_like_exact_averaging():
+    """The convergence study at reduced size (2 seeds): pull/delta and symmetric/delta reach the
+    loss threshold within 10% of exact averaging's steps, with test accuracy within 1 point;
+    the original pull/state rule with a fetch every step needs about twice the steps."""
+    rules = [r for r in sim.RULES if r.label.startswith(("exact", "pull, state, p = 1", "pull, delta",
+                                                         "symmetric, delta"))]
+    result = sim.study(seeds=2, rules=rules)
+    rows = {r["rule"]: r for r in result["rows"]}
+    for label in ("pull, delta, p = 1", "symmetric, delta, p = 1"):
+        assert rows[label]["steps_vs_exact"] <= 1.10, rows[label]
+        assert rows[label]["accuracy_vs_exact_points"] >= -1.0, rows[label]
+    assert rows["pull, state, p = 1 (the original)"]["steps_vs_exact"] >= 1.5
