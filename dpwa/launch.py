@@ -1,0 +1,429 @@
+"""Start, watch and stop one process per dpwa node on this machine.
+
+A launch is a :class:`LaunchSpec`: the cluster's configuration (every node,
+local or not), which of its nodes to start here, and the command each runs.
+:func:`prepare` makes the run folder; :func:`run` runs the cluster in the
+foreground with a live view and a summary; :func:`detach` hands it to a
+background supervisor (``python -m dpwa.launch RUN_DIR``) and returns.
+
+The run folder::
+
+    runs/<timestamp>/
+        config.yaml           the cluster configuration every node reads
+        launch.json           the spec (what was started, how)
+        pids/<node>.pid       "PID START" per node, and pids/launcher.pid for the
+                              launcher; START is the process start time, so a
+                              PID reused by another process is never signalled
+        logs/<node>.log       each node's stdout and stderr (launcher.log: detached launcher)
+        metrics/<node>.jsonl  written by the nodes (fields: see dpwa.monitor)
+        models/<node>.pt      written by the nodes
+        summary.json, summary.txt, curves.png   written at the end
+
+Each node runs in its own session (a terminal's Ctrl-C reaches only the
+launcher, which then stops the nodes in order), pinned to one core with
+``taskset`` where it exists, with ``OMP_NUM_THREADS=1``. Stopping sends
+SIGTERM to every node, waits `grace_s`, then sends SIGKILL to any left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from .config import ConfigError, parse_config
+from .monitor import LiveView, MetricsTail, format_summary, summarize
+
+__all__ = ["LaunchSpec", "Cluster", "free_ports", "prepare", "run", "detach", "supervise",
+           "process_start", "read_pid_file"]
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start. Commands may hold the placeholders {name}, {index}, {config} and {run_dir}."""
+
+    run_dir: str  # the run folder (see the module docstring)
+    config: dict[str, Any]  # the cluster configuration in mapping form, every node included
+    command: list[str]  # argv of one node
+    local: list[str] = field(default_factory=list)  # nodes started on this machine; empty: all
+    finish_command: list[str] = field(default_factory=list)  # run once all nodes exited; last line JSON
+    pin: bool = True  # one core per node (taskset)
+    grace_s: float = 10.0  # between SIGTERM and SIGKILL
+    print_every_s: float = 10.0  # plain progress lines when the output is not a terminal
+    env: dict[str, str] = field(default_factory=dict)  # added to each node's environment
+
+    @property
+    def names(self) -> list[str]:
+        return [n["name"] for n in self.config["nodes"]]
+
+    @property
+    def local_names(self) -> list[str]:
+        return list(self.local) or self.names
+
+    def argv(self, argv: list[str], name: str | None = None) -> list[str]:
+        """`argv` with the placeholders filled in ({name} and {index} only when `name` is given)."""
+        values = {"{config}": str(Path(self.run_dir) / "config.yaml"), "{run_dir}": str(self.run_dir)}
+        if name is not None:
+            values.update({"{name}": name, "{index}": str(self.names.index(name))})
+        out = []
+        for arg in argv:
+            for key, value in values.items():
+                arg = arg.replace(key, value)
+            out.append(arg)
+        return out
+
+    def save(self) -> None:
+        Path(self.run_dir, "launch.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "LaunchSpec":
+        path = Path(run_dir) / "launch.json"
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: cannot read the launch spec: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- ports, run folders, PID files
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports on `host` that were free a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    except OSError as exc:
+        raise OSError(f"cannot bind a port on {host}: {exc.strerror or exc} (is {host} an address of this machine?)") from exc
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def check_ports_free(host: str, ports: list[int]) -> None:
+    """Raise OSError naming the first port on `host` that a node could not bind."""
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"port {port} on {host} is not free ({exc.strerror}); another run may hold it: "
+                              "stop it (./stop.sh), choose another --base-port, or leave --base-port out") from exc
+
+
+def new_run_dir(runs_dir: str | Path) -> Path:
+    """A fresh runs_dir/<YYYYmmdd-HHMMSS> (with a suffix if that exists), and runs_dir/latest pointing to it."""
+    runs = Path(runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(1, 1000):
+        path = runs / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise OSError(f"{runs}: cannot make a new run folder")
+    latest = runs / "latest"
+    tmp = runs / f".latest-{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        tmp.replace(latest)
+    except OSError:  # no symlinks here (some file systems): the folder itself is what matters
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started, as a token that differs for a later process with the same PID; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        if not Path("/proc/self/stat").exists():  # no /proc (macOS): ask ps
+            out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True)
+            return "_".join(out.stdout.split()) or None
+        return None
+    return fields[19].decode()  # field 22 of stat: start time in clock ticks since boot
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{pid} {process_start(pid) or '-'}\n")
+    tmp.replace(path)
+
+
+def read_pid_file(path: Path) -> tuple[int, str]:
+    pid, start = path.read_text().split()
+    return int(pid), start
+
+
+def prepare(spec: LaunchSpec) -> LaunchSpec:
+    """Check the configuration and write config.yaml and launch.json into the run folder."""
+    run_dir = Path(spec.run_dir)
+    parse_config(spec.config, source=str(run_dir / "config.yaml"))  # a ConfigError names what is wrong
+    unknown = [n for n in spec.local if n not in spec.names]
+    if unknown:
+        raise ConfigError(f"{run_dir / 'config.yaml'}: no node named {', '.join(unknown)} "
+                          f"(known: {', '.join(spec.names)})")
+    for sub in ("pids", "logs", "metrics", "models"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "config.yaml", "w", encoding="utf-8") as fh:
+        fh.write("# written by the dpwa launcher; every node of this run reads it\n")
+        yaml.safe_dump(spec.config, fh, sort_keys=False, default_flow_style=None)
+    spec.save()
+    return spec
+
+
+# --------------------------------------------------------------------------- processes
+
+class Cluster:
+    """The node processes of one run: started in their own sessions, stopped by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.run_dir = Path(spec.run_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cores = self._cores() if spec.pin else []
+        self.taskset = shutil.which("taskset") if spec.pin else None
+
+    @staticmethod
+    def _cores() -> list[int]:
+        if hasattr(os, "sched_getaffinity"):
+            return sorted(os.sched_getaffinity(0))
+        return list(range(os.cpu_count() or 1))
+
+    def pinning(self) -> str:
+        """How nodes are pinned, in words."""
+        if not self.spec.pin:
+            return "not pinned (--no-pin)"
+        if not self.taskset:
+            return "not pinned (taskset not found)"
+        cores = [self.cores[i % len(self.cores)] for i in range(len(self.spec.local_names))]
+        return "pinned to cores " + ", ".join(map(str, cores)) + " (taskset)"
+
+    def start(self) -> None:
+        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", **self.spec.env}
+        for i, name in enumerate(self.spec.local_names):
+            argv = self.spec.argv(self.spec.command, name)
+            if self.taskset:
+                argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
+            with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+            self.procs[name] = proc
+            write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)
+
+    def exited(self) -> dict[str, int]:
+        """Exit codes of the nodes that have exited so far."""
+        return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+
+    def alive(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is None]
+
+    def signal(self, sig: int) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:  # not yet reaped, so the PID is still ours
+                try:
+                    proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace_s: float | None = None) -> list[str]:
+        """SIGTERM every node, SIGKILL those still alive after `grace_s`; returns the names that needed SIGKILL."""
+        grace_s = self.spec.grace_s if grace_s is None else grace_s
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = self.alive()
+        if killed:
+            self.signal(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+        return killed
+
+
+def tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip("\n").split("\n")
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+# --------------------------------------------------------------------------- foreground run
+
+class _Signals:
+    """Counts SIGINT, SIGTERM and SIGHUP instead of dying, so the launcher can stop its nodes first."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: int | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.count += 1
+        self.first = self.first or signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) -> int:
+    """Run the cluster until every node exits or a signal stops it; then summary and curves.png.
+
+    Returns 0 when every node exited with 0, 1 when one failed, 128 + the
+    signal number when stopped by a signal. Every started process is stopped
+    before this returns, whatever happens.
+    """
+    out = out or sys.stdout
+    run_dir = Path(spec.run_dir)
+    write_pid_file(run_dir / "pids" / "launcher.pid", os.getpid())
+    cluster = Cluster(spec)
+    metrics = MetricsTail(run_dir, spec.local_names)
+    view = LiveView(out, tty=tty, every_s=spec.print_every_s)
+    signals = _Signals()
+    view.message(f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
+                 f"{cluster.pinning()}; run folder {run_dir}")
+    view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
+    stopping_since: float | None = None
+    killed: list[str] = []
+    reported: set[str] = set()
+    try:
+        cluster.start()
+        while cluster.alive():
+            if signals.count and stopping_since is None:
+                view.message(f"dpwa: stopping {len(cluster.alive())} nodes (SIGTERM; SIGKILL after "
+                             f"{spec.grace_s:g} s or at a second Ctrl-C)")
+                cluster.signal(signal.SIGTERM)
+                stopping_since = time.monotonic()
+            if stopping_since is not None and (signals.count > 1 or time.monotonic() - stopping_since > spec.grace_s):
+                killed = cluster.alive()
+                cluster.signal(signal.SIGKILL)
+            _report_exits(cluster, metrics, view, reported, run_dir)
+            view.update(list(metrics.poll().values()))
+            time.sleep(0.25)
+    finally:
+        if cluster.alive():  # the launcher itself failed: never leave a node behind
+            killed = cluster.stop()
+        signals.restore()
+    for name in killed:
+        view.message(f"dpwa: {name} did not stop within {spec.grace_s:g} s and was killed (SIGKILL)")
+    _report_exits(cluster, metrics, view, reported, run_dir)
+    nodes = list(metrics.poll().values())
+    view.update(nodes, force=True)
+    view.close()
+    elapsed = view.elapsed()
+
+    average = None
+    if spec.finish_command and not signals.count:
+        average = _finish(spec, view)
+    elif spec.finish_command:
+        average = {"error": "the run was stopped"}
+    summary = summarize(nodes, average, elapsed, run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = format_summary(summary)
+    (run_dir / "summary.txt").write_text(text + "\n")
+    out.write("\n" + text + "\n")
+    try:
+        from .plot import draw
+
+        out.write(f"curves: {draw(run_dir)}\n")
+    except Exception as exc:  # the plot is a convenience: say why it is missing, keep the run's result
+        out.write(f"curves.png not drawn: {exc}\n")
+    out.flush()
+    if signals.count:
+        return 128 + (signals.first or signal.SIGTERM)
+    return 0 if all(code == 0 for code in cluster.exited().values()) else 1
+
+
+def _report_exits(cluster: Cluster, metrics: MetricsTail, view: LiveView, reported: set[str], run_dir: Path) -> None:
+    for name, code in cluster.exited().items():
+        if name in reported:
+            continue
+        reported.add(name)
+        metrics.nodes[name].exit_code = code
+        if code != 0 and code != -signal.SIGTERM:
+            log = run_dir / "logs" / f"{name}.log"
+            view.message(f"dpwa: {name} exited with code {code}; last lines of {log}:\n{tail(log)}")
+
+
+def _finish(spec: LaunchSpec, view: LiveView) -> dict[str, Any]:
+    """Run the finish command (the parameter average's evaluation); its last stdout line is JSON."""
+    missing = [n for n in spec.local_names if not (Path(spec.run_dir) / "models" / f"{n}.pt").exists()]
+    if missing:
+        return {"error": f"no final weights from {', '.join(missing)}"}
+    view.message("dpwa: evaluating the parameter average of all nodes")
+    argv = spec.argv(spec.finish_command)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, **spec.env}, start_new_session=True)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)}
+    lines = done.stdout.strip().splitlines()
+    try:
+        if done.returncode != 0 or not lines:
+            raise ValueError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit code {done.returncode}")
+        return json.loads(lines[-1])
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+# --------------------------------------------------------------------------- detached
+
+def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0) -> int:
+    """Start a background supervisor that runs the cluster; return once every node has started."""
+    out = out or sys.stdout
+    run_dir = Path(spec.run_dir)
+    with open(run_dir / "logs" / "launcher.log", "ab") as log:
+        supervisor = subprocess.Popen([sys.executable, "-m", "dpwa.launch", str(run_dir)],
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in pid_files):
+        if supervisor.poll() is not None or time.monotonic() > deadline:
+            out.write(f"dpwa: the background launcher did not start the nodes; see {run_dir / 'logs' / 'launcher.log'}:\n"
+                      f"{tail(run_dir / 'logs' / 'launcher.log', 10)}\n")
+            if supervisor.poll() is None:
+                supervisor.terminate()
+            return 1
+        time.sleep(0.05)
+    out.write(f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
+              f"run folder {run_dir}\n"
+              f"  progress:  python -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
+              f"  stop:      ./stop.sh {run_dir}\n")
+    out.flush()
+    return 0
+
+
+def supervise(run_dir: str | Path) -> int:
+    """The detached launcher: run the cluster described by RUN_DIR/launch.json."""
+    return run(LaunchSpec.load(run_dir), tty=False)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m dpwa.launch RUN_DIR   (the background launcher of ./run.sh --detach)")
+    sys.exit(supervise(sys.argv[1]))
