@@ -23,7 +23,10 @@ while [ $# -gt 0 ]; do
 done
 case "$grace" in ''|*[!0-9]*) echo "stop.sh: --grace must be a whole number of seconds, got '$grace'" >&2; exit 2 ;; esac
 if [ ${#dirs[@]} -eq 0 ]; then
-    for d in runs/*/; do [ -d "$d/pids" ] && dirs+=("${d%/}"); done
+    for d in runs/*/; do
+        d="${d%/}"
+        [ -L "$d" ] || [ ! -d "$d/pids" ] || dirs+=("$d")   # runs/latest is a link to one of them
+    done
 fi
 
 # The start time of process $1 as the launcher recorded it; empty if it is gone or a zombie.
@@ -40,6 +43,7 @@ start_of() {
 }
 
 targets=()   # "pid start label"
+seen=()
 for dir in "${dirs[@]}"; do
     [ -d "$dir/pids" ] || { echo "stop.sh: $dir is not a run folder (no pids/ in it)" >&2; exit 2; }
     for file in "$dir"/pids/*.pid; do
@@ -47,6 +51,8 @@ for dir in "${dirs[@]}"; do
         read -r pid start < "$file" || true
         case "$pid" in ''|*[!0-9]*) echo "stop.sh: $file: no PID in it, skipped" >&2; continue ;; esac
         label="$(basename "$file" .pid) ($dir, pid $pid)"
+        case " ${seen[*]-} " in *" $pid "*) continue ;; esac   # the same run named twice
+        seen+=("$pid")
         if [ -n "$start" ] && [ "$(start_of "$pid")" = "$start" ]; then
             targets+=("$pid $start $label")
         fi

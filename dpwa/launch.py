@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -156,11 +157,13 @@ def process_start(pid: int) -> str | None:
     """When process `pid` started, as a token that differs for a later process with the same PID; None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
+            fields = fh.read().rsplit(b")", 1)[1].split()  # the fields after "(command name)"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         if not Path("/proc/self/stat").exists():  # no /proc (macOS): ask ps
             out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True)
             return "_".join(out.stdout.split()) or None
+        return None
+    if fields[0] == b"Z":  # exited, not yet reaped
         return None
     return fields[19].decode()  # field 22 of stat: start time in clock ticks since boot
 
@@ -274,16 +277,16 @@ def tail(path: Path, lines: int = 5) -> str:
 # --------------------------------------------------------------------------- foreground run
 
 class _Signals:
-    """Counts SIGINT, SIGTERM and SIGHUP instead of dying, so the launcher can stop its nodes first."""
+    """Records SIGINT, SIGTERM and SIGHUP instead of dying, so the launcher can stop its nodes first."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.first: int | None = None
+        self.first: int | None = None  # the signal that asked to stop
+        self.interrupts = 0  # Ctrl-C presses: the second one means "kill now"
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.count += 1
         self.first = self.first or signum
+        self.interrupts += signum == signal.SIGINT
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -313,23 +316,26 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     try:
         cluster.start()
         while cluster.alive():
-            if signals.count and stopping_since is None:
-                view.message(f"dpwa: stopping {len(cluster.alive())} nodes (SIGTERM; SIGKILL after "
-                             f"{spec.grace_s:g} s or at a second Ctrl-C)")
+            if signals.first and stopping_since is None:
+                view.message(f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
+                             f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)")
                 cluster.signal(signal.SIGTERM)
                 stopping_since = time.monotonic()
-            if stopping_since is not None and (signals.count > 1 or time.monotonic() - stopping_since > spec.grace_s):
-                killed = cluster.alive()
-                cluster.signal(signal.SIGKILL)
+            if stopping_since is not None and not killed:
+                if signals.interrupts > 1:
+                    killed, why = cluster.alive(), "at the second Ctrl-C"
+                elif time.monotonic() - stopping_since > spec.grace_s:
+                    killed, why = cluster.alive(), f"still running {spec.grace_s:g} s after SIGTERM"
+                if killed:
+                    view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
+                    cluster.signal(signal.SIGKILL)
             _report_exits(cluster, metrics, view, reported, run_dir)
             view.update(list(metrics.poll().values()))
             time.sleep(0.25)
     finally:
         if cluster.alive():  # the launcher itself failed: never leave a node behind
-            killed = cluster.stop()
+            cluster.stop()
         signals.restore()
-    for name in killed:
-        view.message(f"dpwa: {name} did not stop within {spec.grace_s:g} s and was killed (SIGKILL)")
     _report_exits(cluster, metrics, view, reported, run_dir)
     nodes = list(metrics.poll().values())
     view.update(nodes, force=True)
@@ -337,10 +343,10 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     elapsed = view.elapsed()
 
     average = None
-    if spec.finish_command and not signals.count:
+    if spec.finish_command and not signals.first:
         average = _finish(spec, view)
     elif spec.finish_command:
-        average = {"error": "the run was stopped"}
+        average = {"error": f"the run was stopped; to evaluate it anyway: {shlex.join(spec.argv(spec.finish_command))}"}
     summary = summarize(nodes, average, elapsed, run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = format_summary(summary)
@@ -353,8 +359,8 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     except Exception as exc:  # the plot is a convenience: say why it is missing, keep the run's result
         out.write(f"curves.png not drawn: {exc}\n")
     out.flush()
-    if signals.count:
-        return 128 + (signals.first or signal.SIGTERM)
+    if signals.first:
+        return 128 + signals.first
     return 0 if all(code == 0 for code in cluster.exited().values()) else 1
 
 

@@ -105,7 +105,8 @@ def table(nodes: list[NodeState]) -> list[str]:
             _fmt(step.get("exchanges_per_s"), ".1f"), _fmt(step.get("failed"), "d"),
             _fmt(None if acc is None else 100 * acc, ".2f") + ("%" if acc is not None else ""),
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    minimum = (0, 10, 7, 6, 7, 6, 6, 8)  # steady columns while values grow
+    widths = [max(minimum[i], *(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE))
 import data as datasets  # noqa: E402
 import models  # noqa: E402
 
-from dpwa import ConfigError, load_config  # noqa: E402
+from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa import launch  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
@@ -99,6 +99,8 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
                    "interpolation": config.interpolation, "divergence_threshold": config.divergence_threshold,
                    "constant": {"value": config.constant.value}}
         local = [n.strip() for n in args.only.split(",")] if args.only else []
+        for name in local:
+            config.node(name)  # a ConfigError names the file and the known nodes
         return mapping, local
     count = args.nodes or default_nodes()
     if args.base_port is not None:
@@ -109,17 +111,18 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
     mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
                "interpolation": args.interpolation, "constant": {"value": args.factor}}
+    parse_config(mapping, source="./run.sh options")  # e.g. --fetch-probability 2 fails here, before any file is written
     return mapping, []
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     data = datasets.resolve(args.data, args.data_dir)
-    if args.data == "auto" and data == "digits":
-        print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
-              "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
     try:
         config, local = cluster_config(args)
+        if args.data == "auto" and data == "digits":
+            print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
+                  "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
         run_dir = launch.new_run_dir(args.runs_dir)
         command = [sys.executable, str(HERE / "train.py"), "--config", "{config}", "--name", "{name}",
                    "--run-dir", "{run_dir}", "--data", data, "--data-dir", str(args.data_dir.resolve())]

@@ -84,7 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class StopFlag:
-    """Set by the first SIGTERM or SIGINT, so training stops after the current batch; a second signal acts at once."""
+    """Set by SIGTERM or SIGINT, so training stops after the current batch.
+
+    A second Ctrl-C (SIGINT) stops at once; a repeated SIGTERM changes
+    nothing (a launcher and stop.sh may both send one; SIGKILL is the escalation).
+    """
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -92,8 +96,9 @@ class StopFlag:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.signal_name = signal.Signals(signum).name
-        signal.signal(signum, signal.SIG_DFL)
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.default_int_handler)
 
     def __bool__(self) -> bool:
         return self.signal_name is not None
