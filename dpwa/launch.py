@@ -175,9 +175,14 @@ def write_pid_file(path: Path, pid: int) -> None:
     tmp.replace(path)
 
 
-def read_pid_file(path: Path) -> tuple[int, str]:
-    pid, start = path.read_text().split()
-    return int(pid), start
+def read_pid_file(path: str | Path) -> tuple[int, str]:
+    """(PID, start time) from a PID file written by write_pid_file."""
+    text = Path(path).read_text()
+    try:
+        pid, start = text.split()
+        return int(pid), start
+    except ValueError:
+        raise ValueError(f"{path}: expected 'PID START', got {text.strip()!r}") from None
 
 
 def prepare(spec: LaunchSpec) -> LaunchSpec:

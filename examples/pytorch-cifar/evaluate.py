@@ -58,8 +58,10 @@ def checkpoint(net: nn.Module, model: str, width: int, data: datasets.Dataset) -
 def load_checkpoint(path: Path) -> dict:
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as exc:
-        raise ValueError(f"{path}: cannot read the checkpoint: {exc}") from exc
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # torch.load raises many kinds (UnpicklingError, struct.error, ...) on a bad file
+        raise ValueError(f"{path}: cannot read the checkpoint: {type(exc).__name__}: {exc}") from exc
     if not isinstance(saved, dict) or any(key not in saved for key in CHECKPOINT_KEYS):
         raise ValueError(f"{path}: not a checkpoint of train.py (expected keys {', '.join(CHECKPOINT_KEYS)})")
     return saved
