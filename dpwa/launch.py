@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,7 +300,7 @@ class _Signals:
 
 
 def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) -> int:
-    """Run the cluster until every node exits or a signal stops it; then summary and curves.png.
+    """Run the cluster until every node exits or a signal stops it; then the summary and curves.png.
 
     Returns 0 when every node exited with 0, 1 when one failed, 128 + the
     signal number when stopped by a signal. Every started process is stopped
@@ -312,44 +313,56 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     metrics = MetricsTail(run_dir, spec.local_names)
     view = LiveView(out, tty=tty, every_s=spec.print_every_s)
     signals = _Signals()
-    view.message(f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
-                 f"{cluster.pinning()}; run folder {run_dir}")
-    view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
-    stopping_since: float | None = None
-    killed: list[str] = []
-    reported: set[str] = set()
     try:
+        view.message(f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
+                     f"{cluster.pinning()}; run folder {run_dir}")
+        view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
         cluster.start()
-        while cluster.alive():
-            if signals.first and stopping_since is None:
-                view.message(f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
-                             f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)")
-                cluster.signal(signal.SIGTERM)
-                stopping_since = time.monotonic()
-            if stopping_since is not None and not killed:
-                if signals.interrupts > 1:
-                    killed, why = cluster.alive(), "at the second Ctrl-C"
-                elif time.monotonic() - stopping_since > spec.grace_s:
-                    killed, why = cluster.alive(), f"still running {spec.grace_s:g} s after SIGTERM"
-                if killed:
-                    view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
-                    cluster.signal(signal.SIGKILL)
-            _report_exits(cluster, metrics, view, reported, run_dir)
-            view.update(list(metrics.poll().values()))
-            time.sleep(0.25)
+        _watch(spec, cluster, metrics, view, signals)
+        _conclude(spec, list(metrics.poll().values()), view, signals, out)
     finally:
         if cluster.alive():  # the launcher itself failed: never leave a node behind
             cluster.stop()
         signals.restore()
-    _report_exits(cluster, metrics, view, reported, run_dir)
-    nodes = list(metrics.poll().values())
-    view.update(nodes, force=True)
-    view.close()
-    elapsed = view.elapsed()
+    if signals.first:
+        return 128 + signals.first
+    return 0 if all(code == 0 for code in cluster.exited().values()) else 1
 
+
+def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView, signals: _Signals) -> None:
+    """Show progress until every node has exited; on a signal, SIGTERM them all, SIGKILL after the grace period."""
+    stopping_since: float | None = None
+    killed: list[str] = []
+    reported: set[str] = set()
+    while cluster.alive():
+        if signals.first and stopping_since is None:
+            view.message(f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
+                         f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)")
+            cluster.signal(signal.SIGTERM)
+            stopping_since = time.monotonic()
+        if stopping_since is not None and not killed:
+            if signals.interrupts > 1:
+                killed, why = cluster.alive(), "at the second Ctrl-C"
+            elif time.monotonic() - stopping_since > spec.grace_s:
+                killed, why = cluster.alive(), f"still running {spec.grace_s:g} s after SIGTERM"
+            if killed:
+                view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
+                cluster.signal(signal.SIGKILL)
+        _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+        view.update(list(metrics.poll().values()))
+        time.sleep(0.25)
+    _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+    view.update(list(metrics.poll().values()), force=True, final=True)
+    view.close()
+
+
+def _conclude(spec: LaunchSpec, nodes: list, view: LiveView, signals: _Signals, out: TextIO) -> None:
+    """Evaluate the parameter average (unless stopped), write and print the summary, draw curves.png."""
+    run_dir = Path(spec.run_dir)
+    elapsed = view.elapsed()
     average = None
     if spec.finish_command and not signals.first:
-        average = _finish(spec, view)
+        average = _finish(spec, view, signals)
     elif spec.finish_command:
         average = {"error": f"the run was stopped; to evaluate it anyway: {shlex.join(spec.argv(spec.finish_command))}"}
     summary = summarize(nodes, average, elapsed, run_dir)
@@ -364,9 +377,6 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     except Exception as exc:  # the plot is a convenience: say why it is missing, keep the run's result
         out.write(f"curves.png not drawn: {exc}\n")
     out.flush()
-    if signals.first:
-        return 128 + signals.first
-    return 0 if all(code == 0 for code in cluster.exited().values()) else 1
 
 
 def _report_exits(cluster: Cluster, metrics: MetricsTail, view: LiveView, reported: set[str], run_dir: Path) -> None:
@@ -380,22 +390,42 @@ def _report_exits(cluster: Cluster, metrics: MetricsTail, view: LiveView, report
             view.message(f"dpwa: {name} exited with code {code}; last lines of {log}:\n{tail(log)}")
 
 
-def _finish(spec: LaunchSpec, view: LiveView) -> dict[str, Any]:
-    """Run the finish command (the parameter average's evaluation); its last stdout line is JSON."""
-    missing = [n for n in spec.local_names if not (Path(spec.run_dir) / "models" / f"{n}.pt").exists()]
+def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, Any]:
+    """Run the finish command (the parameter average's evaluation); its last stdout line is JSON.
+
+    It has a PID file (pids/finish.pid) like the nodes, and a stop signal
+    ends it (SIGTERM, then SIGKILL after the grace period).
+    """
+    run_dir = Path(spec.run_dir)
+    missing = [n for n in spec.local_names if not (run_dir / "models" / f"{n}.pt").exists()]
     if missing:
         return {"error": f"no final weights from {', '.join(missing)}"}
     view.message("dpwa: evaluating the parameter average of all nodes")
-    argv = spec.argv(spec.finish_command)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, **spec.env}, start_new_session=True)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": str(exc)}
-    lines = done.stdout.strip().splitlines()
+        proc = subprocess.Popen(spec.argv(spec.finish_command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **spec.env},
+                                start_new_session=True)
+    except OSError as exc:
+        return {"error": f"cannot run {spec.finish_command[0]}: {exc}"}
+    write_pid_file(run_dir / "pids" / "finish.pid", proc.pid)
+    output: list[tuple[str, str]] = []
+    communicate = threading.Thread(target=lambda: output.append(proc.communicate()), daemon=True)
+    communicate.start()  # reads both pipes, so a chatty command cannot block on a full pipe
+    stopped_at = None
+    while communicate.is_alive():
+        if signals.first and stopped_at is None:
+            proc.terminate()
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at > spec.grace_s:
+            proc.kill()
+        communicate.join(0.1)
+    if stopped_at is not None:
+        return {"error": "stopped during the evaluation"}
+    stdout, stderr = output[0]
+    lines = stdout.strip().splitlines()
     try:
-        if done.returncode != 0 or not lines:
-            raise ValueError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit code {done.returncode}")
+        if proc.returncode != 0 or not lines:
+            raise ValueError(stderr.strip().splitlines()[-1] if stderr.strip() else f"exit code {proc.returncode}")
         return json.loads(lines[-1])
     except ValueError as exc:
         return {"error": str(exc)}
@@ -413,14 +443,18 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
                                       start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
     deadline = time.monotonic() + timeout_s
-    while not all(p.exists() for p in pid_files):
-        if supervisor.poll() is not None or time.monotonic() > deadline:
-            out.write(f"dpwa: the background launcher did not start the nodes; see {run_dir / 'logs' / 'launcher.log'}:\n"
-                      f"{tail(run_dir / 'logs' / 'launcher.log', 10)}\n")
-            if supervisor.poll() is None:
-                supervisor.terminate()
-            return 1
-        time.sleep(0.05)
+    try:
+        while not all(p.exists() for p in pid_files):
+            if supervisor.poll() is not None or time.monotonic() > deadline:
+                out.write(f"dpwa: the background launcher did not start the nodes; see {run_dir / 'logs' / 'launcher.log'}:\n"
+                          f"{tail(run_dir / 'logs' / 'launcher.log', 10)}\n")
+                if supervisor.poll() is None:
+                    supervisor.terminate()  # it stops whatever it started
+                return 1
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        out.write(f"\ndpwa: the cluster goes on starting in the background; ./stop.sh {run_dir} stops it\n")
+        return 130
     out.write(f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
               f"run folder {run_dir}\n"
               f"  progress:  python -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"

@@ -130,11 +130,12 @@ class LiveView:
         self.out.write(text + "\n")
         self.out.flush()
 
-    def update(self, nodes: list[NodeState], force: bool = False) -> None:
+    def update(self, nodes: list[NodeState], force: bool = False, final: bool = False) -> None:
+        """Show the table: always on a terminal, when due (or `force`) otherwise. `final`: the last one."""
         lines = table(nodes)
         if self.tty:
             self._erase()
-            lines.append(f"elapsed {self.elapsed():.0f} s; Ctrl-C stops every node")
+            lines.append(f"elapsed {self.elapsed():.0f} s" + ("" if final else "; Ctrl-C stops every node"))
             self.out.write("".join(line + "\n" for line in lines))
             self._drawn = len(lines)
         elif force or time.monotonic() - self._last_print >= self.every_s:
@@ -202,7 +203,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     notes = [f"run folder {summary['run_dir']}, {summary['elapsed_s']:.0f} s; "
-             f"{summary['exchanges']} exchanges done (averaged), {summary['failed']} fetches failed"]
+             f"exchanges: {summary['exchanges']} done (averaged), {summary['failed']} failed"]
     if "test_acc" in average:
         notes.append("'average': one model whose weights are the mean of every node's final weights")
     elif average.get("error"):

@@ -210,3 +210,26 @@ def test_live_view_redraws_in_place_on_a_terminal_and_prints_lines_otherwise(tmp
     lines = plain.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("[") and "w1" in lines[0] and "starting" in lines[0]
     assert "\x1b" not in plain.getvalue()
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_average_evaluation_stops_that_too(tmp_path):
+    slow_average = [sys.executable, "-c", "import time; time.sleep(60)"]
+    spec = make_spec(tmp_path, ["finish", "finish"], finish_command=slow_average)
+    finish_pid = os.path.join(spec.run_dir, "pids", "finish.pid")
+
+    def signal_once_evaluating():
+        if wait_until(lambda: os.path.exists(finish_pid), 30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_once_evaluating)
+    sender.start()
+    try:
+        code = launch.run(spec, out=io.StringIO(), tty=False)
+    finally:
+        sender.join()
+    assert code == 128 + signal.SIGTERM
+    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    assert summary["average"] == {"error": "stopped during the evaluation"}
+    pid, start = launch.read_pid_file(finish_pid)
+    assert launch.process_start(pid) != start  # the evaluation process is gone too

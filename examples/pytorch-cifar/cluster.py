@@ -82,8 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--nodes and --base-port describe a generated config; with --config the file says both")
     if args.nodes is not None and args.nodes < 1:
         p.error(f"--nodes must be at least 1, got {args.nodes}")
-    if args.base_port is not None and not 1024 <= args.base_port <= 65535 - (args.nodes or default_nodes()):
-        p.error(f"--base-port must leave room for every node in 1024..65535, got {args.base_port}")
+    if args.base_port is not None and not 1 <= args.base_port <= 65536 - (args.nodes or default_nodes()):
+        p.error(f"--base-port must leave room for every node below 65536, got {args.base_port}")
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
     return args

@@ -97,17 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, help="a run folder (uses its models/*.pt) or checkpoint files")
     parser.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
                         help="CIFAR-10 batches folder (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--device", default="auto", help="auto (a GPU when available), cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     files: list[Path] = []
     for path in args.paths:
+        if not path.exists():
+            print(f"evaluate.py: {path}: no such run folder or checkpoint", file=sys.stderr)
+            return 1
         files += sorted((path / "models").glob("*.pt")) if path.is_dir() else [path]
     try:
         if not files:
             raise ValueError(f"{', '.join(map(str, args.paths))}: no models/*.pt found; did the nodes finish?")
         saved = average_checkpoints(files)
         data = datasets.load(saved["data"], args.data_dir)
-        device = torch.device(args.device)
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
         acc, loss = evaluate(build_from(saved).to(device), data, device)
     except (ValueError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
