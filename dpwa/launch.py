@@ -111,7 +111,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     except OSError as exc:
-        raise OSError(f"cannot bind a port on {host}: {exc.strerror or exc} (is {host} an address of this machine?)") from exc
+        raise OSError(f"cannot bind a port on {host}: {exc.strerror or exc} "
+                      f"(is {host} an address of this machine?)") from exc
     finally:
         for s in sockets:
             s.close()
@@ -446,8 +447,9 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
     try:
         while not all(p.exists() for p in pid_files):
             if supervisor.poll() is not None or time.monotonic() > deadline:
-                out.write(f"dpwa: the background launcher did not start the nodes; see {run_dir / 'logs' / 'launcher.log'}:\n"
-                          f"{tail(run_dir / 'logs' / 'launcher.log', 10)}\n")
+                log_path = run_dir / "logs" / "launcher.log"
+                out.write(f"dpwa: the background launcher did not start the nodes; see {log_path}:\n"
+                          f"{tail(log_path, 10)}\n")
                 if supervisor.poll() is None:
                     supervisor.terminate()  # it stops whatever it started
                 return 1

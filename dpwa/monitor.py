@@ -92,6 +92,10 @@ def _fmt(value: Any, spec: str, empty: str = "-") -> str:
     return empty if value is None else format(value, spec)
 
 
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.2f}%"
+
+
 def table(nodes: list[NodeState]) -> list[str]:
     """The live view's rows: one header, one line per node."""
     rows = [("node", "state", "epoch", "step", "loss", "exch/s", "failed", "test acc")]
@@ -103,7 +107,7 @@ def table(nodes: list[NodeState]) -> list[str]:
         rows.append((
             node.name, node.state, epoch, _fmt(step.get("step"), "d"), _fmt(step.get("loss"), ".4f"),
             _fmt(step.get("exchanges_per_s"), ".1f"), _fmt(step.get("failed"), "d"),
-            _fmt(None if acc is None else 100 * acc, ".2f") + ("%" if acc is not None else ""),
+            _percent(acc),
         ))
     minimum = (0, 10, 7, 6, 7, 6, 6, 8)  # steady columns while values grow
     widths = [max(minimum[i], *(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
@@ -192,9 +196,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows = [head]
     for r in summary["nodes"]:
         acc = r["test_acc"]
-        rows.append((r["node"], r["state"], _fmt(None if acc is None else 100 * acc, ".2f") + ("%" if acc is not None else ""),
-                     _fmt(r["test_loss"], ".4f"), str(r["epochs"]), str(r["steps"]), str(r["averaged"]),
-                     str(r["failed"]), _fmt(r["served"], "d")))
+        rows.append((r["node"], r["state"], _percent(acc), _fmt(r["test_loss"], ".4f"), str(r["epochs"]),
+                     str(r["steps"]), str(r["averaged"]), str(r["failed"]), _fmt(r["served"], "d")))
     average = summary.get("average") or {}
     if "test_acc" in average:
         rows.append(("average", f"{average.get('models', '?')} nodes", f"{100 * average['test_acc']:.2f}%",

@@ -20,7 +20,8 @@ from dpwa.monitor import LiveView, MetricsTail
 from conftest import HELPERS, make_config, wait_until
 
 FAKE = [sys.executable, str(HELPERS / "fake_node.py"), "{run_dir}", "{name}"]
-AVERAGE = [sys.executable, "-c", "import json; print('noise'); print(json.dumps({'models': 2, 'test_acc': 0.875, 'test_loss': 0.5}))"]
+AVERAGE = [sys.executable, "-c",  # some output, then the JSON line the launcher reads
+           "import json; print('noise'); print(json.dumps({'models': 2, 'test_acc': 0.875, 'test_loss': 0.5}))"]
 
 
 def make_spec(tmp_path, modes, **kwargs):
@@ -112,8 +113,8 @@ def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
     out = io.StringIO()
     assert launch.run(spec, out=out, tty=False) == 0
     summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
-    assert [(r["node"], r["state"], r["test_acc"], r["averaged"], r["failed"], r["served"]) for r in summary["nodes"]] == [
-        ("w1", "done", 0.5, 2, 1, 3), ("w2", "done", 0.75, 2, 1, 3)]
+    rows = [(r["node"], r["state"], r["test_acc"], r["averaged"], r["failed"], r["served"]) for r in summary["nodes"]]
+    assert rows == [("w1", "done", 0.5, 2, 1, 3), ("w2", "done", 0.75, 2, 1, 3)]
     assert summary["exchanges"] == 4 and summary["failed"] == 2
     assert summary["average"] == {"models": 2, "test_acc": 0.875, "test_loss": 0.5}
     text = out.getvalue()

@@ -43,38 +43,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="./run.sh", description="Start a local dpwa training cluster of the pytorch-cifar example.",
         epilog="Every node's own options: .venv/bin/python examples/pytorch-cifar/train.py --help")
     g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", type=int, help=f"number of nodes (default: one per core, at least 2; here {default_nodes()})")
-    g.add_argument("--host", default="127.0.0.1", help="address the nodes listen on and reach each other at (default: %(default)s)")
+    g.add_argument("--nodes", type=int,
+                   help=f"number of nodes (default: one per core, at least 2; here {default_nodes()})")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the nodes listen on and reach each other at (default: %(default)s)")
     g.add_argument("--base-port", type=int, help="ports BASE..BASE+N-1 (default: free ports picked at start)")
-    g.add_argument("--config", type=Path, help="use this cluster config (hosts, ports, settings) instead of writing one")
+    g.add_argument("--config", type=Path,
+                   help="use this cluster config (hosts, ports, settings) instead of writing one")
     g.add_argument("--only", help="with --config: the comma-separated nodes to start on this machine (default: all)")
-    g.add_argument("--fetch-probability", type=float, default=1.0, help="config: chance of a fetch per step (default: %(default)s)")
-    g.add_argument("--timeout-ms", type=int, default=1000, help="config: deadline of one fetch (default: %(default)s)")
+    g.add_argument("--fetch-probability", type=float, default=1.0,
+                   help="config: chance of a fetch per step (default: %(default)s)")
+    g.add_argument("--timeout-ms", type=int, default=1000,
+                   help="config: deadline of one fetch (default: %(default)s)")
     g.add_argument("--interpolation", default="constant", choices=("constant", "clock", "loss"),
                    help="config: how the blend factor is chosen (default: %(default)s)")
-    g.add_argument("--factor", type=float, default=0.5, help="config: constant.value, the blend factor (default: %(default)s)")
+    g.add_argument("--factor", type=float, default=0.5,
+                   help="config: constant.value, the blend factor f (default: %(default)s)")
     g = p.add_argument_group("processes")
     g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
     g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
-    g.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
+    g.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
     g.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where run folders go (default: %(default)s)")
     g.add_argument("--print-every", type=float, default=10.0,
                    help="seconds between progress lines when the output is not a terminal (default: %(default)s)")
     g = p.add_argument_group("training (passed to every train.py)")
     g.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
                    help="auto: cifar10 if prepare.sh has run, else the embedded digits (default: %(default)s)")
-    g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR, help="CIFAR-10 batches folder")
+    g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
+                   help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)")
     g.add_argument("--epochs", type=int, help="default: 20 on digits, 30 on cifar10")
     g.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
-    g.add_argument("--model", choices=("auto",) + models.MODELS, help="auto: resnet18 on a GPU, small on a CPU")
-    g.add_argument("--width", type=int, help="channels of the small model's first stage (default 16)")
+    g.add_argument("--model", choices=("auto",) + models.MODELS,
+                   help="auto (default): resnet18 on a GPU, small on a CPU")
+    g.add_argument("--width", type=int, help="channels of the small model's first stage (default: 16)")
     g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
     g.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 on digits, 0.1 on cifar10)")
-    g.add_argument("--shard", choices=("auto", "none"), help="auto: a disjoint part of the data per node; none: all of it")
-    g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
-    g.add_argument("--seed", type=int, help="initial weights, equal on every node (default 0)")
-    g.add_argument("--log-every", type=int, help="steps between metrics lines (default 5)")
-    g.add_argument("--linger-s", type=float, help="how long a finished node may keep serving slower peers (default 60)")
+    g.add_argument("--shard", choices=("auto", "none"),
+                   help="auto (default): a disjoint part of the data per node; none: all of it")
+    g.add_argument("--device", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
+    g.add_argument("--seed", type=int, help="initial weights, equal on every node (default: 0)")
+    g.add_argument("--log-every", type=int, help="steps between metrics lines (default: 5)")
+    g.add_argument("--linger-s", type=float,
+                   help="how long a finished node may keep serving slower peers (default: 60)")
     args = p.parse_args(argv)
     if args.config is None and args.only:
         p.error("--only needs --config (without --config every node runs here)")
@@ -111,7 +122,7 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
     mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
                "interpolation": args.interpolation, "constant": {"value": args.factor}}
-    parse_config(mapping, source="./run.sh options")  # e.g. --fetch-probability 2 fails here, before any file is written
+    parse_config(mapping, source="./run.sh options")  # --fetch-probability 2 fails here, before any file is written
     return mapping, []
 
 

@@ -83,7 +83,8 @@ def read_cifar_batch(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """One CIFAR-10 python batch file: images (N, 3, 32, 32) uint8 and labels (N,) int64."""
     try:
         with open(path, "rb") as fh:
-            batch = pickle.load(fh, encoding="bytes")  # noqa: S301 - the CIFAR-10 format; archive verified by prepare.sh
+            # The CIFAR-10 format is a pickle; prepare.sh verified the archive's MD5 before unpacking it.
+            batch = pickle.load(fh, encoding="bytes")  # noqa: S301
     except OSError as exc:
         raise FileNotFoundError(f"{path}: cannot read the CIFAR-10 batch ({exc.strerror}); "
                                 "run examples/pytorch-cifar/prepare.sh") from exc

@@ -110,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{', '.join(map(str, args.paths))}: no models/*.pt found; did the nodes finish?")
         saved = average_checkpoints(files)
         data = datasets.load(saved["data"], args.data_dir)
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(args.device)
         acc, loss = evaluate(build_from(saved).to(device), data, device)
     except (ValueError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)

@@ -41,6 +41,7 @@ from evaluate import checkpoint, evaluate
 
 import dpwa
 from dpwa import DpwaPyTorchAdapter
+from dpwa.transport import TransportError
 
 # Defaults per dataset: digits trains to about 97% in 20 short epochs on a CPU core.
 DEFAULTS = {
@@ -50,31 +51,35 @@ DEFAULTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="cluster YAML file (every node uses the same)")
     p.add_argument("--name", required=True, help="which node of the config this process is")
     p.add_argument("--run-dir", type=Path, help="write metrics/NAME.jsonl and models/NAME.pt here")
     p.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
-                   help="auto: cifar10 if prepared in --data-dir, else the embedded digits")
-    p.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR, help="CIFAR-10 batches folder")
+                   help="auto (default): cifar10 if prepared in --data-dir, else the embedded digits")
+    p.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
+                   help="CIFAR-10 batches folder (default: data/cifar-10-batches-py next to this script)")
     p.add_argument("--shard", default="auto", choices=("auto", "none"),
-                   help="auto: a disjoint part per node, by position in the config; none: all the data")
+                   help="auto (default): a disjoint part per node, by its position in the config; none: all the data")
     p.add_argument("--model", default="auto", choices=("auto",) + models.MODELS,
-                   help="auto: resnet18 on a GPU, small on a CPU")
-    p.add_argument("--width", type=int, default=16, help="channels of the small model's first stage")
+                   help="auto (default): resnet18 on a GPU, small on a CPU")
+    p.add_argument("--width", type=int, default=16,
+                   help="channels of the small model's first stage (default: %(default)s)")
     p.add_argument("--epochs", type=int, help="default: 20 on digits, 30 on cifar10")
     p.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
     p.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
     p.add_argument("--lr", type=float, help="peak learning rate, cosine decay to 0 (default: 0.05 digits, 0.1 cifar10)")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
-    p.add_argument("--seed", type=int, default=0, help="weights start equal on every node; data order differs")
-    p.add_argument("--device", default="auto", help="auto (a GPU when available), cpu, cuda or cuda:N")
-    p.add_argument("--log-every", type=int, default=5, help="steps between metrics lines")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, equal on every node; each node's data order differs (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="auto (default): a GPU when there is one (nodes take the GPUs in turn), else cpu; "
+                        "or cpu, cuda, cuda:N")
+    p.add_argument("--log-every", type=int, default=5, help="steps between metrics lines (default: %(default)s)")
     p.add_argument("--linger-s", type=float, default=60.0,
                    help="after the last epoch, keep serving peers that still train, until none has fetched "
-                        "for a while or this many seconds passed (0: exit at once)")
+                        "for a while or this many seconds passed (default: %(default)s; 0: exit at once)")
     args = p.parse_args(argv)
     for option in ("epochs", "steps_per_epoch", "batch_size", "width", "log_every"):
         value = getattr(args, option)
@@ -105,7 +110,7 @@ class StopFlag:
 
 
 class Metrics:
-    """One JSON object per line in RUN_DIR/metrics/NAME.jsonl, flushed at once (nothing is written without a run dir)."""
+    """One JSON object per line in RUN_DIR/metrics/NAME.jsonl, flushed at once (nothing without a run dir)."""
 
     def __init__(self, run_dir: Path | None, node: str) -> None:
         self.node = node
@@ -157,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("train")
 
-    config = dpwa.load_config(args.config)  # fails here, naming the file, if the config is wrong
-    index = [n.name for n in config.nodes].index(config.node(args.name).name)
+    try:
+        config = dpwa.load_config(args.config)  # a ConfigError names the file, the key and the problem
+        index = [n.name for n in config.nodes].index(config.node(args.name).name)
+    except dpwa.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     data_name = datasets.resolve(args.data, args.data_dir)
     defaults = DEFAULTS[data_name]
     epochs = args.epochs or defaults["epochs"]
@@ -167,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device, index)
     model_name = args.model if args.model != "auto" else ("resnet18" if device.type == "cuda" else "small")
 
-    data = datasets.load(data_name, args.data_dir)
+    try:
+        data = datasets.load(data_name, args.data_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        log.error("%s: %s", args.name, exc)
+        return 2
     if args.shard == "auto":
         data = data.shard(index, len(config.nodes), seed=args.seed)
     steps = datasets.steps_per_epoch(data, batch_size)
@@ -186,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     order = torch.Generator().manual_seed(args.seed * 1000 + index + 1)  # each node its own batch order
 
+    try:
+        conn = DpwaPyTorchAdapter(net, args.name, config)
+    except TransportError as exc:  # e.g. the port is in use
+        log.error("%s", exc)
+        return 2
     metrics = Metrics(args.run_dir, args.name)
     metrics.write("start", pid=os.getpid(), data=data_name, model=model_name, device=str(device),
                   parameters=models.count_parameters(net), train_images=len(data.train_y),
@@ -194,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
              args.name, data_name, "its shard" if args.shard == "auto" else "all the data", len(data.train_y),
              model_name, f"{models.count_parameters(net):,}", device, epochs, steps)
 
-    conn = DpwaPyTorchAdapter(net, args.name, config)
     step, loss_value = 0, None
     averaged, failed, averaged_with = 0, 0, collections.Counter()
     window_losses: list[float] = []
