@@ -114,7 +114,7 @@ def test_run_sh_trains_two_nodes_on_digits_that_average_with_each_other(tmp_path
     assert summary["average"]["models"] == 2 and summary["average"]["test_acc"] >= ACCURACY_FLOOR
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "summary.txt").read_text().startswith("node")
-    assert {p.stem for p in pid_files(runs)} == {"launcher", "w1", "w2"}
+    assert {p.stem for p in pid_files(runs)} == {"launcher", "w1", "w2", "finish"}  # finish: the average
     assert alive(runs) == []
     assert all(port_is_free(n.port) for n in config.nodes)
 
