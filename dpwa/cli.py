@@ -53,13 +53,16 @@ def plot(args: argparse.Namespace) -> int:
 @subcommand(arg("run_dir", type=Path, help="a run folder, such as runs/latest"))
 def status(args: argparse.Namespace) -> int:
     """Show a run's progress table once, and which of its processes are alive."""
-    from .launch import process_start, read_pid_file
+    from .launch import LaunchSpec, process_start, read_pid_file
     from .monitor import MetricsTail, table
 
     pids = Path(args.run_dir) / "pids"
     if not pids.is_dir():
         raise FileNotFoundError(f"{args.run_dir}: not a run folder (no pids/ in it)")
-    names = sorted(p.stem for p in pids.glob("*.pid") if p.stem != "launcher")
+    if (Path(args.run_dir) / "launch.json").exists():
+        names = LaunchSpec.load(args.run_dir).local_names
+    else:  # a PID file per node, besides the launcher's own processes
+        names = sorted(p.stem for p in pids.glob("*.pid") if p.stem not in ("launcher", "finish"))
     nodes = MetricsTail(args.run_dir, names).poll()
     for line in table(list(nodes.values())):
         print(line)

@@ -457,9 +457,11 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
     except KeyboardInterrupt:
         out.write(f"\ndpwa: the cluster goes on starting in the background; ./stop.sh {run_dir} stops it\n")
         return 130
+    python = os.path.relpath(sys.executable)
+    python = sys.executable if python.startswith("..") else python
     out.write(f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
               f"run folder {run_dir}\n"
-              f"  progress:  python -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
+              f"  progress:  {python} -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
               f"  stop:      ./stop.sh {run_dir}\n")
     out.flush()
     return 0

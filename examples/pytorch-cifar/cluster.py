@@ -3,7 +3,7 @@
     ./run.sh                                  # one node per core (at least 2), until done
     ./run.sh --nodes 3 --epochs 5             # three nodes, five epochs
     ./run.sh --detach                         # in the background; ./stop.sh stops it
-    ./run.sh --config samples/two-machines.yaml --only a   # this machine's node of a bigger cluster
+    ./run.sh --config samples/local-2.yaml    # a config of your own (here: two nodes, fixed ports)
     ./run.sh --help
 
 Writes a config for the nodes (127.0.0.1, free ports) into a new run folder

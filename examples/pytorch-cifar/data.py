@@ -12,7 +12,7 @@ Images stay uint8 until a batch is drawn; a batch is normalized and, when
 training, augmented on tensors (random crop from a zero-padded image,
 horizontal flip for CIFAR-10 only: a mirrored digit is another glyph).
 
-    python examples/pytorch-cifar/data.py --data digits     # prints the split sizes
+    .venv/bin/python examples/pytorch-cifar/data.py --data digits     # prints the split sizes
 """
 
 from __future__ import annotations

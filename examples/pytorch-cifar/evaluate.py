@@ -1,7 +1,7 @@
 """Test-set evaluation: of one model during training, or of the parameter average of a run's nodes.
 
     .venv/bin/python examples/pytorch-cifar/evaluate.py runs/latest
-    .venv/bin/python examples/pytorch-cifar/evaluate.py runs/latest/models/w0.pt
+    .venv/bin/python examples/pytorch-cifar/evaluate.py runs/latest/models/w1.pt
 
 The first averages every ``models/*.pt`` of the run folder (what each node
 saved at its end) and evaluates that one model; the second evaluates the files

@@ -3,7 +3,7 @@
 Both take any square input size (8x8 digits, 32x32 CIFAR-10) and any number
 of input channels: the last feature map is averaged over its whole extent.
 
-    python examples/pytorch-cifar/models.py      # prints each model's size
+    .venv/bin/python examples/pytorch-cifar/models.py      # prints each model's size
 """
 
 from __future__ import annotations

@@ -164,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = dpwa.load_config(args.config)  # a ConfigError names the file, the key and the problem
-        index = [n.name for n in config.nodes].index(config.node(args.name).name)
+        config.node(args.name)  # ... or lists the known node names
     except dpwa.ConfigError as exc:
         log.error("%s", exc)
         return 2
+    index = [n.name for n in config.nodes].index(args.name)  # picks this node's shard and GPU
     data_name = datasets.resolve(args.data, args.data_dir)
     defaults = DEFAULTS[data_name]
     epochs = args.epochs or defaults["epochs"]
@@ -266,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s: serving peers that still train (until none fetched for %.1f s)", args.name, idle_s)
             log.info("%s: stopped serving after %.1f s", args.name, linger(conn, stop, idle_s, args.linger_s))
         reason = f"stopped by {stop.signal_name}" if stop else "done"
+    except KeyboardInterrupt:  # the second Ctrl-C
+        reason = "stopped at once by a second SIGINT"
     finally:
         stats = conn.stats()
         conn.close()
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics.close()
         log.info("%s: %s after %d steps; averaged %d times (%s), %d fetches failed", args.name, reason, step,
                  averaged, ", ".join(f"{p}: {n}" for p, n in sorted(averaged_with.items())) or "none", failed)
-    return 0
+    return 130 if reason.endswith("second SIGINT") else 0
 
 
 if __name__ == "__main__":
