@@ -7,7 +7,7 @@
 # still matches, so a PID reused by an unrelated process is never touched.
 # Nothing is ever stopped by name.
 set -euo pipefail
-cd "$(dirname "$0")"
+root="$(cd "$(dirname "$0")" && pwd)"   # folders given are taken from the caller's directory
 
 grace=15
 dirs=()
@@ -23,7 +23,7 @@ while [ $# -gt 0 ]; do
 done
 case "$grace" in ''|*[!0-9]*) echo "stop.sh: --grace must be a whole number of seconds, got '$grace'" >&2; exit 2 ;; esac
 if [ ${#dirs[@]} -eq 0 ]; then
-    for d in runs/*/; do
+    for d in "$root"/runs/*/; do
         d="${d%/}"
         [ -L "$d" ] || [ ! -d "$d/pids" ] || dirs+=("$d")   # runs/latest is a link to one of them
     done

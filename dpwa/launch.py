@@ -11,9 +11,10 @@ The run folder::
     runs/<timestamp>/
         config.yaml           the cluster configuration every node reads
         launch.json           the spec (what was started, how)
-        pids/<node>.pid       "PID START" per node, and pids/launcher.pid for the
-                              launcher; START is the process start time, so a
-                              PID reused by another process is never signalled
+        pids/<node>.pid       "PID START" per node; pids/launcher.pid for the launcher
+                              and pids/finish.pid for the finish command. START is
+                              the process start time, so a PID reused by another
+                              process is never signalled (see stop.sh)
         logs/<node>.log       each node's stdout and stderr (launcher.log: detached launcher)
         metrics/<node>.jsonl  written by the nodes (fields: see dpwa.monitor)
         models/<node>.pt      written by the nodes
