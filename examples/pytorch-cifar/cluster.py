@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto: cifar10 if prepare.sh has run, else the embedded digits (default: %(default)s)")
     g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
                    help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)")
-    g.add_argument("--epochs", type=int, help="default: 20 on digits, 30 on cifar10")
+    g.add_argument("--epochs", type=int,
+                   help="default: 20 on digits (more if needed for 400 steps per node), 30 on cifar10")
     g.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
     g.add_argument("--model", choices=("auto",) + models.MODELS,
                    help="auto (default): resnet18 on a GPU, small on a CPU")
