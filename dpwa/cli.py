@@ -53,7 +53,8 @@ def plot(args: argparse.Namespace) -> int:
 @subcommand(arg("run_dir", type=Path, help="a run folder, such as runs/latest"))
 def status(args: argparse.Namespace) -> int:
     """Show a run's progress table once, and which of its processes are alive."""
-    from .launch import LaunchSpec, process_start, read_pid_file
+    from .launch import LaunchSpec
+    from .processes import process_start, read_pid_file
     from .monitor import MetricsTail, table
 
     pids = Path(args.run_dir) / "pids"

@@ -20,10 +20,8 @@ The run folder::
         models/<node>.pt      written by the nodes
         summary.json, summary.txt, curves.png   written at the end
 
-Each node runs in its own session (a terminal's Ctrl-C reaches only the
-launcher, which then stops the nodes in order), pinned to one core with
-``taskset`` where it exists, with ``OMP_NUM_THREADS=1``. Stopping sends
-SIGTERM to every node, waits `grace_s`, then sends SIGKILL to any left.
+The processes themselves (pinning, PID files, SIGTERM then SIGKILL) are
+:mod:`dpwa.processes`; the live view and the summary are :mod:`dpwa.monitor`.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ import dataclasses
 import json
 import os
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,11 +43,9 @@ import yaml
 
 from .config import ConfigError, parse_config
 from .monitor import LiveView, MetricsTail, format_summary, summarize
+from .processes import Cluster, tail, write_pid_file
 
-__all__ = ["LaunchSpec", "Cluster", "free_ports", "prepare", "run", "detach", "supervise",
-           "process_start", "read_pid_file"]
-
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+__all__ = ["LaunchSpec", "new_run_dir", "prepare", "run", "detach", "supervise"]
 
 
 @dataclass(frozen=True)
@@ -100,36 +94,7 @@ class LaunchSpec:
             raise ValueError(f"{path}: cannot read the launch spec: {exc}") from exc
 
 
-# --------------------------------------------------------------------------- ports, run folders, PID files
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports on `host` that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(s)
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-    except OSError as exc:
-        raise OSError(f"cannot bind a port on {host}: {exc.strerror or exc} "
-                      f"(is {host} an address of this machine?)") from exc
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def check_ports_free(host: str, ports: list[int]) -> None:
-    """Raise OSError naming the first port on `host` that a node could not bind."""
-    for port in ports:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                raise OSError(f"port {port} on {host} is not free ({exc.strerror}); another run may hold it: "
-                              "stop it (./stop.sh), choose another --base-port, or leave --base-port out") from exc
-
+# --------------------------------------------------------------------------- the run folder
 
 def new_run_dir(runs_dir: str | Path) -> Path:
     """A fresh runs_dir/<YYYYmmdd-HHMMSS> (with a suffix if that exists), and runs_dir/latest pointing to it."""
@@ -156,38 +121,6 @@ def new_run_dir(runs_dir: str | Path) -> Path:
     return path
 
 
-def process_start(pid: int) -> str | None:
-    """When process `pid` started, as a token that differs for a later process with the same PID; None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()  # the fields after "(command name)"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        if not Path("/proc/self/stat").exists():  # no /proc (macOS): ask ps
-            out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True)
-            return "_".join(out.stdout.split()) or None
-        return None
-    if fields[0] == b"Z":  # exited, not yet reaped
-        return None
-    return fields[19].decode()  # field 22 of stat: start time in clock ticks since boot
-
-
-def write_pid_file(path: Path, pid: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{pid} {process_start(pid) or '-'}\n")
-    tmp.replace(path)
-
-
-def read_pid_file(path: str | Path) -> tuple[int, str]:
-    """(PID, start time) from a PID file written by write_pid_file."""
-    text = Path(path).read_text()
-    try:
-        pid, start = text.split()
-        return int(pid), start
-    except ValueError:
-        raise ValueError(f"{path}: expected 'PID START', got {text.strip()!r}") from None
-
-
 def prepare(spec: LaunchSpec) -> LaunchSpec:
     """Check the configuration and write config.yaml and launch.json into the run folder."""
     run_dir = Path(spec.run_dir)
@@ -203,83 +136,6 @@ def prepare(spec: LaunchSpec) -> LaunchSpec:
         yaml.safe_dump(spec.config, fh, sort_keys=False, default_flow_style=None)
     spec.save()
     return spec
-
-
-# --------------------------------------------------------------------------- processes
-
-class Cluster:
-    """The node processes of one run: started in their own sessions, stopped by PID (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, spec: LaunchSpec) -> None:
-        self.spec = spec
-        self.run_dir = Path(spec.run_dir)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.cores = self._cores() if spec.pin else []
-        self.taskset = shutil.which("taskset") if spec.pin else None
-
-    @staticmethod
-    def _cores() -> list[int]:
-        if hasattr(os, "sched_getaffinity"):
-            return sorted(os.sched_getaffinity(0))
-        return list(range(os.cpu_count() or 1))
-
-    def pinning(self) -> str:
-        """How nodes are pinned, in words."""
-        if not self.spec.pin:
-            return "not pinned (--no-pin)"
-        if not self.taskset:
-            return "not pinned (taskset not found)"
-        cores = [self.cores[i % len(self.cores)] for i in range(len(self.spec.local_names))]
-        return "pinned to cores " + ", ".join(map(str, cores)) + " (taskset)"
-
-    def start(self) -> None:
-        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", **self.spec.env}
-        for i, name in enumerate(self.spec.local_names):
-            argv = self.spec.argv(self.spec.command, name)
-            if self.taskset:
-                argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
-            with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
-            self.procs[name] = proc
-            write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)
-
-    def exited(self) -> dict[str, int]:
-        """Exit codes of the nodes that have exited so far."""
-        return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
-
-    def alive(self) -> list[str]:
-        return [name for name, p in self.procs.items() if p.poll() is None]
-
-    def signal(self, sig: int) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:  # not yet reaped, so the PID is still ours
-                try:
-                    proc.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-
-    def stop(self, grace_s: float | None = None) -> list[str]:
-        """SIGTERM every node, SIGKILL those still alive after `grace_s`; returns the names that needed SIGKILL."""
-        grace_s = self.spec.grace_s if grace_s is None else grace_s
-        self.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self.alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        killed = self.alive()
-        if killed:
-            self.signal(signal.SIGKILL)
-        for proc in self.procs.values():
-            proc.wait()
-        return killed
-
-
-def tail(path: Path, lines: int = 5) -> str:
-    try:
-        text = path.read_text(errors="replace").rstrip("\n").split("\n")
-    except OSError:
-        return ""
-    return "\n".join("    " + line for line in text[-lines:])
 
 
 # --------------------------------------------------------------------------- foreground run
@@ -311,7 +167,8 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
     write_pid_file(run_dir / "pids" / "launcher.pid", os.getpid())
-    cluster = Cluster(spec)
+    cluster = Cluster(run_dir, {name: spec.argv(spec.command, name) for name in spec.local_names},
+                      pin=spec.pin, grace_s=spec.grace_s, env=spec.env)
     metrics = MetricsTail(run_dir, spec.local_names)
     view = LiveView(out, tty=tty, every_s=spec.print_every_s)
     signals = _Signals()

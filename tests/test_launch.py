@@ -1,4 +1,4 @@
-"""The launcher (dpwa.launch) and the live view (dpwa.monitor), driven with stand-in nodes that need no torch."""
+"""The launcher (dpwa.launch, dpwa.processes) and the live view (dpwa.monitor), with stand-in nodes that need no torch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from dpwa import ConfigError, load_config
-from dpwa import launch
+from dpwa import launch, processes
 from dpwa.monitor import LiveView, MetricsTail
 
 from conftest import HELPERS, make_config, wait_until
@@ -48,9 +48,9 @@ def log_says(spec, name, text):
 # --------------------------------------------------------------------------- ports, folders, PID files
 
 def test_free_ports_are_distinct_and_bindable():
-    ports = launch.free_ports(5)
+    ports = processes.free_ports(5)
     assert len(set(ports)) == 5
-    launch.check_ports_free("127.0.0.1", ports)
+    processes.check_ports_free("127.0.0.1", ports)
 
 
 def test_a_busy_port_is_named_with_the_way_out():
@@ -59,7 +59,7 @@ def test_a_busy_port_is_named_with_the_way_out():
         listener.listen()
         port = listener.getsockname()[1]
         with pytest.raises(OSError, match=rf"port {port} on 127.0.0.1 is not free.*--base-port"):
-            launch.check_ports_free("127.0.0.1", [port])
+            processes.check_ports_free("127.0.0.1", [port])
 
 
 def test_each_run_gets_a_fresh_folder_and_latest_points_to_the_newest(tmp_path):
@@ -70,18 +70,18 @@ def test_each_run_gets_a_fresh_folder_and_latest_points_to_the_newest(tmp_path):
 
 
 def test_a_pid_file_identifies_its_process_and_no_other(tmp_path):
-    launch.write_pid_file(tmp_path / "me.pid", os.getpid())
-    pid, start = launch.read_pid_file(tmp_path / "me.pid")
-    assert pid == os.getpid() and launch.process_start(pid) == start
+    processes.write_pid_file(tmp_path / "me.pid", os.getpid())
+    pid, start = processes.read_pid_file(tmp_path / "me.pid")
+    assert pid == os.getpid() and processes.process_start(pid) == start
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
-    assert launch.process_start(child.pid) is None  # reaped: gone
+    assert processes.process_start(child.pid) is None  # reaped: gone
     (tmp_path / "old.pid").write_text(f"{os.getpid()} 12345\n")  # our PID, another start time: a stale file
-    pid, start = launch.read_pid_file(tmp_path / "old.pid")
-    assert launch.process_start(pid) != start
+    pid, start = processes.read_pid_file(tmp_path / "old.pid")
+    assert processes.process_start(pid) != start
     (tmp_path / "bad.pid").write_text("garbage")
     with pytest.raises(ValueError, match="bad.pid: expected 'PID START'"):
-        launch.read_pid_file(tmp_path / "bad.pid")
+        processes.read_pid_file(tmp_path / "bad.pid")
 
 
 # --------------------------------------------------------------------------- the spec
@@ -121,8 +121,8 @@ def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
     assert "average  2 nodes  87.50%" in text and "w1 <- w2 2; w2 <- w1 2" in text
     assert open(os.path.join(spec.run_dir, "curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     for name in ("w1", "w2", "launcher"):
-        pid, start = launch.read_pid_file(os.path.join(spec.run_dir, "pids", f"{name}.pid"))
-        assert name == "launcher" or launch.process_start(pid) != start
+        pid, start = processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{name}.pid"))
+        assert name == "launcher" or processes.process_start(pid) != start
 
 
 @pytest.mark.slow
@@ -140,7 +140,7 @@ def test_a_failing_node_is_reported_with_the_end_of_its_log(tmp_path):
 @pytest.mark.slow
 def test_stop_sends_sigterm_then_sigkill_to_a_node_that_ignores_it(tmp_path):
     spec = make_spec(tmp_path, ["wait", "stubborn"])
-    cluster = launch.Cluster(spec)
+    cluster = processes.Cluster(spec.run_dir, {n: spec.argv(spec.command, n) for n in spec.names}, grace_s=5)
     try:
         cluster.start()
         assert wait_until(lambda: log_says(spec, "w1", "waiting") and log_says(spec, "w2", "waiting"), 30)
@@ -232,5 +232,5 @@ def test_a_signal_during_the_average_evaluation_stops_that_too(tmp_path):
     assert code == 128 + signal.SIGTERM
     summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
     assert summary["average"] == {"error": "stopped during the evaluation"}
-    pid, start = launch.read_pid_file(finish_pid)
-    assert launch.process_start(pid) != start  # the evaluation process is gone too
+    pid, start = processes.read_pid_file(finish_pid)
+    assert processes.process_start(pid) != start  # the evaluation process is gone too

@@ -26,7 +26,7 @@ import data as datasets  # noqa: E402
 import models  # noqa: E402
 
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
-from dpwa import launch  # noqa: E402
+from dpwa import launch, processes  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = ("model", "width", "epochs", "steps_per_epoch", "batch_size", "lr", "shard", "device", "seed",
@@ -117,9 +117,9 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     count = args.nodes or default_nodes()
     if args.base_port is not None:
         ports = list(range(args.base_port, args.base_port + count))
-        launch.check_ports_free(args.host, ports)
+        processes.check_ports_free(args.host, ports)
     else:
-        ports = launch.free_ports(count, args.host)
+        ports = processes.free_ports(count, args.host)
     nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
     mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
                "interpolation": args.interpolation, "constant": {"value": args.factor}}
