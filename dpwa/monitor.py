@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["NodeState", "MetricsTail", "LiveView", "summarize", "format_summary"]
+__all__ = ["NodeState", "MetricsTail", "LiveView", "table", "summarize", "format_summary"]
 
 
 @dataclass
