@@ -1,0 +1,7 @@
+"""``python -m dpwa``: the command line (see dpwa.cli)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""The dpwa command line: ``python -m dpwa SUBCOMMAND`` (also installed as ``dpwa``).
+
+    python -m dpwa --help
+    python -m dpwa plot runs/latest        # redraw runs/latest/curves.png from its metrics
+    python -m dpwa status runs/latest      # the progress table of a (detached) run, once
+
+A subcommand is one function decorated with :func:`subcommand`: its name is
+the command, the first line of its docstring the help, and the decorator's
+arguments its options. It returns the exit status; a ``ValueError`` or
+``OSError`` it raises is printed as ``dpwa NAME: message`` with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["main", "subcommand", "arg"]
+
+Handler = Callable[[argparse.Namespace], int]
+_COMMANDS: dict[str, tuple[Handler, tuple[tuple[tuple[str, ...], dict[str, Any]], ...]]] = {}
+
+
+def arg(*flags: str, **kwargs: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """One argument of a subcommand, as given to ``argparse.ArgumentParser.add_argument``."""
+    return flags, kwargs
+
+
+def subcommand(*arguments: tuple[tuple[str, ...], dict[str, Any]]) -> Callable[[Handler], Handler]:
+    """Register the decorated function as a subcommand named after it (underscores become dashes)."""
+
+    def register(fn: Handler) -> Handler:
+        _COMMANDS[fn.__name__.replace("_", "-")] = (fn, arguments)
+        return fn
+
+    return register
+
+
+@subcommand(
+    arg("run_dir", type=Path, help="a run folder, such as runs/latest"),
+    arg("--out", type=Path, help="where to write the PNG (default: RUN_DIR/curves.png)"),
+)
+def plot(args: argparse.Namespace) -> int:
+    """Draw a run's loss and accuracy curves per node (RUN_DIR/curves.png)."""
+    from .plot import draw
+
+    print(draw(args.run_dir, args.out))
+    return 0
+
+
+@subcommand(arg("run_dir", type=Path, help="a run folder, such as runs/latest"))
+def status(args: argparse.Namespace) -> int:
+    """Show a run's progress table once, and which of its processes are alive."""
+    from .launch import LaunchSpec
+    from .processes import process_start, read_pid_file
+    from .monitor import MetricsTail, table
+
+    pids = Path(args.run_dir) / "pids"
+    if not pids.is_dir():
+        raise FileNotFoundError(f"{args.run_dir}: not a run folder (no pids/ in it)")
+    if (Path(args.run_dir) / "launch.json").exists():
+        names = LaunchSpec.load(args.run_dir).local_names
+    else:  # a PID file per node, besides the launcher's own processes
+        names = sorted(p.stem for p in pids.glob("*.pid") if p.stem not in ("launcher", "finish"))
+    nodes = MetricsTail(args.run_dir, names).poll()
+    for line in table(list(nodes.values())):
+        print(line)
+    alive = []
+    for path in sorted(pids.glob("*.pid")):
+        pid, start = read_pid_file(path)
+        if process_start(pid) == start:
+            alive.append(f"{path.stem} (pid {pid})")
+    print("running: " + (", ".join(alive) if alive else "nothing"))
+    summary = Path(args.run_dir) / "summary.txt"
+    if summary.exists() and not alive:
+        print("\n" + summary.read_text().rstrip())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dpwa", description="dpwa: decentralized training by gossip averaging.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (fn, arguments) in _COMMANDS.items():
+        summary = (fn.__doc__ or "").strip().split("\n")[0]
+        command = sub.add_parser(name, help=summary, description=summary)
+        for flags, kwargs in arguments:
+            command.add_argument(*flags, **kwargs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    fn, _ = _COMMANDS[args.command]
+    try:
+        return fn(args)
+    except (ValueError, OSError) as exc:
+        print(f"dpwa {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

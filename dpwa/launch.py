@@ -1,0 +1,336 @@
+"""Start, watch and stop one process per dpwa node on this machine.
+
+A launch is a :class:`LaunchSpec`: the cluster's configuration (every node,
+local or not), which of its nodes to start here, and the command each runs.
+:func:`prepare` makes the run folder; :func:`run` runs the cluster in the
+foreground with a live view and a summary; :func:`detach` hands it to a
+background supervisor (``python -m dpwa.launch RUN_DIR``) and returns.
+
+The run folder::
+
+    runs/<timestamp>/
+        config.yaml           the cluster configuration every node reads
+        launch.json           the spec (what was started, how)
+        pids/<node>.pid       "PID START" per node; pids/launcher.pid for the launcher
+                              and pids/finish.pid for the finish command. START is
+                              the process start time, so a PID reused by another
+                              process is never signalled (see stop.sh)
+        logs/<node>.log       each node's stdout and stderr (launcher.log: detached launcher)
+        metrics/<node>.jsonl  written by the nodes (fields: see dpwa.monitor)
+        models/<node>.pt      written by the nodes
+        summary.json, summary.txt, curves.png   written at the end
+
+The processes themselves (pinning, PID files, SIGTERM then SIGKILL) are
+:mod:`dpwa.processes`; the live view and the summary are :mod:`dpwa.monitor`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from .config import ConfigError, parse_config
+from .monitor import LiveView, MetricsTail, format_summary, summarize
+from .processes import Cluster, tail, write_pid_file
+
+__all__ = ["LaunchSpec", "new_run_dir", "prepare", "run", "detach", "supervise"]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to start. Commands may hold the placeholders {name}, {index}, {config} and {run_dir}."""
+
+    run_dir: str  # the run folder (see the module docstring)
+    config: dict[str, Any]  # the cluster configuration in mapping form, every node included
+    command: list[str]  # argv of one node
+    local: list[str] = field(default_factory=list)  # nodes started on this machine; empty: all
+    finish_command: list[str] = field(default_factory=list)  # run once all nodes exited; last line JSON
+    pin: bool = True  # one core per node (taskset)
+    grace_s: float = 10.0  # between SIGTERM and SIGKILL
+    print_every_s: float = 10.0  # plain progress lines when the output is not a terminal
+    env: dict[str, str] = field(default_factory=dict)  # added to each node's environment
+
+    @property
+    def names(self) -> list[str]:
+        return [n["name"] for n in self.config["nodes"]]
+
+    @property
+    def local_names(self) -> list[str]:
+        return list(self.local) or self.names
+
+    def argv(self, argv: list[str], name: str | None = None) -> list[str]:
+        """`argv` with the placeholders filled in ({name} and {index} only when `name` is given)."""
+        values = {"{config}": str(Path(self.run_dir) / "config.yaml"), "{run_dir}": str(self.run_dir)}
+        if name is not None:
+            values.update({"{name}": name, "{index}": str(self.names.index(name))})
+        out = []
+        for arg in argv:
+            for key, value in values.items():
+                arg = arg.replace(key, value)
+            out.append(arg)
+        return out
+
+    def save(self) -> None:
+        Path(self.run_dir, "launch.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "LaunchSpec":
+        path = Path(run_dir) / "launch.json"
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: cannot read the launch spec: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- the run folder
+
+def new_run_dir(runs_dir: str | Path) -> Path:
+    """A fresh runs_dir/<YYYYmmdd-HHMMSS> (with a suffix if that exists), and runs_dir/latest pointing to it."""
+    runs = Path(runs_dir)
+    runs.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(1, 1000):
+        path = runs / (stamp if attempt == 1 else f"{stamp}-{attempt}")
+        try:
+            path.mkdir()
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise OSError(f"{runs}: cannot make a new run folder")
+    latest = runs / "latest"
+    tmp = runs / f".latest-{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path.name)
+        tmp.replace(latest)
+    except OSError:  # no symlinks here (some file systems): the folder itself is what matters
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def prepare(spec: LaunchSpec) -> LaunchSpec:
+    """Check the configuration and write config.yaml and launch.json into the run folder."""
+    run_dir = Path(spec.run_dir)
+    parse_config(spec.config, source=str(run_dir / "config.yaml"))  # a ConfigError names what is wrong
+    unknown = [n for n in spec.local if n not in spec.names]
+    if unknown:
+        raise ConfigError(f"{run_dir / 'config.yaml'}: no node named {', '.join(unknown)} "
+                          f"(known: {', '.join(spec.names)})")
+    for sub in ("pids", "logs", "metrics", "models"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "config.yaml", "w", encoding="utf-8") as fh:
+        fh.write("# written by the dpwa launcher; every node of this run reads it\n")
+        yaml.safe_dump(spec.config, fh, sort_keys=False, default_flow_style=None)
+    spec.save()
+    return spec
+
+
+# --------------------------------------------------------------------------- foreground run
+
+class _Signals:
+    """Records SIGINT, SIGTERM and SIGHUP instead of dying, so the launcher can stop its nodes first."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None  # the signal that asked to stop
+        self.interrupts = 0  # Ctrl-C presses: the second one means "kill now"
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.first = self.first or signum
+        self.interrupts += signum == signal.SIGINT
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) -> int:
+    """Run the cluster until every node exits or a signal stops it; then the summary and curves.png.
+
+    Returns 0 when every node exited with 0, 1 when one failed, 128 + the
+    signal number when stopped by a signal. Every started process is stopped
+    before this returns, whatever happens.
+    """
+    out = out or sys.stdout
+    run_dir = Path(spec.run_dir)
+    write_pid_file(run_dir / "pids" / "launcher.pid", os.getpid())
+    cluster = Cluster(run_dir, {name: spec.argv(spec.command, name) for name in spec.local_names},
+                      pin=spec.pin, grace_s=spec.grace_s, env=spec.env)
+    metrics = MetricsTail(run_dir, spec.local_names)
+    view = LiveView(out, tty=tty, every_s=spec.print_every_s)
+    signals = _Signals()
+    try:
+        view.message(f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
+                     f"{cluster.pinning()}; run folder {run_dir}")
+        view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
+        cluster.start()
+        _watch(spec, cluster, metrics, view, signals)
+        _conclude(spec, list(metrics.poll().values()), view, signals, out)
+    finally:
+        if cluster.alive():  # the launcher itself failed: never leave a node behind
+            cluster.stop()
+        signals.restore()
+    if signals.first:
+        return 128 + signals.first
+    return 0 if all(code == 0 for code in cluster.exited().values()) else 1
+
+
+def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView, signals: _Signals) -> None:
+    """Show progress until every node has exited; on a signal, SIGTERM them all, SIGKILL after the grace period."""
+    stopping_since: float | None = None
+    killed: list[str] = []
+    reported: set[str] = set()
+    while cluster.alive():
+        if signals.first and stopping_since is None:
+            view.message(f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
+                         f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)")
+            cluster.signal(signal.SIGTERM)
+            stopping_since = time.monotonic()
+        if stopping_since is not None and not killed:
+            if signals.interrupts > 1:
+                killed, why = cluster.alive(), "at the second Ctrl-C"
+            elif time.monotonic() - stopping_since > spec.grace_s:
+                killed, why = cluster.alive(), f"still running {spec.grace_s:g} s after SIGTERM"
+            if killed:
+                view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
+                cluster.signal(signal.SIGKILL)
+        _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+        view.update(list(metrics.poll().values()))
+        time.sleep(0.25)
+    _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+    view.update(list(metrics.poll().values()), force=True, final=True)
+    view.close()
+
+
+def _conclude(spec: LaunchSpec, nodes: list, view: LiveView, signals: _Signals, out: TextIO) -> None:
+    """Evaluate the parameter average (unless stopped), write and print the summary, draw curves.png."""
+    run_dir = Path(spec.run_dir)
+    elapsed = view.elapsed()
+    average = None
+    if spec.finish_command and not signals.first:
+        average = _finish(spec, view, signals)
+    elif spec.finish_command:
+        average = {"error": f"the run was stopped; to evaluate it anyway: {shlex.join(spec.argv(spec.finish_command))}"}
+    summary = summarize(nodes, average, elapsed, run_dir)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = format_summary(summary)
+    (run_dir / "summary.txt").write_text(text + "\n")
+    out.write("\n" + text + "\n")
+    try:
+        from .plot import draw
+
+        out.write(f"curves: {draw(run_dir)}\n")
+    except Exception as exc:  # the plot is a convenience: say why it is missing, keep the run's result
+        out.write(f"curves.png not drawn: {exc}\n")
+    out.flush()
+
+
+def _report_exits(cluster: Cluster, metrics: MetricsTail, view: LiveView, reported: set[str], run_dir: Path) -> None:
+    for name, code in cluster.exited().items():
+        if name in reported:
+            continue
+        reported.add(name)
+        metrics.nodes[name].exit_code = code
+        if code != 0 and code != -signal.SIGTERM:
+            log = run_dir / "logs" / f"{name}.log"
+            view.message(f"dpwa: {name} exited with code {code}; last lines of {log}:\n{tail(log)}")
+
+
+def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, Any]:
+    """Run the finish command (the parameter average's evaluation); its last stdout line is JSON.
+
+    It has a PID file (pids/finish.pid) like the nodes, and a stop signal
+    ends it (SIGTERM, then SIGKILL after the grace period).
+    """
+    run_dir = Path(spec.run_dir)
+    missing = [n for n in spec.local_names if not (run_dir / "models" / f"{n}.pt").exists()]
+    if missing:
+        return {"error": f"no final weights from {', '.join(missing)}"}
+    view.message("dpwa: evaluating the parameter average of all nodes")
+    try:
+        proc = subprocess.Popen(spec.argv(spec.finish_command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **spec.env},
+                                start_new_session=True)
+    except OSError as exc:
+        return {"error": f"cannot run {spec.finish_command[0]}: {exc}"}
+    write_pid_file(run_dir / "pids" / "finish.pid", proc.pid)
+    output: list[tuple[str, str]] = []
+    communicate = threading.Thread(target=lambda: output.append(proc.communicate()), daemon=True)
+    communicate.start()  # reads both pipes, so a chatty command cannot block on a full pipe
+    stopped_at = None
+    while communicate.is_alive():
+        if signals.first and stopped_at is None:
+            proc.terminate()
+            stopped_at = time.monotonic()
+        if stopped_at is not None and time.monotonic() - stopped_at > spec.grace_s:
+            proc.kill()
+        communicate.join(0.1)
+    if stopped_at is not None:
+        return {"error": "stopped during the evaluation"}
+    stdout, stderr = output[0]
+    lines = stdout.strip().splitlines()
+    try:
+        if proc.returncode != 0 or not lines:
+            raise ValueError(stderr.strip().splitlines()[-1] if stderr.strip() else f"exit code {proc.returncode}")
+        return json.loads(lines[-1])
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+# --------------------------------------------------------------------------- detached
+
+def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0) -> int:
+    """Start a background supervisor that runs the cluster; return once every node has started."""
+    out = out or sys.stdout
+    run_dir = Path(spec.run_dir)
+    with open(run_dir / "logs" / "launcher.log", "ab") as log:
+        supervisor = subprocess.Popen([sys.executable, "-m", "dpwa.launch", str(run_dir)],
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not all(p.exists() for p in pid_files):
+            if supervisor.poll() is not None or time.monotonic() > deadline:
+                log_path = run_dir / "logs" / "launcher.log"
+                out.write(f"dpwa: the background launcher did not start the nodes; see {log_path}:\n"
+                          f"{tail(log_path, 10)}\n")
+                if supervisor.poll() is None:
+                    supervisor.terminate()  # it stops whatever it started
+                return 1
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        out.write(f"\ndpwa: the cluster goes on starting in the background; ./stop.sh {run_dir} stops it\n")
+        return 130
+    python = os.path.relpath(sys.executable)
+    python = sys.executable if python.startswith("..") else python
+    out.write(f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
+              f"run folder {run_dir}\n"
+              f"  progress:  {python} -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
+              f"  stop:      ./stop.sh {run_dir}\n")
+    out.flush()
+    return 0
+
+
+def supervise(run_dir: str | Path) -> int:
+    """The detached launcher: run the cluster described by RUN_DIR/launch.json."""
+    return run(LaunchSpec.load(run_dir), tty=False)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m dpwa.launch RUN_DIR   (the background launcher of ./run.sh --detach)")
+    sys.exit(supervise(sys.argv[1]))

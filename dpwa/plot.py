@@ -1,0 +1,87 @@
+"""Draw a run's curves.png: training loss and test accuracy of every node over time.
+
+    python -m dpwa plot runs/latest                 # writes runs/latest/curves.png
+    python -m dpwa plot runs/latest --out /tmp/c.png
+
+Reads ``RUN_DIR/metrics/<node>.jsonl`` (step lines for the loss, eval lines
+for the accuracy; see :mod:`dpwa.monitor`) and, if present,
+``RUN_DIR/summary.json`` for the accuracy of the nodes' parameter average.
+Time is in seconds since the first node started. matplotlib is imported here
+only, with the file-only Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_metrics", "draw"]
+
+
+def load_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """Every node's metrics lines, by node name. Lines that are not JSON objects are skipped."""
+    folder = Path(run_dir) / "metrics"
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run folder")
+    files = sorted(folder.glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no metrics files (*.jsonl); did any node start?")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in files:
+        records = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a killed node
+            if isinstance(record, dict) and isinstance(record.get("t"), (int, float)):
+                records.append(record)
+        out[path.stem] = records
+    return out
+
+
+def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw loss and accuracy per node over time into `out` (default RUN_DIR/curves.png); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    metrics = load_metrics(run_dir)
+    t0 = min((r["t"] for records in metrics.values() for r in records), default=0.0)
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for node, records in metrics.items():
+        steps = [r for r in records if r.get("kind") == "step" and r.get("loss") is not None]
+        evals = [r for r in records if r.get("kind") == "eval" and r.get("test_acc") is not None]
+        line, = ax_loss.plot([r["t"] - t0 for r in steps], [r["loss"] for r in steps], label=node, linewidth=1)
+        ax_acc.plot([r["t"] - t0 for r in evals], [100 * r["test_acc"] for r in evals], marker="o",
+                    markersize=3, color=line.get_color(), label=node)
+    average = _average_accuracy(run_dir)
+    if average is not None:
+        ax_acc.axhline(100 * average, color="black", linestyle="--", linewidth=1,
+                       label=f"parameter average {100 * average:.2f}%")
+    ax_loss.set(title="training loss", xlabel="time (s)", ylabel="cross-entropy")
+    ax_acc.set(title="test accuracy", xlabel="time (s)", ylabel="accuracy (%)")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    losses = [r["loss"] for records in metrics.values() for r in records
+              if r.get("kind") == "step" and isinstance(r.get("loss"), (int, float))]
+    if losses and min(losses) > 0:
+        ax_loss.set_yscale("log")
+    fig.suptitle(f"dpwa run {run_dir.resolve().name}: {len(metrics)} nodes")
+    fig.tight_layout()
+    target = Path(out) if out is not None else run_dir / "curves.png"
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return target
+
+
+def _average_accuracy(run_dir: Path) -> float | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return float(summary["average"]["test_acc"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

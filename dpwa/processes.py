@@ -1,0 +1,173 @@
+"""Processes of a run: free ports, PID files that survive PID reuse, and the node processes themselves.
+
+A PID file holds one line, ``PID START``: START is when the process started
+(clock ticks since boot from ``/proc/PID/stat``, or ``ps -o lstart`` where
+there is no /proc). A process is signalled only while its start time still
+matches, so a stale file whose PID now belongs to another process is harmless;
+``stop.sh`` applies the same rule.
+
+Each node runs in its own session (a terminal's Ctrl-C reaches only the
+launcher, which then stops the nodes in order), pinned to one core with
+``taskset`` where it exists, with ``OMP_NUM_THREADS=1``. Stopping sends
+SIGTERM to every node, waits `grace_s`, then sends SIGKILL to any left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["Cluster", "free_ports", "check_ports_free", "process_start", "write_pid_file", "read_pid_file", "tail"]
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+# --------------------------------------------------------------------------- ports
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct TCP ports on `host` that were free a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    except OSError as exc:
+        raise OSError(f"cannot bind a port on {host}: {exc.strerror or exc} "
+                      f"(is {host} an address of this machine?)") from exc
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def check_ports_free(host: str, ports: list[int]) -> None:
+    """Raise OSError naming the first port on `host` that a node could not bind."""
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"port {port} on {host} is not free ({exc.strerror}); another run may hold it: "
+                              "stop it (./stop.sh), choose another --base-port, or leave --base-port out") from exc
+
+
+# --------------------------------------------------------------------------- PID files
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started, as a token that differs for a later process with the same PID; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()  # the fields after "(command name)"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        if not Path("/proc/self/stat").exists():  # no /proc (macOS): ask ps
+            out = subprocess.run(["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True)
+            return "_".join(out.stdout.split()) or None
+        return None
+    if fields[0] == b"Z":  # exited, not yet reaped
+        return None
+    return fields[19].decode()  # field 22 of stat: start time in clock ticks since boot
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{pid} {process_start(pid) or '-'}\n")
+    tmp.replace(path)
+
+
+def read_pid_file(path: str | Path) -> tuple[int, str]:
+    """(PID, start time) from a PID file written by write_pid_file."""
+    text = Path(path).read_text()
+    try:
+        pid, start = text.split()
+        return int(pid), start
+    except ValueError:
+        raise ValueError(f"{path}: expected 'PID START', got {text.strip()!r}") from None
+
+
+# --------------------------------------------------------------------------- node processes
+
+class Cluster:
+    """The node processes of one run: started in their own sessions, stopped by PID (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, run_dir: str | Path, commands: dict[str, list[str]], *, pin: bool = True,
+                 grace_s: float = 10.0, env: dict[str, str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.commands = commands  # argv per node name, in start order
+        self.pin = pin
+        self.grace_s = grace_s
+        self.env = env or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cores = self._cores() if pin else []
+        self.taskset = shutil.which("taskset") if pin else None
+
+    @staticmethod
+    def _cores() -> list[int]:
+        if hasattr(os, "sched_getaffinity"):
+            return sorted(os.sched_getaffinity(0))
+        return list(range(os.cpu_count() or 1))
+
+    def pinning(self) -> str:
+        """How nodes are pinned, in words."""
+        if not self.pin:
+            return "not pinned (--no-pin)"
+        if not self.taskset:
+            return "not pinned (taskset not found)"
+        cores = [self.cores[i % len(self.cores)] for i in range(len(self.commands))]
+        return "pinned to cores " + ", ".join(map(str, cores)) + " (taskset)"
+
+    def start(self) -> None:
+        """Start every node: output to logs/NAME.log, PID file pids/NAME.pid."""
+        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", **self.env}
+        for i, (name, argv) in enumerate(self.commands.items()):
+            if self.taskset:
+                argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
+            with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+            self.procs[name] = proc
+            write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)
+
+    def exited(self) -> dict[str, int]:
+        """Exit codes of the nodes that have exited so far."""
+        return {name: p.returncode for name, p in self.procs.items() if p.poll() is not None}
+
+    def alive(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is None]
+
+    def signal(self, sig: int) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:  # not yet reaped, so the PID is still ours
+                try:
+                    proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace_s: float | None = None) -> list[str]:
+        """SIGTERM every node, SIGKILL those still alive after `grace_s`; returns the names that needed SIGKILL."""
+        grace_s = self.grace_s if grace_s is None else grace_s
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = self.alive()
+        if killed:
+            self.signal(signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait()
+        return killed
+
+
+def tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip("\n").split("\n")
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])

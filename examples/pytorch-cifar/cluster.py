@@ -1,0 +1,158 @@
+"""Run the example as a cluster on this machine: what ./run.sh does once .venv is ready.
+
+    ./run.sh                                  # one node per core (at least 2), until done
+    ./run.sh --nodes 3 --epochs 5             # three nodes, five epochs
+    ./run.sh --detach                         # in the background; ./stop.sh stops it
+    ./run.sh --config samples/local-2.yaml    # a config of your own (here: two nodes, fixed ports)
+    ./run.sh --help
+
+Writes a config for the nodes (127.0.0.1, free ports) into a new run folder
+under runs/, starts examples/pytorch-cifar/train.py once per node, shows a
+live table, and at the end prints a summary (each node's test accuracy, and
+that of the average of their weights) and draws curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import data as datasets  # noqa: E402
+import models  # noqa: E402
+
+from dpwa import ConfigError, load_config, parse_config  # noqa: E402
+from dpwa import launch, processes  # noqa: E402
+
+# Options passed through to every train.py unchanged (None: train.py's default).
+TRAIN_OPTIONS = ("model", "width", "epochs", "steps_per_epoch", "batch_size", "lr", "shard", "device", "seed",
+                 "log_every", "linger_s")
+
+
+def default_nodes() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(2, cores)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="./run.sh", description="Start a local dpwa training cluster of the pytorch-cifar example.",
+        epilog="Every node's own options: .venv/bin/python examples/pytorch-cifar/train.py --help")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", type=int,
+                   help=f"number of nodes (default: one per core, at least 2; here {default_nodes()})")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address the nodes listen on and reach each other at (default: %(default)s)")
+    g.add_argument("--base-port", type=int, help="ports BASE..BASE+N-1 (default: free ports picked at start)")
+    g.add_argument("--config", type=Path,
+                   help="use this cluster config (hosts, ports, settings) instead of writing one")
+    g.add_argument("--only", help="with --config: the comma-separated nodes to start on this machine (default: all)")
+    g.add_argument("--fetch-probability", type=float, default=1.0,
+                   help="config: chance of a fetch per step (default: %(default)s)")
+    g.add_argument("--timeout-ms", type=int, default=1000,
+                   help="config: deadline of one fetch (default: %(default)s)")
+    g.add_argument("--interpolation", default="constant", choices=("constant", "clock", "loss"),
+                   help="config: how the blend factor is chosen (default: %(default)s)")
+    g.add_argument("--factor", type=float, default=0.5,
+                   help="config: constant.value, the blend factor f (default: %(default)s)")
+    g = p.add_argument_group("processes")
+    g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
+    g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
+    g.add_argument("--grace", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
+    g.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where run folders go (default: %(default)s)")
+    g.add_argument("--print-every", type=float, default=10.0,
+                   help="seconds between progress lines when the output is not a terminal (default: %(default)s)")
+    g = p.add_argument_group("training (passed to every train.py)")
+    g.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
+                   help="auto: cifar10 if prepare.sh has run, else the embedded digits (default: %(default)s)")
+    g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
+                   help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)")
+    g.add_argument("--epochs", type=int,
+                   help="default: 20 on digits (more if needed for 400 steps per node), 30 on cifar10")
+    g.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
+    g.add_argument("--model", choices=("auto",) + models.MODELS,
+                   help="auto (default): resnet18 on a GPU, small on a CPU")
+    g.add_argument("--width", type=int, help="channels of the small model's first stage (default: 16)")
+    g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 on digits, 0.1 on cifar10)")
+    g.add_argument("--shard", choices=("auto", "none"),
+                   help="auto (default): a disjoint part of the data per node; none: all of it")
+    g.add_argument("--device", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
+    g.add_argument("--seed", type=int, help="initial weights, equal on every node (default: 0)")
+    g.add_argument("--log-every", type=int, help="steps between metrics lines (default: 5)")
+    g.add_argument("--linger-s", type=float,
+                   help="how long a finished node may keep serving slower peers (default: 60)")
+    args = p.parse_args(argv)
+    if args.config is None and args.only:
+        p.error("--only needs --config (without --config every node runs here)")
+    if args.config is not None and (args.nodes or args.base_port):
+        p.error("--nodes and --base-port describe a generated config; with --config the file says both")
+    if args.nodes is not None and args.nodes < 1:
+        p.error(f"--nodes must be at least 1, got {args.nodes}")
+    if args.base_port is not None and not 1 <= args.base_port <= 65536 - (args.nodes or default_nodes()):
+        p.error(f"--base-port must leave room for every node below 65536, got {args.base_port}")
+    if args.grace < 0:
+        p.error(f"--grace must be >= 0, got {args.grace}")
+    return args
+
+
+def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The cluster configuration in mapping form, and the nodes to start here."""
+    if args.config is not None:
+        config = load_config(args.config)  # a ConfigError says what is wrong
+        nodes = [{"name": n.name, "host": n.host, "port": n.port, **({"bind": n.bind} if n.bind else {})}
+                 for n in config.nodes]
+        mapping = {"nodes": nodes, "fetch_probability": config.fetch_probability, "timeout_ms": config.timeout_ms,
+                   "interpolation": config.interpolation, "divergence_threshold": config.divergence_threshold,
+                   "constant": {"value": config.constant.value}}
+        local = [n.strip() for n in args.only.split(",")] if args.only else []
+        for name in local:
+            config.node(name)  # a ConfigError names the file and the known nodes
+        return mapping, local
+    count = args.nodes or default_nodes()
+    if args.base_port is not None:
+        ports = list(range(args.base_port, args.base_port + count))
+        processes.check_ports_free(args.host, ports)
+    else:
+        ports = processes.free_ports(count, args.host)
+    nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
+    mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
+               "interpolation": args.interpolation, "constant": {"value": args.factor}}
+    parse_config(mapping, source="./run.sh options")  # --fetch-probability 2 fails here, before any file is written
+    return mapping, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    data = datasets.resolve(args.data, args.data_dir)
+    try:
+        config, local = cluster_config(args)
+        if args.data == "auto" and data == "digits":
+            print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
+                  "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
+        run_dir = launch.new_run_dir(args.runs_dir)
+        command = [sys.executable, str(HERE / "train.py"), "--config", "{config}", "--name", "{name}",
+                   "--run-dir", "{run_dir}", "--data", data, "--data-dir", str(args.data_dir.resolve())]
+        for option in TRAIN_OPTIONS:
+            value = getattr(args, option)
+            if value is not None:
+                command += [f"--{option.replace('_', '-')}", str(value)]
+        spec = launch.prepare(launch.LaunchSpec(
+            run_dir=str(run_dir), config=config, command=command, local=local,
+            finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}",
+                            "--data-dir", str(args.data_dir.resolve())],
+            pin=not args.no_pin, grace_s=args.grace, print_every_s=args.print_every,
+        ))
+    except (ConfigError, OSError) as exc:
+        print(f"./run.sh: {exc}", file=sys.stderr)
+        return 2
+    return launch.detach(spec) if args.detach else launch.run(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

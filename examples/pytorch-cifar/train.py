@@ -1,0 +1,290 @@
+"""Train one dpwa node: a small ResNet (CPU) or the pre-activation ResNet-18 (GPU) on CIFAR-10 or digits.
+
+Every node of a cluster runs this script with the same config and its own
+--name. ``./run.sh`` starts one per core and shows them all; by hand, from the
+repository root (after ./run.sh or ./test.sh made .venv), in two terminals:
+
+    .venv/bin/python examples/pytorch-cifar/train.py --config samples/local-2.yaml --name w1 --epochs 5
+    .venv/bin/python examples/pytorch-cifar/train.py --config samples/local-2.yaml --name w2 --epochs 5
+
+    .venv/bin/python examples/pytorch-cifar/train.py --help
+
+A node trains on its own disjoint shard of the training images (its position
+in the config's node list; ``--shard none`` gives it all of them), exchanges
+parameters with a peer around every batch, and evaluates on the test set
+after every epoch. With ``--run-dir`` it appends one JSON line per logged
+step and per evaluation to RUN_DIR/metrics/NAME.jsonl and saves its final
+weights to RUN_DIR/models/NAME.pt. SIGTERM or Ctrl-C stops it after the
+current batch: it saves the weights, writes a last metrics line and closes
+the adapter; a second signal stops it at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import data as datasets
+import models
+from evaluate import checkpoint, evaluate
+
+import dpwa
+from dpwa import DpwaPyTorchAdapter
+from dpwa.transport import TransportError
+
+# Defaults per dataset. On digits, 2 nodes reach about 99% in 20 epochs of 22 steps; with more
+# nodes the shards shrink, so the default epochs grow until each node takes at least min_steps.
+DEFAULTS = {
+    "digits": {"epochs": 20, "min_steps": 400, "batch_size": 32, "lr": 0.05},
+    "cifar10": {"epochs": 30, "min_steps": 0, "batch_size": 128, "lr": 0.1},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="cluster YAML file (every node uses the same)")
+    p.add_argument("--name", required=True, help="which node of the config this process is")
+    p.add_argument("--run-dir", type=Path, help="write metrics/NAME.jsonl and models/NAME.pt here")
+    p.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
+                   help="auto (default): cifar10 if prepared in --data-dir, else the embedded digits")
+    p.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
+                   help="CIFAR-10 batches folder (default: data/cifar-10-batches-py next to this script)")
+    p.add_argument("--shard", default="auto", choices=("auto", "none"),
+                   help="auto (default): a disjoint part per node, by its position in the config; none: all the data")
+    p.add_argument("--model", default="auto", choices=("auto",) + models.MODELS,
+                   help="auto (default): resnet18 on a GPU, small on a CPU")
+    p.add_argument("--width", type=int, default=16,
+                   help="channels of the small model's first stage (default: %(default)s)")
+    p.add_argument("--epochs", type=int,
+                   help="default: 20 on digits (more if needed for 400 steps per node), 30 on cifar10")
+    p.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
+    p.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
+    p.add_argument("--lr", type=float, help="peak learning rate, cosine decay to 0 (default: 0.05 digits, 0.1 cifar10)")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=5e-4, help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="initial weights, equal on every node; each node's data order differs (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="auto (default): a GPU when there is one (nodes take the GPUs in turn), else cpu; "
+                        "or cpu, cuda, cuda:N")
+    p.add_argument("--log-every", type=int, default=5, help="steps between metrics lines (default: %(default)s)")
+    p.add_argument("--linger-s", type=float, default=60.0,
+                   help="after the last epoch, keep serving peers that still train, until none has fetched "
+                        "for a while or this many seconds passed (default: %(default)s; 0: exit at once)")
+    args = p.parse_args(argv)
+    for option in ("epochs", "steps_per_epoch", "batch_size", "width", "log_every"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            p.error(f"--{option.replace('_', '-')} must be at least 1, got {value}")
+    return args
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT, so training stops after the current batch.
+
+    A second Ctrl-C (SIGINT) stops at once; a repeated SIGTERM changes
+    nothing (a launcher and stop.sh may both send one; SIGKILL is the escalation).
+    """
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signum, signal.default_int_handler)
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+
+class Metrics:
+    """One JSON object per line in RUN_DIR/metrics/NAME.jsonl, flushed at once (nothing without a run dir)."""
+
+    def __init__(self, run_dir: Path | None, node: str) -> None:
+        self.node = node
+        self._fh = None
+        if run_dir is not None:
+            (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+            self._fh = open(run_dir / "metrics" / f"{node}.jsonl", "a", encoding="utf-8")
+
+    def write(self, kind: str, **fields: object) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"kind": kind, "t": round(time.time(), 3), "node": self.node, **fields}) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def linger(conn: DpwaPyTorchAdapter, stop: StopFlag, idle_s: float, limit_s: float) -> float:
+    """Serve peers that still train until none has fetched for `idle_s` (or `limit_s` passed); returns the time spent.
+
+    A node that finishes first and exits would cost each remaining peer a
+    fetch timeout per step; staying up while requests keep coming avoids it.
+    """
+    start = last_change = time.monotonic()
+    last = None
+    while not stop and time.monotonic() - start < limit_s:
+        stats = conn.stats()
+        served = stats["requests_served"] + stats["requests_rejected"]
+        if served != last:
+            last, last_change = served, time.monotonic()
+        elif time.monotonic() - last_change >= idle_s:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def pick_device(choice: str, index: int) -> torch.device:
+    if choice != "auto":
+        return torch.device(choice)
+    if torch.cuda.is_available():  # nodes on one machine share its GPUs round-robin
+        return torch.device(f"cuda:{index % torch.cuda.device_count()}")
+    return torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = StopFlag()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("train")
+
+    try:
+        config = dpwa.load_config(args.config)  # a ConfigError names the file, the key and the problem
+        config.node(args.name)  # ... or lists the known node names
+    except dpwa.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    index = [n.name for n in config.nodes].index(args.name)  # picks this node's shard and GPU
+    data_name = datasets.resolve(args.data, args.data_dir)
+    defaults = DEFAULTS[data_name]
+    batch_size = args.batch_size or defaults["batch_size"]
+    lr = args.lr if args.lr is not None else defaults["lr"]
+    device = pick_device(args.device, index)
+    model_name = args.model if args.model != "auto" else ("resnet18" if device.type == "cuda" else "small")
+
+    try:
+        data = datasets.load(data_name, args.data_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        log.error("%s: %s", args.name, exc)
+        return 2
+    if args.shard == "auto":
+        data = data.shard(index, len(config.nodes), seed=args.seed)
+    full_epoch = datasets.steps_per_epoch(data, batch_size)
+    if full_epoch == 0:
+        log.error("%s: %d training images are fewer than one batch of %d", args.name, len(data.train_y), batch_size)
+        return 2
+    steps = min(full_epoch, args.steps_per_epoch or full_epoch)
+    epochs = args.epochs or max(defaults["epochs"], math.ceil(defaults["min_steps"] / full_epoch))
+
+    torch.manual_seed(args.seed)  # same initial weights on every node
+    net = models.build(model_name, data.in_channels, data.num_classes, args.width).to(device)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay, nesterov=True)
+    total_steps = epochs * steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+    order = torch.Generator().manual_seed(args.seed * 1000 + index + 1)  # each node its own batch order
+
+    try:
+        conn = DpwaPyTorchAdapter(net, args.name, config)
+    except TransportError as exc:  # e.g. the port is in use
+        log.error("%s", exc)
+        return 2
+    metrics = Metrics(args.run_dir, args.name)
+    metrics.write("start", pid=os.getpid(), data=data_name, model=model_name, device=str(device),
+                  parameters=models.count_parameters(net), train_images=len(data.train_y),
+                  test_images=len(data.test_y), epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr)
+    log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps",
+             args.name, data_name, "its shard" if args.shard == "auto" else "all the data", len(data.train_y),
+             model_name, f"{models.count_parameters(net):,}", device, epochs, steps)
+
+    step, loss_value = 0, None
+    averaged, failed, averaged_with = 0, 0, collections.Counter()
+    window_losses: list[float] = []
+    window_start, window_averaged = time.monotonic(), 0
+    train_start = time.monotonic()
+    epoch, reason = 0, "error"
+    try:
+        for epoch in range(1, epochs + 1):
+            net.train()
+            for epoch_step, (x, y) in enumerate(datasets.batches(data, batch_size, order), start=1):
+                if stop or epoch_step > steps:
+                    break
+                conn.update_send(loss_value, batch_size=len(y))
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss = F.cross_entropy(net(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                loss_value = loss.item()
+                update = conn.update_wait(loss_value)
+                if update.averaged:
+                    averaged += 1
+                    averaged_with[update.peer] += 1
+                elif update.outcome != "no_fetch":
+                    failed += 1
+                step += 1
+                window_losses.append(loss_value)
+                if step % args.log_every == 0 or epoch_step == steps:
+                    now = time.monotonic()
+                    metrics.write("step", epoch=epoch, step=step, epoch_step=epoch_step,
+                                  loss=sum(window_losses) / len(window_losses),
+                                  lr=optimizer.param_groups[0]["lr"], averaged=averaged, failed=failed,
+                                  peers=dict(averaged_with),
+                                  exchanges_per_s=(averaged - window_averaged) / max(now - window_start, 1e-9),
+                                  clock=update.clock)
+                    window_losses, window_start, window_averaged = [], now, averaged
+            if stop:
+                break
+            result = evaluate(net, data, device, should_stop=lambda: bool(stop))
+            if result is None:
+                break
+            acc, test_loss = result
+            metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss)
+            log.info("%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
+                     "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
+                     loss_value, 100 * acc, test_loss, averaged, failed)
+        if not stop and args.linger_s > 0:
+            step_s = (time.monotonic() - train_start) / max(step, 1)
+            idle_s = max(2.0, 4 * step_s, 2 * config.timeout_s)
+            metrics.write("linger", idle_s=idle_s, limit_s=args.linger_s)
+            log.info("%s: serving peers that still train (until none fetched for %.1f s)", args.name, idle_s)
+            log.info("%s: stopped serving after %.1f s", args.name, linger(conn, stop, idle_s, args.linger_s))
+        reason = f"stopped by {stop.signal_name}" if stop else "done"
+    except KeyboardInterrupt:  # the second Ctrl-C
+        reason = "stopped at once by a second SIGINT"
+    finally:
+        stats = conn.stats()
+        conn.close()
+        if args.run_dir is not None:
+            (args.run_dir / "models").mkdir(parents=True, exist_ok=True)
+            saved = args.run_dir / "models" / f"{args.name}.pt"
+            torch.save(checkpoint(net, model_name, args.width, data), saved.with_suffix(".tmp"))
+            saved.with_suffix(".tmp").replace(saved)  # never a half-written file
+        metrics.write("end", reason=reason, epoch=epoch, step=step, averaged=averaged, failed=failed,
+                      peers=dict(averaged_with), stats=json.loads(json.dumps(stats, default=str)))
+        metrics.close()
+        log.info("%s: %s after %d steps; averaged %d times (%s), %d fetches failed", args.name, reason, step,
+                 averaged, ", ".join(f"{p}: {n}" for p, n in sorted(averaged_with.items())) or "none", failed)
+    return 130 if reason.endswith("second SIGINT") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

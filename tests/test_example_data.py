@@ -1,0 +1,201 @@
+"""The example's data, models and evaluation: CIFAR-10 files written here, the embedded digits, shards, augmentation."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from example_helpers import EXAMPLE, ROOT, cifar_pixel, write_cifar_batch, write_cifar_dir  # noqa: E402
+
+import data as datasets  # noqa: E402
+import evaluate  # noqa: E402
+import models  # noqa: E402
+
+from conftest import make_config  # noqa: E402
+
+
+# --------------------------------------------------------------------------- CIFAR-10 python batches
+
+def test_cifar_loader_reads_every_pixel_and_label_in_place(tmp_path):
+    folder = write_cifar_dir(tmp_path, per_batch=4, test=3)
+    assert datasets.cifar_is_prepared(folder)
+    data = datasets.load_cifar10(folder)
+    assert data.train_x.shape == (20, 3, 32, 32) and data.train_x.dtype == torch.uint8
+    assert data.test_x.shape == (3, 3, 32, 32)
+    assert data.train_y.tolist() == [i % 10 for i in range(20)]
+    assert data.test_y.tolist() == [0, 1, 2]
+    for i, c, y, x in [(0, 0, 0, 0), (5, 1, 7, 30), (19, 2, 31, 31), (12, 2, 0, 17)]:
+        assert data.train_x[i, c, y, x].item() == cifar_pixel(i, c, y, x)
+    assert data.test_x[2, 1, 4, 9].item() == cifar_pixel(1002, 1, 4, 9)
+    assert (data.crop_padding, data.flip, data.in_channels) == (4, True, 3)
+
+
+def test_cifar_normalize_uses_the_channel_statistics(tmp_path):
+    data = datasets.load_cifar10(write_cifar_dir(tmp_path))
+    x = data.normalize(data.train_x[:1])
+    expected = (cifar_pixel(0, 1, 2, 3) / 255.0 - datasets.CIFAR_MEAN[1]) / datasets.CIFAR_STD[1]
+    assert x[0, 1, 2, 3].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_cifar_errors_name_the_file_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="prepare.sh"):
+        datasets.load_cifar10(tmp_path / "nowhere")
+    folder = write_cifar_dir(tmp_path)
+    (folder / "data_batch_3").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="data_batch_3"):
+        datasets.load_cifar10(folder)
+    with open(folder / "data_batch_3", "wb") as fh:
+        pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, fh)
+    with pytest.raises(ValueError, match=r"data_batch_3.*\(N, 3072\)"):
+        datasets.load_cifar10(folder)
+    (folder / "test_batch").unlink()
+    assert not datasets.cifar_is_prepared(folder)
+    assert datasets.resolve("auto", folder) == "digits"
+    write_cifar_batch(folder / "test_batch", 0, 1)
+    write_cifar_batch(folder / "data_batch_3", 0, 1)
+    assert datasets.resolve("auto", folder) == "cifar10"
+
+
+# --------------------------------------------------------------------------- digits
+
+def test_digits_split_is_fixed_and_holds_every_row_once():
+    first, second = datasets.load_digits(), datasets.load_digits()
+    assert first.train_x.shape == (1437, 1, 8, 8) and first.test_x.shape == (360, 1, 8, 8)
+    assert torch.equal(first.test_x, second.test_x) and torch.equal(first.train_y, second.train_y)
+    counts = torch.bincount(torch.cat([first.train_y, first.test_y]), minlength=10).tolist()
+    assert counts == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]  # the UCI test part's class counts
+    assert int(first.train_x.max()) <= 16 and (first.crop_padding, first.flip) == (1, False)
+    x = first.normalize(first.train_x)
+    assert abs(x.mean().item()) < 1e-4 and abs(x.std().item() - 1) < 1e-3  # statistics of the training split
+
+
+def test_shards_are_disjoint_and_cover_the_training_set():
+    n = 250
+    base = datasets.Dataset("numbers", torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1), torch.arange(n),
+                            torch.zeros(1, 1, 1, 1, dtype=torch.uint8), torch.zeros(1, dtype=torch.long),
+                            scale=1.0, mean=(0.0,), std=(1.0,), crop_padding=0, flip=False)
+    parts = [set(base.shard(i, 3, seed=5).train_y.tolist()) for i in range(3)]
+    assert sorted(len(p) for p in parts) == [83, 83, 84]
+    assert set.union(*parts) == set(range(n)) and sum(map(len, parts)) == n
+    assert parts[1] == set(base.shard(1, 3, seed=5).train_y.tolist())  # every node computes the same split
+    shard = base.shard(2, 3, seed=5)
+    assert torch.equal(shard.train_x.view(-1).long(), shard.train_y)  # images stay with their labels
+    with pytest.raises(ValueError, match="shard index"):
+        base.shard(3, 3)
+
+
+# --------------------------------------------------------------------------- augmentation and batches
+
+def test_random_crop_is_a_window_of_the_zero_padded_image():
+    g = torch.Generator().manual_seed(1)
+    x = torch.arange(1, 1 + 8 * 2 * 5 * 5, dtype=torch.float32).view(8, 2, 5, 5)
+    out = datasets.augment(x, padding=2, flip=False, generator=g)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    offsets = set()
+    for i in range(8):
+        matches = [(dy, dx) for dy in range(5) for dx in range(5)
+                   if torch.equal(out[i], padded[i, :, dy:dy + 5, dx:dx + 5])]
+        assert len(matches) == 1, f"image {i} is not a crop"
+        offsets.add(matches[0])
+    assert len(offsets) > 1  # the offsets vary between images
+
+
+def test_flip_mirrors_some_images_and_leaves_the_others():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 3, 4, 4)
+    out = datasets.augment(x, padding=0, flip=True, generator=g)
+    mirrored = [torch.equal(out[i], x[i].flip(2)) for i in range(64)]
+    kept = [torch.equal(out[i], x[i]) for i in range(64)]
+    assert all(m or k for m, k in zip(mirrored, kept))
+    assert any(mirrored) and any(kept)
+
+
+def test_training_batches_are_full_and_test_batches_cover_everything():
+    data = datasets.load_digits()
+    g = torch.Generator().manual_seed(0)
+    sizes = [len(y) for _, y in datasets.batches(data, 100, g)]
+    assert sizes == [100] * 14 and datasets.steps_per_epoch(data, 100) == 14  # 1437 // 100; the rest is dropped
+    test = list(datasets.batches(data, 100, None, train=False))
+    assert [len(y) for _, y in test] == [100, 100, 100, 60]
+    assert torch.equal(torch.cat([y for _, y in test]), data.test_y)
+
+
+# --------------------------------------------------------------------------- models and evaluation
+
+@pytest.mark.parametrize("name", models.MODELS)
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32)])
+def test_models_take_digits_and_cifar_shapes(name, shape):
+    net = models.build(name, in_channels=shape[0])
+    assert net(torch.randn(2, *shape)).shape == (2, 10)
+
+
+def test_model_sizes_match_what_the_docs_say():
+    assert models.count_parameters(models.build("resnet18", 3)) == 11_172_170  # the original example's ResNet-18
+    assert models.count_parameters(models.build("small", 3)) < 100_000
+    with pytest.raises(ValueError, match="unknown model 'resnet50'"):
+        models.build("resnet50", 3)
+
+
+def _filled_checkpoint(path, value, width=4):
+    data = datasets.load_digits()
+    net = models.build("small", 1, width=width)
+    with torch.no_grad():
+        for t in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
+            t.fill_(value)
+        for name, b in net.named_buffers():
+            if not b.is_floating_point():
+                b.fill_(int(value) * 10)
+    torch.save(evaluate.checkpoint(net, "small", width, data), path)
+
+
+def test_average_of_checkpoints_is_the_arithmetic_mean(tmp_path):
+    _filled_checkpoint(tmp_path / "a.pt", 1.0)
+    _filled_checkpoint(tmp_path / "b.pt", 3.0)
+    saved = evaluate.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    for key, tensor in saved["state_dict"].items():
+        if tensor.is_floating_point():
+            assert torch.all(tensor == 2.0), key
+        else:
+            assert torch.all(tensor == 10), key  # counters come from the first checkpoint
+    evaluate.build_from(saved)  # loads into the model it names
+    _filled_checkpoint(tmp_path / "c.pt", 1.0, width=8)
+    with pytest.raises(ValueError, match="c.pt: a different model"):
+        evaluate.average_checkpoints([tmp_path / "a.pt", tmp_path / "c.pt"])
+    (tmp_path / "d.pt").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="d.pt"):
+        evaluate.average_checkpoints([tmp_path / "d.pt"])
+
+
+# --------------------------------------------------------------------------- train.py on CIFAR-format files
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_train_py_runs_on_cifar_files_and_writes_metrics_and_weights(tmp_path):
+    """One node (so no peer: every update is 'no_fetch') trains the ResNet-18 for two tiny
+    epochs on CIFAR-format files written here; checks the run outputs, not accuracy."""
+    folder = write_cifar_dir(tmp_path / "cifar", per_batch=4, test=3)
+    config = tmp_path / "one.json"
+    config.write_text(json.dumps(make_config(1)))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--config", str(config), "--name", "w0", "--data", "cifar10",
+           "--data-dir", str(folder), "--model", "resnet18", "--epochs", "2", "--batch-size", "4",
+           "--run-dir", str(run_dir), "--log-every", "1", "--linger-s", "0", "--device", "cpu"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "w0.jsonl").read_text().splitlines()]
+    kinds = [line["kind"] for line in lines]
+    assert kinds == ["start"] + ["step"] * 5 + ["eval"] + ["step"] * 5 + ["eval", "end"]
+    assert lines[0]["model"] == "resnet18" and lines[0]["steps_per_epoch"] == 5 and lines[0]["train_images"] == 20
+    assert lines[-1]["reason"] == "done" and lines[-1]["averaged"] == 0 and lines[-1]["failed"] == 0
+    assert all(0.0 <= line["test_acc"] <= 1.0 for line in lines if line["kind"] == "eval")
+    saved = evaluate.load_checkpoint(run_dir / "models" / "w0.pt")
+    assert saved["model"] == "resnet18" and saved["data"] == "cifar10" and saved["in_channels"] == 3

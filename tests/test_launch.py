@@ -1,0 +1,236 @@
+"""The launcher (dpwa.launch, dpwa.processes) and the live view (dpwa.monitor), with stand-in nodes that need no torch."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dpwa import ConfigError, load_config
+from dpwa import launch, processes
+from dpwa.monitor import LiveView, MetricsTail
+
+from conftest import HELPERS, make_config, wait_until
+
+FAKE = [sys.executable, str(HELPERS / "fake_node.py"), "{run_dir}", "{name}"]
+AVERAGE = [sys.executable, "-c",  # some output, then the JSON line the launcher reads
+           "import json; print('noise'); print(json.dumps({'models': 2, 'test_acc': 0.875, 'test_loss': 0.5}))"]
+
+
+def make_spec(tmp_path, modes, **kwargs):
+    """A prepared spec for nodes w1.. whose fake_node modes are `modes`, e.g. ["finish", "fail"]."""
+    config = make_config(len(modes))
+    for i, node in enumerate(config["nodes"]):
+        node["name"] = f"w{i + 1}"
+    run_dir = launch.new_run_dir(tmp_path / "runs")
+    by_name = json.dumps({f"w{i + 1}": mode for i, mode in enumerate(modes)})
+    command = [sys.executable, "-c",
+               "import json, os, sys; mode = json.loads(sys.argv[1])[sys.argv[3]]; "
+               "os.execv(sys.argv[4], sys.argv[4:] + [mode])",
+               by_name, "{run_dir}", "{name}"] + FAKE
+    spec = launch.LaunchSpec(run_dir=str(run_dir), config=config, command=command, grace_s=5, print_every_s=0.2,
+                             **kwargs)
+    return launch.prepare(spec)
+
+
+def log_says(spec, name, text):
+    path = os.path.join(spec.run_dir, "logs", f"{name}.log")
+    return os.path.exists(path) and text in open(path).read()
+
+
+# --------------------------------------------------------------------------- ports, folders, PID files
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = processes.free_ports(5)
+    assert len(set(ports)) == 5
+    processes.check_ports_free("127.0.0.1", ports)
+
+
+def test_a_busy_port_is_named_with_the_way_out():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(OSError, match=rf"port {port} on 127.0.0.1 is not free.*--base-port"):
+            processes.check_ports_free("127.0.0.1", [port])
+
+
+def test_each_run_gets_a_fresh_folder_and_latest_points_to_the_newest(tmp_path):
+    first = launch.new_run_dir(tmp_path)
+    second = launch.new_run_dir(tmp_path)  # within the same second: a suffix keeps them apart
+    assert first != second and first.is_dir() and second.is_dir()
+    assert (tmp_path / "latest").resolve() == second.resolve()
+
+
+def test_a_pid_file_identifies_its_process_and_no_other(tmp_path):
+    processes.write_pid_file(tmp_path / "me.pid", os.getpid())
+    pid, start = processes.read_pid_file(tmp_path / "me.pid")
+    assert pid == os.getpid() and processes.process_start(pid) == start
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert processes.process_start(child.pid) is None  # reaped: gone
+    (tmp_path / "old.pid").write_text(f"{os.getpid()} 12345\n")  # our PID, another start time: a stale file
+    pid, start = processes.read_pid_file(tmp_path / "old.pid")
+    assert processes.process_start(pid) != start
+    (tmp_path / "bad.pid").write_text("garbage")
+    with pytest.raises(ValueError, match="bad.pid: expected 'PID START'"):
+        processes.read_pid_file(tmp_path / "bad.pid")
+
+
+# --------------------------------------------------------------------------- the spec
+
+def test_placeholders_are_filled_and_the_spec_round_trips(tmp_path):
+    spec = make_spec(tmp_path, ["finish", "finish"], finish_command=["eval", "{run_dir}"])
+    argv = spec.argv(["x", "--name={name}", "{index}", "{config}", "{run_dir}/m"], "w2")
+    assert argv == ["x", "--name=w2", "1", f"{spec.run_dir}/config.yaml", f"{spec.run_dir}/m"]
+    assert spec.argv(spec.finish_command) == ["eval", spec.run_dir]
+    assert launch.LaunchSpec.load(spec.run_dir) == spec
+    config = load_config(os.path.join(spec.run_dir, "config.yaml"))
+    assert [n.name for n in config.nodes] == ["w1", "w2"] and config.timeout_ms == 1000
+
+
+def test_prepare_refuses_a_bad_config_or_an_unknown_local_node(tmp_path):
+    config = make_config(2)
+    config["nodes"][1]["port"] = 70000
+    with pytest.raises(ConfigError, match=r"nodes\[1\].port must be an integer in 1..65535, got 70000"):
+        launch.prepare(launch.LaunchSpec(run_dir=str(tmp_path), config=config, command=["x"]))
+    with pytest.raises(ConfigError, match="no node named w9"):
+        launch.prepare(launch.LaunchSpec(run_dir=str(tmp_path), config=make_config(2), command=["x"], local=["w9"]))
+
+
+# --------------------------------------------------------------------------- running
+
+@pytest.mark.slow
+def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
+    spec = make_spec(tmp_path, ["finish", "finish"], finish_command=AVERAGE)
+    out = io.StringIO()
+    assert launch.run(spec, out=out, tty=False) == 0
+    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    rows = [(r["node"], r["state"], r["test_acc"], r["averaged"], r["failed"], r["served"]) for r in summary["nodes"]]
+    assert rows == [("w1", "done", 0.5, 2, 1, 3), ("w2", "done", 0.75, 2, 1, 3)]
+    assert summary["exchanges"] == 4 and summary["failed"] == 2
+    assert summary["average"] == {"models": 2, "test_acc": 0.875, "test_loss": 0.5}
+    text = out.getvalue()
+    assert "average  2 nodes  87.50%" in text and "w1 <- w2 2; w2 <- w1 2" in text
+    assert open(os.path.join(spec.run_dir, "curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    for name in ("w1", "w2", "launcher"):
+        pid, start = processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{name}.pid"))
+        assert name == "launcher" or processes.process_start(pid) != start
+
+
+@pytest.mark.slow
+def test_a_failing_node_is_reported_with_the_end_of_its_log(tmp_path):
+    spec = make_spec(tmp_path, ["finish", "fail"], finish_command=AVERAGE)
+    out = io.StringIO()
+    assert launch.run(spec, out=out, tty=False) == 1
+    text = out.getvalue()
+    assert "w2 exited with code 3" in text and "w2: something went wrong" in text
+    assert "no final weights from w2" in text  # the average is not evaluated without every node's weights
+    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    assert summary["nodes"][1]["state"] == "failed (3)"
+
+
+@pytest.mark.slow
+def test_stop_sends_sigterm_then_sigkill_to_a_node_that_ignores_it(tmp_path):
+    spec = make_spec(tmp_path, ["wait", "stubborn"])
+    cluster = processes.Cluster(spec.run_dir, {n: spec.argv(spec.command, n) for n in spec.names}, grace_s=5)
+    try:
+        cluster.start()
+        assert wait_until(lambda: log_says(spec, "w1", "waiting") and log_says(spec, "w2", "waiting"), 30)
+        assert cluster.stop(grace_s=0.5) == ["w2"]
+    finally:
+        cluster.signal(signal.SIGKILL)
+    assert cluster.exited() == {"w1": 0, "w2": -signal.SIGKILL}
+    end = open(os.path.join(spec.run_dir, "metrics", "w1.jsonl")).read().splitlines()[-1]
+    assert json.loads(end)["reason"] == "stopped by SIGTERM"
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_launcher_stops_every_node_and_still_summarizes(tmp_path):
+    spec = make_spec(tmp_path, ["wait", "wait"], finish_command=AVERAGE)
+
+    def signal_once_both_wait():
+        if wait_until(lambda: log_says(spec, "w1", "waiting") and log_says(spec, "w2", "waiting"), 30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_once_both_wait)
+    sender.start()
+    out = io.StringIO()
+    try:
+        code = launch.run(spec, out=out, tty=False)
+    finally:
+        sender.join()
+    assert code == 128 + signal.SIGTERM
+    text = out.getvalue()
+    assert "SIGTERM: stopping 2 nodes" in text
+    assert "SIGKILL to" not in text  # both ended within the grace period
+    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    assert [r["state"] for r in summary["nodes"]] == ["stopped", "stopped"]
+    assert "the run was stopped" in summary["average"]["error"]
+
+
+# --------------------------------------------------------------------------- the live view
+
+def test_metrics_tail_reads_complete_lines_only(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    path = tmp_path / "metrics" / "w1.jsonl"
+    tail = MetricsTail(tmp_path, ["w1", "w2"])
+    assert tail.poll()["w1"].state == "starting"  # no file yet
+    line = json.dumps({"kind": "step", "t": 1.0, "node": "w1", "step": 7, "epoch": 2, "loss": 0.5})
+    path.write_text('{"kind": "start", "t": 0.5, "node": "w1", "epochs": 3}\n' + line[:10])
+    nodes = tail.poll()
+    assert nodes["w1"].state == "training" and nodes["w1"].step is None
+    with open(path, "a") as fh:
+        fh.write(line[10:] + "\nnot json\n")
+    nodes = tail.poll()
+    assert nodes["w1"].step["step"] == 7 and nodes["w1"].bad_lines == 1
+
+
+def test_live_view_redraws_in_place_on_a_terminal_and_prints_lines_otherwise(tmp_path):
+    nodes = list(MetricsTail(tmp_path, ["w1", "w2"]).poll().values())
+    screen = io.StringIO()
+    view = LiveView(screen, tty=True)
+    view.update(nodes)
+    view.update(nodes)
+    view.message("hello")
+    drawn = screen.getvalue()
+    assert drawn.count("\x1b[4F\x1b[J") == 2  # header, two nodes, the elapsed line: erased before each redraw
+    assert drawn.endswith("\x1b[4F\x1b[Jhello\n")
+    plain = io.StringIO()
+    view = LiveView(plain, tty=False, every_s=3600)
+    view.update(nodes)
+    assert plain.getvalue() == ""  # not due yet
+    view.update(nodes, force=True)
+    lines = plain.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[") and "w1" in lines[0] and "starting" in lines[0]
+    assert "\x1b" not in plain.getvalue()
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_average_evaluation_stops_that_too(tmp_path):
+    slow_average = [sys.executable, "-c", "import time; time.sleep(60)"]
+    spec = make_spec(tmp_path, ["finish", "finish"], finish_command=slow_average)
+    finish_pid = os.path.join(spec.run_dir, "pids", "finish.pid")
+
+    def signal_once_evaluating():
+        if wait_until(lambda: os.path.exists(finish_pid), 30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = threading.Thread(target=signal_once_evaluating)
+    sender.start()
+    try:
+        code = launch.run(spec, out=io.StringIO(), tty=False)
+    finally:
+        sender.join()
+    assert code == 128 + signal.SIGTERM
+    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    assert summary["average"] == {"error": "stopped during the evaluation"}
+    pid, start = processes.read_pid_file(finish_pid)
+    assert processes.process_start(pid) != start  # the evaluation process is gone too
