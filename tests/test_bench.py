@@ -1,0 +1,32 @@
+"""The benchmark runs end to end (small sizes). Speed is reported by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(300)
+def test_quick_benchmark_runs_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "dpwa.bench", "--quick", "--json", str(out)],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000]
+    for row in result["sizes"]:
+        assert row["copy_ms"] > 0 and row["zmq_ms"] > 0
+        for path in ("tcp", "same_host", "tcp_float16"):
+            assert set(row[path]) == {"update_send", "update_wait", "exchange"}
+    assert [r["nodes"] for r in result["scale"]] == [2, 4]
+    assert all(r["failed"] == 0 for r in result["scale"])
+    assert "x zmq" in proc.stdout
