@@ -11,6 +11,7 @@ from typing import Any
 from .config import Config, ConfigError, load_config, parse_config
 from .node import Node, Update
 from .params import FlatParams, NumpyParams
+from .transport import TransportError
 
 __version__ = "0.2.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "FlatParams",
     "Node",
     "NumpyParams",
+    "TransportError",
     "Update",
     "load_config",
     "parse_config",

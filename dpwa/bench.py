@@ -15,6 +15,11 @@ For each model size it measures, in the same run and on the same machine:
 (c) dpwa between two processes: ``update_send`` alone, ``update_wait`` alone
     and the full exchange, over TCP and over the same-host path.
 
+It also times a training step of the example (``examples/pytorch-cifar``,
+the small ResNet, one torch thread per process as ``run.sh`` runs it) with
+dpwa exchanging every step against a second training node, and the same loop
+without dpwa, alternating blocks of steps so both see the same machine.
+
 Every figure is a median over repetitions, and the ratios to (a) and (b) are
 printed beside it. Machines are shared and noisy: compare ratios taken in one
 run, not absolute times across runs. A second table scales the number of
@@ -42,6 +47,10 @@ import numpy as np
 
 SMALL = 100_000  # parameters of the small model
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pytorch-cifar"
+# (label, input shape, batch size, steps) of the training-overhead workloads
+WORKLOADS = (("digits, batch 32 (run.sh's default)", (1, 8, 8), 32, 200),
+             ("CIFAR-sized 3x32x32, batch 128", (3, 32, 32), 128, 40))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -124,6 +133,88 @@ def serve_node(config_path: str, size: int) -> None:
         node.update_wait()
         print("ready", flush=True)
         sys.stdin.read()
+
+
+def training_setup(shape: tuple[int, ...], batch: int, seed: int):
+    """The example's small model, an optimizer, and one fixed batch of the given shape."""
+    import torch
+
+    if str(EXAMPLE) not in sys.path:
+        sys.path.insert(0, str(EXAMPLE))
+    import models  # examples/pytorch-cifar/models.py
+
+    torch.manual_seed(seed)
+    net = models.build("small", in_channels=shape[0])
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return net, step
+
+
+def serve_training(config_path: str, shape: str, batch: int) -> None:
+    """A second training node: trains the example's model and exchanges every step until stdin closes."""
+    import torch
+
+    from dpwa import DpwaPyTorchAdapter
+
+    torch.set_num_threads(1)
+    net, step = training_setup(tuple(int(d) for d in shape.split("x")), batch, seed=1)
+    stdin_closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+    with DpwaPyTorchAdapter(net, "server", config_path) as conn:
+        loss = None
+        conn.update_send(loss)
+        conn.update_wait(loss)
+        print("ready", flush=True)
+        while not stdin_closed.is_set():
+            conn.update_send(loss)
+            loss = step()
+            conn.update_wait(loss)
+
+
+def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, Any] | None:
+    """Median step time of the example with and without dpwa, alternating one step of each."""
+    if not (EXAMPLE / "models.py").exists():
+        return None  # an installed package without the repository's examples
+    import torch
+
+    from dpwa import DpwaPyTorchAdapter
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as run.sh runs a node: one core each
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_pair_config(tmp, same_host=True)
+            with Child("--serve-training", path, "x".join(map(str, shape)), str(batch), env={"OMP_NUM_THREADS": "1"}):
+                net, step = training_setup(shape, batch, seed=0)
+                plain, with_dpwa, averaged = [], [], 0
+                with DpwaPyTorchAdapter(net, "client", path, rng=random.Random(0)) as conn:
+                    loss = None
+                    for i in range(steps + 3):  # the first 3 pairs warm up
+                        t0 = time.perf_counter()
+                        step()
+                        t1 = time.perf_counter()
+                        conn.update_send(loss)
+                        loss = step()
+                        update = conn.update_wait(loss)
+                        t2 = time.perf_counter()
+                        if i >= 3:
+                            plain.append(t1 - t0)
+                            with_dpwa.append(t2 - t1)
+                            averaged += update.averaged
+    finally:
+        torch.set_num_threads(threads)
+    a, b = median_ms(plain), median_ms(with_dpwa)
+    return {"parameters": sum(p.numel() for p in net.parameters()), "batch": batch, "shape": list(shape),
+            "steps": steps, "step_ms": a, "step_with_dpwa_ms": b, "overhead": b / a - 1.0,
+            "averaged_fraction": averaged / len(with_dpwa)}
 
 
 def write_pair_config(directory: str, *, same_host: bool, wire_dtype: str = "float32") -> str:
@@ -325,14 +416,18 @@ def machine() -> dict[str, Any]:
 
 
 def run(sizes: list[int], reps_small: int, reps_large: int, scale_sizes: list[int], scale_steps: int,
-        wire_dtypes: list[str]) -> dict[str, Any]:
-    results: dict[str, Any] = {"machine": machine(), "sizes": [], "scale": []}
+        wire_dtypes: list[str], training_steps: float = 1.0) -> dict[str, Any]:
+    results: dict[str, Any] = {"machine": machine(), "sizes": [], "scale": [], "training": []}
     for size in sizes:
         row = measure_size(size, reps_small if size <= 1_000_000 else reps_large, wire_dtypes)
         results["sizes"].append(row)
         print(format_size_row(row), flush=True)
     for n in scale_sizes:
         results["scale"].append(bench_scale(n, SMALL, scale_steps))
+    for label, shape, batch, steps in WORKLOADS:
+        row = bench_training(shape, batch, max(2, int(steps * training_steps)))
+        if row is not None:
+            results["training"].append({"workload": label, **row})
     return results
 
 
@@ -347,6 +442,15 @@ def format_size_row(row: dict[str, Any]) -> str:
         for key in ("update_send", "update_wait", "exchange"):
             v = row[path][key]
             lines.append(f"  {'(c) dpwa ' + key + ', ' + label:<38}{v:>9.2f}{v / a:>9.2f}{v / b:>9.2f}")
+    return "\n".join(lines)
+
+
+def format_training(rows: list[dict[str, Any]]) -> str:
+    lines = ["\nTraining step of the example (small ResNet, one thread per process), exchanging every step",
+             f"  {'workload':<38}{'params':>9}{'plain ms':>10}{'dpwa ms':>10}{'overhead':>10}{'averaged':>10}"]
+    for r in rows:
+        lines.append(f"  {r['workload']:<38}{r['parameters']:>9,}{r['step_ms']:>10.2f}{r['step_with_dpwa_ms']:>10.2f}"
+                     f"{100 * r['overhead']:>9.1f}%{100 * r['averaged_fraction']:>9.0f}%")
     return "\n".join(lines)
 
 
@@ -365,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions for large models (default 30)")
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-node", nargs=2, metavar=("CONFIG", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-training", nargs=3, metavar=("CONFIG", "SHAPE", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_raw:
         serve_raw(int(args.serve_raw[0]), int(args.serve_raw[1]))
@@ -372,11 +477,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_node:
         serve_node(args.serve_node[0], int(args.serve_node[1]))
         return 0
+    if args.serve_training:
+        serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]))
+        return 0
     if args.quick:
-        results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"])
+        results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02)
     else:
         results = run([SMALL, RESNET18], 200, args.reps or 30, [2, 4, 8, 16], 200, ["float16", "bfloat16"])
     print(format_scale(results["scale"]))
+    if results["training"]:
+        print(format_training(results["training"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"\nwrote {args.json}")

@@ -3,6 +3,7 @@
     python -m dpwa --help
     python -m dpwa plot runs/latest        # redraw runs/latest/curves.png from its metrics
     python -m dpwa status runs/latest      # the progress table of a (detached) run, once
+    python -m dpwa keygen w1 --dir keys    # a CURVE key pair: keys/w1.key and keys/w1.key_secret
 
 A subcommand is one function decorated with :func:`subcommand`: its name is
 the command, the first line of its docstring the help, and the decorator's
@@ -47,6 +48,22 @@ def plot(args: argparse.Namespace) -> int:
     from .plot import draw
 
     print(draw(args.run_dir, args.out))
+    return 0
+
+
+@subcommand(
+    arg("name", help="the node's name, as in the config"),
+    arg("--dir", type=Path, default=Path("."), help="where to write the key files (default: .)"),
+)
+def keygen(args: argparse.Namespace) -> int:
+    """Write a CURVE key pair for a node and print the lines for its config entry."""
+    from .keys import generate
+
+    public, secret, pair = generate(args.name, args.dir)
+    print(f"wrote {public} (public: share it) and {secret} (secret: mode 0600, keep it on {args.name}'s machine)")
+    print("in the config's nodes list, for this node:")
+    print(f'  public_key: "{pair.public.decode()}"')
+    print(f"  secret_key_file: {secret}")
     return 0
 
 

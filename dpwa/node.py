@@ -62,6 +62,7 @@ WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a fetch's dead
 MAX_SNAPSHOT_SLOTS = 6  # model copies kept for readers at most; past that, publishing is skipped
 SHM_ATTEMPTS = 4  # same-host fetches asked again when the slot was rewritten before we locked it
 EXCHANGE_TTL_MARGIN_S = 1.0  # an unconfirmed symmetric exchange is dropped this long after the deadline
+ALONE_BACKOFF_MAX_S = 30.0  # when every peer fails, probe at most this rarely (the interval doubles up to it)
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,8 @@ class Node:
         self._readers: dict[str, PeerSlots] = {}  # same-host peers whose slots we may read
         self._failing: set[str] = set()  # peers whose last fetch failed
         self._alone = False  # every peer is failing: we said so once
+        self._backoff_s = 0.0  # while alone: the interval between probes
+        self._next_probe = 0.0  # while alone: time.monotonic() of the next fetch attempt
         curve = self._load_curve()  # key problems are reported before any socket exists
 
         logger.info("%s: starting on %s; %s", name, self.spec.bind_endpoint, self.config.describe())
@@ -271,9 +274,16 @@ class Node:
                       "peers get the previous snapshot", self.name)
 
     def _fetch_decision(self) -> str | None:
-        """The peer to ask this step, or None (no peers, or the coin said no)."""
+        """The peer to ask this step, or None (no peers, the coin said no, or backing off)."""
         if not self.peers or self._rng.random() >= self.config.fetch_probability:
             return None
+        if self._alone:  # every peer failed last time: probe now and then instead of every step
+            now = time.monotonic()
+            if now < self._next_probe:
+                self.counters.add("fetches_skipped_alone")
+                return None
+            self._backoff_s = min(ALONE_BACKOFF_MAX_S, max(self.config.timeout_s, 2 * self._backoff_s))
+            self._next_probe = now + self._backoff_s
         return self._selector.choose()
 
     def _request_fields(self, peer: str) -> dict[str, Any]:
@@ -526,6 +536,7 @@ class Node:
             self._failing.discard(job.peer)
             if self._alone:
                 self._alone = False
+                self._backoff_s = 0.0
                 logger.warning("%s: %s answered: averaging again", self.name, job.peer)
             self._selector.success(job.peer)
             self.counters.add("fetches_ok")
@@ -537,8 +548,10 @@ class Node:
         self._failing.add(job.peer)
         if not self._alone and len(self._failing) == len(self.peers):
             self._alone = True
-            logger.warning("%s: the last fetch from each of the %d peers failed; training alone "
-                           "until one of them answers", self.name, len(self.peers))
+            self._next_probe = time.monotonic() + self.config.timeout_s
+            logger.warning("%s: the last fetch from each of the %d peers failed; training alone, "
+                           "and trying a peer now and then (at most every %.0f s) until one answers",
+                           self.name, len(self.peers), ALONE_BACKOFF_MAX_S)
         key = {"timeout": "fetches_timed_out", "rejected": "fetches_rejected",
                "refused": "fetches_refused"}.get(job.outcome, "fetches_failed")
         self.counters.add(key)

@@ -50,6 +50,7 @@ class Job:
     max_attempts: int = 1
     kind: str = "fetch"  # what the job is for, for whoever handles its outcome
     context: Any = None  # the submitter's data for on_done
+    on_finish: Callable[["Job"], None] | None = None  # runs just before `done` is set
     done: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.monotonic)
     outcome: str = ""
@@ -85,14 +86,20 @@ class Job:
         return value
 
     def finish(self, outcome: str, reason: str = "", value: Any = None) -> None:
+        """Record the outcome, run `on_finish` (so counters are current), then set `done`."""
         with self._lock:
             abandoned = self._cancelled
             self.outcome, self.reason = outcome, reason
             self.value = None if abandoned else value
             self.latency_s = time.monotonic() - self.started
-            self.done.set()
         if abandoned:
             _release(value)
+        if self.on_finish is not None:
+            try:
+                self.on_finish(self)
+            except Exception:
+                logger.exception("job callback failed")
+        self.done.set()
 
 
 def _release(value: Any) -> None:
@@ -115,7 +122,7 @@ class TxWorker:
         context: ZeroMQ context for the client sockets.
         endpoints: peer name -> endpoint to connect to.
         name: this node's name, for logs and the thread name.
-        on_done: called on the Tx thread with each finished job (scores, counters).
+        on_done: called with each finished job just before its ``done`` is set (scores, counters).
         max_reply_bytes: passed to every :class:`Requester`.
         socket_options: peer name -> options for its sockets (CURVE keys, say).
     """
@@ -145,6 +152,7 @@ class TxWorker:
         return self
 
     def submit(self, job: Job) -> None:
+        job.on_finish = self._on_done
         if self._stop.is_set():
             job.finish("cancelled", "the node is closing")
             return
@@ -204,10 +212,6 @@ class TxWorker:
                         stale.close()
                     if not job.done.is_set():
                         job.finish("failed", f"internal error: {type(exc).__name__}: {exc}")
-                try:
-                    self._on_done(job)
-                except Exception:
-                    logger.exception("%s: on_done callback failed", self.name)
         except Exception:
             logger.exception("%s: Tx thread failed", self.name)
         finally:

@@ -105,3 +105,17 @@ def test_status_shows_the_table_and_that_nothing_runs(tmp_path, capsys):
     assert out[-1] == "running: nothing"
     assert cli.main(["status", str(tmp_path)]) == 1
     assert "not a run folder" in capsys.readouterr().err
+
+
+def test_keygen_writes_keys_that_a_config_accepts(tmp_path):
+    from dpwa.keys import load_secret
+
+    proc = dpwa("keygen", "w1", "--dir", tmp_path / "keys")
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if "public_key:" in l)
+    public = line.split('"')[1]
+    secret = tmp_path / "keys" / "w1.key_secret"
+    assert f"secret_key_file: {secret}" in proc.stdout
+    assert load_secret(secret, public).public.decode() == public
+    again = dpwa("keygen", "w1", "--dir", tmp_path / "keys")
+    assert again.returncode == 1 and "exists" in again.stderr  # never overwrites a key

@@ -167,22 +167,28 @@ def test_a_partition_heals_into_consensus(nodes, proxies):
     assert all(node._server.alive and node._tx.alive for node in group)
 
 
-def test_all_peers_down_train_alone_warn_once_and_resume(nodes, caplog):
+def test_all_peers_down_train_alone_warn_once_back_off_and_resume(nodes, caplog):
+    """With every peer down the node trains alone, says so once, and backs off: it probes a
+    peer now and then (the interval doubles from timeout_ms) instead of paying a timeout
+    every step. When a peer returns, a probe finds it and averaging resumes."""
     cfg = make_config(3, timeout_ms=150)
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
     caplog.set_level(logging.WARNING, logger="dpwa")
+    t0 = time.monotonic()
     for _ in range(20):
         assert not bounded_step(node, delta=1.0).averaged
     assert np.all(mine == 20.0)  # every local step kept
+    stats = node.stats()
+    # without the back-off, 20 timeouts of 150 ms; with it, a few probes (the rest skipped)
+    assert stats["fetches_timed_out"] + stats["fetches_failed"] <= 5 and stats["fetches_skipped_alone"] >= 15
+    assert time.monotonic() - t0 < 20 * 0.15
     alone = [r for r in caplog.records if "training alone" in r.getMessage()]
     assert len(alone) == 1, [r.getMessage() for r in caplog.records]
 
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(40)))
     peer.update_send()
-    for _ in range(200):  # w1's score sank to the floor; it is still tried now and then
-        if bounded_step(node).averaged:
-            break
+    assert wait_until(lambda: bounded_step(node).averaged, 30)  # the next probe (within 30 s) finds it
     assert np.all(mine == 30.0)
     assert len([r for r in caplog.records if "averaging again" in r.getMessage()]) == 1
 

@@ -148,3 +148,37 @@ def test_unusable_models_are_refused_with_a_reason():
     meta = nn.Linear(2, 2, device="meta")
     with pytest.raises(ValueError, match="device meta is not supported"):
         TorchParams(meta)
+
+
+def test_add_scaled_diff_on_mixed_dtypes_and_layouts():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(2, 2).double())
+    net[0].to(memory_format=torch.channels_last)
+    params = TorchParams(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(1.0)
+    a = np.full(params.size, 5.0, np.float32)
+    b = np.full(params.size, 3.0, np.float32)
+    params.add_scaled_diff_from(a, b, 0.25)  # 1 + 0.25 * (5 - 3)
+    for p in net.parameters():
+        assert torch.all(p == 1.5)
+    half = np.full(params.size, 5.0, np.float16)
+    params.add_scaled_diff_from(half, b.astype(np.float16), 0.5, wire="float16")  # 1.5 + 0.5 * 2
+    for p in net.parameters():
+        assert torch.all(p == 2.5)
+
+
+def test_a_symmetric_delta_exchange_through_the_adapter(adapters, make_cluster):
+    """w0 (all 2) asks w1 (all 6), f = 1/2, blend delta: w0 moves to 4 at once, and w1 to 4
+    at its next update (the mirror image), buffers included."""
+    cfg = make_cluster(2, mode="symmetric", blend="delta")
+    my_net, peer_net = filled_net(2.0), filled_net(6.0)
+    peer = adapters(peer_net, "w1", {**cfg, "fetch_probability": 0})
+    peer.update_send()
+    mine = adapters(my_net, "w0", cfg)
+    mine.update_send()
+    assert mine.update_wait().averaged
+    peer.update_wait()
+    for net in (my_net, peer_net):
+        for t in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
+            assert torch.all(t == 4.0)

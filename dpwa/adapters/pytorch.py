@@ -67,8 +67,11 @@ class TorchParams(FlatParams):
         self._sizes = [t.numel() for t in self._tensors]
         self.size = sum(self._sizes)
         self.fingerprint = fingerprint((n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named)
-        self._float32 = [i for i, t in enumerate(self._tensors) if t.dtype == torch.float32]
-        self._other = [i for i, t in enumerate(self._tensors) if t.dtype != torch.float32]
+        # Contiguous float32 tensors are handled through 1-D views of themselves, with one foreach
+        # call; the rest (another dtype, or a channels_last layout) one by one in their own shape.
+        self._fast = [i for i, t in enumerate(self._tensors) if t.dtype == torch.float32 and t.is_contiguous()]
+        self._fast_targets = [self._tensors[i].view(-1) for i in self._fast]
+        self._slow = [i for i in range(len(self._tensors)) if i not in set(self._fast)]
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
@@ -84,9 +87,11 @@ class TorchParams(FlatParams):
                 self._buffers[key] = torch.empty(self.size, dtype=dtype, device=self.device)
         return self._buffers[key]
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """`flat` split into one view per tensor, each in that tensor's shape."""
-        return [v.view(t.shape) for v, t in zip(flat.split(self._sizes), self._tensors)]
+    def _pieces(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`flat` cut into per-tensor views: 1-D ones for the fast tensors, shaped ones for the rest."""
+        parts = flat.split(self._sizes)
+        fast = list(parts) if len(self._fast) == len(parts) else [parts[i] for i in self._fast]
+        return fast, [parts[i].view(self._tensors[i].shape) for i in self._slow]
 
     def allocate(self, size: int, dtype: np.dtype) -> np.ndarray:
         if self.device.type == "cuda":  # pinned, so device-to-host copies run at full speed
@@ -97,12 +102,14 @@ class TorchParams(FlatParams):
     @torch.no_grad()
     def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
         host = kernels.as_torch(out, wire)
-        if self.device.type == "cuda":
-            flat = self._buffer("device", wire)
-            torch._foreach_copy_(self._views(flat), self._tensors)
+        flat = self._buffer("device", wire) if self.device.type == "cuda" else host
+        fast, slow = self._pieces(flat)
+        if fast:
+            torch._foreach_copy_(fast, self._fast_targets)
+        for view, i in zip(slow, self._slow):
+            view.copy_(self._tensors[i])
+        if flat is not host:
             host.copy_(flat)
-        else:
-            torch._foreach_copy_(self._views(host), self._tensors)
 
     def _float32_source(self, peer: np.ndarray, wire: str, slot: str) -> torch.Tensor:
         """`peer` as a flat float32 tensor on the model's device (a view when no conversion is needed)."""
@@ -118,12 +125,14 @@ class TorchParams(FlatParams):
         return source
 
     def _apply(self, op, *flats: torch.Tensor, f: float) -> None:
-        """op(tensors, *views, f) over the float32 tensors with one foreach call; the rest one by one."""
-        views = [self._views(flat) for flat in flats]
-        if self._float32:
-            op([self._tensors[i] for i in self._float32], *[[v[i] for i in self._float32] for v in views], f)
-        for i in self._other:  # float16 / bfloat16 / float64 tensors change in their own dtype
-            op([self._tensors[i]], *[[v[i].to(self._tensors[i].dtype)] for v in views], f)
+        """op(tensors, *per-tensor views of each flat, f): one foreach call for the fast tensors,
+        then the others one by one (their views converted to their dtype)."""
+        pieces = [self._pieces(flat) for flat in flats]
+        if self._fast:
+            op(self._fast_targets, *[fast for fast, _ in pieces], f)
+        for k, i in enumerate(self._slow):
+            tensor = self._tensors[i]
+            op([tensor], *[[slow[k].to(tensor.dtype)] for _, slow in pieces], f)
 
     @torch.no_grad()
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:

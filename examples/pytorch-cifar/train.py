@@ -41,7 +41,7 @@ from evaluate import checkpoint, evaluate
 
 import dpwa
 from dpwa import DpwaPyTorchAdapter
-from dpwa.transport import TransportError
+from dpwa import TransportError
 
 # Defaults per dataset. On digits, 2 nodes reach about 99% in 20 epochs of 22 steps; with more
 # nodes the shards shrink, so the default epochs grow until each node takes at least min_steps.
