@@ -63,6 +63,7 @@ MAX_SNAPSHOT_SLOTS = 6  # model copies kept for readers at most; past that, publ
 SHM_ATTEMPTS = 4  # same-host fetches asked again when the slot was rewritten before we locked it
 EXCHANGE_TTL_MARGIN_S = 1.0  # an unconfirmed symmetric exchange is dropped this long after the deadline
 ALONE_BACKOFF_MAX_S = 30.0  # when every peer fails, probe at most this rarely (the interval doubles up to it)
+UNREACHABLE_AFTER = 2  # consecutive timeouts or transport failures that make a peer count as unreachable
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,8 @@ class Node:
         self._tx: TxWorker | None = None
         self._shared: SharedSlots | None = None
         self._readers: dict[str, PeerSlots] = {}  # same-host peers whose slots we may read
-        self._failing: set[str] = set()  # peers whose last fetch failed
-        self._alone = False  # every peer is failing: we said so once
+        self._misses: dict[str, int] = {peer: 0 for peer in self.peers}  # consecutive timeouts/failures
+        self._alone = False  # every peer is unreachable: we said so once
         self._backoff_s = 0.0  # while alone: the interval between probes
         self._next_probe = 0.0  # while alone: time.monotonic() of the next fetch attempt
         curve = self._load_curve()  # key problems are reported before any socket exists
@@ -529,15 +530,18 @@ class Node:
         if job.outcome == "cancelled":
             self.counters.add("fetches_cancelled")
             return
-        if job.outcome == "refused" and job.refusal == "busy":  # a healthy peer with its hands full
-            self.counters.add("fetches_busy")
-            return
-        if job.outcome == "ok":
-            self._failing.discard(job.peer)
+        if job.outcome in ("timeout", "failed"):
+            self._misses[job.peer] += 1
+        else:  # any reply, even a refusal, shows the peer is alive
+            self._misses[job.peer] = 0
             if self._alone:
                 self._alone = False
                 self._backoff_s = 0.0
                 logger.warning("%s: %s answered: averaging again", self.name, job.peer)
+        if job.outcome == "refused" and job.refusal == "busy":  # a healthy peer with its hands full
+            self.counters.add("fetches_busy")
+            return
+        if job.outcome == "ok":
             self._selector.success(job.peer)
             self.counters.add("fetches_ok")
             if job.retries:
@@ -545,13 +549,12 @@ class Node:
             self.counters.set("last_fetch_latency_s", job.latency_s)
             return
         self._selector.failure(job.peer)
-        self._failing.add(job.peer)
-        if not self._alone and len(self._failing) == len(self.peers):
+        if not self._alone and all(m >= UNREACHABLE_AFTER for m in self._misses.values()):
             self._alone = True
             self._next_probe = time.monotonic() + self.config.timeout_s
-            logger.warning("%s: the last fetch from each of the %d peers failed; training alone, "
+            logger.warning("%s: none of the %d peers answered its last %d fetches; training alone, "
                            "and trying a peer now and then (at most every %.0f s) until one answers",
-                           self.name, len(self.peers), ALONE_BACKOFF_MAX_S)
+                           self.name, len(self.peers), UNREACHABLE_AFTER, ALONE_BACKOFF_MAX_S)
         key = {"timeout": "fetches_timed_out", "rejected": "fetches_rejected",
                "refused": "fetches_refused"}.get(job.outcome, "fetches_failed")
         self.counters.add(key)

@@ -112,6 +112,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+def step_until_averaged(node, timeout_s: float = 30.0, peer: str | None = None, step=None):
+    """Run steps until one blends a peer's parameters (`peer`'s, if given), or the deadline passes.
+
+    A node whose every peer failed backs off and only probes now and then, so this
+    waits in time, not in a number of steps. Returns that step's Update, or None.
+    """
+    found = []
+
+    def one_step() -> bool:
+        if step is not None:
+            update = step(node)
+        else:
+            node.update_send()
+            update = node.update_wait()
+        if update.averaged and (peer is None or update.peer == peer):
+            found.append(update)
+        return bool(found)
+
+    wait_until(one_step, timeout_s, interval_s=0.005)
+    return found[0] if found else None
+
+
 # --------------------------------------------------------------------------- nodes in this process
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from dpwa import NumpyParams
 from dpwa.node import WAIT_SLACK_S
 from dpwa.shm import user_dir
 
-from conftest import filled, make_config, port_is_free, wait_until
+from conftest import filled, make_config, port_is_free, step_until_averaged, wait_until
 from helpers.proxy import Proxy
 from test_node import disagreement
 
@@ -91,9 +91,7 @@ def test_a_peer_killed_mid_transfer(nodes, children, proxies):
     assert wait_until(lambda: port_is_free(base["nodes"][1]["port"]), 10)
     restarted = children(base, "w1", fill=9, size=size, fetch=False)
     restarted.expect("ready")
-    for _ in range(10):
-        if bounded_step(node).averaged:
-            break
+    assert step_until_averaged(node, 30, step=bounded_step) is not None
     assert np.all(mine == 5.0)  # (1 + 9) / 2
     assert restarted.stop() == 0
 
@@ -112,8 +110,7 @@ def test_a_peer_slower_than_the_timeout_never_delivers_a_stale_reply(nodes, prox
     peer_values.fill(2.0)
     peer.update_send()  # the peer moves on; its reply with 1s is still on the way
     link.delay_s = 0.0
-    results = [bounded_step(node) for _ in range(3)]
-    assert any(r.averaged for r in results), results
+    assert step_until_averaged(node, 30, step=bounded_step) is not None
     assert np.all(mine == 2.0)  # the late reply (1s) was never taken for a new one
 
 
@@ -188,7 +185,7 @@ def test_all_peers_down_train_alone_warn_once_back_off_and_resume(nodes, caplog)
 
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(40)))
     peer.update_send()
-    assert wait_until(lambda: bounded_step(node).averaged, 30)  # the next probe (within 30 s) finds it
+    assert step_until_averaged(node, 30, step=bounded_step) is not None  # the next probe finds it
     assert np.all(mine == 30.0)
     assert len([r for r in caplog.records if "averaging again" in r.getMessage()]) == 1
 

@@ -13,7 +13,7 @@ from dpwa import Node, NumpyParams, parse_config
 from dpwa.node import WAIT_SLACK_S
 from dpwa.transport import TransportError
 
-from conftest import filled, free_port, make_config, port_is_free, wait_until
+from conftest import filled, free_port, make_config, port_is_free, step_until_averaged, wait_until
 
 
 class RecordingParams(NumpyParams):
@@ -210,17 +210,7 @@ def test_a_dead_peer_costs_one_timeout_and_training_goes_on(nodes, make_cluster)
     # The dead peer comes up on its port: it is chosen again (its score never reaches 0)
     assert port_is_free(dead_port)
     publish(nodes(serving_only(cfg), "w2", NumpyParams(filled(2))))
-    deadline = time.monotonic() + 60
-    used_again = False
-    for _ in range(400):
-        if time.monotonic() > deadline:
-            break
-        node.update_send()
-        update = node.update_wait()
-        if update.peer == "w2" and update.averaged:
-            used_again = True
-            break
-    assert used_again
+    assert step_until_averaged(node, 60, peer="w2") is not None
     assert node.stats()["peers"]["w2"]["score"] > 0.05
 
 
@@ -236,13 +226,7 @@ def test_a_restarted_peer_on_the_same_port_is_used_again(nodes, make_cluster):
     assert node.update_wait().outcome == "timeout"
     restarted = nodes(serving_only(cfg), "w1", NumpyParams(filled(3)))
     publish(restarted)
-    results = []
-    for _ in range(5):  # the first try may still hit the reconnect delay
-        node.update_send()
-        results.append(node.update_wait())
-        if results[-1].averaged:
-            break
-    assert results[-1].averaged, results
+    assert step_until_averaged(node, 30) is not None  # the next probe finds it
     assert np.all(mine >= 1.0)  # blended with the restarted peer's 3s
 
 

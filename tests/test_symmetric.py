@@ -12,7 +12,7 @@ from dpwa import NumpyParams
 from dpwa.exchange import Pending, PendingExchanges
 from dpwa.snapshot import SnapshotStore
 
-from conftest import filled, make_config, wait_until
+from conftest import filled, make_config, step_until_averaged, wait_until
 from helpers.proxy import Proxy
 
 
@@ -131,10 +131,7 @@ def test_a_reply_delayed_past_the_timeout_changes_neither_side(nodes):
         assert np.all(mine == 5.0) and np.all(theirs == 7.0)  # neither side moved
         assert peer.stats()["mirrored"] == 1  # only the first exchange was ever applied there
         proxy.delay_s = 0.0
-        for _ in range(5):  # a new connection, once the delayed one is gone
-            node.update_send()
-            if node.update_wait().averaged:
-                break
+        assert step_until_averaged(node, 30) is not None  # a new connection, once the delayed one is gone
         peer.update_wait()
         assert np.all(mine == 6.0) and np.all(theirs == 6.0)  # 5 + (7 - 5) / 2 and 7 + (5 - 7) / 2
     finally:
