@@ -170,8 +170,7 @@ def serve_training(config_path: str, shape: str, batch: int) -> None:
     threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
     with DpwaPyTorchAdapter(net, "server", config_path) as conn:
         loss = None
-        conn.update_send(loss)
-        conn.update_wait(loss)
+        conn.update_send(loss)  # publish; its fetch (the client is not up yet) is dropped by the next step
         print("ready", flush=True)
         while not stdin_closed.is_set():
             conn.update_send(loss)
@@ -416,7 +415,7 @@ def machine() -> dict[str, Any]:
 
 
 def run(sizes: list[int], reps_small: int, reps_large: int, scale_sizes: list[int], scale_steps: int,
-        wire_dtypes: list[str], training_steps: float = 1.0) -> dict[str, Any]:
+        wire_dtypes: list[str], training_steps: float = 1.0, workloads: tuple = WORKLOADS) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "sizes": [], "scale": [], "training": []}
     for size in sizes:
         row = measure_size(size, reps_small if size <= 1_000_000 else reps_large, wire_dtypes)
@@ -424,7 +423,7 @@ def run(sizes: list[int], reps_small: int, reps_large: int, scale_sizes: list[in
         print(format_size_row(row), flush=True)
     for n in scale_sizes:
         results["scale"].append(bench_scale(n, SMALL, scale_steps))
-    for label, shape, batch, steps in WORKLOADS:
+    for label, shape, batch, steps in workloads:
         row = bench_training(shape, batch, max(2, int(steps * training_steps)))
         if row is not None:
             results["training"].append({"workload": label, **row})
@@ -481,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]))
         return 0
     if args.quick:
-        results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02)
+        results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:1])
     else:
         results = run([SMALL, RESNET18], 200, args.reps or 30, [2, 4, 8, 16], 200, ["float16", "bfloat16"])
     print(format_scale(results["scale"]))
