@@ -227,8 +227,10 @@ def all_finite(y: np.ndarray, wire: str = "float32") -> bool:
     if y.size == 0:
         return True
     if wire == "float32":
+        torch = _torch(y.size)
         with np.errstate(over="ignore", invalid="ignore"):
-            if np.isfinite(np.add.reduce(y, dtype=np.float32)):
+            total = float(as_torch(aligned(y)).sum()) if torch is not None else np.add.reduce(y, dtype=np.float32)
+            if np.isfinite(total):
                 return True
         return bool(np.isfinite(y).all())
     mask = np.uint16(0x7F80 if wire == "bfloat16" else 0x7C00)  # exponent bits: all ones is Inf or NaN
