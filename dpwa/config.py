@@ -21,7 +21,6 @@ Everything is checked here, once, before any socket is opened. Every error is a
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import os
@@ -416,11 +415,6 @@ def _parse_no_options(raw: Mapping[str, Any], key: str, source: str) -> None:
 def _bracket(host: str) -> str:
     """IPv6 literals go in brackets inside an endpoint."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def replace(config: Config, **changes: Any) -> Config:
-    """A copy of `config` with some fields changed (tests and tools use this)."""
-    return dataclasses.replace(config, **changes)
 
 
 def pointless_settings(config: Config) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import zmq
 
 from .logs import logger
-from .protocol import Header, ProtocolError
+from .protocol import ProtocolError
 from .transport import POLL_SLICE_S, RequestCancelled, Requester, RequestTimeout, TransportError
 
 __all__ = ["Job", "TxWorker", "OUTCOMES"]
@@ -248,44 +248,27 @@ class TxWorker:
                 header, rest = requester.request(
                     job.make_frames(request_id), request_id, job.deadline, cancelled=cancelled,
                 )
-            except RequestTimeout:
-                job.finish("timeout", f"no reply within the deadline from {endpoint}")
-                return
-            except RequestCancelled:
-                job.finish("cancelled", "cancelled while waiting for the reply")
-                return
-            except ProtocolError as exc:
-                job.finish("rejected", str(exc))
-                return
-            except TransportError as exc:
-                job.finish("failed", str(exc))
-                return
-            if header.kind == "error":
-                job.refusal = header["reason"]
-                job.finish("refused", f"{header['reason']}: {header['detail']}")
-                return
-            job.request_id = request_id
-            try:
+                if header.kind == "error":
+                    job.refusal = header["reason"]
+                    job.finish("refused", f"{header['reason']}: {header['detail']}")
+                    return
+                job.request_id = request_id
                 value = job.validate(header, rest, ask)
-            except RequestTimeout:
-                job.finish("timeout", f"no reply within the deadline from {endpoint}")
-                return
-            except RequestCancelled:
-                job.finish("cancelled", "cancelled while waiting for the reply")
-                return
             except ProtocolError as exc:
                 if (exc.reason in job.retry_on and attempt + 1 < job.max_attempts
                         and time.monotonic() < job.deadline):
                     job.retries += 1
                     continue
                 job.finish("rejected", str(exc))
-                return
+            except RequestTimeout:
+                job.finish("timeout", f"no reply within the deadline from {endpoint}")
+            except RequestCancelled:
+                job.finish("cancelled", "cancelled while waiting for the reply")
             except TransportError as exc:
                 job.finish("failed", str(exc))
-                return
             except Exception as exc:  # a bug in a validator must not kill the thread
                 logger.exception("%s: validating a reply from %s failed", self.name, job.peer)
                 job.finish("failed", f"validation error: {type(exc).__name__}: {exc}")
-                return
-            break
-        job.finish("ok", value=value)
+            else:
+                job.finish("ok", value=value)
+            return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpwa.config import Config, ConfigError, NodeSpec, load_config, parse_config, pointless_settings
+from dpwa.config import ConfigError, NodeSpec, load_config, parse_config, pointless_settings
 
 from conftest import ROOT
 

@@ -188,7 +188,8 @@ def test_ten_thousand_bad_requests_change_nothing(nodes, tmp_path):
     assert node.update_wait().averaged
     assert np.allclose(mine, original / 2)
 
-    report = {"requests": sent, "by_mutation": dict(fuzzer.kinds),
+    report = {"requests": sent, "by_mutation": dict(fuzzer.kinds), "served": stats["requests_served"],
+              "rejected": stats["requests_rejected"],
               "rejected_by_reason": {k[9:]: v for k, v in stats.items() if k.startswith("rejected.")}}
     (tmp_path / "fuzz-requests.json").write_text(json.dumps(report, indent=1))
     print("\nfuzz requests:", json.dumps(report))

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dpwa import Node, NumpyParams, parse_config
+from dpwa import Node, NumpyParams
 from dpwa.node import WAIT_SLACK_S
 from dpwa.transport import TransportError
 

@@ -12,7 +12,7 @@ import pytest
 from dpwa import NumpyParams
 from dpwa.node import WAIT_SLACK_S
 
-from conftest import filled, make_config, port_is_free, step_until_averaged, wait_until
+from conftest import filled, port_is_free, step_until_averaged, wait_until
 from test_node import RecordingParams, disagreement
 
 pytestmark = pytest.mark.slow
