@@ -21,6 +21,7 @@ Everything is checked here, once, before any socket is opened. Every error is a
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -125,6 +126,25 @@ class Config:
         """Every node but `name`."""
         self.node(name)
         return tuple(spec for spec in self.nodes if spec.name != name)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Every setting as plain data that :func:`parse_config` reads back to an equal Config
+        (secret key paths are absolute, so the mapping can be written anywhere)."""
+        nodes = [{key: value for key, value in dataclasses.asdict(node).items() if value is not None}
+                 for node in self.nodes]
+        return {
+            "nodes": nodes,
+            "fetch_probability": self.fetch_probability,
+            "timeout_ms": self.timeout_ms,
+            "interpolation": self.interpolation,
+            "divergence_threshold": self.divergence_threshold,
+            "constant": {"value": self.constant.value},
+            "wire_dtype": self.wire_dtype,
+            "same_host": self.same_host,
+            "max_peer_distance": self.max_peer_distance,
+            "mode": self.mode,
+            "blend": self.blend,
+        }
 
     def describe(self) -> str:
         """One line with every resolved setting, for the start-up log."""

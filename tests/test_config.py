@@ -134,3 +134,26 @@ def test_pointless_settings_are_reported():
     zero = parse_config(replace_line("{ value: 0.5 }", "{ value: 0 }"))
     assert any("constant.value is 0" in n for n in pointless_settings(zero))
     assert pointless_settings(parse_config(ORIGINAL)) == []
+
+
+def test_every_setting_survives_a_round_trip_through_to_mapping(tmp_path):
+    # run.sh --config rewrites the user's config into the run folder through to_mapping:
+    # nothing may be lost on the way (keys, modes, dtypes).
+    text = ORIGINAL.replace("- loss: 0", "- loss: 0\n- mode: symmetric\n- blend: delta\n- wire_dtype: bfloat16\n"
+                            "- same_host: 'off'\n- max_peer_distance: 3.5")
+    key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    text = text.replace("port: 45000}", f'port: 45000, bind: "*", public_key: "{key}", '
+                                         f"secret_key_file: keys/w1.key_secret}}")
+    for name, port in (("w2", 45001), ("w3", 45002), ("w4", 45003)):
+        text = text.replace(f"{{name: {name}, host: localhost, port: {port}}}",
+                            f'{{name: {name}, host: localhost, port: {port}, public_key: "{key}"}}')
+    config = parse_config(text, source=str(tmp_path / "c.yaml"))
+    again = parse_config(config.to_mapping(), source=config.source)
+    assert again == config
+    assert again.secure and again.mode == "symmetric" and again.wire_dtype == "bfloat16"
+    assert again.nodes[0].secret_key_file == str(tmp_path / "keys" / "w1.key_secret")
+
+
+def test_every_sample_config_loads():
+    for path in sorted((ROOT / "samples").glob("*.yaml")):
+        assert load_config(path).nodes, path

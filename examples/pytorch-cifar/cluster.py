@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="config: how the blend factor is chosen (default: %(default)s)")
     g.add_argument("--factor", type=float, default=0.5,
                    help="config: constant.value, the blend factor f (default: %(default)s)")
+    g.add_argument("--mode", default="pull", choices=("pull", "symmetric"),
+                   help="config: pull (only the requester moves) or symmetric (both; default: %(default)s)")
+    g.add_argument("--blend", default="state", choices=("state", "delta"),
+                   help="config: state (the original rule) or delta (keeps the local step; default: %(default)s)")
+    g.add_argument("--wire-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                   help="config: dtype of parameters on the wire (default: %(default)s)")
     g = p.add_argument_group("processes")
     g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
     g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
@@ -105,11 +111,7 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     """The cluster configuration in mapping form, and the nodes to start here."""
     if args.config is not None:
         config = load_config(args.config)  # a ConfigError says what is wrong
-        nodes = [{"name": n.name, "host": n.host, "port": n.port, **({"bind": n.bind} if n.bind else {})}
-                 for n in config.nodes]
-        mapping = {"nodes": nodes, "fetch_probability": config.fetch_probability, "timeout_ms": config.timeout_ms,
-                   "interpolation": config.interpolation, "divergence_threshold": config.divergence_threshold,
-                   "constant": {"value": config.constant.value}}
+        mapping = config.to_mapping()  # every setting, keys included, whatever the file's layout
         local = [n.strip() for n in args.only.split(",")] if args.only else []
         for name in local:
             config.node(name)  # a ConfigError names the file and the known nodes
@@ -122,7 +124,8 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
         ports = processes.free_ports(count, args.host)
     nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
     mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
-               "interpolation": args.interpolation, "constant": {"value": args.factor}}
+               "interpolation": args.interpolation, "constant": {"value": args.factor},
+               "mode": args.mode, "blend": args.blend, "wire_dtype": args.wire_dtype}
     parse_config(mapping, source="./run.sh options")  # --fetch-probability 2 fails here, before any file is written
     return mapping, []
 
