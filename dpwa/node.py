@@ -96,10 +96,10 @@ class _Committed:
 class _Received:
     """A fetched snapshot held for blending: its header, its elements, and how to let go of them."""
 
-    __slots__ = ("header", "array", "same_host", "_release")
+    __slots__ = ("header", "array", "_release")
 
-    def __init__(self, header: Header, array: np.ndarray, release: Callable[[], None], same_host: bool) -> None:
-        self.header, self.array, self.same_host, self._release = header, array, same_host, release
+    def __init__(self, header: Header, array: np.ndarray, release: Callable[[], None]) -> None:
+        self.header, self.array, self._release = header, array, release
 
     def release(self) -> None:
         """Give the memory back (a frame to the Tx thread, a shared slot's lock). Idempotent."""
@@ -270,7 +270,6 @@ class Node:
     def _publish(self) -> None:
         publish = functools.partial(self.params.copy_to, wire=self.wire)
         if not self._store.publish(publish, self._clock, self._send_loss):
-            self.counters.add("publish_skipped")
             self._log(30, "publish_skipped", "%s: every snapshot slot is held by slow readers; "
                       "peers get the previous snapshot", self.name)
 
@@ -460,7 +459,7 @@ class Node:
                     logger.info("%s: %s: falling back to TCP for %s", self.name, exc.detail, peer)
                 raise
             self.counters.add("same_host_fetches")
-            return self._checked(_Received(header, view.array, view.release, same_host=True))
+            return self._checked(_Received(header, view.array, view.release))
         if len(rest) != 1:
             raise ProtocolError("bad_reply", f"expected one payload frame, got {len(rest)}")
         frame = rest[0]
@@ -468,7 +467,7 @@ class Node:
         array = np.frombuffer(frame.buffer, dtype=self._storage)
         self.counters.add("bytes_in", self.nbytes)
         # Unmapping a large frame takes milliseconds: the Tx thread frees it, off the training thread.
-        return self._checked(_Received(header, array, functools.partial(self._tx.discard, frame), same_host=False))
+        return self._checked(_Received(header, array, functools.partial(self._tx.discard, frame)))
 
     def _checked(self, received: _Received) -> _Received:
         """Refuse parameters that must never be blended: NaN or Inf, or implausibly far from ours."""
@@ -652,6 +651,7 @@ class Node:
         }
         out["clock"] = self._clock
         out["snapshot_slots"] = self._store.slots
+        out["publish_skipped"] = self._store.skipped
         out["exchanges_pending"] = len(self._exchanges)
         out["exchanges_expired"] = self._exchanges.expired
         return out

@@ -185,7 +185,6 @@ class Server:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"dpwa-rx-{name}", daemon=True)
         self._log = RateLimitedLog()
-        self.bound_endpoint: str | None = None
 
     def start(self, timeout_s: float = 10.0) -> "Server":
         """Start the thread and wait until the socket is bound; raise if binding fails."""
@@ -249,7 +248,6 @@ class Server:
                         | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
                     sockets.append(monitor)
                 sock.bind(self.endpoint)
-                self.bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             except zmq.ZMQError as exc:
                 self._error = exc
                 return
@@ -408,7 +406,6 @@ class Requester:
         self._socket_options = dict(socket_options or {})
         self._heartbeat_ms = heartbeat_ms
         self._sock: zmq.Socket | None = None
-        self.resets = 0  # sockets discarded after a timeout or an error
 
     def request(
         self,
@@ -479,7 +476,6 @@ class Requester:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-            self.resets += 1
 
     def close(self) -> None:
         self.reset()
