@@ -7,6 +7,7 @@ import random
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -120,19 +121,22 @@ def test_a_churning_peer_is_never_read_torn(nodes, children, same_host):
     peer.expect("ready")
     mine = RecordingParams(filled(0, 200_000))
     node = nodes(cfg, "w0", mine, rng=random.Random(0))
-    peer.send(cmd="churn", n=3000)
+    peer.send(cmd="churn")
     received = 0
-    for _ in range(150):
+    deadline = time.monotonic() + 60
+    # Keep fetching, while the peer churns, until 50 snapshots are checked. A fetch that
+    # finds its same-host slot rewritten before it locks it is asked again (up to 4 times)
+    # and may still fail against a peer this fast; how many succeed is up to the scheduler,
+    # so the sample is gathered against a deadline, not a number of steps.
+    while received < 50 and time.monotonic() < deadline:
         node.update_send()
         update = node.update_wait()
         if update.averaged:
             snapshot = mine.received.pop()
             assert np.all(snapshot == snapshot[0]), f"torn snapshot: values {np.unique(snapshot)[:5]}"
             received += 1
-    peer.expect("churn_done", timeout_s=120)
-    # Against a peer that republishes every fraction of a millisecond, a same-host fetch may
-    # find its slot rewritten before it locks it (and asks again, up to 4 times); a third
-    # of the fetches succeeding is plenty to show what matters: none was torn.
+    peer.send(cmd="churn_stop")
+    peer.expect("churn_done", timeout_s=30)
     assert received >= 50
     stats = node.stats()
     assert (stats["same_host_fetches"] > 0) == (same_host == "auto")

@@ -5,8 +5,9 @@ pattern), rng_seed (fetch decisions), fetch (False: never fetch; this node only
 serves).
 
 Commands: {"cmd": "steps", "n": N} runs N update_send / update_wait pairs and
-answers {"event": "steps_done", ...}; {"cmd": "churn", "n": N} publishes N
-snapshots, the k-th with every element equal to k; {"cmd": "values"} answers the parameter
+answers {"event": "steps_done", ...}; {"cmd": "churn"} starts publishing
+snapshots as fast as it can, the k-th with every element equal to k, until
+{"cmd": "churn_stop"} (answered with "churn_done"); {"cmd": "values"} answers the parameter
 summary; {"cmd": "exit"} (or end of stdin) closes the node and exits 0.
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 import random
 import sys
+import threading
 
 import numpy as np
 
@@ -54,6 +56,7 @@ def main() -> int:
 
 
 def serve(node, values, args) -> None:
+    churning, churner = threading.Event(), None
     node.update_send()  # publish once so peers can fetch at once
     node.update_wait()
     say(event="ready", name=args.name, pid=os.getpid())
@@ -70,14 +73,26 @@ def serve(node, values, args) -> None:
             say(event="steps_done", outcomes=outcomes, mean=float(values.mean()),
                 min=float(values.min()), max=float(values.max()), stats=_jsonable(node.stats()))
         elif command["cmd"] == "churn":
-            # publish snapshots whose elements all equal the step number, as fast as possible
-            for step in range(1, command["n"] + 1):
-                values.fill(float(step))
-                node.update_send()
-                node.update_wait()
+            churning.set()
+            churner = threading.Thread(target=churn, args=(node, values, churning))
+            churner.start()  # the only thread publishing until churn_stop
+        elif command["cmd"] == "churn_stop":
+            churning.clear()
+            if churner is not None:
+                churner.join(30)
             say(event="churn_done", stats=_jsonable(node.stats()))
         elif command["cmd"] == "values":
             say(event="values", values=values.tolist())
+
+
+def churn(node, values, churning) -> None:
+    """Publish snapshots whose elements all equal the step number, as fast as possible."""
+    step = 0
+    while churning.is_set():
+        step += 1
+        values.fill(float(step))
+        node.update_send()
+        node.update_wait()
 
 
 def _jsonable(stats):
