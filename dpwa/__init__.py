@@ -1,7 +1,16 @@
 """dpwa: decentralized training by pairwise gossip averaging over ZeroMQ.
 
-``DpwaPyTorchAdapter`` wraps a PyTorch training loop; :class:`~dpwa.node.Node`
+``DpwaPyTorchAdapter`` wraps a PyTorch training loop; :class:`~dpwa.gossip.node.Node`
 is the framework-agnostic core over one flat numpy buffer.
+
+The package, by layer:
+
+* ``dpwa.wire``: the transport (wire format, server, client, CURVE, endpoints, shared memory);
+* ``dpwa.mixing``: pure math (kernels, interpolation, mixing rules);
+* ``dpwa.gossip``: the gossip node, split by concern;
+* ``dpwa.adapters``: framework adapters (PyTorch);
+* ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot);
+* ``dpwa.bench``, ``dpwa.sim``: the benchmark and the simulator.
 """
 
 from __future__ import annotations
@@ -9,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Config, ConfigError, load_config, parse_config
-from .node import Node, Update
+from .gossip.node import Node, Update
 from .params import FlatParams, NumpyParams
-from .transport import TransportError
+from .wire.server import TransportError
 
 __version__ = "0.2.0"
 

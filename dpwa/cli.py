@@ -45,21 +45,33 @@ def subcommand(*arguments: tuple[tuple[str, ...], dict[str, Any]]) -> Callable[[
 )
 def plot(args: argparse.Namespace) -> int:
     """Draw a run's loss and accuracy curves per node (RUN_DIR/curves.png)."""
-    from .plot import draw
+    from .cluster.plot import draw
 
     print(draw(args.run_dir, args.out))
     return 0
 
 
 @subcommand(
-    arg("name", help="the node's name, as in the config"),
-    arg("--dir", type=Path, default=Path("."), help="where to write the key files (default: .)"),
+    arg("name", nargs="?", help="the node's name, as in the config (or give --config)"),
+    arg("--config", type=Path, help="key every node of this config, and write their keys into it"),
+    arg("--dir", type=Path, help="where to write the key files (default: . for NAME, keys/ beside --config)"),
 )
 def keygen(args: argparse.Namespace) -> int:
-    """Write a CURVE key pair for a node and print the lines for its config entry."""
-    from .keys import generate
+    """Write CURVE key pairs: one node's (NAME), or every node's of a config (--config)."""
+    from .wire.curve import generate
 
-    public, secret, pair = generate(args.name, args.dir)
+    if (args.name is None) == (args.config is None):
+        raise ValueError("give a node NAME, or --config FILE to key every node of a config")
+    if args.config is not None:
+        from .cluster.keys import key_config
+
+        written = key_config(args.config, args.dir)
+        print(f"wrote keys for {len(written)} nodes: " + ", ".join(str(p) for p in written))
+        print(f"{args.config} now lists every node's public_key and secret_key_file "
+              f"(the original: {args.config}.bak)")
+        print("copy each NAME.key_secret to NAME's machine only; the config (public keys) goes everywhere")
+        return 0
+    public, secret, pair = generate(args.name, args.dir or Path("."))
     print(f"wrote {public} (public: share it) and {secret} (secret: mode 0600, keep it on {args.name}'s machine)")
     print("in the config's nodes list, for this node:")
     print(f'  public_key: "{pair.public.decode()}"')
@@ -70,9 +82,9 @@ def keygen(args: argparse.Namespace) -> int:
 @subcommand(arg("run_dir", type=Path, help="a run folder, such as runs/latest"))
 def status(args: argparse.Namespace) -> int:
     """Show a run's progress table once, and which of its processes are alive."""
-    from .launch import LaunchSpec
-    from .processes import process_start, read_pid_file
-    from .monitor import MetricsTail, table
+    from .cluster.launch import LaunchSpec
+    from .cluster.processes import process_start, read_pid_file
+    from .cluster.monitor import MetricsTail, table
 
     pids = Path(args.run_dir) / "pids"
     if not pids.is_dir():

@@ -31,7 +31,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from .keys import valid_public_key
+from .mixing.kernels import WIRE_STORAGE
+from .wire.curve import valid_public_key
+from .wire.endpoints import ipc_endpoint, is_loopback
 
 __all__ = [
     "Config",
@@ -41,10 +43,11 @@ __all__ = [
     "INTERPOLATIONS",
     "load_config",
     "parse_config",
+    "read_config_data",
 ]
 
 INTERPOLATIONS = ("constant", "clock", "loss")
-WIRE_DTYPES = ("float32", "float16", "bfloat16")
+WIRE_DTYPES = tuple(WIRE_STORAGE)
 SAME_HOST_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 BLENDS = ("state", "delta")
@@ -67,14 +70,19 @@ class NodeSpec:
     secret_key_file: str | None = None  # where this node finds its secret key (absolute path)
 
     @property
-    def endpoint(self) -> str:
-        """The address peers connect to, as a ZeroMQ endpoint."""
+    def tcp_endpoint(self) -> str:
+        """The TCP address peers connect to, as a ZeroMQ endpoint."""
         return f"tcp://{_bracket(self.host)}:{self.port}"
 
     @property
-    def bind_endpoint(self) -> str:
-        """The address this node binds, as a ZeroMQ endpoint."""
+    def tcp_bind_endpoint(self) -> str:
+        """The TCP address this node binds, as a ZeroMQ endpoint."""
         return f"tcp://{_bracket(self.bind or self.host)}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        """True if only this machine can reach the node (its host and bind address are loopback)."""
+        return is_loopback(self.host) and is_loopback(self.bind or self.host)
 
 
 @dataclass(frozen=True)
@@ -99,12 +107,28 @@ class Config:
     max_peer_distance: float = 0.0  # reject a peer with ||peer - ours|| / ||ours|| above this; 0 disables
     mode: str = "pull"  # pull: only the requester moves; symmetric: both move, the mean is kept
     blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
+    insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property
     def secure(self) -> bool:
         """True when the nodes authenticate and encrypt with CURVE (every node lists a public key)."""
         return self.nodes[0].public_key is not None
+
+    @property
+    def transport(self) -> str:
+        """``ipc`` for a cluster on loopback addresses without keys (only this user can connect), else ``tcp``."""
+        if self.secure or self.insecure or not all(spec.loopback for spec in self.nodes):
+            return "tcp"
+        return "ipc"
+
+    def endpoint(self, spec: NodeSpec) -> str:
+        """Where peers connect to node `spec`."""
+        return ipc_endpoint(spec.port) if self.transport == "ipc" else spec.tcp_endpoint
+
+    def bind_endpoint(self, spec: NodeSpec) -> str:
+        """Where node `spec` listens."""
+        return ipc_endpoint(spec.port) if self.transport == "ipc" else spec.tcp_bind_endpoint
 
     @property
     def timeout_s(self) -> float:
@@ -144,6 +168,7 @@ class Config:
             "max_peer_distance": self.max_peer_distance,
             "mode": self.mode,
             "blend": self.blend,
+            "insecure": self.insecure,
         }
 
     def describe(self) -> str:
@@ -155,7 +180,8 @@ class Config:
             f"constant.value={self.constant.value} "
             f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
             f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
-            f"mode={self.mode} blend={self.blend} curve={'on' if self.secure else 'off'}"
+            f"mode={self.mode} blend={self.blend} "
+            f"transport={self.transport} curve={'on' if self.secure else 'off'}"
         )
 
 
@@ -175,6 +201,7 @@ _TOP_KEYS = (
     "max_peer_distance",
     "mode",
     "blend",
+    "insecure",
 )
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
@@ -189,6 +216,17 @@ def load_config(path: str | os.PathLike[str]) -> Config:
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read the configuration: {exc.strerror or exc}") from exc
     return parse_config(text, source=source)
+
+
+def read_config_data(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's settings as one plain mapping (either layout), not yet validated."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the configuration: {exc.strerror or exc}") from exc
+    return _flatten(_parse_yaml(text, source), source)
 
 
 def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<config>") -> Config:
@@ -211,6 +249,17 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     max_peer_distance = _number(raw, "max_peer_distance", 0.0, source, lo=0.0)
     mode = _choice(raw, "mode", MODES, source)
     blend = _choice(raw, "blend", BLENDS, source)
+    insecure = _flag(raw, "insecure", source)
+    if not insecure and nodes[0].public_key is None:
+        exposed = [spec for spec in nodes if not spec.loopback]
+        if exposed:
+            spec = exposed[0]
+            raise ConfigError(
+                f"{source}: node {spec.name!r} listens on {spec.bind or spec.host}, which other machines can "
+                "reach, and the config has no CURVE keys: anyone who reaches the port could read and change "
+                "the model. Add keys (python -m dpwa keygen --config FILE), or set 'insecure: true' on a "
+                "network you trust"
+            )
 
     return Config(
         nodes=nodes,
@@ -224,6 +273,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         max_peer_distance=max_peer_distance,
         mode=mode,
         blend=blend,
+        insecure=insecure,
         source=source,
     )
 
@@ -398,6 +448,15 @@ def _positive_int(raw: Mapping[str, Any], key: str, default: int, source: str) -
     value = raw[key]
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(raw: Mapping[str, Any], key: str, source: str) -> bool:
+    value = raw.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     return value
 
 

@@ -11,15 +11,22 @@ adapter has its own over a module's tensors.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
+import msgpack
 import numpy as np
 
-from . import kernels
-from .protocol import fingerprint
+from .mixing import kernels
 
-__all__ = ["FlatParams", "NumpyParams"]
+__all__ = ["FlatParams", "NumpyParams", "fingerprint"]
+
+
+def fingerprint(entries: Iterable[tuple[str, tuple[int, ...], str]]) -> bytes:
+    """A 16-byte digest of a model's layout: each tensor's name, shape and dtype, in order."""
+    canonical = [[name, [int(d) for d in shape], str(dtype)] for name, shape, dtype in entries]
+    return hashlib.blake2b(msgpack.packb(canonical, use_bin_type=True), digest_size=16).digest()
 
 
 class FlatParams(ABC):

@@ -90,13 +90,30 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     return config
 
 
+def endpoint_is_free(config: dict[str, Any], name: str) -> bool:
+    """True if node `name` of `config` could listen now: its TCP port, or its ipc endpoint's lock."""
+    from dpwa import parse_config
+    from dpwa.wire.endpoints import EndpointInUse, EndpointLock
+
+    parsed = parse_config(config)
+    spec = parsed.node(name)
+    if parsed.transport == "tcp":
+        return port_is_free(spec.port)
+    try:
+        EndpointLock(parsed.endpoint(spec)).close()
+    except EndpointInUse:
+        return False
+    return True
+
+
 @pytest.fixture(params=["tcp", "shm"])
 def make_cluster(request):
-    """make_config, run once over TCP only and once with the same-host (shared memory) path."""
-    same_host = "off" if request.param == "tcp" else "auto"
+    """make_config, run once over TCP (insecure: true, payloads over TCP) and once the default
+    way (a loopback cluster: ipc sockets, payloads through shared memory)."""
+    extra = {"same_host": "off", "insecure": True} if request.param == "tcp" else {"same_host": "auto"}
 
     def make(n: int, **settings: Any) -> dict[str, Any]:
-        return make_config(n, same_host=same_host, **settings)
+        return make_config(n, **{**extra, **settings})
 
     make.transport = request.param
     return make

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from dpwa import cli
-from dpwa.plot import draw, load_metrics
+from dpwa.cluster.plot import draw, load_metrics
 
 from conftest import ROOT
 
@@ -108,7 +108,7 @@ def test_status_shows_the_table_and_that_nothing_runs(tmp_path, capsys):
 
 
 def test_keygen_writes_keys_that_a_config_accepts(tmp_path):
-    from dpwa.keys import load_secret
+    from dpwa.wire.curve import load_secret
 
     proc = dpwa("keygen", "w1", "--dir", tmp_path / "keys")
     assert proc.returncode == 0, proc.stderr

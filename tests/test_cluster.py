@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dpwa import load_config
-from dpwa.processes import process_start, read_pid_file
+from dpwa.cluster.processes import process_start, read_pid_file
 
 from conftest import ROOT, port_is_free, wait_until
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dpwa.config import ConfigError, NodeSpec, load_config, parse_config, pointless_settings
@@ -15,7 +17,11 @@ def test_original_list_of_one_key_maps_loads_as_it_is():
     config = load_config(ROOT / "samples" / "config.yaml")
     assert [n.name for n in config.nodes] == ["w1", "w2", "w3", "w4"]
     assert config.nodes[0] == NodeSpec("w1", "localhost", 45000)
-    assert config.nodes[3].endpoint == "tcp://localhost:45003"
+    assert config.nodes[3].tcp_endpoint == "tcp://localhost:45003"
+    # loopback nodes without keys talk over ipc sockets in this user's private directory
+    assert config.transport == "ipc"
+    assert config.endpoint(config.nodes[3]).startswith("ipc://")
+    assert config.endpoint(config.nodes[3]).endswith(f"/dpwa-{os.getuid()}/node-45003")
     assert config.fetch_probability == 1.0
     assert config.timeout_ms == 2500 and config.timeout_s == 2.5
     assert config.interpolation == "constant"
@@ -45,7 +51,7 @@ loss: 0
 
 
 def test_defaults_and_immutability():
-    config = parse_config({"nodes": [{"name": "a", "host": "h", "port": 1}]})
+    config = parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 1}]})
     assert (config.fetch_probability, config.timeout_ms, config.interpolation) == (1.0, 2500, "constant")
     assert config.divergence_threshold == 0.0 and config.constant.value == 0.5
     with pytest.raises(AttributeError):
@@ -60,9 +66,33 @@ def test_peers_and_lookup():
 
 
 def test_ipv6_host_and_bind_address():
-    config = parse_config({"nodes": [{"name": "a", "host": "::1", "port": 5, "bind": "*"}]})
-    assert config.nodes[0].endpoint == "tcp://[::1]:5"
-    assert config.nodes[0].bind_endpoint == "tcp://*:5"
+    config = parse_config({"nodes": [{"name": "a", "host": "::1", "port": 5, "bind": "*"}], "insecure": True})
+    assert config.endpoint(config.nodes[0]) == "tcp://[::1]:5"
+    assert config.bind_endpoint(config.nodes[0]) == "tcp://*:5"
+
+
+@pytest.mark.parametrize("node", [
+    {"name": "a", "host": "10.1.2.3", "port": 5},
+    {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "*"},
+    {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "0.0.0.0"},
+])
+def test_a_node_other_machines_can_reach_needs_keys_or_insecure(node):
+    nodes = [node, {"name": "b", "host": "127.0.0.1", "port": 6}]
+    with pytest.raises(ConfigError, match=r"node 'a' listens on .* other machines can reach.*keygen --config.*insecure: true"):
+        parse_config({"nodes": nodes})
+    config = parse_config({"nodes": nodes, "insecure": True})
+    assert config.transport == "tcp" and config.insecure
+    assert config.endpoint(config.nodes[1]) == "tcp://127.0.0.1:6"
+
+
+def test_insecure_must_be_a_boolean():
+    with pytest.raises(ConfigError, match="insecure must be true or false, got 'yes'"):
+        parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 5}], "insecure": "yes"})
+
+
+def test_loopback_insecure_config_uses_tcp():
+    config = parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 5}], "insecure": True})
+    assert config.transport == "tcp" and config.endpoint(config.nodes[0]) == "tcp://127.0.0.1:5"
 
 
 def replace_line(old: str, new: str) -> str:
@@ -127,7 +157,7 @@ def test_config_errors_come_before_any_socket(nodes):
 
 
 def test_pointless_settings_are_reported():
-    single = parse_config({"nodes": [{"name": "a", "host": "h", "port": 1}]})
+    single = parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 1}]})
     assert any("only one node" in n for n in pointless_settings(single))
     never = parse_config(replace_line("fetch_probability: 1 ", "fetch_probability: 0 "))
     assert any("fetch_probability is 0 with 4 nodes" in n for n in pointless_settings(never))
@@ -154,6 +184,24 @@ def test_every_setting_survives_a_round_trip_through_to_mapping(tmp_path):
     assert again.nodes[0].secret_key_file == str(tmp_path / "keys" / "w1.key_secret")
 
 
-def test_every_sample_config_loads():
+def test_every_sample_config_loads(tmp_path):
     for path in sorted((ROOT / "samples").glob("*.yaml")):
+        if path.name == "two-machines.yaml":  # reachable from other machines: it needs keys first
+            with pytest.raises(ConfigError, match="keygen --config"):
+                load_config(path)
+            continue
         assert load_config(path).nodes, path
+
+
+def test_keygen_config_keys_every_node_and_the_result_loads(tmp_path):
+    from dpwa.cluster.keys import key_config
+
+    config = tmp_path / "two-machines.yaml"
+    config.write_text((ROOT / "samples" / "two-machines.yaml").read_text())
+    written = key_config(config)
+    assert sorted(p.name for p in written) == ["a1.key_secret", "a2.key_secret", "b1.key_secret", "b2.key_secret"]
+    keyed = load_config(config)
+    assert keyed.secure and keyed.transport == "tcp"
+    assert all(n.secret_key_file == str(tmp_path / "keys" / f"{n.name}.key_secret") for n in keyed.nodes)
+    assert (tmp_path / "two-machines.yaml.bak").read_text() == (ROOT / "samples" / "two-machines.yaml").read_text()
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in written)

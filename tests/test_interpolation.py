@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dpwa.config import parse_config
-from dpwa.interpolation import (ClockWeighted, Constant, LossWeighted, blend_clock, damp_by_divergence,
+from dpwa.mixing.interpolation import (ClockWeighted, Constant, LossWeighted, blend_clock, damp_by_divergence,
                                 from_config)
 
 
@@ -72,7 +72,7 @@ def test_factors_always_lie_in_the_unit_interval():
 
 
 def test_from_config_picks_the_named_strategy():
-    nodes = [{"name": "a", "host": "h", "port": 1}]
+    nodes = [{"name": "a", "host": "127.0.0.1", "port": 1}]
     assert isinstance(from_config(parse_config({"nodes": nodes, "interpolation": "clock"})), ClockWeighted)
     assert isinstance(from_config(parse_config({"nodes": nodes, "interpolation": "loss"})), LossWeighted)
     constant = from_config(parse_config({"nodes": nodes, "constant": {"value": 0.3}}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpwa import kernels
+from dpwa.mixing import kernels
 
 
 @pytest.fixture(params=["torch", "numpy"])
@@ -74,21 +74,21 @@ def test_mismatches_are_refused():
         kernels.lerp_(ro, np.zeros(3, np.float32), 0.5)
 
 
-def test_all_finite():
+@pytest.mark.parametrize("where", [0, 1234, 9999])  # first, middle, last: a NaN anywhere is seen
+def test_within_refuses_nan_inf_and_values_beyond_the_bound(backend, where):
     x = np.ones(10_000, np.float32)
-    assert kernels.all_finite(x)
-    x[1234] = np.nan
-    assert not kernels.all_finite(x)
-    x[1234] = np.inf
-    assert not kernels.all_finite(x)
-    huge = np.full(10, 3e38, np.float32)  # the fast sum overflows, the exact check clears it
-    assert kernels.all_finite(huge)
-    assert kernels.all_finite(np.zeros(0, np.float32))
+    assert kernels.within(x, 1e18)
+    for bad in (np.nan, np.inf, -np.inf, 2e18, -2e18):
+        x[where] = bad
+        assert not kernels.within(x, 1e18), bad
+    x[where] = -1e18
+    assert kernels.within(x, 1e18)  # the bound itself is allowed
+    assert kernels.within(np.zeros(0, np.float32), 1e18)
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
 def test_half_precision_wire_round_trips_and_blends_in_float32(backend, wire):
-    from dpwa.kernels import encode_, storage_dtype
+    from dpwa.mixing.kernels import encode_, storage_dtype
 
     rng = np.random.default_rng(2)
     src = rng.standard_normal(300_001).astype(np.float32)
@@ -105,7 +105,7 @@ def test_half_precision_wire_round_trips_and_blends_in_float32(backend, wire):
 
 
 def test_bfloat16_encoding_rounds_to_nearest_even_and_keeps_specials(monkeypatch):
-    from dpwa.kernels import encode_
+    from dpwa.mixing.kernels import encode_
 
     values = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.inf, -np.inf, np.nan, 3e38, -0.0], np.float32)
     monkeypatch.setattr(kernels, "TORCH_MIN_ELEMENTS", 0)
@@ -122,13 +122,17 @@ def test_bfloat16_encoding_rounds_to_nearest_even_and_keeps_specials(monkeypatch
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
-def test_all_finite_on_half_precision(wire):
-    from dpwa.kernels import encode_, storage_dtype
+def test_within_on_half_precision(backend, wire):
+    from dpwa.mixing.kernels import encode_, storage_dtype
 
     y = np.ones(1000, np.float32)
     buf = np.empty(1000, storage_dtype(wire))
     encode_(buf, y, wire)
-    assert kernels.all_finite(buf, wire)
+    assert kernels.within(buf, 1e18, wire)
     y[500] = np.nan
     encode_(buf, y, wire)
-    assert not kernels.all_finite(buf, wire)
+    assert not kernels.within(buf, 1e18, wire)
+    if wire == "bfloat16":  # bfloat16 reaches 3e38: beyond the bound is refused
+        y[500] = 3e38
+        encode_(buf, y, wire)
+        assert not kernels.within(buf, 1e18, wire)

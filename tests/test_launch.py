@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from dpwa import ConfigError, load_config
-from dpwa import launch, processes
-from dpwa.monitor import LiveView, MetricsTail
+from dpwa.cluster import launch, processes
+from dpwa.cluster.monitor import LiveView, MetricsTail
 
 from conftest import HELPERS, make_config, wait_until
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from dpwa.peers import SCORE_MAX, SCORE_MIN, PeerSelector
+from dpwa.gossip.flow import SCORE_MAX, SCORE_MIN, PeerSelector
 
 
 def test_scores_are_bounded_and_follow_the_documented_rule():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dpwa import NumpyParams
-from dpwa.node import WAIT_SLACK_S
+from dpwa.gossip.node import WAIT_SLACK_S
 
 from conftest import filled, port_is_free, step_until_averaged, wait_until
 from test_node import RecordingParams, disagreement

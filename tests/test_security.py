@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from dpwa import ConfigError, Node, NumpyParams, parse_config
-from dpwa.keys import KeyFileError, generate, load_secret, valid_public_key
+from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
 from dpwa.protocol import encode_header
 
 from conftest import filled, make_config, port_is_free, wait_until

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from dpwa import NumpyParams
-from dpwa.protocol import ProtocolError
-from dpwa.shm import PeerSlots, SharedMemoryError, SharedSlots, user_dir
-from dpwa.snapshot import SnapshotStore
+from dpwa.wire.messages import ProtocolError
+from dpwa.wire.endpoints import PrivateDirError
+from dpwa.wire.endpoints import private_dir as user_dir
+from dpwa.wire.shm import PeerSlots, SharedMemoryError, SharedSlots
+from dpwa.gossip.snapshots import SnapshotStore
 
 from conftest import filled, make_config
 from test_node import RecordingParams
@@ -41,12 +43,14 @@ def test_slot_files_are_private_and_removed_on_close(root):
 def test_a_directory_others_can_enter_is_refused(root):
     path = user_dir(root)
     os.chmod(path, 0o755)
-    with pytest.raises(SharedMemoryError, match=r"must be a directory owned by uid \d+ with mode 0700"):
+    with pytest.raises(PrivateDirError, match=r"must be a directory owned by uid \d+ with mode 0700"):
         user_dir(root)
+    with pytest.raises(SharedMemoryError, match=r"must be a directory owned by uid \d+ with mode 0700"):
+        SharedSlots("w0", 45000, 40, F32, root=root)
     os.chmod(path, 0o700)
     path.rmdir()
     path.symlink_to(root)  # a symlink planted where our directory should be
-    with pytest.raises(SharedMemoryError, match="must be a directory"):
+    with pytest.raises(PrivateDirError, match="must be a directory"):
         user_dir(root)
 
 
@@ -98,18 +102,34 @@ def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
     slots.close()
 
 
-def test_directories_of_dead_owners_are_swept(root):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait(10)
-    stale = user_dir(root) / "w9-1234-0123456789abcdef"
-    stale.mkdir(mode=0o700)
-    (stale / "owner").write_text(str(dead.pid))
+def test_directories_are_swept_by_their_owner_lock_not_by_pid(root):
+    """A live owner is known by the lock it holds, which is seen across PID namespaces; a PID is not:
+    the live directory names a PID that does not exist here, the dead one names our own live PID."""
     live = user_dir(root) / "w8-1234-0123456789abcdef"
     live.mkdir(mode=0o700)
-    (live / "owner").write_text(str(os.getpid()))
-    slots = SharedSlots("w0", 45000, 40, F32, root=root)
-    assert not stale.exists() and live.exists()
-    slots.close()
+    (live / "owner").write_text("999999999")  # a PID of another namespace, say
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('locked', flush=True); sys.stdin.read()", str(live / "owner")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        dead = user_dir(root) / "w9-1234-0123456789abcdef"
+        dead.mkdir(mode=0o700)
+        (dead / "owner").write_text(str(os.getpid()))  # a PID that is alive, reused by someone else
+        (dead / "slot-0").write_bytes(b"x" * 100)
+        slots = SharedSlots("w0", 45000, 40, F32, root=root)
+        assert not dead.exists() and live.exists()
+        # our own directory is locked too: another node starting now leaves it alone
+        other = SharedSlots("w1", 45001, 40, F32, root=root)
+        assert slots.dir.exists()
+        other.close()
+        slots.close()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    SharedSlots("w2", 45002, 40, F32, root=root).close()  # the holder is gone: now it is swept
+    assert not live.exists()
 
 
 @pytest.mark.parametrize("same_host", ["auto", "off"])

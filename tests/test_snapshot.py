@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from dpwa.snapshot import SnapshotStore
+from dpwa.gossip.snapshots import HeapMemory, SnapshotStore
 
 
 def fill_with(value):
@@ -67,17 +67,67 @@ def test_a_lease_handed_to_a_tracker_lasts_until_the_send_is_done():
     assert store.publish(fill_with(3.0), 0, None)
 
 
+def counting_memory(allocations):
+    def memory(index):
+        allocations.append(index)
+        return HeapMemory(np.empty(10, np.float32))
+
+    return memory
+
+
 def test_slots_are_allocated_lazily_and_bounded():
     allocations = []
-
-    def allocate(n, dtype):
-        allocations.append(n)
-        return np.empty(n, dtype)
-
-    store = SnapshotStore(10, np.float32, max_slots=4, allocate=allocate)
+    store = SnapshotStore(10, np.float32, max_slots=4, memory=counting_memory(allocations))
     for value in range(100):
         store.publish(fill_with(float(value)), 0, None)
-    assert len(allocations) == 2  # nobody reads: two slots suffice
+    assert allocations == [0, 1]  # nobody reads: two slots suffice
+    leases = [store.lease()]
+    for value in range(10):  # each snapshot leased and kept: the store grows to max_slots, then skips
+        store.publish(fill_with(float(value)), 0, None)
+        leases.append(store.lease())
+    assert allocations == [0, 1, 2, 3] and store.slots == 4
+    assert store.skipped == 7 and store.retired == 0  # our own leases are never retired
+    for lease in leases:
+        lease.release()
+    assert store.publish(fill_with(1.0), 0, None)
+
+
+class FakeTracker:
+    """Stands in for a ZeroMQ MessageTracker: `done` once the reply has left."""
+
+    def __init__(self):
+        self.done = False
+
+
+def test_a_slot_held_too_long_by_unsent_replies_is_retired_and_publishing_goes_on(monkeypatch):
+    allocations = []
+    store = SnapshotStore(10, np.float32, max_slots=2, memory=counting_memory(allocations), hold_limit_s=5.0,
+                          max_retired=1)
+    now = [1000.0]
+    monkeypatch.setattr("dpwa.gossip.snapshots.time.monotonic", lambda: now[0])
+    trackers = []
+
+    def serve_to_a_client_that_never_reads():
+        lease = store.lease()
+        trackers.append(FakeTracker())
+        lease.release_when(trackers[-1])
+
+    store.publish(fill_with(1.0), 0, None)
+    serve_to_a_client_that_never_reads()  # slot 0 held
+    store.publish(fill_with(2.0), 0, None)  # slot 1
+    serve_to_a_client_that_never_reads()  # slot 1 held too
+    assert not store.publish(fill_with(3.0), 0, None)  # both held, none for long: skipped
+    assert store.current().array[0] == 2.0
+    now[0] += 5.5  # slot 0 has been held past the limit
+    assert store.publish(fill_with(3.0), 0, None)  # retired and replaced by a fresh one
+    assert store.current().array[0] == 3.0 and store.retired == 1 and allocations == [0, 1, 0]
+    assert store.retired_alive() == 1  # its memory lives on for the reader that holds it
+    serve_to_a_client_that_never_reads()
+    now[0] += 5.5
+    assert not store.publish(fill_with(4.0), 0, None)  # max_retired retired slots are alive already
+    trackers[0].done = True  # the first reader finally read its reply
+    assert store.retired_alive() == 0
+    assert store.publish(fill_with(4.0), 0, None) and store.retired == 2
 
 
 def test_concurrent_readers_never_see_a_torn_snapshot():

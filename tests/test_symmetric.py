@@ -10,7 +10,7 @@ import pytest
 
 from dpwa import NumpyParams
 from dpwa.exchange import Pending, PendingExchanges
-from dpwa.snapshot import SnapshotStore
+from dpwa.gossip.snapshots import SnapshotStore
 
 from conftest import filled, make_config, step_until_averaged, wait_until
 from helpers.proxy import Proxy

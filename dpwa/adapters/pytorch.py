@@ -24,17 +24,17 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from .. import kernels
 from ..config import Config
-from ..node import Node, Update
-from ..params import FlatParams
-from ..protocol import fingerprint
+from ..gossip.node import Node, Update
+from ..mixing import kernels
+from ..params import FlatParams, fingerprint
 
 __all__ = ["DpwaPyTorchAdapter", "TorchParams"]
 
@@ -190,6 +190,10 @@ class DpwaPyTorchAdapter:
     def update_wait(self, loss: Any = None) -> Update:
         """Blend in the fetched parameters after a batch, if a fetch succeeded. See Node.update_wait."""
         return self.node.update_wait(loss)
+
+    def linger(self, idle_s: float, limit_s: float, stop: Callable[[], bool] = lambda: False) -> float:
+        """Keep serving peers without training until none is served for `idle_s`. See Node.linger."""
+        return self.node.linger(idle_s, limit_s, stop)
 
     def stats(self) -> dict[str, Any]:
         return self.node.stats()

@@ -26,7 +26,7 @@ import data as datasets  # noqa: E402
 import models  # noqa: E402
 
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
-from dpwa import launch, processes  # noqa: E402
+from dpwa.cluster import launch, processes  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = ("model", "width", "epochs", "steps_per_epoch", "batch_size", "lr", "shard", "device", "seed",

@@ -131,25 +131,6 @@ class Metrics:
             self._fh.close()
 
 
-def linger(conn: DpwaPyTorchAdapter, stop: StopFlag, idle_s: float, limit_s: float) -> float:
-    """Serve peers that still train until none has fetched for `idle_s` (or `limit_s` passed); returns the time spent.
-
-    A node that finishes first and exits would cost each remaining peer a
-    fetch timeout per step; staying up while requests keep coming avoids it.
-    """
-    start = last_change = time.monotonic()
-    last = None
-    while not stop and time.monotonic() - start < limit_s:
-        stats = conn.stats()
-        served = stats["requests_served"] + stats["requests_rejected"]
-        if served != last:
-            last, last_change = served, time.monotonic()
-        elif time.monotonic() - last_change >= idle_s:
-            break
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
 def pick_device(choice: str, index: int) -> torch.device:
     if choice != "auto":
         return torch.device(choice)
@@ -266,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             idle_s = max(2.0, 4 * step_s, 2 * config.timeout_s)
             metrics.write("linger", idle_s=idle_s, limit_s=args.linger_s)
             log.info("%s: serving peers that still train (until none fetched for %.1f s)", args.name, idle_s)
-            log.info("%s: stopped serving after %.1f s", args.name, linger(conn, stop, idle_s, args.linger_s))
+            spent = conn.linger(idle_s, args.linger_s, stop=lambda: bool(stop))
+            log.info("%s: stopped serving after %.1f s", args.name, spent)
         reason = f"stopped by {stop.signal_name}" if stop else "done"
     except KeyboardInterrupt:  # the second Ctrl-C
         reason = "stopped at once by a second SIGINT"

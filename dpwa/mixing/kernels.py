@@ -17,6 +17,7 @@ torch is missing, and the reference the tests compare against.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
@@ -25,13 +26,13 @@ __all__ = [
     "WIRE_STORAGE",
     "add_scaled_diff_",
     "aligned",
-    "all_finite",
     "as_torch",
     "encode_",
     "lerp_",
     "relative_distance",
     "storage_dtype",
     "use_torch",
+    "within",
 ]
 
 # wire dtype name -> numpy dtype of the stored elements
@@ -216,29 +217,30 @@ def relative_distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") ->
     return (diff_sq / ours_sq) ** 0.5
 
 
-def all_finite(y: np.ndarray, wire: str = "float32") -> bool:
-    """True if no element of the wire buffer `y` is NaN or infinite.
+def within(y: np.ndarray, bound: float, wire: str = "float32") -> bool:
+    """True if every element of the wire buffer `y` is finite and lies in [-bound, bound].
 
-    float32: a float32 sum is one fast pass and is finite whenever every
-    element is; only when it is not (a NaN, an Inf, or an overflow of huge
-    finite values) is the exact element-wise check run. Half precisions are
-    checked on their exponent bits.
+    One pass (torch's ``aminmax``, or numpy's min and max for small buffers);
+    a NaN anywhere makes the minimum and maximum NaN, so it fails too. Values
+    within the bound cannot overflow float32 when blended with f in [0, 1].
     """
     if y.size == 0:
         return True
-    if wire == "float32":
-        torch = _torch(y.size)
-        with np.errstate(over="ignore", invalid="ignore"):
-            total = float(as_torch(aligned(y)).sum()) if torch is not None else np.add.reduce(y, dtype=np.float32)
-            if np.isfinite(total):
-                return True
-        return bool(np.isfinite(y).all())
-    mask = np.uint16(0x7F80 if wire == "bfloat16" else 0x7C00)  # exponent bits: all ones is Inf or NaN
-    bits = y.view(np.uint16)
-    for s, e in _blocks(y.size):
-        if np.any((bits[s:e] & mask) == mask):
-            return False
-    return True
+    torch = _torch(y.size)
+    if torch is not None:
+        lo_t, hi_t = torch.aminmax(as_torch(aligned(y), wire))
+        lo, hi = float(lo_t), float(hi_t)
+    else:
+        lo, hi = math.inf, -math.inf
+        scratch = np.empty(min(_BLOCK, y.size), dtype=np.float32)
+        with np.errstate(invalid="ignore"):
+            for s, e in _blocks(y.size):
+                block = _decode_np(y[s:e], wire, scratch[: e - s])
+                block_lo, block_hi = float(block.min()), float(block.max())
+                if math.isnan(block_lo) or math.isnan(block_hi):
+                    return False
+                lo, hi = min(lo, block_lo), max(hi, block_hi)
+    return math.isfinite(lo) and math.isfinite(hi) and -bound <= lo and hi <= bound
 
 
 def _check_shapes(x: np.ndarray, y: np.ndarray) -> None:

@@ -4,7 +4,7 @@ A launch is a :class:`LaunchSpec`: the cluster's configuration (every node,
 local or not), which of its nodes to start here, and the command each runs.
 :func:`prepare` makes the run folder; :func:`run` runs the cluster in the
 foreground with a live view and a summary; :func:`detach` hands it to a
-background supervisor (``python -m dpwa.launch RUN_DIR``) and returns.
+background supervisor (``python -m dpwa.cluster.launch RUN_DIR``) and returns.
 
 The run folder::
 
@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 import yaml
 
-from .config import ConfigError, parse_config
+from ..config import ConfigError, parse_config
 from .monitor import LiveView, MetricsTail, format_summary, summarize
 from .processes import Cluster, tail, write_pid_file
 
@@ -297,7 +297,7 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
     with open(run_dir / "logs" / "launcher.log", "ab") as log:
-        supervisor = subprocess.Popen([sys.executable, "-m", "dpwa.launch", str(run_dir)],
+        supervisor = subprocess.Popen([sys.executable, "-m", "dpwa.cluster.launch", str(run_dir)],
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
@@ -332,5 +332,5 @@ def supervise(run_dir: str | Path) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m dpwa.launch RUN_DIR   (the background launcher of ./run.sh --detach)")
+        sys.exit("usage: python -m dpwa.cluster.launch RUN_DIR   (the background launcher of ./run.sh --detach)")
     sys.exit(supervise(sys.argv[1]))

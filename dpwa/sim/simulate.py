@@ -35,9 +35,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import mixing
-from .params import NumpyParams
-from .peers import PeerSelector
+from ..mixing import rules as mixing
+from ..params import NumpyParams
+from ..gossip.flow import PeerSelector
 
 __all__ = ["Gossip", "disagreement", "symmetric_decay", "study"]
 
@@ -138,7 +138,7 @@ class Digits:
 
     @classmethod
     def load(cls, nodes: int, split_seed: int = 0) -> "Digits":
-        from .datasets import load_digits
+        from ..datasets import load_digits
 
         images, labels = load_digits()
         x = np.concatenate([images.reshape(len(images), -1) / 16.0, np.ones((len(images), 1))], axis=1)
@@ -328,6 +328,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, fh, indent=2)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

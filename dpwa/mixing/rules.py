@@ -38,13 +38,24 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from ..config import Config
+from ..params import FlatParams
 from . import interpolation as interp
-from .config import Config
-from .params import FlatParams
 
-__all__ = ["Blend", "DeltaBlend", "EXCHANGES_PER_SNAPSHOT", "StateBlend", "from_config", "mirror", "mirror_clock"]
+__all__ = [
+    "Blend",
+    "DeltaBlend",
+    "EXCHANGES_PER_SNAPSHOT",
+    "MAX_SYMMETRIC_FACTOR",
+    "StateBlend",
+    "from_config",
+    "mirror",
+    "mirror_clock",
+    "symmetric_factor",
+]
 
 EXCHANGES_PER_SNAPSHOT = 1  # symmetric exchanges one published snapshot may serve
+MAX_SYMMETRIC_FACTOR = 0.5  # beyond it a symmetric exchange would move a side past its partner
 
 
 class Blend(ABC):
@@ -92,6 +103,23 @@ def mirror(params: FlatParams, served: np.ndarray, requester: np.ndarray, f: flo
 
 def mirror_clock(clock: float, served_clock: float, requester_clock: float, f: float) -> float:
     return clock + f * (requester_clock - served_clock)
+
+
+def symmetric_factor(
+    interpolation: interp.Interpolation,
+    divergence_threshold: float,
+    requester: tuple[float, float | None],
+    server: tuple[float, float | None],
+) -> float:
+    """f of a symmetric exchange, from the two exchanged snapshots' (clock, loss).
+
+    Both sides compute it from the same four numbers, from the requester's
+    point of view, so they agree exactly; the divergence threshold applies to
+    the requester's loss. Capped at 1/2: neither side ever moves past the midpoint.
+    """
+    f = interpolation.factor(requester[0], server[0], requester[1], server[1])
+    f = interp.damp_by_divergence(f, requester[1], divergence_threshold)
+    return min(max(f, 0.0), MAX_SYMMETRIC_FACTOR)
 
 
 def from_config(config: Config) -> Blend:

@@ -1,4 +1,9 @@
-"""CURVE key pairs: generate them, and load a node's secret key safely.
+"""CURVE: key pairs, key files, and the socket options that use them.
+
+With CURVE every connection is encrypted and authenticated. A server serves
+only clients whose public key it allows (answered in its own thread by the
+ZAP handler of :mod:`dpwa.wire.server`), and a client only talks to the
+server key it expects.
 
 ``python -m dpwa keygen NAME`` writes ``NAME.key`` (the public key, to share)
 and ``NAME.key_secret`` (the secret key, mode 0600, never shared) in the ZPL
@@ -12,18 +17,44 @@ from __future__ import annotations
 import datetime
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.utils import z85
 
-__all__ = ["KeyPair", "KeyFileError", "generate", "load_secret", "valid_public_key"]
+__all__ = ["Curve", "KeyPair", "KeyFileError", "generate", "load_secret", "valid_public_key"]
 
 
 class KeyFileError(ValueError):
     """A key file is missing, unsafe or does not match the config."""
+
+
+@dataclass(frozen=True)
+class Curve:
+    """CURVE keys of one endpoint: its own pair, and who may talk to it."""
+
+    public: bytes  # this endpoint's public key, Z85
+    secret: bytes  # this endpoint's secret key, Z85
+    allowed: Mapping[bytes, str] = field(default_factory=dict)  # raw 32-byte client key -> name
+
+    def server_options(self) -> dict[int, Any]:
+        return {
+            zmq.CURVE_SERVER: 1,
+            zmq.CURVE_PUBLICKEY: self.public,
+            zmq.CURVE_SECRETKEY: self.secret,
+            zmq.ZAP_DOMAIN: b"dpwa",
+        }
+
+    def client_options(self, server_public: bytes) -> dict[int, Any]:
+        return {
+            zmq.CURVE_SERVERKEY: server_public,
+            zmq.CURVE_PUBLICKEY: self.public,
+            zmq.CURVE_SECRETKEY: self.secret,
+        }
 
 
 @dataclass(frozen=True)

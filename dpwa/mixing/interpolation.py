@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 
-from .config import Config
+from ..config import Config
 
 __all__ = [
     "ClockWeighted",

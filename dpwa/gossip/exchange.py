@@ -1,0 +1,487 @@
+"""Symmetric exchanges (``mode: symmetric``): both halves in one place, applied on both sides or neither.
+
+One exchange between a requester i and a server j, and every state each side
+can be in::
+
+    requester i (client thread, then training thread)   server j (Rx thread, then training thread)
+    ─────────────────────────────────────────────────   ────────────────────────────────────────────
+    publish s_i; send exchange(s_i)          ─────────►  cheap checks first (model, closing, this
+                                                         snapshot's one exchange, capacity), then
+                                                         s_i's values; picks a fresh id xid and
+                                                         f = symmetric_factor(s_i, s_j) <= 1/2;
+                                                         PENDING(i, xid): holds s_i and a lease on
+                                                         s_j; expires at receipt + ttl
+                 ◄─────────  params(s_j, xid, f)  or  error(busy | not_ready | closing | ...)
+    error, or no reply by the deadline: DONE,
+      nothing applied (j's PENDING expires: ABORTED)
+    checks s_j and recomputes f; a mismatch or too
+      little time left to confirm: DONE, no confirm
+      (j's PENDING expires: ABORTED)
+    IN DOUBT from here on: send confirm(xid) ─────────►  PENDING, not expired: COMMITTED
+                                                         PENDING, expired:      ABORTED
+                                                         already decided:       the same answer
+                                                         never seen/forgotten:  unknown
+                 ◄─────────  decision(xid, commit | abort | unknown)
+    commit: COMMITTED, applied at the next                COMMITTED: x_j += f (s_i - s_j) at j's
+      update: x_i += f (s_j - s_i) (delta)                  next update_wait (or linger, or close)
+    abort / unknown: ABORTED, nothing applied             ABORTED: nothing applied
+    no decision by the deadline: stays IN DOUBT;
+      confirm(xid) is asked again in the background
+      (every step, backing off to RESOLVE_RETRY_MAX_S)
+      until a decision arrives, or gives up after
+      RESOLVE_LIMIT_S (DROPPED: counted and logged)
+
+**The guarantee.** While both nodes live and their link eventually delivers,
+each exchange is applied on both sides exactly once, or on neither:
+
+* the server decides, once: commit only for a PENDING exchange whose confirm
+  arrived before it expired; expiry is an abort. It remembers each decision
+  for :data:`DECISION_RETENTION_S` (the last :data:`DECISIONS_PER_PEER` per
+  peer), longer than any requester keeps asking, and answers a repeated
+  confirm with it;
+* a requester applies its half only on ``commit`` and never gives up on a
+  confirm it has sent: it learns the decision later, in the background;
+* exchange ids are the server's, keyed by the authenticated peer: a requester
+  cannot pick, reuse or overwrite another exchange;
+* f is computed by the server from the two snapshots' clocks and losses,
+  recomputed and checked by the requester, and never above 1/2;
+* ``close()`` settles by the same rule: new exchanges are refused
+  (``closing``), confirms are still answered and in-doubt ones still asked,
+  until nothing is pending, nothing is in doubt and no confirm arrived for
+  :data:`SETTLE_QUIET_S` (bounded by the close's deadline); then committed
+  halves are applied, pending ones aborted, and what is still in doubt is
+  dropped and logged.
+
+Each published snapshot serves at most one exchange (see
+:mod:`dpwa.mixing.rules`), and a requester starts no exchange with a peer it
+is in doubt with. Resources: the server holds at most ``capacity`` requester
+snapshots (pending or committed), at most :data:`PENDING_PER_PEER` per peer;
+a requester at most :data:`MAX_IN_DOUBT` exchanges in doubt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..logs import logger
+from ..mixing import interpolation as interp
+from ..mixing import rules
+from ..stats import Counters
+from ..wire.client import Ask, Call, DeadlinePassed, RequestTimeout
+from ..wire.messages import MAX_ID, ProtocolError, encode
+from ..wire.server import Refused, Reply, Request, Route, TransportError
+from .messages import CONFIRM, DECISION, EXCHANGE, SNAPSHOT_REPLIES
+from .requesting import Received, ReplyReader
+from .serving import Serving
+from .snapshots import Lease, SnapshotStore
+from .validation import PeerValues
+
+__all__ = [
+    "ClientHalf",
+    "ExchangeClient",
+    "ExchangeServer",
+    "ExchangeTask",
+    "InDoubt",
+    "ServerHalf",
+]
+
+TTL_MARGIN_S = 1.0  # a PENDING exchange expires this long after the requester's deadline would
+PENDING_PER_PEER = 2  # PENDING exchanges one peer may have at once
+MAX_IN_DOUBT = 2  # exchanges a requester may be in doubt about at once; it starts none beyond
+RESOLVE_RETRY_MAX_S = 0.5  # in doubt: ask again at most this long after the last try
+RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the link is)
+DECISION_RETENTION_S = 2 * RESOLVE_LIMIT_S  # a server remembers a decision this long...
+DECISIONS_PER_PEER = 64  # ... and at most this many per peer
+SETTLE_QUIET_S = 1.0  # close() waits until no confirm arrived for this long (two retry intervals)
+FACTOR_TOLERANCE = 1e-9
+
+
+class _Half:
+    """One side's half of an exchange: the two snapshots and the factor. Owns both; a context manager."""
+
+    def __init__(self, peer: str, xid: int, f: float) -> None:
+        self.peer, self.xid, self.f = peer, xid, f
+        self._stack = contextlib.ExitStack()
+
+    def release(self) -> None:
+        """Let go of both snapshots. Idempotent."""
+        self._stack.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ClientHalf(_Half):
+    """The requester's half: its own snapshot s_i (a lease) and the server's s_j (received)."""
+
+    def __init__(self, peer: str, xid: int, f: float, own: Lease, theirs: Received) -> None:
+        super().__init__(peer, xid, f)
+        self.own = self._stack.enter_context(own)
+        self.theirs = self._stack.enter_context(theirs)
+
+
+class ServerHalf(_Half):
+    """The server's half: the snapshot it served s_j (a lease) and the requester's s_i."""
+
+    def __init__(self, peer: str, xid: int, f: float, served: Lease, theirs: Received, expires: float) -> None:
+        super().__init__(peer, xid, f)
+        self.served = self._stack.enter_context(served)
+        self.theirs = self._stack.enter_context(theirs)
+        self.expires = expires
+
+
+@dataclass(eq=False)
+class InDoubt:
+    """A half whose confirm was sent but whose decision has not arrived."""
+
+    half: ClientHalf
+
+    def release(self) -> None:
+        self.half.release()
+
+
+# --------------------------------------------------------------------------- requester
+
+
+class ExchangeTask:
+    """One exchange with one peer, on the client thread. Its value is a ClientHalf (committed) or an InDoubt.
+
+    The task owns `own` (our published snapshot) from construction: it goes
+    into the half, or is released when the exchange ends without one.
+    """
+
+    def __init__(
+        self,
+        peer: str,
+        deadline: float,
+        own: Lease,
+        fields: dict[str, Any],
+        reader: ReplyReader,
+        factor: Callable[[tuple[float, float | None], tuple[float, float | None]], float],
+        min_confirm_s: float,
+    ) -> None:
+        self.peer, self.deadline = peer, deadline
+        self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
+        self._min_confirm_s = min_confirm_s
+
+    def run(self, ask: Ask) -> ClientHalf | InDoubt:
+        with contextlib.ExitStack() as cleanup:
+            cleanup.push(self._own)  # released unless a half takes it
+            snap = self._own.snapshot
+            response = ask(lambda rid: [encode(EXCHANGE, rid, **self._fields), snap.array], SNAPSHOT_REPLIES)
+            theirs = self._reader.read(response, self.peer)
+            cleanup.push(theirs)
+            header = theirs.header
+            xid, f = header.get("xid"), header.get("f")
+            if xid is None or f is None:
+                raise ProtocolError("bad_reply", "a reply to an exchange without its xid and f")
+            expected = self._factor((snap.clock, snap.loss), (header["clock"], header["loss"]))
+            if abs(f - expected) > FACTOR_TOLERANCE:
+                raise ProtocolError("bad_factor", f"the peer's f = {f!r}, ours is {expected!r} (same config?)")
+            if self.deadline - time.monotonic() < self._min_confirm_s:
+                raise RequestTimeout("too little time left to confirm; the peer's pending exchange will expire")
+            cleanup.pop_all()
+        half = ClientHalf(self.peer, xid, f, self._own, theirs)
+        try:
+            decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": self._fields["from"]}, xid=xid)], _DECISIONS)
+        except DeadlinePassed:  # nothing was sent: the server will expire it
+            half.release()
+            raise
+        except (TransportError, ProtocolError, Refused):
+            return InDoubt(half)  # the confirm may have arrived: learn the decision later
+        outcome = decision.header["outcome"]
+        if decision.header["xid"] != xid:
+            return InDoubt(half)  # a confused peer: ask again later
+        if outcome == "commit":
+            return half
+        half.release()
+        raise Refused("aborted", f"the peer decided {outcome} for exchange {xid}")
+
+
+_DECISIONS = {DECISION.name: DECISION}
+
+
+class ResolveTask:
+    """Ask a peer again for its decision on an exchange we are in doubt about. Value: the outcome."""
+
+    def __init__(self, peer: str, deadline: float, name: str, xid: int) -> None:
+        self.peer, self.deadline, self._name, self.xid = peer, deadline, name, xid
+
+    def run(self, ask: Ask) -> str:
+        response = ask(lambda rid: [encode(CONFIRM, rid, **{"from": self._name}, xid=self.xid)], _DECISIONS)
+        if response.header["xid"] != self.xid:
+            raise ProtocolError("bad_reply", f"a decision on {response.header['xid']}, asked about {self.xid}")
+        return str(response.header["outcome"])
+
+
+@dataclass(eq=False)
+class _Doubt:
+    half: ClientHalf
+    since: float
+    next_try: float
+    tries: int = 0
+    call: Call | None = None
+
+
+class ExchangeClient:
+    """The requester's exchanges in doubt, and their resolution (training thread only).
+
+    Args:
+        name: this node.
+        timeout_s: the deadline of one resolve request.
+        submit: runs a task on the client thread.
+        counters: where to count committed, aborted and dropped exchanges.
+    """
+
+    def __init__(self, name: str, timeout_s: float, submit: Callable[[Any], Call], counters: Counters) -> None:
+        self.name, self._timeout_s, self._submit, self._counters = name, timeout_s, submit, counters
+        self._doubts: dict[tuple[str, int], _Doubt] = {}
+
+    def __len__(self) -> int:
+        return len(self._doubts)
+
+    def blocked_peers(self) -> frozenset[str]:
+        """Peers we are in doubt with: no new exchange with them until their decision arrives."""
+        return frozenset(peer for peer, _ in self._doubts)
+
+    def allows(self, peer: str) -> bool:
+        """May a new exchange with `peer` start? Not while in doubt with it, nor with MAX_IN_DOUBT pending."""
+        return len(self._doubts) < MAX_IN_DOUBT and all(p != peer for p, _ in self._doubts)
+
+    def add(self, doubt: InDoubt) -> None:
+        half = doubt.half
+        now = time.monotonic()
+        self._doubts[(half.peer, half.xid)] = _Doubt(half, since=now, next_try=now)
+        self._counters.add("exchanges_in_doubt")
+
+    def poll(self) -> list[ClientHalf]:
+        """Collect decisions; returns the halves now known committed (the caller applies them)."""
+        now = time.monotonic()
+        ready = []
+        for key, doubt in list(self._doubts.items()):
+            call = doubt.call
+            if call is not None and call.done.is_set():
+                doubt.call = None
+                if call.outcome == "ok":
+                    outcome = call.take()
+                    del self._doubts[key]
+                    if outcome == "commit":
+                        ready.append(doubt.half)
+                    else:
+                        doubt.half.release()
+                        self._counters.add("exchanges_aborted")
+                    continue
+                doubt.next_try = now + min(RESOLVE_RETRY_MAX_S, 0.05 * 2**doubt.tries)
+            if doubt.call is None:
+                if now - doubt.since > RESOLVE_LIMIT_S:
+                    self._drop(key, f"no decision from {doubt.half.peer} within {RESOLVE_LIMIT_S:.0f} s")
+                elif now >= doubt.next_try:
+                    doubt.tries += 1
+                    task = ResolveTask(doubt.half.peer, now + self._timeout_s, self.name, doubt.half.xid)
+                    doubt.call = self._submit(task)
+        return ready
+
+    def _drop(self, key: tuple[str, int], why: str) -> None:
+        doubt = self._doubts.pop(key)
+        if doubt.call is not None:
+            doubt.call.abandon()
+        doubt.half.release()
+        self._counters.add("exchanges_dropped")
+        logger.warning(
+            "%s: gave up on exchange %d with %s: %s; if the peer committed it, "
+            "the nodes' mean moved by that exchange's correction",
+            self.name,
+            key[1],
+            key[0],
+            why,
+        )
+
+    def close(self) -> None:
+        """Drop whatever is still in doubt (logged): the peer never answered within the settle time."""
+        for key in list(self._doubts):
+            self._drop(key, "the node closed before the peer answered")
+
+
+# --------------------------------------------------------------------------- server
+
+
+class ExchangeServer:
+    """The server half: decides on exchanges (Rx thread) and hands committed ones over (training thread).
+
+    Args:
+        serving: builds the snapshot replies, and checks the requester's model.
+        values: the checks the requester's snapshot must pass.
+        interpolation, divergence_threshold: how f is computed.
+        timeout_s: the requesters' deadline (a pending exchange expires after it plus a margin).
+        capacity: requester snapshots held at most (pending and committed together).
+        discard: frees a received frame on the client thread.
+        counters: where to count.
+    """
+
+    def __init__(
+        self,
+        serving: Serving,
+        values: PeerValues,
+        interpolation: interp.Interpolation,
+        divergence_threshold: float,
+        timeout_s: float,
+        capacity: int,
+        discard: Callable[[Any], None],
+        counters: Counters,
+    ) -> None:
+        self._serving, self._store = serving, serving.store
+        self._values = values
+        self._interpolation, self._threshold = interpolation, divergence_threshold
+        self.ttl_s = timeout_s + TTL_MARGIN_S
+        self.capacity = capacity
+        self._discard = discard
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], ServerHalf] = {}
+        self._committed: list[ServerHalf] = []
+        self._decisions: dict[str, OrderedDict[int, tuple[str, float]]] = {}
+        self._uses: dict[int, int] = {}  # snapshot version -> exchanges it served
+        self._closing = False
+        self.last_confirm = 0.0  # time.monotonic() of the last confirm received
+
+    def routes(self) -> dict[str, Route]:
+        return {
+            EXCHANGE.name: Route(EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.nbytes, bulk=True),
+            CONFIRM.name: Route(CONFIRM, self.serve_confirm),
+        }
+
+    # ----------------------------------------------------------------- Rx thread
+
+    def serve_exchange(self, request: Request) -> Reply:
+        header, peer = request.header, request.sender
+        self._serving.check_request(header)
+        with contextlib.ExitStack() as undo:
+            served = self._reserve(peer)  # cheap refusals before looking at the payload
+            undo.push(served)
+            undo.callback(self._unreserve, served.snapshot.version)
+            frame = request.payload[0]
+            if len(frame) != self._serving.nbytes:
+                raise ProtocolError("bad_size", f"the payload holds {len(frame)} bytes, expected {self._serving.nbytes}")
+            array = np.frombuffer(frame.buffer, dtype=self._store.dtype)
+            theirs = Received(header, array, functools.partial(self._discard, frame))
+            undo.push(theirs)
+            self._values.check(theirs.array)
+            snap = served.snapshot
+            f = rules.symmetric_factor(
+                self._interpolation, self._threshold, (header["clock"], header["loss"]), (snap.clock, snap.loss)
+            )
+            xid = secrets.randbelow(MAX_ID) + 1
+            half = ServerHalf(peer, xid, f, served, theirs, expires=time.monotonic() + self.ttl_s)
+            undo.pop_all()
+        with self._lock:
+            self._pending[(peer, xid)] = half
+        self._counters.add("exchanges_served")
+        return self._serving.snapshot_reply(header, half.served.share(), xid=xid, f=f)
+
+    def _reserve(self, peer: str) -> Lease:
+        with self._lock:
+            self._expire(time.monotonic())
+            if self._closing:
+                raise Refused("closing", "this node is closing")
+            mine = sum(1 for p, _ in self._pending if p == peer)
+            if mine >= PENDING_PER_PEER:
+                raise Refused("busy", f"{mine} exchanges with you are waiting for their confirm")
+            if len(self._pending) + len(self._committed) >= self.capacity:
+                raise Refused("busy", f"{self.capacity} exchanges are waiting to be applied")
+            served = self._store.lease()
+            if served is None:
+                raise Refused("not_ready", "no snapshot published yet")
+            version = served.snapshot.version
+            self._uses = {version: self._uses.get(version, 0)}  # forget older snapshots
+            if self._uses[version] >= rules.EXCHANGES_PER_SNAPSHOT:
+                served.release()  # see dpwa.mixing.rules: more exchanges on one snapshot would overshoot
+                raise Refused("busy", "this snapshot already serves an exchange; ask another peer")
+            self._uses[version] += 1
+            return served
+
+    def _unreserve(self, version: int) -> None:
+        with self._lock:
+            if self._uses.get(version):
+                self._uses[version] -= 1
+
+    def serve_confirm(self, request: Request) -> Reply:
+        peer, xid = request.sender, request.header["xid"]
+        now = time.monotonic()
+        with self._lock:
+            self.last_confirm = now
+            self._expire(now)
+            known = self._decisions.get(peer, {}).get(xid)
+            if known is not None:
+                outcome = known[0]
+            else:
+                half = self._pending.pop((peer, xid), None)
+                if half is None:
+                    outcome = "unknown"
+                else:
+                    outcome = "commit"
+                    self._committed.append(half)
+                    self._decide(peer, xid, outcome, now)
+        self._counters.add(f"exchanges_decided.{outcome}")
+        return Reply(encode(DECISION, request.header.id, xid=xid, outcome=outcome))
+
+    def _decide(self, peer: str, xid: int, outcome: str, now: float) -> None:
+        table = self._decisions.setdefault(peer, OrderedDict())
+        table[xid] = (outcome, now)
+        while len(table) > DECISIONS_PER_PEER or (table and now - next(iter(table.values()))[1] > DECISION_RETENTION_S):
+            table.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, half in self._pending.items() if now >= half.expires]:
+            half = self._pending.pop(key)
+            half.release()
+            self._decide(key[0], key[1], "abort", now)
+            self._counters.add("exchanges_expired")
+
+    # ----------------------------------------------------------------- training thread
+
+    def take_committed(self) -> list[ServerHalf]:
+        """The committed halves, now owned by the caller (who applies, then releases them)."""
+        with self._lock:
+            self._expire(time.monotonic())
+            committed, self._committed = self._committed, []
+        return committed
+
+    def pending(self) -> int:
+        """Exchanges served and not yet decided."""
+        with self._lock:
+            self._expire(time.monotonic())
+            return len(self._pending)
+
+    def held(self) -> int:
+        """Requester snapshots held: pending and committed-not-applied."""
+        with self._lock:
+            return len(self._pending) + len(self._committed)
+
+    def start_closing(self) -> None:
+        """Refuse new exchanges from now on; confirms are still answered."""
+        with self._lock:
+            self._closing = True
+
+    def close(self) -> None:
+        """Abort what is still pending (the Rx thread has stopped: no confirm can come)."""
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+            committed, self._committed = self._committed, []
+        for half in pending + committed:
+            half.release()
+        if committed:
+            logger.error("dpwa: %d committed exchange halves were not applied before close", len(committed))
+

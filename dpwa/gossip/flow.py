@@ -1,0 +1,171 @@
+"""Flow control: which peer to ask next, and when to stop asking every step.
+
+The rule, exactly (the README repeats it):
+
+* every peer starts with score 1.0, and its score always stays within
+  [SCORE_MIN, SCORE_MAX] = [0.05, 1.0];
+* a fetch that succeeds adds 0.25 (additive increase);
+* a fetch that times out, fails or is rejected halves the score
+  (multiplicative decrease);
+* the next peer is ``argmax_i(log(score_i) + G_i)`` where the ``G_i`` are
+  independent standard Gumbel draws. This "score plus a random term" picks
+  peer i with probability exactly ``score_i / sum_j score_j``.
+
+So a peer that keeps timing out sinks to 0.05 and is picked about 20 times less
+often than a healthy one, but never never: it is still tried now and then,
+and four successes bring it back to full score. No peer is ever dropped.
+
+:class:`FlowControl` adds the rest of the decision, and is owned by the
+training thread: the fetch coin (``fetch_probability``), and a back-off when
+every peer has missed its last :data:`UNREACHABLE_AFTER` fetches (timeouts or
+transport failures; any reply, even a refusal, shows a peer is alive): the
+node trains alone and probes a peer after ``timeout``, then twice that, up to
+every :data:`ALONE_BACKOFF_MAX_S`, until one answers.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Sequence
+
+from ..logs import logger
+
+__all__ = [
+    "ALONE_BACKOFF_MAX_S",
+    "FlowControl",
+    "PeerSelector",
+    "SCORE_DECAY",
+    "SCORE_MAX",
+    "SCORE_MIN",
+    "SCORE_STEP_UP",
+    "UNREACHABLE_AFTER",
+]
+
+SCORE_MAX = 1.0
+SCORE_MIN = 0.05
+SCORE_STEP_UP = 0.25
+SCORE_DECAY = 0.5
+UNREACHABLE_AFTER = 2  # consecutive timeouts or transport failures that make a peer count as unreachable
+ALONE_BACKOFF_MAX_S = 30.0  # when every peer fails, probe at most this rarely (the interval doubles up to it)
+
+
+class PeerSelector:
+    """Bounded per-peer scores and a score-weighted random choice. Thread-safe."""
+
+    def __init__(self, peers: Sequence[str], rng: random.Random | None = None) -> None:
+        if len(set(peers)) != len(peers):
+            raise ValueError(f"peer names must be unique, got {list(peers)!r}")
+        self._scores = {name: SCORE_MAX for name in peers}
+        self._rng = rng or random.Random()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._scores)
+
+    def choose(self, exclude: frozenset[str] = frozenset()) -> str | None:
+        """A peer (not in `exclude`) drawn with probability proportional to its score; None if there is none."""
+        with self._lock:
+            best, best_key = None, -math.inf
+            candidates = [(n, s) for n, s in self._scores.items() if n not in exclude]
+            for name, score in candidates:
+                u = self._rng.random()
+                # Gumbel(0, 1) draw; 1 - u lies in (0, 1], so both logs are finite.
+                gumbel = -math.log(-math.log(1.0 - u)) if u > 0.0 else -math.inf
+                key = math.log(score) + gumbel
+                if key > best_key:
+                    best, best_key = name, key
+            if best is None and candidates:  # every draw was u == 0: vanishingly rare
+                best = self._rng.choice(candidates)[0]
+            return best
+
+    def success(self, peer: str) -> None:
+        with self._lock:
+            self._scores[peer] = min(SCORE_MAX, self._scores[peer] + SCORE_STEP_UP)
+
+    def failure(self, peer: str) -> None:
+        with self._lock:
+            self._scores[peer] = max(SCORE_MIN, self._scores[peer] * SCORE_DECAY)
+
+    def score(self, peer: str) -> float:
+        with self._lock:
+            return self._scores[peer]
+
+    def scores(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._scores)
+
+    def probabilities(self) -> dict[str, float]:
+        """The chance each peer is chosen next."""
+        with self._lock:
+            total = sum(self._scores.values())
+            return {name: score / total for name, score in self._scores.items()}
+
+
+class FlowControl:
+    """The training thread's choice of whom to ask, from the outcomes of earlier requests.
+
+    Args:
+        name: this node, for log messages.
+        peers: the peers' names.
+        fetch_probability: the chance that a step asks anyone.
+        timeout_s: one request's deadline (the first back-off interval).
+        rng: randomness for the coin and the choice.
+    """
+
+    def __init__(
+        self, name: str, peers: Sequence[str], fetch_probability: float, timeout_s: float, rng: random.Random
+    ) -> None:
+        self.name = name
+        self.selector = PeerSelector(peers, rng=rng)
+        self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
+        self._misses = {peer: 0 for peer in peers}  # consecutive timeouts or transport failures
+        self.alone = False  # every peer is unreachable, and we said so once
+        self._backoff_s = 0.0  # while alone: the interval between probes
+        self._next_probe = 0.0  # while alone: time.monotonic() of the next attempt
+        self.skipped_alone = 0  # steps that did not ask because we were backing off
+
+    def choose(self, exclude: frozenset[str] = frozenset()) -> str | None:
+        """The peer to ask this step, or None (no peers, the coin said no, or backing off)."""
+        if not self._misses or self._rng.random() >= self._p:
+            return None
+        if self.alone:
+            now = time.monotonic()
+            if now < self._next_probe:
+                self.skipped_alone += 1
+                return None
+            self._backoff_s = min(ALONE_BACKOFF_MAX_S, max(self._timeout_s, 2 * self._backoff_s))
+            self._next_probe = now + self._backoff_s
+        return self.selector.choose(exclude)
+
+    def record(self, peer: str, outcome: str, refusal: str = "") -> None:
+        """Learn from one request's outcome (see dpwa.wire.client for the outcomes)."""
+        if outcome in ("cancelled", "expired"):  # nothing was learned about the peer
+            return
+        if outcome in ("timeout", "failed"):
+            self._misses[peer] += 1
+        else:  # any reply, even a refusal, shows the peer is alive
+            self._misses[peer] = 0
+            if self.alone:
+                self.alone = False
+                self._backoff_s = 0.0
+                logger.warning("%s: %s answered: averaging again", self.name, peer)
+        if outcome == "ok":
+            self.selector.success(peer)
+            return
+        if outcome == "refused" and refusal in ("busy", "aborted", "closing", "not_ready"):
+            return  # a healthy peer with its hands full: neither a success nor a failure
+        self.selector.failure(peer)
+        if not self.alone and all(m >= UNREACHABLE_AFTER for m in self._misses.values()):
+            self.alone = True
+            self._next_probe = time.monotonic() + self._timeout_s
+            logger.warning(
+                "%s: none of the %d peers answered its last %d requests; training alone, "
+                "and trying a peer now and then (at most every %.0f s) until one answers",
+                self.name,
+                len(self._misses),
+                UNREACHABLE_AFTER,
+                ALONE_BACKOFF_MAX_S,
+            )

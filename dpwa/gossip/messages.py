@@ -1,0 +1,108 @@
+"""The gossip node's message kinds, with the bounds every number from a peer must meet.
+
+==========  =====================  ==================================================
+kind        direction              meaning
+==========  =====================  ==================================================
+fetch       requester -> server    "send me your latest snapshot"
+params      server -> requester    a snapshot: header + one payload frame of `nbytes`
+shm_params  server -> requester    a snapshot in a same-host shared-memory slot
+exchange    requester -> server    (mode symmetric) "here is my snapshot, send yours";
+                                   one payload frame; answered params / shm_params
+                                   with the server-assigned exchange id `xid` and `f`
+confirm     requester -> server    "apply exchange `xid`": the server decides
+decision    server -> requester    the server's final word on `xid`: commit, abort,
+                                   or unknown (never seen, or forgotten)
+==========  =====================  ==================================================
+
+Errors travel as the transport's ``error`` kind. See :mod:`dpwa.gossip.exchange`
+for the exchange's state machine.
+"""
+
+from __future__ import annotations
+
+from ..mixing.kernels import WIRE_STORAGE
+from ..mixing.rules import MAX_SYMMETRIC_FACTOR
+from ..wire.messages import (
+    MAX_ID,
+    NAME_PATTERN,
+    Blob,
+    Choice,
+    Flag,
+    Header,
+    Integer,
+    Number,
+    ProtocolError,
+    Text,
+    message_kind,
+)
+
+__all__ = [
+    "CONFIRM",
+    "DECISION",
+    "EXCHANGE",
+    "FETCH",
+    "MAX_CLOCK",
+    "MAX_LOSS",
+    "MAX_VALUE",
+    "PARAMS",
+    "SHM_PARAMS",
+    "SNAPSHOT_REPLIES",
+    "check_payload",
+]
+
+MAX_CLOCK = 1e15  # samples; a clock beyond this is a lie or a bug
+MAX_LOSS = 1e30  # |loss| beyond this is treated as a lie
+MAX_VALUE = 1e18  # |parameter| beyond this is refused: blends of such values stay far from overflow
+
+NAME = Text(64, NAME_PATTERN)
+FINGERPRINT = Blob(length=16)
+DTYPE = Choice(tuple(WIRE_STORAGE))
+CLOCK = Number(0.0, MAX_CLOCK)
+LOSS = Number(-MAX_LOSS, MAX_LOSS, optional=True)
+NBYTES = Integer(0, 1 << 40)
+XID = Integer(1, MAX_ID)
+FACTOR = Number(0.0, MAX_SYMMETRIC_FACTOR)
+_SNAPSHOT = {
+    "from": NAME,
+    "fp": FINGERPRINT,
+    "dtype": DTYPE,
+    "nbytes": NBYTES,
+    "clock": CLOCK,
+    "loss": LOSS,
+    "version": Integer(1, MAX_ID),
+}
+_EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
+
+FETCH = message_kind("fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag()})
+PARAMS = message_kind("params", _SNAPSHOT, _EXCHANGE_REPLY, payload=1)
+SHM_PARAMS = message_kind(
+    "shm_params",
+    {**_SNAPSHOT, "shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")},
+    _EXCHANGE_REPLY,
+)
+EXCHANGE = message_kind(
+    "exchange",
+    {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE, "nbytes": NBYTES, "clock": CLOCK, "loss": LOSS},
+    {"shm": Flag()},
+    payload=1,
+)
+CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
+DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})
+
+SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS}
+
+
+def check_payload(header: Header, *, fp: bytes, dtype: str, nbytes: int) -> None:
+    """Check that a snapshot-carrying header describes a model like ours: fingerprint, dtype, size."""
+    if header["fp"] != fp:
+        raise ProtocolError(
+            "bad_fingerprint",
+            f"model fingerprint {header['fp'].hex()} differs from ours {fp.hex()} "
+            "(different layer names, shapes or dtypes)",
+        )
+    if header["dtype"] != dtype:
+        raise ProtocolError(
+            "bad_dtype", f"dtype {header['dtype']!r}, this node uses {dtype!r} (do the nodes share one config?)"
+        )
+    if header.get("nbytes", nbytes) != nbytes:
+        raise ProtocolError("bad_size", f"the header announces {header['nbytes']} bytes, expected {nbytes}")

@@ -1,0 +1,675 @@
+"""A dpwa node: one model, an Rx thread that serves it, a Tx thread that asks peers.
+
+The training thread calls :meth:`Node.update_send` before each batch and
+:meth:`Node.update_wait` after it::
+
+    with Node("cluster.yaml", "w1", NumpyParams(weights)) as node:
+        for batch in batches:
+            node.update_send(loss)     # publish a snapshot; maybe start a fetch
+            loss = train(batch)        # the fetch runs meanwhile on the Tx thread
+            node.update_wait(loss)     # blend the fetched parameters in place
+
+``Node`` is a facade: it wires the parts together and owns only the
+training thread's step. The parts own their state:
+
+* :class:`~dpwa.gossip.snapshots.SnapshotStore`: published snapshots and their leases;
+* :class:`~dpwa.wire.server.Server` (Rx thread) with the routes of
+  :class:`~dpwa.gossip.serving.Serving` and, in mode symmetric,
+  :class:`~dpwa.gossip.exchange.ExchangeServer`;
+* :class:`~dpwa.wire.client.ClientThread` (Tx thread) running fetch and
+  exchange tasks (:mod:`dpwa.gossip.requesting`, :mod:`dpwa.gossip.exchange`),
+  whose results come back in calls, never by callback;
+* :class:`~dpwa.gossip.flow.FlowControl`: whom to ask (training thread only);
+* :class:`~dpwa.gossip.exchange.ExchangeClient`: exchanges in doubt (training thread only).
+
+Only the training thread writes the model: fetched snapshots, and both
+halves of symmetric exchanges, are applied in ``update_wait`` (or while
+lingering, or at close).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+
+from ..config import Config, ConfigError, load_config, parse_config, pointless_settings
+from ..logs import RateLimitedLog, logger
+from ..mixing import interpolation as interp
+from ..mixing import kernels, rules
+from ..params import FlatParams
+from ..stats import Counters
+from ..wire.client import Call, ClientThread
+from ..wire.curve import Curve, KeyFileError, load_secret
+from ..wire.endpoints import EndpointInUse, EndpointLock, is_local_host
+from ..wire.messages import LARGEST_HEADER_BYTES
+from ..wire.server import Server, TransportError
+from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
+from .exchange import SETTLE_QUIET_S, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .flow import FlowControl
+from .messages import MAX_CLOCK
+from .requesting import FetchTask, ReplyReader
+from .serving import Serving
+from .snapshots import Lease, SlotAllocator, SnapshotStore
+from .validation import PeerValues
+
+__all__ = ["Node", "Update", "WAIT_SLACK_S"]
+
+WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
+MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none stale), publishing is skipped
+EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
+UNSENT_PER_CLIENT = 2  # replies with a payload one client may leave unread
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one update_wait did, for logging."""
+
+    averaged: bool  # True if a peer's parameters were blended in
+    outcome: str  # ok | no_fetch | timeout | refused | rejected | failed | expired | cancelled | in_doubt
+    peer: str | None = None  # the peer asked, if any
+    factor: float | None = None  # f in params = f * peer + (1 - f) * params, when averaged
+    reason: str = ""  # why not averaged, in words
+    latency_s: float | None = None  # request time, when a request finished
+    clock: float = 0.0  # this node's clock after the update
+
+
+@dataclass(eq=False)
+class _Step:
+    """The training thread's current step, from update_send to update_wait."""
+
+    batch: float
+    send_loss: float | None
+    call: Call | None = None
+    deadline: float = 0.0
+    own: Lease | None = None  # pull/delta: our snapshot of this step, which the delta is taken from
+
+
+def _as_config(config: Config | str | os.PathLike[str] | Mapping[str, Any] | list) -> Config:
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(config)
+    if isinstance(config, (Mapping, list)):
+        return parse_config(config, source="<dict>")
+    raise ConfigError(f"config must be a Config, a file path or parsed YAML data, got {type(config).__name__}")
+
+
+def _loss_value(loss: Any) -> float | None:
+    """A reported loss as a float, or None if it is unknown (None, NaN, Inf)."""
+    if loss is None:
+        return None
+    try:
+        value = float(loss.item() if hasattr(loss, "item") else loss)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"loss must be a number, a 0-d tensor or None, got {type(loss).__name__}") from exc
+    return value if math.isfinite(value) else None
+
+
+def _clamp_clock(clock: float) -> float:
+    return min(max(clock, 0.0), MAX_CLOCK)
+
+
+class Node:
+    """One participant of pairwise gossip averaging.
+
+    Args:
+        config: a :class:`Config`, a path to a YAML file, or parsed YAML data.
+        name: which node of the config this process is.
+        params: the model as a :class:`~dpwa.params.FlatParams`.
+        rng: randomness for fetch decisions and peer choice (seed it for tests).
+    """
+
+    def __init__(
+        self,
+        config: Config | str | os.PathLike[str] | Mapping[str, Any] | list,
+        name: str,
+        params: FlatParams,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = _as_config(config)
+        self.spec = self.config.node(name)  # raises before any socket exists
+        self.name = name
+        self.params = params
+        self.peers = {spec.name: spec for spec in self.config.peers_of(name)}
+        self.wire = self.config.wire_dtype
+        self._storage = kernels.storage_dtype(self.wire)
+        self.nbytes = params.size * self._storage.itemsize  # bytes of one snapshot on the wire
+        self._rng = rng or random.Random()
+        self._interpolation = interp.from_config(self.config)
+        self._blend = rules.from_config(self.config)
+        self._symmetric = self.config.mode == "symmetric"
+        self.counters = Counters()
+        self._log = RateLimitedLog()
+        self._flow = FlowControl(name, list(self.peers), self.config.fetch_probability, self.config.timeout_s, self._rng)
+        self._clock = 0.0
+        self._step: _Step | None = None
+        self._outstanding: list[Call] = []  # symmetric: exchange calls whose result is not yet taken
+        self.state = "starting"  # starting | training | lingering | closing | closed
+        self._close_lock = threading.Lock()
+        # Resources, made by _open; close() releases whichever exist, on every path.
+        self._store: SnapshotStore | None = None
+        self._endpoint_lock: EndpointLock | None = None
+        self._shared: SharedSlots | None = None
+        self._ctx: zmq.Context | None = None
+        self._client: ClientThread | None = None
+        self._server: Server | None = None
+        self._reader: ReplyReader | None = None
+        self._exchange_server: ExchangeServer | None = None
+        self._exchange_client: ExchangeClient | None = None
+        curve = self._load_curve()  # key problems are reported before any socket exists
+
+        logger.info("%s: starting on %s; %s", name, self.config.bind_endpoint(self.spec), self.config.describe())
+        for note in pointless_settings(self.config):
+            logger.warning("%s: %s", name, note)
+        try:
+            self._open(curve)
+        except BaseException:
+            self.close()
+            raise
+        self.state = "training"
+
+    def _load_curve(self) -> Curve | None:
+        if not self.config.secure:
+            if self.config.insecure:
+                logger.warning(
+                    "%s: insecure: true: serving %s without CURVE; anyone who reaches it can read "
+                    "this node's parameters and offer it theirs",
+                    self.name,
+                    self.config.bind_endpoint(self.spec),
+                )
+            return None
+        if self.spec.secret_key_file is None:
+            raise ConfigError(
+                f"{self.config.source}: node {self.name!r} has a public_key but no secret_key_file: "
+                "it cannot prove who it is"
+            )
+        try:
+            pair = load_secret(self.spec.secret_key_file, self.spec.public_key or "")
+        except KeyFileError as exc:
+            raise ConfigError(f"{self.config.source}: node {self.name!r}: {exc}") from None
+        allowed = {z85.decode(spec.public_key.encode()): spec.name for spec in self.config.nodes if spec.public_key}
+        return Curve(public=pair.public, secret=pair.secret, allowed=allowed)
+
+    def _open(self, curve: Curve | None) -> None:
+        endpoint = self.config.bind_endpoint(self.spec)
+        if endpoint.startswith("ipc://"):
+            try:
+                self._endpoint_lock = EndpointLock(endpoint)
+            except EndpointInUse as exc:
+                raise TransportError(
+                    f"{self.name}: cannot bind {self.spec.host}:{self.spec.port}: {exc} "
+                    "(another node of this or another run uses that port)"
+                ) from None
+        local = self._same_host_peers()
+        unsent = max(4, UNSENT_PER_CLIENT * len(self.peers))
+        self._store = store = SnapshotStore(
+            self.params.size,
+            self._storage,
+            max_slots=MAX_SNAPSHOT_SLOTS,
+            memory=SlotAllocator(self.params.size, self._storage, self.params.allocate, self._shared, self.name),
+            hold_limit_s=self.config.timeout_s + 1.0,
+            max_retired=unsent,
+        )
+        self._ctx = zmq.Context()
+        options = None
+        if curve is not None:
+            options = {p: curve.client_options(s.public_key.encode()) for p, s in self.peers.items() if s.public_key}
+        self._client = ClientThread(
+            self._ctx,
+            {peer: self.config.endpoint(spec) for peer, spec in self.peers.items()},
+            name=self.name,
+            max_reply_bytes=max(self.nbytes, LARGEST_HEADER_BYTES),
+            socket_options=options,
+        ).start()
+        values = PeerValues(self.wire, self.config.max_peer_distance, store.lease)
+        readers = {peer: PeerSlots(peer, self.peers[peer].port) for peer in local}
+        self._reader = ReplyReader(
+            self.params.fingerprint,
+            self.wire,
+            self.nbytes,
+            self._storage,
+            values,
+            readers,
+            self._client.discard,
+            self.counters,
+            lambda message: logger.info("%s: %s", self.name, message),
+        )
+        serving = Serving(
+            self.name,
+            self._store,
+            self.params.fingerprint,
+            self.wire,
+            self.nbytes,
+            self._shared.id if self._shared else None,
+            self.counters,
+        )
+        routes = serving.routes()
+        if self._symmetric:
+            self._exchange_server = ExchangeServer(
+                serving,
+                values,
+                self._interpolation,
+                self.config.divergence_threshold,
+                self.config.timeout_s,
+                EXCHANGE_CAPACITY,
+                self._client.discard,
+                self.counters,
+            )
+            routes.update(self._exchange_server.routes())
+            self._exchange_client = ExchangeClient(self.name, self.config.timeout_s, self._client.submit, self.counters)
+        self._server = Server(
+            self._ctx,
+            endpoint,
+            routes,
+            name=self.name,
+            counters=self.counters,
+            curve=curve,
+            senders=[spec.name for spec in self.config.nodes],
+            max_unsent_per_client=UNSENT_PER_CLIENT,
+            max_unsent=unsent,
+        ).start()
+
+    def _same_host_peers(self) -> list[str]:
+        """Peers on this machine whose snapshots we read from shared memory (and who read ours)."""
+        if self.config.same_host == "off":
+            return []
+        local = [peer for peer, spec in self.peers.items() if is_local_host(spec.host)]
+        if not local:
+            return []
+        try:
+            self._shared = SharedSlots(self.name, self.spec.port, self.nbytes, self._storage)
+        except (SharedMemoryError, OSError) as exc:
+            logger.warning("%s: same-host peers will use TCP: shared memory is unavailable: %s", self.name, exc)
+            return []
+        logger.info("%s: same-host path (shared memory) for %s", self.name, ", ".join(local))
+        return local
+
+    @property
+    def _snapshots(self) -> SnapshotStore:
+        assert self._store is not None, "the node is open"
+        return self._store
+
+    # ----------------------------------------------------------------- training thread
+
+    def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
+        """Publish the current parameters, clock and loss; maybe start a fetch (or an exchange).
+
+        Call it before each batch. `batch_size` is added to the clock once the
+        batch is done (the default 1 makes the clock count batches). Returns
+        True if a request was started; :meth:`update_wait` collects it.
+        """
+        self._check_open()
+        if not (isinstance(batch_size, (int, float)) and 0 <= batch_size <= MAX_CLOCK) or isinstance(batch_size, bool):
+            raise ValueError(f"batch_size must be a number in [0, {MAX_CLOCK:g}], got {batch_size!r}")
+        if self._step is not None:  # update_wait was skipped: count the batch, drop the fetch
+            self._abandon_step()
+        self._tend()
+        step = self._step = _Step(float(batch_size), _loss_value(loss))
+        if self._symmetric:  # the request carries our snapshot: publish it first
+            self._publish(step.send_loss)
+            return self._start_exchange(step)
+        # Start the fetch first: it does not need our snapshot, so the copy overlaps with the request.
+        peer = self._flow.choose()
+        if peer is not None:
+            assert self._reader is not None and self._client is not None
+            step.deadline = time.monotonic() + self.config.timeout_s
+            step.call = self._client.submit(FetchTask(peer, step.deadline, self.name, self._reader))
+            self.counters.add("fetches_started")
+        self._publish(step.send_loss)
+        if step.call is not None and isinstance(self._blend, rules.DeltaBlend):
+            step.own = self._snapshots.lease()  # the snapshot the delta is taken from
+        return step.call is not None
+
+    def _publish(self, loss: float | None) -> None:
+        fill = functools.partial(self.params.copy_to, wire=self.wire)
+        if not self._snapshots.publish(fill, self._clock, loss):
+            self._log(
+                30,
+                "publish_skipped",
+                "%s: every snapshot slot is held by readers; peers get the previous snapshot",
+                self.name,
+            )
+
+    def _start_exchange(self, step: _Step) -> bool:
+        exchanges = self._exchange_client
+        assert exchanges is not None and self._reader is not None and self._client is not None
+        peer = self._flow.choose(exclude=exchanges.blocked_peers())
+        if peer is None or not exchanges.allows(peer):
+            return False
+        own = self._snapshots.lease()
+        if own is None:  # nothing published (every slot held at our first publish): nothing to offer
+            return False
+        snap = own.snapshot
+        fields: dict[str, Any] = {
+            "from": self.name,
+            "fp": self.params.fingerprint,
+            "dtype": self.wire,
+            "nbytes": self.nbytes,
+            "clock": snap.clock,
+            "loss": snap.loss,
+        }
+        if self._reader.wants_shm(peer):
+            fields["shm"] = True
+        factor = functools.partial(
+            rules.symmetric_factor, self._interpolation, self.config.divergence_threshold
+        )
+        step.deadline = time.monotonic() + self.config.timeout_s
+        task = ExchangeTask(peer, step.deadline, own, fields, self._reader, factor, self.config.timeout_s / 10)
+        step.call = self._client.submit(task)
+        self._outstanding.append(step.call)
+        self.counters.add("fetches_started")
+        return True
+
+    def update_wait(self, loss: Any = None) -> Update:
+        """Finish the step: wait for the request started by update_send, if any, and blend in place.
+
+        Returns at once when no request was started, and never waits longer
+        than ``timeout_ms`` plus a small slack. When the request failed the
+        parameters are left as they are. `loss` is this batch's loss (the
+        loss given to update_send is used when it is None).
+        """
+        self._check_open()
+        step, self._step = self._step, None
+        if step is None:
+            self._tend()
+            return Update(False, "no_fetch", reason="no update_send before this update_wait", clock=self._clock)
+        self._clock = _clamp_clock(self._clock + step.batch)
+        own_loss = _loss_value(loss)
+        if own_loss is None:
+            own_loss = step.send_loss
+        try:
+            if step.call is not None:
+                step.call.wait(max(0.0, step.deadline + WAIT_SLACK_S - time.monotonic()))
+            if self._symmetric:
+                return self._finish_exchange(step)
+            return self._finish_fetch(step, own_loss)
+        finally:
+            if step.own is not None:
+                step.own.release()
+
+    def _finish_fetch(self, step: _Step, own_loss: float | None) -> Update:
+        call = step.call
+        if call is None:
+            return Update(False, "no_fetch", reason="no fetch was started this step", clock=self._clock)
+        if not call.done.is_set():
+            call.abandon()
+            self._flow.record(call.peer, "timeout")
+            self.counters.add("fetches_timed_out")
+            return Update(False, "timeout", call.peer, reason="the Tx thread did not finish in time", clock=self._clock)
+        self._record(call)
+        if call.outcome != "ok":
+            return Update(False, call.outcome, call.peer, reason=call.reason, latency_s=call.latency_s, clock=self._clock)
+        own = step.own.snapshot if step.own is not None else None
+        with call.take() as received:
+            peer_clock, peer_loss = received.header["clock"], received.header["loss"]
+            f = self._interpolation.factor(self._clock, peer_clock, own_loss, peer_loss)
+            f = interp.damp_by_divergence(f, own_loss, self.config.divergence_threshold)
+            self._blend.apply(self.params, own.array if own else None, received.array, f, self.wire)
+        self._clock = _clamp_clock(self._blend.clock(self._clock, own.clock if own else 0.0, peer_clock, f))
+        self.counters.add("averaged")
+        return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=self._clock)
+
+    def _finish_exchange(self, step: _Step) -> Update:
+        call = step.call
+        result = None
+        if call is not None and call.done.is_set():
+            self._outstanding.remove(call)
+            result = self._harvest(call)
+        self._tend()
+        if call is None:
+            return Update(False, "no_fetch", reason="no exchange was started this step", clock=self._clock)
+        if result is None:
+            return Update(
+                False, "timeout", call.peer, reason="no outcome yet; it is settled in a later step", clock=self._clock
+            )
+        return result
+
+    def _harvest(self, call: Call) -> Update:
+        """Take an exchange call's result: apply a committed half, keep one in doubt."""
+        if call.outcome != "ok":
+            self._record(call)
+            return Update(False, call.outcome, call.peer, reason=call.reason, latency_s=call.latency_s, clock=self._clock)
+        value = call.take()
+        if isinstance(value, InDoubt):
+            assert self._exchange_client is not None
+            self._flow.record(call.peer, "timeout")
+            self._exchange_client.add(value)
+            return Update(
+                False,
+                "in_doubt",
+                call.peer,
+                reason="the peer's decision did not arrive; it is asked again in the background",
+                latency_s=call.latency_s,
+                clock=self._clock,
+            )
+        self._record(call)
+        f = self._apply_client_half(value)
+        return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=self._clock)
+
+    def _apply_client_half(self, half: ClientHalf) -> float:
+        with half:
+            own, theirs = half.own.snapshot, half.theirs
+            self._blend.apply(self.params, own.array, theirs.array, half.f, self.wire)
+            self._clock = _clamp_clock(self._blend.clock(self._clock, own.clock, theirs.header["clock"], half.f))
+        self.counters.add("averaged")
+        return half.f
+
+    def _tend(self) -> int:
+        """Apply what symmetric exchanges have settled since the last call: both sides' halves. Returns how many."""
+        if not self._symmetric:
+            return 0
+        assert self._exchange_server is not None and self._exchange_client is not None
+        applied = 0
+        for half in self._exchange_server.take_committed():
+            with half:
+                served = half.served.snapshot
+                rules.mirror(self.params, served.array, half.theirs.array, half.f, self.wire)
+                their_clock = half.theirs.header["clock"]
+                self._clock = _clamp_clock(rules.mirror_clock(self._clock, served.clock, their_clock, half.f))
+            self.counters.add("mirrored")
+            applied += 1
+        for call in [c for c in self._outstanding if c.done.is_set()]:
+            self._outstanding.remove(call)
+            applied += self._harvest(call).averaged
+        for client_half in self._exchange_client.poll():
+            self._apply_client_half(client_half)
+            applied += 1
+        return applied
+
+    def _record(self, call: Call) -> None:
+        """Count a finished request and let flow control learn from it."""
+        self._flow.record(call.peer, call.outcome, call.refusal)
+        if call.outcome == "ok":
+            self.counters.add("fetches_ok")
+            self.counters.set("last_fetch_latency_s", call.latency_s)
+            retries = getattr(call.task, "retries", 0)
+            if retries:
+                self.counters.add("same_host_retries", retries)
+            return
+        if call.outcome == "refused" and call.refusal in ("busy", "aborted", "closing"):
+            self.counters.add(f"fetches_{call.refusal}")
+            return
+        key = {
+            "timeout": "fetches_timed_out",
+            "rejected": "fetches_rejected",
+            "refused": "fetches_refused",
+            "cancelled": "fetches_cancelled",
+            "expired": "fetches_expired",
+        }.get(call.outcome, "fetches_failed")
+        self.counters.add(key)
+        if call.outcome in ("cancelled", "expired"):
+            return
+        self.counters.add(f"peer.{call.peer}.failures")
+        self._log(30, (call.peer, call.outcome), "%s: fetch from %s %s: %s", self.name, call.peer, call.outcome, call.reason)
+
+    def _abandon_step(self) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self._clock = _clamp_clock(self._clock + step.batch)
+        if step.call is not None and not self._symmetric:
+            step.call.abandon()  # an exchange call stays outstanding: its outcome still matters
+            self.counters.add("fetches_abandoned")
+        if step.own is not None:
+            step.own.release()
+
+    def linger(self, idle_s: float, limit_s: float, stop: Callable[[], bool] = lambda: False) -> float:
+        """Keep serving peers, without training, until none was served for `idle_s` (or `limit_s` passed).
+
+        A node that finishes first and exits would cost each remaining peer a
+        request timeout per step; staying up while it is still asked avoids
+        it. Only requests actually served count (not refusals). In mode
+        symmetric the exchanges peers confirm are applied, and a new snapshot
+        is published after each, so a lingering node keeps taking part.
+        Returns the time spent.
+        """
+        self._check_open()
+        self._abandon_step()
+        self.state = "lingering"
+        start = last_change = time.monotonic()
+        last = self.counters.get("requests_served")
+        try:
+            while not stop() and time.monotonic() - start < limit_s:
+                if self._tend():
+                    self._publish(None)  # a fresh snapshot, so the next exchange is not refused busy
+                served = self.counters.get("requests_served")
+                if served != last:
+                    last, last_change = served, time.monotonic()
+                elif time.monotonic() - last_change >= idle_s:
+                    break
+                time.sleep(0.02)  # a bounded polling loop: the Rx thread serves meanwhile
+        finally:
+            self.state = "training"
+        return time.monotonic() - start
+
+    @property
+    def clock(self) -> float:
+        """Samples (or batches) trained, blended with peers' clocks at each average."""
+        return self._clock
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (requests ok, timed out, rejected; bytes in and out; ...) and per-peer scores."""
+        out = self.counters.snapshot()
+        for key in (
+            "fetches_started",
+            "fetches_ok",
+            "fetches_timed_out",
+            "fetches_rejected",
+            "fetches_refused",
+            "fetches_failed",
+            "averaged",
+            "bytes_in",
+            "bytes_out",
+            "requests_served",
+            "requests_rejected",
+            "requests_refused",
+            "same_host_fetches",
+        ):
+            out.setdefault(key, 0)
+        out.setdefault("last_fetch_latency_s", None)
+        scores = self._flow.selector.scores()
+        out["peers"] = {
+            peer: {"score": scores[peer], "failures": out.pop(f"peer.{peer}.failures", 0)} for peer in self.peers
+        }
+        out["clock"] = self._clock
+        out["state"] = self.state
+        if self._store is not None:
+            out["snapshot_slots"] = self._store.slots
+            out["publish_skipped"] = self._store.skipped
+            out["slots_retired"] = self._store.retired
+        out["fetches_skipped_alone"] = self._flow.skipped_alone
+        if self._exchange_server is not None and self._exchange_client is not None:
+            out["exchanges_pending"] = self._exchange_server.held()
+            out["exchanges_unsettled"] = len(self._exchange_client)
+        return out
+
+    def _check_open(self) -> None:
+        if self.state in ("closing", "closed"):
+            raise RuntimeError(f"dpwa node {self.name!r} is closed")
+
+    @property
+    def alive(self) -> bool:
+        """True while both the Rx and the Tx thread run (they survive any message a peer sends)."""
+        return bool(self._server and self._server.alive and self._client and self._client.alive)
+
+    @property
+    def closed(self) -> bool:
+        return self.state == "closed"
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Settle what is pending, stop both threads, close every socket with linger 0, free the port.
+
+        Idempotent; bounded by about `timeout_s` per stage. A fetch in flight
+        is abandoned. In mode symmetric, exchanges are settled first by the
+        rule of :mod:`dpwa.gossip.exchange` (new ones refused; confirms still
+        answered; in-doubt ones still asked), within `timeout_s`; committed
+        halves are applied, so the model may change here. Logs an error if a
+        thread is still alive after that. Shared-memory slot files are deleted.
+        """
+        with self._close_lock:
+            if self.state in ("closing", "closed"):
+                return
+            self.state = "closing"
+        try:
+            self._abandon_step()
+            if self._symmetric and self._server is not None:
+                self._settle(time.monotonic() + timeout_s)
+            stopped = True
+            if self._server is not None:
+                stopped &= self._server.close(timeout_s)
+            if self._symmetric and self._exchange_server is not None:
+                self._tend()  # the last decisions the Rx thread made
+                for call in self._outstanding:
+                    call.abandon()
+                self._outstanding.clear()
+                if self._exchange_client is not None:
+                    self._exchange_client.close()
+                self._exchange_server.close()
+            if self._client is not None:
+                stopped &= self._client.close(timeout_s)
+            if self._ctx is not None:
+                if stopped:
+                    self._ctx.term()  # every socket is closed, so this returns at once
+                else:
+                    logger.error("%s: leaving the ZeroMQ context open because a thread did not stop", self.name)
+            if self._reader is not None:
+                self._reader.close()
+            if self._shared is not None:
+                self._shared.close()
+            if self._endpoint_lock is not None:
+                self._endpoint_lock.close()
+        finally:
+            self.state = "closed"
+        logger.info("%s: closed", self.name)
+
+    def _settle(self, deadline: float) -> None:
+        """Symmetric: refuse new exchanges, and wait (bounded) until what is pending is decided and applied."""
+        assert self._exchange_server is not None and self._exchange_client is not None
+        self._exchange_server.start_closing()
+        while time.monotonic() < deadline:
+            self._tend()
+            busy = self._outstanding or len(self._exchange_client) or self._exchange_server.pending()
+            quiet = time.monotonic() - self._exchange_server.last_confirm >= SETTLE_QUIET_S
+            if not busy and quiet:
+                return
+            time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
+        logger.warning("%s: closing with exchanges still unsettled after the close deadline", self.name)
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,165 @@
+"""The requesting side of a node: fetch a peer's snapshot and take hold of it, checked.
+
+Everything here runs on the node's client (Tx) thread, as tasks of
+:class:`dpwa.wire.client.ClientThread`. A :class:`FetchTask` asks one peer
+for its snapshot; :class:`ReplyReader` checks the reply (schema, fingerprint,
+dtype, size, values) and holds on to its parameters as a :class:`Received`:
+a received frame, or, from a same-host peer, its shared-memory slot locked
+for reading. Whoever holds a ``Received`` owns that memory until it lets go
+(a ``with`` block): a frame is freed on the client thread, a slot's lock is
+dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ..stats import Counters
+from ..wire.client import Ask, Response
+from ..wire.messages import Header, ProtocolError, encode
+from ..wire.shm import PeerSlots
+from .messages import FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
+from .validation import PeerValues
+
+__all__ = ["FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]
+
+SAME_HOST_ATTEMPTS = 4  # asks when a same-host slot was rewritten before we locked it
+_RETRY = ("shm_stale", "shm_busy")
+
+
+class Received:
+    """A peer's snapshot held for blending: its header, its elements, and how to let go of them."""
+
+    __slots__ = ("header", "array", "_release")
+
+    def __init__(self, header: Header, array: np.ndarray, release: Callable[[], None]) -> None:
+        self.header, self.array = header, array
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        """Give the memory back (a frame to the client thread, a shared slot's lock). Idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Received:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class ReplyReader:
+    """Checks snapshot replies and takes hold of their parameters (client thread only).
+
+    Args:
+        fingerprint, wire, nbytes: what our model looks like on the wire.
+        values: the checks every peer's parameters must pass.
+        readers: same-host peers whose shared-memory slots we may read (a peer
+            is dropped from it, and asked over TCP, once its slots cannot be opened).
+        discard: frees a received frame on the client thread.
+        counters: where to count bytes and same-host reads.
+    """
+
+    def __init__(
+        self,
+        fingerprint: bytes,
+        wire: str,
+        nbytes: int,
+        storage: np.dtype,
+        values: PeerValues,
+        readers: dict[str, PeerSlots],
+        discard: Callable[[Any], None],
+        counters: Counters,
+        log: Callable[[str], None],
+    ) -> None:
+        self.fingerprint, self.wire, self.nbytes, self.storage = fingerprint, wire, nbytes, storage
+        self.values = values
+        self.readers = readers
+        self._discard = discard
+        self._counters = counters
+        self._log = log
+
+    def wants_shm(self, peer: str) -> bool:
+        return peer in self.readers
+
+    def read(self, response: Response, peer: str) -> Received:
+        """The parameters of a ``params`` or ``shm_params`` reply, checked; ProtocolError if unusable."""
+        header = response.header
+        check_payload(header, fp=self.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+        if header.kind == SHM_PARAMS.name:
+            received = self._read_slot(header, peer)
+        else:
+            frame: zmq.Frame = response.frames[0]
+            if len(frame) != self.nbytes:
+                raise ProtocolError("bad_size", f"the payload holds {len(frame)} bytes, the header {self.nbytes}")
+            array = np.frombuffer(frame.buffer, dtype=self.storage)
+            self._counters.add("bytes_in", self.nbytes)
+            # Unmapping a large frame takes milliseconds: the client thread frees it, off the training thread.
+            received = Received(header, array, functools.partial(self._discard, frame))
+        with contextlib.ExitStack() as keep:
+            keep.push(received)  # released if the check fails
+            self.values.check(received.array)
+            keep.pop_all()
+        return received
+
+    def _read_slot(self, header: Header, peer: str) -> Received:
+        reader = self.readers.get(peer)
+        if reader is None:
+            raise ProtocolError("bad_reply", "a shared-memory reply that was not asked for")
+        try:
+            view = reader.acquire(header["shm_id"], header["shm_slot"], header["version"], self.nbytes, self.storage)
+        except ProtocolError as exc:
+            if exc.reason == "shm_unavailable":  # e.g. the peer runs as another user: use TCP from now on
+                self.readers.pop(peer, None)
+                reader.close()
+                self._log(f"{exc.detail}: falling back to TCP for {peer}")
+            raise
+        self._counters.add("same_host_fetches")
+        return Received(header, view.array, view.release)
+
+    def close(self) -> None:
+        for reader in self.readers.values():
+            reader.close()
+        self.readers.clear()
+
+
+class FetchTask:
+    """Fetch one peer's snapshot (pull mode). Its value is a :class:`Received`."""
+
+    def __init__(self, peer: str, deadline: float, name: str, reader: ReplyReader) -> None:
+        self.peer, self.deadline = peer, deadline
+        self._reader = reader
+        self._fields: dict[str, Any] = {"from": name, "fp": reader.fingerprint, "dtype": reader.wire}
+        if reader.wants_shm(peer):
+            self._fields["shm"] = True
+        self.retries = 0
+
+    def run(self, ask: Ask) -> Received:
+        for attempts_left in range(SAME_HOST_ATTEMPTS - 1, -1, -1):
+            response = ask(lambda rid: [encode(FETCH, rid, **self._fields)], SNAPSHOT_REPLIES)
+            try:
+                return self._reader.read(response, self.peer)
+            except ProtocolError as exc:
+                if exc.reason not in _RETRY or not attempts_left:
+                    raise
+                self.retries += 1  # the slot was rewritten between the reply and our lock: ask again
+        raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def holding(value: Any) -> Iterator[Any]:
+    """Release `value` if the block raises; keep it otherwise (ownership passes on)."""
+    try:
+        yield value
+    except BaseException:
+        if value is not None:
+            value.release()
+        raise
+

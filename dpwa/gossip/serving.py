@@ -1,0 +1,87 @@
+"""The serving side of a node: answer ``fetch`` with the latest snapshot (Rx thread).
+
+A reply carries the snapshot as one zero-copy frame leased until ZeroMQ has
+sent it, or, to a same-host peer that asked for it and when the snapshot's
+slot is in shared memory, only the slot's name and version: the peer locks
+and reads the slot itself (see :mod:`dpwa.wire.shm`). The symmetric
+exchange's server half (:mod:`dpwa.gossip.exchange`) answers with the same
+replies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..stats import Counters
+from ..wire.messages import Header, encode
+from ..wire.server import Refused, Reply, Request, Route
+from .messages import FETCH, PARAMS, SHM_PARAMS, check_payload
+from .snapshots import Lease, SnapshotStore
+
+__all__ = ["Serving"]
+
+
+class Serving:
+    """Answers snapshot requests from a :class:`SnapshotStore`.
+
+    Args:
+        name: this node.
+        store: the published snapshots.
+        fingerprint, wire, nbytes: what our model looks like on the wire.
+        shm_id: the id of our shared-memory slot directory, if same-host peers may read it.
+        counters: where to count same-host replies.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: SnapshotStore,
+        fingerprint: bytes,
+        wire: str,
+        nbytes: int,
+        shm_id: str | None,
+        counters: Counters,
+    ) -> None:
+        self.name, self.store = name, store
+        self.fingerprint, self.wire, self.nbytes = fingerprint, wire, nbytes
+        self.shm_id = shm_id
+        self._counters = counters
+
+    def routes(self) -> dict[str, Route]:
+        return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True)}
+
+    def check_request(self, header: Header) -> None:
+        """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange)."""
+        check_payload(header, fp=self.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+
+    def serve_fetch(self, request: Request) -> Reply:
+        self.check_request(request.header)
+        lease = self.store.lease()
+        if lease is None:
+            raise Refused("not_ready", "no snapshot published yet")
+        return self.snapshot_reply(request.header, lease)
+
+    def snapshot_reply(self, header: Header, lease: Lease, **extra: Any) -> Reply:
+        """Our snapshot for a requester: a zero-copy frame, or the name of a shared-memory slot.
+
+        The reply takes over `lease` (released once the frame has left, or at once for a slot).
+        """
+        snap = lease.snapshot
+        fields = {
+            "from": self.name,
+            "fp": self.fingerprint,
+            "dtype": self.wire,
+            "nbytes": self.nbytes,
+            "clock": snap.clock,
+            "loss": snap.loss,
+            "version": snap.version,
+            **extra,
+        }
+        if header.get("shm") and snap.shared and self.shm_id is not None:
+            # The peer locks the slot's file and checks its version itself: if we
+            # rewrite the slot before it locks it, it sees a newer version and
+            # asks again; once it holds the lock, we cannot rewrite it.
+            lease.release()
+            self._counters.add("same_host_served")
+            return Reply(encode(SHM_PARAMS, header.id, **fields, shm_slot=snap.slot, shm_id=self.shm_id))
+        return Reply(encode(PARAMS, header.id, **fields), payload=[snap.array], hold=lease)
