@@ -11,7 +11,8 @@ import zmq
 
 from dpwa import ConfigError, Node, NumpyParams, parse_config
 from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
-from dpwa.protocol import encode_header
+from dpwa.gossip.messages import FETCH
+from dpwa.wire.messages import decode, encode
 
 from conftest import filled, make_config, port_is_free, wait_until
 from helpers.proxy import Proxy
@@ -99,16 +100,18 @@ def test_a_curve_cluster_averages(nodes, tmp_path, same_host):
     assert node.stats().get("auth_denied", 0) == 0
 
 
-def raw_fetch(ctx, port, fp, timeout_ms, **curve):
+def raw_fetch(ctx, port, fp, timeout_ms, sender="intruder", **curve):
+    """Send one fetch; the reply's header, or None if none came."""
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     for option, value in curve.items():
         sock.setsockopt(getattr(zmq, option), value)
     sock.connect(f"tcp://127.0.0.1:{port}")
-    sock.send(encode_header("fetch", 1, **{"from": "intruder"}, fp=fp, dtype="float32"))
+    sock.send(encode(FETCH, 1, **{"from": sender}, fp=fp, dtype="float32"))
     got = sock.poll(timeout_ms)
+    reply = decode(sock.recv_multipart()[0]) if got else None
     sock.close(0)
-    return got
+    return reply
 
 
 def test_an_unlisted_key_and_a_plain_client_get_nothing_and_are_counted(nodes, tmp_path):
@@ -143,7 +146,7 @@ def test_an_unlisted_key_and_a_plain_client_get_nothing_and_are_counted(nodes, t
 def test_parameters_cross_the_network_encrypted(nodes, tmp_path, secure):
     """A proxy records the bytes between two nodes. The served model holds a recognisable
     pattern; in the clear it shows up on the wire, with CURVE it does not."""
-    cfg = secure_config(tmp_path, 2, same_host="off") if secure else make_config(2, same_host="off")
+    cfg = secure_config(tmp_path, 2, same_host="off") if secure else make_config(2, same_host="off", insecure=True)
     pattern = np.tile(np.array([1234.5, -8765.25, 3.0e-7, 42.0], np.float32), 2500)
     server = nodes(serving_only(cfg), "w1", NumpyParams(pattern.copy()))
     server.update_send()
@@ -160,3 +163,49 @@ def test_parameters_cross_the_network_encrypted(nodes, tmp_path, secure):
         assert len(proxy.captured) >= pattern.nbytes
     finally:
         proxy.close()
+
+
+def test_the_from_field_is_bound_to_the_authenticated_key(nodes, tmp_path):
+    """A listed node may fetch as itself, but not claim to be another node."""
+    cfg = secure_config(tmp_path, 3)
+    server = nodes(serving_only(cfg), "w0", NumpyParams(filled(7)))
+    server.update_send()
+    w1 = cfg["nodes"][1]
+    _, w1_secret = zmq.auth.load_certificate(w1["secret_key_file"])
+    curve = dict(CURVE_SERVERKEY=cfg["nodes"][0]["public_key"].encode(), CURVE_PUBLICKEY=w1["public_key"].encode(),
+                 CURVE_SECRETKEY=w1_secret)
+    ctx = zmq.Context()
+    try:
+        port = cfg["nodes"][0]["port"]
+        assert raw_fetch(ctx, port, server.params.fingerprint, 3000, sender="w1", **curve).kind == "params"
+        lie = raw_fetch(ctx, port, server.params.fingerprint, 3000, sender="w2", **curve)
+        assert lie.kind == "error" and lie["reason"] == "bad_identity"
+        assert "says it is from 'w2', but its key is 'w1'" in lie["detail"]
+        assert server.stats()["rejected.bad_identity"] == 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_without_curve_the_from_field_must_name_a_node_of_the_cluster(nodes):
+    cfg = make_config(2, insecure=True)
+    server = nodes(serving_only(cfg), "w0", NumpyParams(filled(7)))
+    server.update_send()
+    ctx = zmq.Context()
+    try:
+        port = cfg["nodes"][0]["port"]
+        reply = raw_fetch(ctx, port, server.params.fingerprint, 3000, sender="intruder")
+        assert reply.kind == "error" and reply["reason"] == "bad_identity"
+        assert raw_fetch(ctx, port, server.params.fingerprint, 3000, sender="w1").kind == "params"
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_loopback_cluster_without_keys_listens_on_no_tcp_port(nodes):
+    """Secure by default: no other user of this machine can even connect (ipc in a 0700 directory)."""
+    cfg = make_config(2)
+    node = nodes(cfg, "w0", NumpyParams(filled(7)))
+    node.update_send()
+    assert port_is_free(cfg["nodes"][0]["port"])  # nothing listens on the TCP port
+    path = node.config.endpoint(node.spec)[len("ipc://"):]
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
