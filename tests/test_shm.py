@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -19,7 +22,7 @@ from dpwa.wire.endpoints import private_dir as user_dir
 from dpwa.wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 from dpwa.gossip.snapshots import SnapshotStore
 
-from conftest import filled, make_config
+from conftest import HELPERS, ROOT, filled, make_config
 from test_node import RecordingParams
 
 F32 = np.dtype(np.float32)
@@ -168,3 +171,36 @@ def test_same_host_off_creates_no_shared_memory(nodes):
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
     assert node._shared is None
     assert not list(user_dir().glob(f"w0-{cfg['nodes'][0]['port']}-*"))
+
+
+@pytest.mark.timeout(240)
+def test_a_full_dev_shm_falls_back_to_tcp_and_never_kills_the_node(tmp_path):
+    """Under a 64 MB /dev/shm (Docker's default), two nodes with a 44.7 MB model each: at most one
+    slot fits. The allocation that does not fit fails with ENOSPC (slots are allocated for real),
+    the node says so once and serves from the heap over its socket; nobody dies of SIGBUS, and both
+    keep training and averaging. Runs in a private mount namespace (root and unshare needed)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) to mount a private 64 MB tmpfs over /dev/shm")
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
+    cfg = make_config(2, fetch_probability=1, timeout_ms=5000)
+    script = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {shlex.quote(sys.executable)} "
+              f"{shlex.quote(str(HELPERS / 'small_shm_nodes.py'))} {shlex.quote(json.dumps(cfg))}")
+    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err[-3000:]  # -7 would be SIGBUS
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["averaged"] == [6, 6], result["outcomes"]
+    assert all(result["uniform"])
+    warnings = result["shm_warnings"]  # one per node, the first time its allocation fails
+    assert sorted(w.split(":")[0] for w in warnings) == ["w0", "w1"]
+    assert all("No space left on device" in w for w in warnings)
+    assert all(1.0 <= v <= 16.0 for v in result["values"])  # blends of 0..16 (8 steps of +1 from 0 and 8)

@@ -363,9 +363,9 @@ def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
         client_halves = sum(s["averaged"] for s in stats)
         server_halves = sum(s["mirrored"] for s in stats)
         assert client_halves == server_halves
-        # about 400 attempts: here half hear "busy" (one exchange per snapshot) or meet the chaos; about
-        # a quarter commit (84 to 120 in runs here), and a few dozen go through "in doubt"
-        assert client_halves >= 50
+        # Up to 450 attempts; under this much chaos a node may find every peer unreachable for a
+        # while and back off (then it asks rarely): runs here started 80 to 400 and committed 40 to 140.
+        assert sum(s["fetches_started"] for s in stats) >= 60 and client_halves >= 25
         assert sum(s.get("exchanges_dropped", 0) for s in stats) == 0
         # the chaos did happen, at every step, and the protocol met it
         seen = sum((proxy.stats for proxy in proxies.values()), collections.Counter())

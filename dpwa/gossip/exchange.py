@@ -67,7 +67,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,7 +77,7 @@ from ..logs import logger
 from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..stats import Counters
-from ..wire.client import Ask, Call, DeadlinePassed, RequestTimeout
+from ..wire.client import Ask, Call, DeadlinePassed, RequestTimeout, Response
 from ..wire.messages import MAX_ID, ProtocolError, encode
 from ..wire.server import Refused, Reply, Request, Route, TransportError
 from .messages import CONFIRM, DECISION, EXCHANGE, SNAPSHOT_REPLIES
@@ -157,32 +157,38 @@ class InDoubt:
 
 
 class ExchangeTask:
-    """One exchange with one peer, on the client thread. Its value is a ClientHalf (committed) or an InDoubt.
+    """One exchange, on the client thread. Its value is a ClientHalf (committed) or an InDoubt.
 
-    The task owns `own` (our published snapshot) from construction: it goes
-    into the half, or is released when the exchange ends without one.
+    `peers` are the candidates, best first: a peer that answers ``busy`` (its
+    snapshot already serves an exchange) is skipped for the next; when all are
+    busy they are asked again after a short pause, for at most `busy_budget_s`.
+    ``task.peer`` is the peer of the exchange in the end. The task owns `own`
+    (our published snapshot) from construction: it goes into the half, or is
+    released when the exchange ends without one.
     """
 
     def __init__(
         self,
-        peer: str,
+        peers: Sequence[str],
         deadline: float,
         own: Lease,
-        fields: dict[str, Any],
+        fields: Callable[[str], dict[str, Any]],
         reader: ReplyReader,
         factor: Callable[[tuple[float, float | None], tuple[float, float | None]], float],
         min_confirm_s: float,
+        busy_budget_s: float = 0.0,
     ) -> None:
-        self.peer, self.deadline = peer, deadline
+        self._peers = list(peers)
+        self.peer, self.deadline = self._peers[0], deadline
         self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
-        self._min_confirm_s = min_confirm_s
+        self._min_confirm_s, self._busy_budget_s = min_confirm_s, busy_budget_s
+        self.busy = 0  # busy answers met on the way
 
     def run(self, ask: Ask) -> ClientHalf | InDoubt:
         with contextlib.ExitStack() as cleanup:
             cleanup.push(self._own)  # released unless a half takes it
             snap = self._own.snapshot
-            response = ask(lambda rid: [encode(EXCHANGE, rid, **self._fields), snap.array], SNAPSHOT_REPLIES)
-            theirs = self._reader.read(response, self.peer)
+            theirs = self._reader.read(self._find_partner(ask, snap.array), self.peer)
             cleanup.push(theirs)
             header = theirs.header
             xid, f = header.get("xid"), header.get("f")
@@ -195,8 +201,9 @@ class ExchangeTask:
                 raise RequestTimeout("too little time left to confirm; the peer's pending exchange will expire")
             cleanup.pop_all()
         half = ClientHalf(self.peer, xid, f, self._own, theirs)
+        name = self._fields(self.peer)["from"]
         try:
-            decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": self._fields["from"]}, xid=xid)], _DECISIONS)
+            decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": name}, xid=xid)], _DECISIONS)
         except DeadlinePassed:  # nothing was sent: the server will expire it
             half.release()
             raise
@@ -209,6 +216,25 @@ class ExchangeTask:
             return half
         half.release()
         raise Refused("aborted", f"the peer decided {outcome} for exchange {xid}")
+
+    def _find_partner(self, ask: Ask, payload: Any) -> Response:
+        """Send the exchange to the first candidate that is not busy."""
+        give_up = min(time.monotonic() + self._busy_budget_s, self.deadline - self._min_confirm_s)
+        pause = 0.001
+        while True:
+            for peer in self._peers:
+                self.peer = peer
+                fields = self._fields(peer)
+                try:
+                    return ask(lambda rid: [encode(EXCHANGE, rid, **fields), payload], SNAPSHOT_REPLIES)
+                except Refused as exc:
+                    if exc.reason != "busy":
+                        raise
+                    self.busy += 1
+            if time.monotonic() + pause >= give_up:
+                raise Refused("busy", f"every peer asked is busy ({', '.join(self._peers)})")
+            time.sleep(pause)  # a bounded retry: a busy peer publishes a fresh snapshot at its next step
+            pause = min(2 * pause, 0.008)
 
 
 _DECISIONS = {DECISION.name: DECISION}
@@ -257,9 +283,9 @@ class ExchangeClient:
         """Peers we are in doubt with: no new exchange with them until their decision arrives."""
         return frozenset(peer for peer, _ in self._doubts)
 
-    def allows(self, peer: str) -> bool:
-        """May a new exchange with `peer` start? Not while in doubt with it, nor with MAX_IN_DOUBT pending."""
-        return len(self._doubts) < MAX_IN_DOUBT and all(p != peer for p, _ in self._doubts)
+    def can_start(self) -> bool:
+        """May a new exchange start? Not while MAX_IN_DOUBT are in doubt (and not with a peer in blocked_peers)."""
+        return len(self._doubts) < MAX_IN_DOUBT
 
     def add(self, doubt: InDoubt) -> None:
         half = doubt.half
@@ -356,6 +382,7 @@ class ExchangeServer:
         self._uses: dict[int, int] = {}  # snapshot version -> exchanges it served
         self._closing = False
         self.last_confirm = 0.0  # time.monotonic() of the last confirm received
+        self.committed = threading.Event()  # set when an exchange commits (a lingering node waits on it)
 
     def routes(self) -> dict[str, Route]:
         return {
@@ -434,6 +461,7 @@ class ExchangeServer:
                     outcome = "commit"
                     self._committed.append(half)
                     self._decide(peer, xid, outcome, now)
+                    self.committed.set()
         self._counters.add(f"exchanges_decided.{outcome}")
         return Reply(encode(DECISION, request.header.id, xid=xid, outcome=outcome))
 

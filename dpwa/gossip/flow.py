@@ -81,6 +81,19 @@ class PeerSelector:
                 best = self._rng.choice(candidates)[0]
             return best
 
+    def ranked(self, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Every peer (not in `exclude`), in a random order weighted by score: the first is
+        distributed exactly as :meth:`choose`, the rest as choosing again without it."""
+        with self._lock:
+            keyed = []
+            for name, score in self._scores.items():
+                if name in exclude:
+                    continue
+                u = self._rng.random()
+                gumbel = -math.log(-math.log(1.0 - u)) if u > 0.0 else -math.inf
+                keyed.append((math.log(score) + gumbel, name))
+            return [name for _, name in sorted(keyed, reverse=True)]
+
     def success(self, peer: str) -> None:
         with self._lock:
             self._scores[peer] = min(SCORE_MAX, self._scores[peer] + SCORE_STEP_UP)
@@ -129,16 +142,28 @@ class FlowControl:
 
     def choose(self, exclude: frozenset[str] = frozenset()) -> str | None:
         """The peer to ask this step, or None (no peers, the coin said no, or backing off)."""
-        if not self._misses or self._rng.random() >= self._p:
+        if not self._asks():
             return None
+        return self.selector.choose(exclude)
+
+    def candidates(self, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """The peers to ask this step, best first (see PeerSelector.ranked); empty when none is to be asked."""
+        if not self._asks():
+            return []
+        return self.selector.ranked(exclude)
+
+    def _asks(self) -> bool:
+        """The coin, and the back-off while alone: does this step ask anyone?"""
+        if not self._misses or self._rng.random() >= self._p:
+            return False
         if self.alone:
             now = time.monotonic()
             if now < self._next_probe:
                 self.skipped_alone += 1
-                return None
+                return False
             self._backoff_s = min(ALONE_BACKOFF_MAX_S, max(self._timeout_s, 2 * self._backoff_s))
             self._next_probe = now + self._backoff_s
-        return self.selector.choose(exclude)
+        return True
 
     def record(self, peer: str, outcome: str, refusal: str = "") -> None:
         """Learn from one request's outcome (see dpwa.wire.client for the outcomes)."""

@@ -68,6 +68,7 @@ WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's de
 MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none stale), publishing is skipped
 EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
 UNSENT_PER_CLIENT = 2  # replies with a payload one client may leave unread
+BUSY_RETRY_MAX_S = 0.02  # symmetric: how long an exchange may keep asking busy peers again
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,8 @@ class Node:
         self._flow = FlowControl(name, list(self.peers), self.config.fetch_probability, self.config.timeout_s, self._rng)
         self._clock = 0.0
         self._step: _Step | None = None
+        self._step_s = 0.0  # a running estimate of the time between two update_send calls
+        self._last_send = 0.0
         self._outstanding: list[Call] = []  # symmetric: exchange calls whose result is not yet taken
         self.state = "starting"  # starting | training | lingering | closing | closed
         self._close_lock = threading.Lock()
@@ -315,6 +318,10 @@ class Node:
         if self._step is not None:  # update_wait was skipped: count the batch, drop the fetch
             self._abandon_step()
         self._tend()
+        now = time.monotonic()
+        if self._last_send:
+            self._step_s = 0.8 * self._step_s + 0.2 * (now - self._last_send) if self._step_s else now - self._last_send
+        self._last_send = now
         step = self._step = _Step(float(batch_size), _loss_value(loss))
         if self._symmetric:  # the request carries our snapshot: publish it first
             self._publish(step.send_loss)
@@ -342,16 +349,18 @@ class Node:
             )
 
     def _start_exchange(self, step: _Step) -> bool:
-        exchanges = self._exchange_client
-        assert exchanges is not None and self._reader is not None and self._client is not None
-        peer = self._flow.choose(exclude=exchanges.blocked_peers())
-        if peer is None or not exchanges.allows(peer):
+        exchanges, reader, client = self._exchange_client, self._reader, self._client
+        assert exchanges is not None and reader is not None and client is not None
+        if not exchanges.can_start():
+            return False
+        peers = self._flow.candidates(exclude=exchanges.blocked_peers())
+        if not peers:
             return False
         own = self._snapshots.lease()
         if own is None:  # nothing published (every slot held at our first publish): nothing to offer
             return False
         snap = own.snapshot
-        fields: dict[str, Any] = {
+        common = {
             "from": self.name,
             "fp": self.params.fingerprint,
             "dtype": self.wire,
@@ -359,14 +368,16 @@ class Node:
             "clock": snap.clock,
             "loss": snap.loss,
         }
-        if self._reader.wants_shm(peer):
-            fields["shm"] = True
-        factor = functools.partial(
-            rules.symmetric_factor, self._interpolation, self.config.divergence_threshold
-        )
+
+        def fields(peer: str) -> dict[str, Any]:
+            return {**common, "shm": True} if reader.wants_shm(peer) else common
+
+        factor = functools.partial(rules.symmetric_factor, self._interpolation, self.config.divergence_threshold)
         step.deadline = time.monotonic() + self.config.timeout_s
-        task = ExchangeTask(peer, step.deadline, own, fields, self._reader, factor, self.config.timeout_s / 10)
-        step.call = self._client.submit(task)
+        # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
+        busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * self._step_s)
+        task = ExchangeTask(peers, step.deadline, own, fields, reader, factor, self.config.timeout_s / 10, busy_budget)
+        step.call = client.submit(task)
         self._outstanding.append(step.call)
         self.counters.add("fetches_started")
         return True
@@ -490,6 +501,9 @@ class Node:
     def _record(self, call: Call) -> None:
         """Count a finished request and let flow control learn from it."""
         self._flow.record(call.peer, call.outcome, call.refusal)
+        busy = getattr(call.task, "busy", 0)
+        if busy:
+            self.counters.add("busy_answers", busy)
         if call.outcome == "ok":
             self.counters.add("fetches_ok")
             self.counters.set("last_fetch_latency_s", call.latency_s)
@@ -539,16 +553,18 @@ class Node:
         self.state = "lingering"
         start = last_change = time.monotonic()
         last = self.counters.get("requests_served")
+        committed = self._exchange_server.committed if self._exchange_server is not None else threading.Event()
         try:
             while not stop() and time.monotonic() - start < limit_s:
+                committed.clear()
                 if self._tend():
-                    self._publish(None)  # a fresh snapshot, so the next exchange is not refused busy
+                    self._publish(None)  # a fresh snapshot at once, so the next exchange is not refused busy
                 served = self.counters.get("requests_served")
                 if served != last:
                     last, last_change = served, time.monotonic()
                 elif time.monotonic() - last_change >= idle_s:
                     break
-                time.sleep(0.02)  # a bounded polling loop: the Rx thread serves meanwhile
+                committed.wait(0.02)  # woken by a commit; else a bounded poll while the Rx thread serves
         finally:
             self.state = "training"
         return time.monotonic() - start

@@ -213,7 +213,7 @@ class Ask(Protocol):
 class Task(Protocol):
     """One conversation with one peer, run on the client thread."""
 
-    peer: str  # which channel it uses
+    peer: str  # which channel `ask` uses; a task may change it between requests
     deadline: float  # time.monotonic() after which it has failed
 
     def run(self, ask: Ask) -> Any:
@@ -232,7 +232,6 @@ class Call:
 
     def __init__(self, task: Task) -> None:
         self.task = task
-        self.peer = task.peer
         self.done = threading.Event()
         self.started = time.monotonic()
         self.outcome = ""
@@ -242,6 +241,11 @@ class Call:
         self._value: Any = None
         self._cancelled = False
         self._lock = threading.Lock()
+
+    @property
+    def peer(self) -> str:
+        """The peer the task talks to (a task may move on to another one while it runs)."""
+        return self.task.peer
 
     @property
     def cancelled(self) -> bool:
@@ -397,7 +401,6 @@ class ClientThread:
         if time.monotonic() >= task.deadline:
             call.finish("expired", "the deadline passed while it waited its turn")
             return
-        channel = self._channel(task.peer, channels)
 
         def cancelled() -> bool:  # an abandoned call stops waiting at once
             return call.cancelled or self._stop.is_set()
@@ -407,6 +410,9 @@ class ClientThread:
             accept: Mapping[str, MessageKind],
             deadline: float | None = None,
         ) -> Response:
+            if task.peer not in self._endpoints:  # a task may move on to another peer
+                raise TransportError(f"{self.name}: unknown peer {task.peer!r}")
+            channel = self._channel(task.peer, channels)
             request_id = secrets.randbits(64)
             end = task.deadline if deadline is None else min(deadline, task.deadline)
             response = channel.request(make_frames(request_id), request_id, end, accept=accept, cancelled=cancelled)
@@ -421,7 +427,7 @@ class ClientThread:
         except ProtocolError as exc:
             call.finish("rejected", str(exc))
         except RequestTimeout:
-            call.finish("timeout", f"no reply within the deadline from {channel.endpoint}")
+            call.finish("timeout", f"no reply within the deadline from {self._endpoints.get(task.peer)}")
         except DeadlinePassed as exc:
             call.finish("expired", str(exc))
         except RequestCancelled:
@@ -430,8 +436,9 @@ class ClientThread:
             call.finish("failed", str(exc))
         except Exception as exc:  # a bug in a task must fail that task, not the thread
             logger.exception("%s: a task for %s failed", self.name, task.peer)
-            channel.close()
-            channels.pop(task.peer, None)
+            stale = channels.pop(task.peer, None)
+            if stale is not None:
+                stale.close()
             call.finish("failed", f"internal error: {type(exc).__name__}: {exc}")
         else:
             call.finish("ok", value=value)
