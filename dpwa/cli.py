@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["main", "subcommand", "arg"]
 
@@ -67,8 +68,7 @@ def keygen(args: argparse.Namespace) -> int:
 
         written = key_config(args.config, args.dir)
         print(f"wrote keys for {len(written)} nodes: " + ", ".join(str(p) for p in written))
-        print(f"{args.config} now lists every node's public_key and secret_key_file "
-              f"(the original: {args.config}.bak)")
+        print(f"{args.config} now lists every node's public_key and secret_key_file (the original: {args.config}.bak)")
         print("copy each NAME.key_secret to NAME's machine only; the config (public keys) goes everywhere")
         return 0
     public, secret, pair = generate(args.name, args.dir or Path("."))
@@ -83,8 +83,8 @@ def keygen(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     """Show a run's progress table once, and which of its processes are alive."""
     from .cluster.launch import LaunchSpec
-    from .cluster.processes import process_start, read_pid_file
     from .cluster.monitor import MetricsTail, table
+    from .cluster.processes import process_start, read_pid_file
 
     pids = Path(args.run_dir) / "pids"
     if not pids.is_dir():

@@ -26,8 +26,9 @@ import difflib
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
@@ -154,8 +155,9 @@ class Config:
     def to_mapping(self) -> dict[str, Any]:
         """Every setting as plain data that :func:`parse_config` reads back to an equal Config
         (secret key paths are absolute, so the mapping can be written anywhere)."""
-        nodes = [{key: value for key, value in dataclasses.asdict(node).items() if value is not None}
-                 for node in self.nodes]
+        nodes = [
+            {key: value for key, value in dataclasses.asdict(node).items() if value is not None} for node in self.nodes
+        ]
         return {
             "nodes": nodes,
             "fetch_probability": self.fetch_probability,
@@ -289,9 +291,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} appears twice in one mapping", mark
-            )
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in one mapping", mark)
         seen[key] = loader.construct_object(value_node, deep=deep)
     return seen
 
@@ -326,8 +326,7 @@ def _flatten(data: Any, source: str) -> dict[str, Any]:
             items.extend(entry.items())
     else:
         raise ConfigError(
-            f"{source}: expected a mapping or a list of one-key maps at the top level, "
-            f"got {type(data).__name__}"
+            f"{source}: expected a mapping or a list of one-key maps at the top level, got {type(data).__name__}"
         )
     flat: dict[str, Any] = {}
     for key, value in items:
@@ -343,7 +342,8 @@ def _reject_unknown(raw: Mapping[str, Any], known: tuple[str, ...], source: str,
     for key in raw:
         if key not in known:
             raise ConfigError(
-                f"{source}: unknown key {where}{key!r}" + _suggest(str(key), known)
+                f"{source}: unknown key {where}{key!r}"
+                + _suggest(str(key), known)
                 + f" (known keys: {', '.join(known)})"
             )
 
@@ -371,7 +371,9 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
     for index, entry in enumerate(value):
         where = f"nodes[{index}]"
         if not isinstance(entry, Mapping):
-            raise ConfigError(f"{source}: {where} must be a map like {{name: w1, host: localhost, port: 45000}}, got {entry!r}")
+            raise ConfigError(
+                f"{source}: {where} must be a map like {{name: w1, host: localhost, port: 45000}}, got {entry!r}"
+            )
         _reject_unknown(entry, _NODE_KEYS, source, where=f"{where}.")
         for key in ("name", "host", "port"):
             if key not in entry:
@@ -403,13 +405,19 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
             raise ConfigError(f"{source}: {where}.name {name!r} is used by two nodes; names must be unique")
         address = (host.strip().lower(), port)
         if address in addresses:
-            raise ConfigError(
-                f"{source}: {where} uses {host}:{port}, which node {addresses[address]!r} already uses"
-            )
+            raise ConfigError(f"{source}: {where} uses {host}:{port}, which node {addresses[address]!r} already uses")
         names.add(name)
         addresses[address] = name
-        specs.append(NodeSpec(name=name, host=host.strip(), port=port, bind=bind.strip() if bind else None,
-                              public_key=public_key, secret_key_file=secret_file))
+        specs.append(
+            NodeSpec(
+                name=name,
+                host=host.strip(),
+                port=port,
+                bind=bind.strip() if bind else None,
+                public_key=public_key,
+                secret_key_file=secret_file,
+            )
+        )
     keyed = [spec.name for spec in specs if spec.public_key is not None]
     if keyed and len(keyed) != len(specs):
         missing = [spec.name for spec in specs if spec.public_key is None]
@@ -424,8 +432,13 @@ def _is_number(value: Any) -> bool:
 
 
 def _number(
-    raw: Mapping[str, Any], key: str, default: float, source: str,
-    lo: float | None = None, hi: float | None = None, where: str = "",
+    raw: Mapping[str, Any],
+    key: str,
+    default: float,
+    source: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    where: str = "",
 ) -> float:
     if key not in raw or raw[key] is None:
         return default
@@ -469,8 +482,7 @@ def _choice(raw: Mapping[str, Any], key: str, choices: tuple[str, ...], source: 
         return "off"
     if value not in choices:
         raise ConfigError(
-            f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}"
-            + _suggest(str(value), choices)
+            f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}" + _suggest(str(value), choices)
         )
     return value
 

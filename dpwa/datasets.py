@@ -24,8 +24,9 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     with resource.open("rb") as raw, gzip.open(raw, "rt", encoding="ascii") as text:
         table = np.loadtxt(text, delimiter=",", dtype=np.int64)
     if table.shape != (DIGITS_ROWS, 65) or table[:, :64].min() < 0 or table[:, :64].max() > 16:
-        raise ValueError(f"{resource}: expected {DIGITS_ROWS} rows of 64 pixels in 0..16 and a label, "
-                         f"got shape {table.shape}")
+        raise ValueError(
+            f"{resource}: expected {DIGITS_ROWS} rows of 64 pixels in 0..16 and a label, got shape {table.shape}"
+        )
     images = table[:, :64].astype(np.uint8).reshape(-1, 8, 8)
     labels = table[:, 64]
     if labels.min() < 0 or labels.max() > 9:

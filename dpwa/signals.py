@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["Stopped", "stop_on_signals"]
 

@@ -57,7 +57,9 @@ class TorchParams(FlatParams):
             raise ValueError(f"{type(module).__name__} has no parameters to average")
         for tensor_name, tensor in named:
             if not tensor.is_floating_point():
-                raise ValueError(f"parameter {tensor_name!r} is {tensor.dtype}; only floating-point tensors can be averaged")
+                raise ValueError(
+                    f"parameter {tensor_name!r} is {tensor.dtype}; only floating-point tensors can be averaged"
+                )
         devices = {t.device for _, t in named}
         if len(devices) != 1:
             raise ValueError(f"all averaged tensors must be on one device, found {sorted(map(str, devices))}")
@@ -106,7 +108,7 @@ class TorchParams(FlatParams):
         fast, slow = self._pieces(flat)
         if fast:
             torch._foreach_copy_(fast, self._fast_targets)
-        for view, i in zip(slow, self._slow):
+        for view, i in zip(slow, self._slow, strict=True):
             view.copy_(self._tensors[i])
         if flat is not host:
             host.copy_(flat)
@@ -201,7 +203,7 @@ class DpwaPyTorchAdapter:
     def close(self) -> None:
         self.node.close()
 
-    def __enter__(self) -> "DpwaPyTorchAdapter":
+    def __enter__(self) -> DpwaPyTorchAdapter:
         return self
 
     def __exit__(self, *exc: object) -> None:

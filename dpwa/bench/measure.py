@@ -49,11 +49,18 @@ SMALL = 100_000  # parameters of the small model
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pytorch-cifar"
 # (label, input shape, batch size, steps) of the training-overhead workloads
-WORKLOADS = (("digits, batch 32 (run.sh's default)", (1, 8, 8), 32, 200),
-             ("CIFAR-sized 3x32x32, batch 128", (3, 32, 32), 128, 40))
+WORKLOADS = (
+    ("digits, batch 32 (run.sh's default)", (1, 8, 8), 32, 200),
+    ("CIFAR-sized 3x32x32, batch 128", (3, 32, 32), 128, 40),
+)
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _set_when_stdin_closes(event: threading.Event) -> None:
+    sys.stdin.read()  # returns when the parent closes our stdin
+    event.set()
 
 
 def median_ms(samples: list[float]) -> float:
@@ -74,9 +81,12 @@ class Child:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dpwa.bench", *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             env={**os.environ, **(env or {})},
         )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.stop()
@@ -85,13 +95,14 @@ class Child:
     def stop(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.close()
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
                 self.proc.wait(10)
             except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
                 self.proc.kill()
                 self.proc.wait(10)
 
-    def __enter__(self) -> "Child":
+    def __enter__(self) -> Child:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -112,11 +123,11 @@ def serve_raw(port: int, size: int) -> None:
     payload = np.ones(size, np.float32)
     print("ready", flush=True)
     stdin_closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+    threading.Thread(target=_set_when_stdin_closes, args=(stdin_closed,), daemon=True).start()
     while not stdin_closed.is_set():
         if sock.poll(100):
             sock.recv()
-            sock.send(payload, copy=False)
+            sock.send(payload.data, 0, copy=False)
     sock.close(0)
     ctx.term()
 
@@ -141,7 +152,7 @@ def training_setup(shape: tuple[int, ...], batch: int, seed: int):
 
     if str(EXAMPLE) not in sys.path:
         sys.path.insert(0, str(EXAMPLE))
-    import models  # examples/pytorch-cifar/models.py
+    import models  # type: ignore[import-not-found]  # examples/pytorch-cifar/models.py
 
     torch.manual_seed(seed)
     net = models.build("small", in_channels=shape[0])
@@ -167,7 +178,7 @@ def serve_training(config_path: str, shape: str, batch: int) -> None:
     torch.set_num_threads(1)
     net, step = training_setup(tuple(int(d) for d in shape.split("x")), batch, seed=1)
     stdin_closed = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()), daemon=True).start()
+    threading.Thread(target=_set_when_stdin_closes, args=(stdin_closed,), daemon=True).start()
     with DpwaPyTorchAdapter(net, "server", config_path) as conn:
         loss = None
         conn.update_send(loss)  # publish; its fetch (the client is not up yet) is dropped by the next step
@@ -211,9 +222,16 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
     finally:
         torch.set_num_threads(threads)
     a, b = median_ms(plain), median_ms(with_dpwa)
-    return {"parameters": sum(p.numel() for p in net.parameters()), "batch": batch, "shape": list(shape),
-            "steps": steps, "step_ms": a, "step_with_dpwa_ms": b, "overhead": b / a - 1.0,
-            "averaged_fraction": averaged / len(with_dpwa)}
+    return {
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "batch": batch,
+        "shape": list(shape),
+        "steps": steps,
+        "step_ms": a,
+        "step_with_dpwa_ms": b,
+        "overhead": b / a - 1.0,
+        "averaged_fraction": averaged / len(with_dpwa),
+    }
 
 
 def write_pair_config(directory: str, *, same_host: bool, wire_dtype: str = "float32") -> str:
@@ -312,8 +330,7 @@ class DpwaPair:
         self.node.close()
         self.child.stop()
         if used_same_host != self.same_host:
-            raise RuntimeError(f"expected the {'same-host' if self.same_host else 'TCP'} path; "
-                               "the node used the other")
+            raise RuntimeError(f"expected the {'same-host' if self.same_host else 'TCP'} path; the node used the other")
 
 
 def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
@@ -350,10 +367,14 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
     ports: set[int] = set()
     while len(ports) < n:
         ports.add(free_port())
-    config = parse_config({
-        "nodes": [{"name": f"n{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))],
-        "fetch_probability": 1, "timeout_ms": 10_000, "same_host": "off",
-    })
+    config = parse_config(
+        {
+            "nodes": [{"name": f"n{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))],
+            "fetch_probability": 1,
+            "timeout_ms": 10_000,
+            "same_host": "off",
+        }
+    )
     arrays = [np.full(size, float(i), np.float32) for i in range(n)]
     nodes = [Node(config, f"n{i}", NumpyParams(arrays[i]), rng=random.Random(i)) for i in range(n)]
     try:
@@ -408,14 +429,26 @@ def machine() -> dict[str, Any]:
     except ImportError:
         torch_version = None
     return {
-        "python": platform.python_version(), "platform": platform.platform(),
-        "cpus": os.cpu_count(), "pyzmq": zmq.pyzmq_version(), "libzmq": zmq.zmq_version(),
-        "numpy": np.__version__, "torch": torch_version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "pyzmq": zmq.pyzmq_version(),
+        "libzmq": zmq.zmq_version(),
+        "numpy": np.__version__,
+        "torch": torch_version,
     }
 
 
-def run(sizes: list[int], reps_small: int, reps_large: int, scale_sizes: list[int], scale_steps: int,
-        wire_dtypes: list[str], training_steps: float = 1.0, workloads: tuple = WORKLOADS) -> dict[str, Any]:
+def run(
+    sizes: list[int],
+    reps_small: int,
+    reps_large: int,
+    scale_sizes: list[int],
+    scale_steps: int,
+    wire_dtypes: list[str],
+    training_steps: float = 1.0,
+    workloads: tuple = WORKLOADS,
+) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine(), "sizes": [], "scale": [], "training": []}
     for size in sizes:
         row = measure_size(size, reps_small if size <= 1_000_000 else reps_large, wire_dtypes)
@@ -424,18 +457,20 @@ def run(sizes: list[int], reps_small: int, reps_large: int, scale_sizes: list[in
     for n in scale_sizes:
         results["scale"].append(bench_scale(n, SMALL, scale_steps))
     for label, shape, batch, steps in workloads:
-        row = bench_training(shape, batch, max(2, int(steps * training_steps)))
-        if row is not None:
-            results["training"].append({"workload": label, **row})
+        trained = bench_training(shape, batch, max(2, int(steps * training_steps)))
+        if trained is not None:
+            results["training"].append({"workload": label, **trained})
     return results
 
 
 def format_size_row(row: dict[str, Any]) -> str:
     a, b = row["copy_ms"], row["zmq_ms"]
-    lines = [f"\n{row['parameters']:,} parameters ({row['mbytes']:.1f} MB), medians of {row['reps']} runs",
-             f"  {'measurement':<38}{'ms':>9}{'x copy':>9}{'x zmq':>9}",
-             f"  {'(a) numpy copy':<38}{a:>9.2f}{1:>9.2f}{a / b:>9.2f}",
-             f"  {'(b) raw pyzmq REQ/REP, tcp':<38}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}"]
+    lines = [
+        f"\n{row['parameters']:,} parameters ({row['mbytes']:.1f} MB), medians of {row['reps']} runs",
+        f"  {'measurement':<38}{'ms':>9}{'x copy':>9}{'x zmq':>9}",
+        f"  {'(a) numpy copy':<38}{a:>9.2f}{1:>9.2f}{a / b:>9.2f}",
+        f"  {'(b) raw pyzmq REQ/REP, tcp':<38}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}",
+    ]
     for path in [k for k in row if k == "tcp" or k == "same_host" or k.startswith("tcp_")]:
         label = {"tcp": "tcp", "same_host": "same-host"}.get(path, path.replace("tcp_", "tcp, wire "))
         for key in ("update_send", "update_wait", "exchange"):
@@ -445,17 +480,23 @@ def format_size_row(row: dict[str, Any]) -> str:
 
 
 def format_training(rows: list[dict[str, Any]]) -> str:
-    lines = ["\nTraining step of the example (small ResNet, one thread per process), exchanging every step",
-             f"  {'workload':<38}{'params':>9}{'plain ms':>10}{'dpwa ms':>10}{'overhead':>10}{'averaged':>10}"]
+    lines = [
+        "\nTraining step of the example (small ResNet, one thread per process), exchanging every step",
+        f"  {'workload':<38}{'params':>9}{'plain ms':>10}{'dpwa ms':>10}{'overhead':>10}{'averaged':>10}",
+    ]
     for r in rows:
-        lines.append(f"  {r['workload']:<38}{r['parameters']:>9,}{r['step_ms']:>10.2f}{r['step_with_dpwa_ms']:>10.2f}"
-                     f"{100 * r['overhead']:>9.1f}%{100 * r['averaged_fraction']:>9.0f}%")
+        lines.append(
+            f"  {r['workload']:<38}{r['parameters']:>9,}{r['step_ms']:>10.2f}{r['step_with_dpwa_ms']:>10.2f}"
+            f"{100 * r['overhead']:>9.1f}%{100 * r['averaged_fraction']:>9.0f}%"
+        )
     return "\n".join(lines)
 
 
 def format_scale(rows: list[dict[str, Any]]) -> str:
-    lines = ["\nScale: nodes as threads in one process, 100,000 parameters, fetch every step, TCP",
-             f"  {'nodes':>5}{'exchanges/s':>14}{'CPU ms per exchange':>22}{'failed':>8}"]
+    lines = [
+        "\nScale: nodes as threads in one process, 100,000 parameters, fetch every step, TCP",
+        f"  {'nodes':>5}{'exchanges/s':>14}{'CPU ms per exchange':>22}{'failed':>8}",
+    ]
     for r in rows:
         lines.append(f"  {r['nodes']:>5}{r['exchanges_per_s']:>14.0f}{r['cpu_ms_per_exchange']:>22.2f}{r['failed']:>8}")
     return "\n".join(lines)
@@ -490,4 +531,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"\nwrote {args.json}")
     return 0
-

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
 import yaml
 
 from ..config import ConfigError, load_config, read_config_data
@@ -44,10 +45,9 @@ def key_config(path: str | os.PathLike[str], key_dir: str | os.PathLike[str] | N
         written.append(secret)
     backup = path.with_name(path.name + ".bak")
     backup.write_bytes(path.read_bytes())
-    text = "# keyed by python -m dpwa keygen --config (the original is in %s)\n" % backup.name
+    text = f"# keyed by python -m dpwa keygen --config (the original is in {backup.name})\n"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
     tmp.replace(path)
     load_config(path)  # what we wrote must load
     return written
-

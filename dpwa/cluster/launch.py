@@ -86,7 +86,7 @@ class LaunchSpec:
         Path(self.run_dir, "launch.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "LaunchSpec":
+    def load(cls, run_dir: str | Path) -> LaunchSpec:
         path = Path(run_dir) / "launch.json"
         try:
             return cls(**json.loads(path.read_text()))
@@ -95,6 +95,7 @@ class LaunchSpec:
 
 
 # --------------------------------------------------------------------------- the run folder
+
 
 def new_run_dir(runs_dir: str | Path) -> Path:
     """A fresh runs_dir/<YYYYmmdd-HHMMSS> (with a suffix if that exists), and runs_dir/latest pointing to it."""
@@ -127,8 +128,9 @@ def prepare(spec: LaunchSpec) -> LaunchSpec:
     parse_config(spec.config, source=str(run_dir / "config.yaml"))  # a ConfigError names what is wrong
     unknown = [n for n in spec.local if n not in spec.names]
     if unknown:
-        raise ConfigError(f"{run_dir / 'config.yaml'}: no node named {', '.join(unknown)} "
-                          f"(known: {', '.join(spec.names)})")
+        raise ConfigError(
+            f"{run_dir / 'config.yaml'}: no node named {', '.join(unknown)} (known: {', '.join(spec.names)})"
+        )
     for sub in ("pids", "logs", "metrics", "models"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     with open(run_dir / "config.yaml", "w", encoding="utf-8") as fh:
@@ -139,6 +141,7 @@ def prepare(spec: LaunchSpec) -> LaunchSpec:
 
 
 # --------------------------------------------------------------------------- foreground run
+
 
 class _Signals:
     """Records SIGINT, SIGTERM and SIGHUP instead of dying, so the launcher can stop its nodes first."""
@@ -167,14 +170,21 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
     write_pid_file(run_dir / "pids" / "launcher.pid", os.getpid())
-    cluster = Cluster(run_dir, {name: spec.argv(spec.command, name) for name in spec.local_names},
-                      pin=spec.pin, grace_s=spec.grace_s, env=spec.env)
+    cluster = Cluster(
+        run_dir,
+        {name: spec.argv(spec.command, name) for name in spec.local_names},
+        pin=spec.pin,
+        grace_s=spec.grace_s,
+        env=spec.env,
+    )
     metrics = MetricsTail(run_dir, spec.local_names)
     view = LiveView(out, tty=tty, every_s=spec.print_every_s)
     signals = _Signals()
     try:
-        view.message(f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
-                     f"{cluster.pinning()}; run folder {run_dir}")
+        view.message(
+            f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
+            f"{cluster.pinning()}; run folder {run_dir}"
+        )
         view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
         cluster.start()
         _watch(spec, cluster, metrics, view, signals)
@@ -195,8 +205,10 @@ def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveV
     reported: set[str] = set()
     while cluster.alive():
         if signals.first and stopping_since is None:
-            view.message(f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
-                         f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)")
+            view.message(
+                f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
+                f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)"
+            )
             cluster.signal(signal.SIGTERM)
             stopping_since = time.monotonic()
         if stopping_since is not None and not killed:
@@ -261,9 +273,15 @@ def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, An
         return {"error": f"no final weights from {', '.join(missing)}"}
     view.message("dpwa: evaluating the parameter average of all nodes")
     try:
-        proc = subprocess.Popen(spec.argv(spec.finish_command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env={**os.environ, **spec.env},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            spec.argv(spec.finish_command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **spec.env},
+            start_new_session=True,
+        )
     except OSError as exc:
         return {"error": f"cannot run {spec.finish_command[0]}: {exc}"}
     write_pid_file(run_dir / "pids" / "finish.pid", proc.pid)
@@ -292,22 +310,29 @@ def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, An
 
 # --------------------------------------------------------------------------- detached
 
+
 def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0) -> int:
     """Start a background supervisor that runs the cluster; return once every node has started."""
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
     with open(run_dir / "logs" / "launcher.log", "ab") as log:
-        supervisor = subprocess.Popen([sys.executable, "-m", "dpwa.cluster.launch", str(run_dir)],
-                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "dpwa.cluster.launch", str(run_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
     deadline = time.monotonic() + timeout_s
     try:
         while not all(p.exists() for p in pid_files):
             if supervisor.poll() is not None or time.monotonic() > deadline:
                 log_path = run_dir / "logs" / "launcher.log"
-                out.write(f"dpwa: the background launcher did not start the nodes; see {log_path}:\n"
-                          f"{tail(log_path, 10)}\n")
+                out.write(
+                    f"dpwa: the background launcher did not start the nodes; see {log_path}:\n{tail(log_path, 10)}\n"
+                )
                 if supervisor.poll() is None:
                     supervisor.terminate()  # it stops whatever it started
                 return 1
@@ -317,10 +342,12 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
         return 130
     python = os.path.relpath(sys.executable)
     python = sys.executable if python.startswith("..") else python
-    out.write(f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
-              f"run folder {run_dir}\n"
-              f"  progress:  {python} -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
-              f"  stop:      ./stop.sh {run_dir}\n")
+    out.write(
+        f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
+        f"run folder {run_dir}\n"
+        f"  progress:  {python} -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
+        f"  stop:      ./stop.sh {run_dir}\n"
+    )
     out.flush()
     return 0
 

@@ -104,14 +104,21 @@ def table(nodes: list[NodeState]) -> list[str]:
         epochs = start.get("epochs")
         epoch = f"{step.get('epoch', 0)}/{epochs}" if epochs else "-"
         acc = ev.get("test_acc")
-        rows.append((
-            node.name, node.state, epoch, _fmt(step.get("step"), "d"), _fmt(step.get("loss"), ".4f"),
-            _fmt(step.get("exchanges_per_s"), ".1f"), _fmt(step.get("failed"), "d"),
-            _percent(acc),
-        ))
+        rows.append(
+            (
+                node.name,
+                node.state,
+                epoch,
+                _fmt(step.get("step"), "d"),
+                _fmt(step.get("loss"), ".4f"),
+                _fmt(step.get("exchanges_per_s"), ".1f"),
+                _fmt(step.get("failed"), "d"),
+                _percent(acc),
+            )
+        )
     minimum = (0, 10, 7, 6, 7, 6, 6, 8)  # steady columns while values grow
     widths = [max(minimum[i], *(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 class LiveView:
@@ -160,26 +167,30 @@ class LiveView:
 
 # --------------------------------------------------------------------------- summary
 
-def summarize(nodes: list[NodeState], average: dict[str, Any] | None, elapsed_s: float,
-              run_dir: str | Path) -> dict[str, Any]:
+
+def summarize(
+    nodes: list[NodeState], average: dict[str, Any] | None, elapsed_s: float, run_dir: str | Path
+) -> dict[str, Any]:
     """Everything the summary table shows, as plain data (saved as summary.json)."""
     rows = []
     for node in nodes:
         end, step, ev = node.end or {}, node.step or {}, node.eval or {}
         stats = end.get("stats") or {}
-        rows.append({
-            "node": node.name,
-            "state": node.state,
-            "exit_code": node.exit_code,
-            "epochs": ev.get("epoch", 0),
-            "steps": end.get("step", step.get("step", 0)),
-            "test_acc": ev.get("test_acc"),
-            "test_loss": ev.get("test_loss"),
-            "averaged": end.get("averaged", step.get("averaged", 0)),
-            "failed": end.get("failed", step.get("failed", 0)),
-            "served": stats.get("requests_served"),
-            "peers": end.get("peers", step.get("peers", {})),
-        })
+        rows.append(
+            {
+                "node": node.name,
+                "state": node.state,
+                "exit_code": node.exit_code,
+                "epochs": ev.get("epoch", 0),
+                "steps": end.get("step", step.get("step", 0)),
+                "test_acc": ev.get("test_acc"),
+                "test_loss": ev.get("test_loss"),
+                "averaged": end.get("averaged", step.get("averaged", 0)),
+                "failed": end.get("failed", step.get("failed", 0)),
+                "served": stats.get("requests_served"),
+                "peers": end.get("peers", step.get("peers", {})),
+            }
+        )
     return {
         "run_dir": str(run_dir),
         "elapsed_s": round(elapsed_s, 1),
@@ -196,23 +207,50 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows = [head]
     for r in summary["nodes"]:
         acc = r["test_acc"]
-        rows.append((r["node"], r["state"], _percent(acc), _fmt(r["test_loss"], ".4f"), str(r["epochs"]),
-                     str(r["steps"]), str(r["averaged"]), str(r["failed"]), _fmt(r["served"], "d")))
+        rows.append(
+            (
+                r["node"],
+                r["state"],
+                _percent(acc),
+                _fmt(r["test_loss"], ".4f"),
+                str(r["epochs"]),
+                str(r["steps"]),
+                str(r["averaged"]),
+                str(r["failed"]),
+                _fmt(r["served"], "d"),
+            )
+        )
     average = summary.get("average") or {}
     if "test_acc" in average:
-        rows.append(("average", f"{average.get('models', '?')} nodes", f"{100 * average['test_acc']:.2f}%",
-                     f"{average['test_loss']:.4f}", "", "", "", "", ""))
+        rows.append(
+            (
+                "average",
+                f"{average.get('models', '?')} nodes",
+                f"{100 * average['test_acc']:.2f}%",
+                f"{average['test_loss']:.4f}",
+                "",
+                "",
+                "",
+                "",
+                "",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
-    notes = [f"run folder {summary['run_dir']}, {summary['elapsed_s']:.0f} s; "
-             f"exchanges: {summary['exchanges']} done (averaged), {summary['failed']} failed"]
+    notes = [
+        f"run folder {summary['run_dir']}, {summary['elapsed_s']:.0f} s; "
+        f"exchanges: {summary['exchanges']} done (averaged), {summary['failed']} failed"
+    ]
     if "test_acc" in average:
         notes.append("'average': one model whose weights are the mean of every node's final weights")
     elif average.get("error"):
         notes.append(f"parameter average not evaluated: {average['error']}")
-    pairs = [f"{r['node']} <- " + ", ".join(f"{p} {n}" for p, n in sorted(r["peers"].items()))
-             for r in summary["nodes"] if r["peers"]]
+    pairs = [
+        f"{r['node']} <- " + ", ".join(f"{p} {n}" for p, n in sorted(r["peers"].items()))
+        for r in summary["nodes"]
+        if r["peers"]
+    ]
     if pairs:
         notes.append("averaged with: " + "; ".join(pairs))
     return "\n".join(lines + [""] + notes)

@@ -55,20 +55,31 @@ def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for node, records in metrics.items():
         steps = [r for r in records if r.get("kind") == "step" and r.get("loss") is not None]
         evals = [r for r in records if r.get("kind") == "eval" and r.get("test_acc") is not None]
-        line, = ax_loss.plot([r["t"] - t0 for r in steps], [r["loss"] for r in steps], label=node, linewidth=1)
-        ax_acc.plot([r["t"] - t0 for r in evals], [100 * r["test_acc"] for r in evals], marker="o",
-                    markersize=3, color=line.get_color(), label=node)
+        (line,) = ax_loss.plot([r["t"] - t0 for r in steps], [r["loss"] for r in steps], label=node, linewidth=1)
+        ax_acc.plot(
+            [r["t"] - t0 for r in evals],
+            [100 * r["test_acc"] for r in evals],
+            marker="o",
+            markersize=3,
+            color=line.get_color(),
+            label=node,
+        )
     average = _average_accuracy(run_dir)
     if average is not None:
-        ax_acc.axhline(100 * average, color="black", linestyle="--", linewidth=1,
-                       label=f"parameter average {100 * average:.2f}%")
+        ax_acc.axhline(
+            100 * average, color="black", linestyle="--", linewidth=1, label=f"parameter average {100 * average:.2f}%"
+        )
     ax_loss.set(title="training loss", xlabel="time (s)", ylabel="cross-entropy")
     ax_acc.set(title="test accuracy", xlabel="time (s)", ylabel="accuracy (%)")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    losses = [r["loss"] for records in metrics.values() for r in records
-              if r.get("kind") == "step" and isinstance(r.get("loss"), (int, float))]
+    losses = [
+        r["loss"]
+        for records in metrics.values()
+        for r in records
+        if r.get("kind") == "step" and isinstance(r.get("loss"), (int, float))
+    ]
     if losses and min(losses) > 0:
         ax_loss.set_yscale("log")
     fig.suptitle(f"dpwa run {run_dir.resolve().name}: {len(metrics)} nodes")

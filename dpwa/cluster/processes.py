@@ -29,6 +29,7 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 # --------------------------------------------------------------------------- ports
 
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct TCP ports on `host` that were free a moment ago."""
     sockets = []
@@ -39,8 +40,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.bind((host, 0))
         return [s.getsockname()[1] for s in sockets]
     except OSError as exc:
-        raise OSError(f"cannot bind a port on {host}: {exc.strerror or exc} "
-                      f"(is {host} an address of this machine?)") from exc
+        raise OSError(
+            f"cannot bind a port on {host}: {exc.strerror or exc} (is {host} an address of this machine?)"
+        ) from exc
     finally:
         for s in sockets:
             s.close()
@@ -54,11 +56,14 @@ def check_ports_free(host: str, ports: list[int]) -> None:
             try:
                 s.bind((host, port))
             except OSError as exc:
-                raise OSError(f"port {port} on {host} is not free ({exc.strerror}); another run may hold it: "
-                              "stop it (./stop.sh), choose another --base-port, or leave --base-port out") from exc
+                raise OSError(
+                    f"port {port} on {host} is not free ({exc.strerror}); another run may hold it: "
+                    "stop it (./stop.sh), choose another --base-port, or leave --base-port out"
+                ) from exc
 
 
 # --------------------------------------------------------------------------- PID files
+
 
 def process_start(pid: int) -> str | None:
     """When process `pid` started, as a token that differs for a later process with the same PID; None if gone."""
@@ -94,11 +99,19 @@ def read_pid_file(path: str | Path) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------- node processes
 
+
 class Cluster:
     """The node processes of one run: started in their own sessions, stopped by PID (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, run_dir: str | Path, commands: dict[str, list[str]], *, pin: bool = True,
-                 grace_s: float = 10.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        commands: dict[str, list[str]],
+        *,
+        pin: bool = True,
+        grace_s: float = 10.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.commands = commands  # argv per node name, in start order
         self.pin = pin
@@ -130,8 +143,14 @@ class Cluster:
             if self.taskset:
                 argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
             with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
             self.procs[name] = proc
             write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)
 

@@ -83,7 +83,7 @@ from ..wire.server import Refused, Reply, Request, Route, TransportError
 from .messages import CONFIRM, DECISION, EXCHANGE, SNAPSHOT_REPLIES
 from .requesting import Received, ReplyReader
 from .serving import Serving
-from .snapshots import Lease, SnapshotStore
+from .snapshots import Lease
 from .validation import PeerValues
 
 __all__ = [
@@ -225,8 +225,12 @@ class ExchangeTask:
             for peer in self._peers:
                 self.peer = peer
                 fields = self._fields(peer)
+
+                def request(rid: int, fields: dict[str, Any] = fields) -> list[Any]:
+                    return [encode(EXCHANGE, rid, **fields), payload]
+
                 try:
-                    return ask(lambda rid: [encode(EXCHANGE, rid, **fields), payload], SNAPSHOT_REPLIES)
+                    return ask(request, SNAPSHOT_REPLIES)
                 except Refused as exc:
                     if exc.reason != "busy":
                         raise
@@ -401,7 +405,9 @@ class ExchangeServer:
             undo.callback(self._unreserve, served.snapshot.version)
             frame = request.payload[0]
             if len(frame) != self._serving.nbytes:
-                raise ProtocolError("bad_size", f"the payload holds {len(frame)} bytes, expected {self._serving.nbytes}")
+                raise ProtocolError(
+                    "bad_size", f"the payload holds {len(frame)} bytes, expected {self._serving.nbytes}"
+                )
             array = np.frombuffer(frame.buffer, dtype=self._store.dtype)
             theirs = Received(header, array, functools.partial(self._discard, frame))
             undo.push(theirs)
@@ -512,4 +518,3 @@ class ExchangeServer:
             half.release()
         if committed:
             logger.error("dpwa: %d committed exchange halves were not applied before close", len(committed))
-

@@ -152,7 +152,9 @@ class Node:
         self._symmetric = self.config.mode == "symmetric"
         self.counters = Counters()
         self._log = RateLimitedLog()
-        self._flow = FlowControl(name, list(self.peers), self.config.fetch_probability, self.config.timeout_s, self._rng)
+        self._flow = FlowControl(
+            name, list(self.peers), self.config.fetch_probability, self.config.timeout_s, self._rng
+        )
         self._clock = 0.0
         self._step: _Step | None = None
         self._step_s = 0.0  # a running estimate of the time between two update_send calls
@@ -420,7 +422,9 @@ class Node:
             return Update(False, "timeout", call.peer, reason="the Tx thread did not finish in time", clock=self._clock)
         self._record(call)
         if call.outcome != "ok":
-            return Update(False, call.outcome, call.peer, reason=call.reason, latency_s=call.latency_s, clock=self._clock)
+            return Update(
+                False, call.outcome, call.peer, reason=call.reason, latency_s=call.latency_s, clock=self._clock
+            )
         own = step.own.snapshot if step.own is not None else None
         with call.take() as received:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
@@ -450,7 +454,9 @@ class Node:
         """Take an exchange call's result: apply a committed half, keep one in doubt."""
         if call.outcome != "ok":
             self._record(call)
-            return Update(False, call.outcome, call.peer, reason=call.reason, latency_s=call.latency_s, clock=self._clock)
+            return Update(
+                False, call.outcome, call.peer, reason=call.reason, latency_s=call.latency_s, clock=self._clock
+            )
         value = call.take()
         if isinstance(value, InDoubt):
             assert self._exchange_client is not None
@@ -525,7 +531,9 @@ class Node:
         if call.outcome in ("cancelled", "expired"):
             return
         self.counters.add(f"peer.{call.peer}.failures")
-        self._log(30, (call.peer, call.outcome), "%s: fetch from %s %s: %s", self.name, call.peer, call.outcome, call.reason)
+        self._log(
+            30, (call.peer, call.outcome), "%s: fetch from %s %s: %s", self.name, call.peer, call.outcome, call.reason
+        )
 
     def _abandon_step(self) -> None:
         step, self._step = self._step, None

@@ -162,4 +162,3 @@ def holding(value: Any) -> Iterator[Any]:
         if value is not None:
             value.release()
         raise
-

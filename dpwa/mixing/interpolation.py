@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from typing import TypeGuard
 
 from ..config import Config
 
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-def _known(x: float | None) -> bool:
+def _known(x: float | None) -> TypeGuard[float]:
     return x is not None and math.isfinite(x) and x >= 0.0
 
 

@@ -36,7 +36,11 @@ __all__ = [
 ]
 
 # wire dtype name -> numpy dtype of the stored elements
-WIRE_STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+WIRE_STORAGE: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+}
 
 _BLOCK = 1 << 18  # elements per block when decoding or blending piecewise (1 MB of float32)
 # Below this many elements numpy is faster: starting torch's thread pool costs more

@@ -64,8 +64,8 @@ class Blend(ABC):
     name: str
 
     @abstractmethod
-    def apply(self, params: FlatParams, own: np.ndarray, peer: np.ndarray, f: float, wire: str) -> None:
-        """Change `params` in place given our snapshot `own` and the peer's snapshot `peer`."""
+    def apply(self, params: FlatParams, own: np.ndarray | None, peer: np.ndarray, f: float, wire: str) -> None:
+        """Change `params` in place given our snapshot `own` (None: not kept) and the peer's snapshot `peer`."""
 
     @abstractmethod
     def clock(self, clock: float, own_clock: float, peer_clock: float, f: float) -> float:
@@ -90,6 +90,8 @@ class DeltaBlend(Blend):
     name = "delta"
 
     def apply(self, params, own, peer, f, wire):
+        if own is None:
+            raise ValueError("blend delta needs our own snapshot")
         params.add_scaled_diff_from(peer, own, f, wire)
 
     def clock(self, clock, own_clock, peer_clock, f):

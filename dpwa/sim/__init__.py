@@ -2,4 +2,15 @@
 
 from .simulate import RULES, Digits, Gossip, Rule, consensus, disagreement, main, study, symmetric_decay, train_run
 
-__all__ = ["RULES", "Digits", "Gossip", "Rule", "consensus", "disagreement", "main", "study", "symmetric_decay", "train_run"]
+__all__ = [
+    "RULES",
+    "Digits",
+    "Gossip",
+    "Rule",
+    "consensus",
+    "disagreement",
+    "main",
+    "study",
+    "symmetric_decay",
+    "train_run",
+]

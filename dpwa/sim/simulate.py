@@ -29,15 +29,15 @@ import json
 import math
 import random
 import statistics
-import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from ..gossip.flow import PeerSelector
 from ..mixing import rules as mixing
 from ..params import NumpyParams
-from ..gossip.flow import PeerSelector
 
 __all__ = ["Gossip", "disagreement", "symmetric_decay", "study"]
 
@@ -72,8 +72,16 @@ class Gossip:
         seed: seeds the fetch decisions and peer choices.
     """
 
-    def __init__(self, arrays: Sequence[np.ndarray], *, mode: str = "pull", blend: str = "state",
-                 f: float = 0.5, fetch_probability: float = 1.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        arrays: Sequence[np.ndarray],
+        *,
+        mode: str = "pull",
+        blend: str = "state",
+        f: float = 0.5,
+        fetch_probability: float = 1.0,
+        seed: int = 0,
+    ) -> None:
         if mode not in ("pull", "symmetric") or blend not in ("state", "delta"):
             raise ValueError(f"mode must be pull or symmetric and blend state or delta, got {mode!r}, {blend!r}")
         self.arrays = list(arrays)
@@ -82,13 +90,14 @@ class Gossip:
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
         self.blend = mixing.DeltaBlend() if blend == "delta" else mixing.StateBlend()
         self.rng = random.Random(seed)
-        self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng)
-                          for i in range(self.n)]
+        self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]
         self.exchanges = 0
         self.refused = 0  # symmetric requests a busy server turned away
 
     def choose(self, i: int) -> int:
-        return int(self.selectors[i].choose())
+        chosen = self.selectors[i].choose()
+        assert chosen is not None, "every node has peers"
+        return int(chosen)
 
     def exchange(self, i: int, j: int, snapshots: Sequence[np.ndarray]) -> None:
         """Node i exchanges with node j, given the snapshots both published."""
@@ -137,7 +146,7 @@ class Digits:
     shards: list[np.ndarray]  # indices into the training set, one disjoint shard per node
 
     @classmethod
-    def load(cls, nodes: int, split_seed: int = 0) -> "Digits":
+    def load(cls, nodes: int, split_seed: int = 0) -> Digits:
         from ..datasets import load_digits
 
         images, labels = load_digits()
@@ -193,14 +202,27 @@ RULES = (
 )
 
 
-def train_run(data: Digits, rule: Rule, seed: int, *, nodes: int, lr: float, batch: int, threshold: float,
-              max_steps: int, final_steps: int) -> dict:
+def train_run(
+    data: Digits,
+    rule: Rule,
+    seed: int,
+    *,
+    nodes: int,
+    lr: float,
+    batch: int,
+    threshold: float,
+    max_steps: int,
+    final_steps: int,
+) -> dict:
     """One training run: steps until the mean node training loss is below `threshold`,
     and the mean node test accuracy after `final_steps` steps."""
     rng = np.random.default_rng(seed)
     arrays = [np.zeros(data.size, np.float32) for _ in range(nodes)]
-    gossip = None if rule.mode == "exact" else Gossip(arrays, mode=rule.mode, blend=rule.blend,
-                                                      fetch_probability=rule.p, seed=seed)
+    gossip = (
+        None
+        if rule.mode == "exact"
+        else Gossip(arrays, mode=rule.mode, blend=rule.blend, fetch_probability=rule.p, seed=seed)
+    )
 
     def local_step(i: int, w: np.ndarray) -> None:
         idx = rng.choice(data.shards[i], size=batch, replace=False)
@@ -216,61 +238,100 @@ def train_run(data: Digits, rule: Rule, seed: int, *, nodes: int, lr: float, bat
                 w[:] = mean
         else:
             gossip.round(local_step)
-        if reached is None and step <= max_steps:
-            if statistics.fmean(data.loss(w) for w in arrays) < threshold:
-                reached = step
+        if reached is None and step <= max_steps and statistics.fmean(data.loss(w) for w in arrays) < threshold:
+            reached = step
         if step >= final_steps and (reached is not None or step >= max_steps):
             break
     return {"steps": reached, "accuracy": statistics.fmean(data.accuracy(w) for w in arrays)}
 
 
-def study(seeds: int = 5, nodes: int = 4, lr: float = 0.5, batch: int = 16, threshold: float = 0.25,
-          max_steps: int = 3000, final_steps: int = 600, rules: Sequence[Rule] = RULES) -> dict:
+def study(
+    seeds: int = 5,
+    nodes: int = 4,
+    lr: float = 0.5,
+    batch: int = 16,
+    threshold: float = 0.25,
+    max_steps: int = 3000,
+    final_steps: int = 600,
+    rules: Sequence[Rule] = RULES,
+) -> dict:
     data = Digits.load(nodes)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rule in rules:
-        runs = [train_run(data, rule, seed, nodes=nodes, lr=lr, batch=batch, threshold=threshold,
-                          max_steps=max_steps, final_steps=final_steps) for seed in range(seeds)]
+        runs = [
+            train_run(
+                data,
+                rule,
+                seed,
+                nodes=nodes,
+                lr=lr,
+                batch=batch,
+                threshold=threshold,
+                max_steps=max_steps,
+                final_steps=final_steps,
+            )
+            for seed in range(seeds)
+        ]
         steps = [r["steps"] for r in runs]
         reached = [s for s in steps if s is not None]
-        rows.append({
-            "rule": rule.label, "mode": rule.mode, "blend": rule.blend, "p": rule.p,
-            "steps": steps,
-            "steps_mean": statistics.fmean(reached) if len(reached) == len(steps) else None,
-            "steps_sd": statistics.stdev(reached) if len(reached) == len(steps) and len(reached) > 1 else 0.0,
-            "accuracy_mean": statistics.fmean(r["accuracy"] for r in runs),
-        })
+        rows.append(
+            {
+                "rule": rule.label,
+                "mode": rule.mode,
+                "blend": rule.blend,
+                "p": rule.p,
+                "steps": steps,
+                "steps_mean": statistics.fmean(reached) if len(reached) == len(steps) else None,
+                "steps_sd": statistics.stdev(reached) if len(reached) == len(steps) and len(reached) > 1 else 0.0,
+                "accuracy_mean": statistics.fmean(r["accuracy"] for r in runs),
+            }
+        )
     exact = rows[0]["steps_mean"]
     for row in rows:
-        row["steps_vs_exact"] = row["steps_mean"] / exact if row["steps_mean"] and exact else None
+        mean = row["steps_mean"]
+        row["steps_vs_exact"] = mean / exact if isinstance(mean, float) and isinstance(exact, float) else None
         row["accuracy_vs_exact_points"] = 100 * (row["accuracy_mean"] - rows[0]["accuracy_mean"])
-    return {"setup": {"nodes": nodes, "seeds": seeds, "lr": lr, "batch": batch, "threshold": threshold,
-                      "max_steps": max_steps, "final_steps": final_steps,
-                      "model": "softmax regression on the embedded digits (64 pixels + bias, 10 classes)"},
-            "rows": rows}
+    return {
+        "setup": {
+            "nodes": nodes,
+            "seeds": seeds,
+            "lr": lr,
+            "batch": batch,
+            "threshold": threshold,
+            "max_steps": max_steps,
+            "final_steps": final_steps,
+            "model": "softmax regression on the embedded digits (64 pixels + bias, 10 classes)",
+        },
+        "rows": rows,
+    }
 
 
 def format_study(result: dict) -> str:
     s = result["setup"]
-    lines = [f"{s['nodes']} nodes, {s['model']}; batch {s['batch']} per node, learning rate {s['lr']}, "
-             f"{s['seeds']} seeds; steps until the mean node training loss < {s['threshold']}; "
-             f"test accuracy after {s['final_steps']} steps",
-             "",
-             "| mixing rule | steps to threshold (mean ± sd) | vs exact | final test accuracy | vs exact |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"{s['nodes']} nodes, {s['model']}; batch {s['batch']} per node, learning rate {s['lr']}, "
+        f"{s['seeds']} seeds; steps until the mean node training loss < {s['threshold']}; "
+        f"test accuracy after {s['final_steps']} steps",
+        "",
+        "| mixing rule | steps to threshold (mean ± sd) | vs exact | final test accuracy | vs exact |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         steps = f"{r['steps_mean']:.0f} ± {r['steps_sd']:.0f}" if r["steps_mean"] else f"not reached: {r['steps']}"
         ratio = f"{r['steps_vs_exact']:.2f}x" if r["steps_vs_exact"] else "-"
-        lines.append(f"| {r['rule']} | {steps} | {ratio} | {100 * r['accuracy_mean']:.1f}% | "
-                     f"{r['accuracy_vs_exact_points']:+.1f} pt |")
+        lines.append(
+            f"| {r['rule']} | {steps} | {ratio} | {100 * r['accuracy_mean']:.1f}% | "
+            f"{r['accuracy_vs_exact_points']:+.1f} pt |"
+        )
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- consensus
 
 
-def consensus(nodes: int, mode: str, blend: str, f: float, exchanges: int, seed: int, size: int = 64,
-              restart_every: int = 10) -> dict:
+def consensus(
+    nodes: int, mode: str, blend: str, f: float, exchanges: int, seed: int, size: int = 64, restart_every: int = 10
+) -> dict:
     """Mix random models with no training, one exchange at a time; measure D'/D per exchange.
 
     The state is re-drawn every `restart_every` exchanges, and whenever the nodes
@@ -279,7 +340,10 @@ def consensus(nodes: int, mode: str, blend: str, f: float, exchanges: int, seed:
     """
     rng = np.random.default_rng(seed)
     ratios, drifts = [], []
-    gossip, before, start = None, 0.0, 0.0
+    before, start = 0.0, 0.0
+    arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
+    gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed)
+    start_mean = np.mean(np.stack(arrays).astype(np.float64), axis=0)
     for k in range(exchanges):
         if k % restart_every == 0 or before <= 1e-6 * start:
             arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
@@ -294,9 +358,17 @@ def consensus(nodes: int, mode: str, blend: str, f: float, exchanges: int, seed:
         before = after
         drifts.append(float(np.abs(np.mean(np.stack(gossip.arrays).astype(np.float64), axis=0) - start_mean).max()))
     mean = statistics.fmean(ratios)
-    return {"nodes": nodes, "mode": mode, "blend": blend, "f": f, "exchanges": exchanges,
-            "mean_ratio": mean, "standard_error": statistics.stdev(ratios) / math.sqrt(len(ratios)),
-            "theory_symmetric": symmetric_decay(nodes, f), "max_mean_drift": max(drifts)}
+    return {
+        "nodes": nodes,
+        "mode": mode,
+        "blend": blend,
+        "f": f,
+        "exchanges": exchanges,
+        "mean_ratio": mean,
+        "standard_error": statistics.stdev(ratios) / math.sqrt(len(ratios)),
+        "theory_symmetric": symmetric_decay(nodes, f),
+        "max_mean_drift": max(drifts),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,9 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.nodes < 2:
             parser.error(f"--nodes must be at least 2, got {args.nodes}")
         r = consensus(args.nodes, args.mode, args.blend, args.f, args.exchanges, args.seed)
-        print(f"{r['nodes']} nodes, {r['mode']}/{r['blend']}, f = {r['f']}: mean D'/D per exchange "
-              f"{r['mean_ratio']:.4f} ± {r['standard_error']:.4f} (symmetric theory "
-              f"{r['theory_symmetric']:.4f}); largest drift of the mean {r['max_mean_drift']:.2e}")
+        print(
+            f"{r['nodes']} nodes, {r['mode']}/{r['blend']}, f = {r['f']}: mean D'/D per exchange "
+            f"{r['mean_ratio']:.4f} ± {r['standard_error']:.4f} (symmetric theory "
+            f"{r['theory_symmetric']:.4f}); largest drift of the mean {r['max_mean_drift']:.2e}"
+        )
         return 0
     result = study(seeds=args.seeds)
     print(format_study(result))
@@ -327,4 +401,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
     return 0
-

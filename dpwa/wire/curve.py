@@ -95,8 +95,11 @@ def generate(name: str, directory: str | os.PathLike[str] = ".") -> tuple[Path, 
     header = f"#   dpwa CURVE certificate for node {name}, generated {stamp}\n"
     body = f'metadata\n    node = "{name}"\ncurve\n    public-key = "{public.decode()}"\n'
     _write(public_path, header + body, 0o644)
-    _write(secret_path, header + "#   SECRET: keep this file private (mode 0600)\n" + body
-           + f'    secret-key = "{secret.decode()}"\n', 0o600)
+    _write(
+        secret_path,
+        header + "#   SECRET: keep this file private (mode 0600)\n" + body + f'    secret-key = "{secret.decode()}"\n',
+        0o600,
+    )
     return public_path, secret_path, KeyPair(public, secret)
 
 
@@ -123,6 +126,8 @@ def load_secret(path: str | os.PathLike[str], expected_public: str) -> KeyPair:
     if not secret:
         raise KeyFileError(f"{path}: holds no secret-key; give the .key_secret file, not the public .key")
     if public.decode() != expected_public:
-        raise KeyFileError(f"{path}: its public key {public.decode()!r} is not the one the config lists "
-                        f"for this node ({expected_public!r})")
+        raise KeyFileError(
+            f"{path}: its public key {public.decode()!r} is not the one the config lists "
+            f"for this node ({expected_public!r})"
+        )
     return KeyPair(public, secret)

@@ -337,11 +337,9 @@ def decode(data: bytes | memoryview, accept: Mapping[str, MessageKind] | None = 
 
 def _validate(header: Mapping[str, Any], spec: MessageKind, size: int) -> dict[str, Any]:
     if size > spec.max_header_bytes:
-        raise ProtocolError(
-            "header_too_large", f"{spec.name} header is {size} bytes, limit {spec.max_header_bytes}"
-        )
+        raise ProtocolError("header_too_large", f"{spec.name} header is {size} bytes, limit {spec.max_header_bytes}")
     request_id = header.get("id")
-    if not _is_int(request_id) or not 0 <= request_id <= MAX_ID:
+    if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id <= MAX_ID:
         raise ProtocolError("bad_header", f"{spec.name}: id must be an integer in [0, 2**64), got {request_id!r:.40}")
     body = {k: v for k, v in header.items() if k not in ("v", "kind", "id")}
     try:

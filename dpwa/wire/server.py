@@ -372,7 +372,8 @@ class Server:
             self._count_rejected("bad_envelope", f"{len(frames)} frames without the REQ delimiter")
             return
         client = frames[0].bytes
-        identity = frames[2].get("User-Id") if self._curve is not None else None
+        user = frames[2].get("User-Id") if self._curve is not None else None
+        identity = user if isinstance(user, str) and user else None
         try:
             header = decode(frames[2].buffer, self._accept)
         except ProtocolError as exc:
@@ -439,7 +440,9 @@ class Server:
         self.counters.add("requests_rejected")
         self.counters.add(f"rejected.{reason}")
         if detail:
-            self._log(30, ("reject", reason), "%s: rejected a request from %s: %s: %s", self.name, sender, reason, detail)
+            self._log(
+                30, ("reject", reason), "%s: rejected a request from %s: %s: %s", self.name, sender, reason, detail
+            )
 
     def _send(self, sock: zmq.Socket, client: bytes, reply: Reply, key: Any = None) -> None:
         parts: list[Any] = [client, b"", reply.header, *reply.payload]
@@ -452,7 +455,7 @@ class Server:
             if reply.hold is not None:
                 reply.hold.release()
             return
-        if tracked:
+        if tracker is not None:
             self.counters.add("bytes_out", sum(memoryview(p).nbytes for p in reply.payload))
             self._unsent.add(key if key is not None else client, tracker)
             if reply.hold is not None:
