@@ -46,10 +46,11 @@ each exchange is applied on both sides exactly once, or on neither:
 * f is computed by the server from the two snapshots' clocks and losses,
   recomputed and checked by the requester, and never above 1/2;
 * ``close()`` settles by the same rule: new exchanges are refused
-  (``closing``), confirms are still answered and in-doubt ones still asked,
-  until nothing is pending, nothing is in doubt and no confirm arrived for
-  :data:`SETTLE_QUIET_S` (bounded by the close's deadline); then committed
-  halves are applied, pending ones aborted, and what is still in doubt is
+  (``closing``); confirms are still answered and in-doubt ones still asked,
+  until nothing of ours is in doubt and no confirm arrived for
+  :data:`SETTLE_QUIET_S` (bounded by the close's deadline). Then committed
+  halves are applied, exchanges still PENDING are aborted (their requesters
+  never hear commit, so they apply nothing), and what is still in doubt is
   dropped and logged.
 
 Each published snapshot serves at most one exchange (see

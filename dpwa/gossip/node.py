@@ -685,7 +685,10 @@ class Node:
         self._exchange_server.start_closing()
         while time.monotonic() < deadline:
             self._tend()
-            busy = self._outstanding or len(self._exchange_client) or self._exchange_server.pending()
+            # Our own exchanges must be decided. Those we serve need not be: one whose confirm has
+            # not come within the quiet time is aborted, and its requester, never hearing commit,
+            # applies nothing either.
+            busy = self._outstanding or len(self._exchange_client)
             quiet = time.monotonic() - self._exchange_server.last_confirm >= SETTLE_QUIET_S
             if not busy and quiet:
                 return

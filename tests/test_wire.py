@@ -1,0 +1,179 @@
+"""The transport on its own: the client thread's deadlines and outcomes, the server's routes,
+checks and budget, and the bounded rate-limited log. No gossip node here."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import zmq
+
+from dpwa.logs import RateLimitedLog
+from dpwa.stats import Counters
+from dpwa.wire.client import ClientThread
+from dpwa.wire.messages import KINDS, Integer, Text, encode, message_kind
+from dpwa.wire.server import Refused, Reply, Request, Route, Server
+
+from conftest import free_port, wait_until
+
+PING = KINDS.get("test_ping") or message_kind("test_ping", {"from": Text(16), "n": Integer(0, 100)})
+PONG = KINDS.get("test_pong") or message_kind("test_pong", {"n": Integer(0, 100)})
+BLOB = KINDS.get("test_blob") or message_kind("test_blob", {"from": Text(16)}, payload=1)
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+class Echo:
+    """A server whose handler records what it saw; `refuse` makes it answer busy."""
+
+    def __init__(self, ctx, **kwargs):
+        self.seen = []
+        self.refuse = False
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        routes = {PING.name: Route(PING, self.ping), BLOB.name: Route(BLOB, self.blob, max_payload_bytes=100)}
+        self.server = Server(ctx, self.endpoint, routes, name="echo", senders=["a", "b"], **kwargs).start()
+
+    def ping(self, request: Request) -> Reply:
+        self.seen.append(request.header["n"])
+        if self.refuse:
+            raise Refused("busy", "try later")
+        return Reply(encode(PONG, request.header.id, n=request.header["n"]))
+
+    def blob(self, request: Request) -> Reply:
+        return Reply(encode(PONG, request.header.id, n=len(request.payload[0])))
+
+
+class PingTask:
+    def __init__(self, peer, deadline, n, name="a"):
+        self.peer, self.deadline, self.n, self.name = peer, deadline, n, name
+
+    def run(self, ask):
+        return ask(lambda rid: [encode(PING, rid, **{"from": self.name}, n=self.n)], {PONG.name: PONG}).header["n"]
+
+
+def test_a_task_whose_deadline_passed_in_the_queue_is_never_sent(ctx):
+    """Queued behind a slow request, a task whose deadline passes before its turn ends
+    "expired": nothing goes out, and it is not the peer's fault (not a timeout)."""
+    echo = Echo(ctx)
+    silent_port = free_port()
+    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+    silent.bind(f"tcp://127.0.0.1:{silent_port}")
+    client = ClientThread(ctx, {"echo": echo.endpoint, "silent": f"tcp://127.0.0.1:{silent_port}"}, name="t",
+                          max_reply_bytes=4096).start()
+    try:
+        now = time.monotonic()
+        slow = client.submit(PingTask("silent", now + 0.5, 1))
+        late = client.submit(PingTask("echo", now + 0.2, 2))
+        fine = client.submit(PingTask("echo", now + 5.0, 3))
+        for call in (slow, late, fine):
+            assert call.wait(10)
+        assert slow.outcome == "timeout"
+        assert late.outcome == "expired" and 2 not in echo.seen
+        assert fine.outcome == "ok" and fine.take() == 3
+    finally:
+        client.close()
+        echo.server.close()
+        silent.close(0)
+
+
+def test_outcomes_refused_rejected_and_a_task_that_moves_to_another_peer(ctx):
+    echo, other = Echo(ctx), Echo(ctx)
+    client = ClientThread(ctx, {"e": echo.endpoint, "o": other.endpoint}, name="t", max_reply_bytes=4096).start()
+
+    class Hop:
+        """Asks e; if busy, moves on to o (as an exchange looks for a free partner)."""
+
+        peer, deadline = "e", time.monotonic() + 5
+
+        def run(self, ask):
+            try:
+                return PingTask.run(PingTask(self.peer, self.deadline, 7), ask)
+            except Refused:
+                self.peer = "o"
+                return PingTask.run(PingTask(self.peer, self.deadline, 8), ask)
+
+    try:
+        echo.refuse = True
+        refused = client.submit(PingTask("e", time.monotonic() + 5, 5))
+        assert refused.wait(10) and refused.outcome == "refused" and refused.refusal == "busy"
+        hop = client.submit(Hop())
+        assert hop.wait(10) and hop.outcome == "ok" and hop.take() == 8 and hop.peer == "o"
+        liar = client.submit(PingTask("e", time.monotonic() + 5, 5, name="intruder"))  # not a known sender
+        assert liar.wait(10) and liar.outcome == "refused" and liar.refusal == "bad_identity"
+        assert echo.server.counters.get("rejected.bad_identity") == 1
+        assert echo.server.counters.get("refused.busy") == 2  # the first task, and the hop's first ask
+    finally:
+        client.close()
+        echo.server.close()
+        other.server.close()
+
+
+def test_payload_frames_are_counted_and_sized_before_the_handler_runs(ctx):
+    echo = Echo(ctx)
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(echo.endpoint)
+    try:
+        def ask(frames):
+            sock.send_multipart(frames)
+            assert sock.poll(5000)
+            return [f for f in sock.recv_multipart()]
+
+        from dpwa.wire.messages import decode
+
+        header = encode(BLOB, 1, **{"from": "a"})
+        assert decode(ask([header, b"x" * 50])[0])["n"] == 50
+        for frames, reason in (([header], "bad_request"), ([header, b"x", b"y"], "bad_request"),
+                               ([header, b"x" * 101], "too_large")):
+            reply = decode(ask(frames)[0])
+            assert reply.kind == "error" and reply["reason"] == reason
+    finally:
+        sock.close(0)
+        echo.server.close()
+
+
+def test_the_rate_limited_log_remembers_a_bounded_number_of_keys(caplog):
+    log = RateLimitedLog(logging.getLogger("dpwa.test"), interval_s=60, max_keys=8)
+    caplog.set_level(logging.WARNING, logger="dpwa.test")
+    for i in range(10_000):  # an attacker choosing a new key for every message
+        log(30, ("auth", f"key{i}"), "refused %s", i)
+    assert len(log._last) == 8
+    assert len(caplog.records) == 10_000  # every new key is logged once: nothing is merged wrongly
+    log(30, ("auth", "key9999"), "refused %s", 9999)
+    assert len(caplog.records) == 10_000  # a recent key is still rate-limited
+
+
+def test_a_server_closes_in_bounded_time_while_clients_hammer_it(ctx):
+    echo = Echo(ctx)
+    stop = threading.Event()
+    counters = Counters()
+
+    def hammer():
+        client = ClientThread(ctx, {"e": echo.endpoint}, name="h", max_reply_bytes=4096).start()
+        try:
+            while not stop.is_set():
+                call = client.submit(PingTask("e", time.monotonic() + 0.5, 1))
+                call.wait(2)
+                counters.add(call.outcome)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: counters.get("ok") > 20, 20)
+    t0 = time.monotonic()
+    assert echo.server.close(5.0)
+    assert time.monotonic() - t0 < 5.0
+    stop.set()
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive()
