@@ -12,13 +12,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from ..config import ConfigError, load_config, read_config_data
 from ..wire.curve import generate
 
-__all__ = ["key_config"]
+__all__ = ["key_config", "key_nodes"]
+
+
+def key_nodes(nodes: list[dict[str, Any]], directory: Path, relative_to: Path | None = None) -> list[Path]:
+    """Give every node entry (mapping form) without a public key a fresh key pair in `directory`.
+
+    Sets its ``public_key`` and ``secret_key_file`` (relative to `relative_to`
+    when given, else absolute). Returns the secret key files written.
+    """
+    written = []
+    for node in nodes:
+        if node.get("public_key"):
+            continue
+        _, secret, pair = generate(str(node["name"]), directory)
+        node["public_key"] = pair.public.decode()
+        node["secret_key_file"] = os.path.relpath(secret, relative_to) if relative_to else str(secret.resolve())
+        written.append(secret)
+    return written
 
 
 def key_config(path: str | os.PathLike[str], key_dir: str | os.PathLike[str] | None = None) -> list[Path]:
@@ -35,14 +53,7 @@ def key_config(path: str | os.PathLike[str], key_dir: str | os.PathLike[str] | N
     directory = Path(key_dir) if key_dir is not None else path.parent / "keys"
     if not directory.is_absolute():
         directory = Path.cwd() / directory
-    written = []
-    for node in nodes:
-        if node.get("public_key"):
-            continue
-        _, secret, pair = generate(str(node["name"]), directory)
-        node["public_key"] = pair.public.decode()
-        node["secret_key_file"] = os.path.relpath(secret, path.parent.resolve())
-        written.append(secret)
+    written = key_nodes(nodes, directory, relative_to=path.parent.resolve())
     backup = path.with_name(path.name + ".bak")
     backup.write_bytes(path.read_bytes())
     text = f"# keyed by python -m dpwa keygen --config (the original is in {backup.name})\n"

@@ -27,6 +27,8 @@ import models  # noqa: E402
 
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa.cluster import launch, processes  # noqa: E402
+from dpwa.cluster.keys import key_nodes  # noqa: E402
+from dpwa.wire.endpoints import is_loopback  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = ("model", "width", "epochs", "steps_per_epoch", "batch_size", "lr", "shard", "device", "seed",
@@ -126,7 +128,8 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
                "interpolation": args.interpolation, "constant": {"value": args.factor},
                "mode": args.mode, "blend": args.blend, "wire_dtype": args.wire_dtype}
-    parse_config(mapping, source="./run.sh options")  # --fetch-probability 2 fails here, before any file is written
+    # --fetch-probability 2 fails here, before any file is written (keys come later, in the run folder)
+    parse_config({**mapping, "insecure": True}, source="./run.sh options")
     return mapping, []
 
 
@@ -139,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
             print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
                   "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
         run_dir = launch.new_run_dir(args.runs_dir)
+        if args.config is None and not is_loopback(args.host):
+            # Other machines can reach these nodes: they authenticate and encrypt with keys made for this run.
+            key_nodes(config["nodes"], run_dir / "keys")
+            print(f"dpwa: {args.host} can be reached from other machines: CURVE keys for every node are in "
+                  f"{run_dir / 'keys'}", flush=True)
         command = [sys.executable, str(HERE / "train.py"), "--config", "{config}", "--name", "{name}",
                    "--run-dir", "{run_dir}", "--data", data, "--data-dir", str(args.data_dir.resolve())]
         for option in TRAIN_OPTIONS:
