@@ -29,4 +29,6 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
     assert all(r["failed"] == 0 for r in result["scale"])
+    assert [r["workload"] for r in result["training"]] == ["digits, batch 32 (run.sh's default)"]
+    assert result["training"][0]["averaged_fraction"] > 0
     assert "x zmq" in proc.stdout

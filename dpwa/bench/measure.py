@@ -47,7 +47,7 @@ import numpy as np
 
 SMALL = 100_000  # parameters of the small model
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pytorch-cifar"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pytorch-cifar"
 # (label, input shape, batch size, steps) of the training-overhead workloads
 WORKLOADS = (
     ("digits, batch 32 (run.sh's default)", (1, 8, 8), 32, 200),
@@ -246,6 +246,9 @@ def write_pair_config(directory: str, *, same_host: bool, wire_dtype: str = "flo
         "timeout_ms": 10_000,
         "same_host": "auto" if same_host else "off",
         "wire_dtype": wire_dtype,
+        # TCP rows measure TCP (loopback clusters otherwise use ipc sockets); same-host rows use the
+        # default: ipc for the requests, shared memory for the parameters
+        "insecure": not same_host,
     }
     path = os.path.join(directory, f"pair-{'shm' if same_host else 'tcp'}-{wire_dtype}.yaml")
     with open(path, "w") as fh:
@@ -373,6 +376,7 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
             "fetch_probability": 1,
             "timeout_ms": 10_000,
             "same_host": "off",
+            "insecure": True,  # TCP, as the README's table says
         }
     )
     arrays = [np.full(size, float(i), np.float32) for i in range(n)]

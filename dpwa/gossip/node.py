@@ -67,7 +67,7 @@ __all__ = ["Node", "Update", "WAIT_SLACK_S"]
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
 MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none stale), publishing is skipped
 EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
-UNSENT_PER_CLIENT = 2  # replies with a payload one client may leave unread
+UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
 BUSY_RETRY_MAX_S = 0.02  # symmetric: how long an exchange may keep asking busy peers again
 
 
