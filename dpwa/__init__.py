@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Config, ConfigError, load_config, parse_config
+from .gossip.barrier import BarrierTimeout
 from .gossip.node import Node, Update
 from .params import FlatParams, NumpyParams
 from .wire.server import TransportError
@@ -25,6 +26,7 @@ from .wire.server import TransportError
 __version__ = "0.2.0"
 
 __all__ = [
+    "BarrierTimeout",
     "Config",
     "ConfigError",
     "DpwaPyTorchAdapter",

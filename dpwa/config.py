@@ -52,6 +52,7 @@ WIRE_DTYPES = tuple(WIRE_STORAGE)
 SAME_HOST_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 BLENDS = ("state", "delta")
+JOINS = ("auto", "never")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -109,6 +110,7 @@ class Config:
     mode: str = "pull"  # pull: only the requester moves; symmetric: both move, the mean is kept
     blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
     insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
+    join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property
@@ -171,6 +173,7 @@ class Config:
             "mode": self.mode,
             "blend": self.blend,
             "insecure": self.insecure,
+            "join": self.join,
         }
 
     def describe(self) -> str:
@@ -183,7 +186,7 @@ class Config:
             f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
             f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
             f"mode={self.mode} blend={self.blend} "
-            f"transport={self.transport} curve={'on' if self.secure else 'off'}"
+            f"join={self.join} transport={self.transport} curve={'on' if self.secure else 'off'}"
         )
 
 
@@ -204,6 +207,7 @@ _TOP_KEYS = (
     "mode",
     "blend",
     "insecure",
+    "join",
 )
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
@@ -252,6 +256,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     mode = _choice(raw, "mode", MODES, source)
     blend = _choice(raw, "blend", BLENDS, source)
     insecure = _flag(raw, "insecure", source)
+    join = _choice(raw, "join", JOINS, source)
     if not insecure and nodes[0].public_key is None:
         exposed = [spec for spec in nodes if not spec.loopback]
         if exposed:
@@ -276,6 +281,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         mode=mode,
         blend=blend,
         insecure=insecure,
+        join=join,
         source=source,
     )
 

@@ -84,8 +84,10 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     while len(ports) < n:
         ports.add(free_port())
     nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))]
+    # join: never, so that nodes made one after another in a test start from the values the test gives
+    # them; the tests of joining (test_join.py) say join: auto.
     config = {"nodes": nodes, "fetch_probability": 1, "timeout_ms": 1000, "interpolation": "constant",
-              "constant": {"value": 0.5}}
+              "constant": {"value": 0.5}, "join": "never"}
     config.update(settings)
     return config
 

@@ -13,6 +13,8 @@ from torch import nn  # noqa: E402
 import dpwa  # noqa: E402
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
 
+from conftest import make_config  # noqa: E402
+
 
 
 class Net(nn.Module):
@@ -182,3 +184,75 @@ def test_a_symmetric_delta_exchange_through_the_adapter(adapters, make_cluster):
     for net in (my_net, peer_net):
         for t in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
             assert torch.all(t == 4.0)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+    lambda params: torch.optim.Adam(params, lr=0.01),
+])
+def test_a_joining_node_takes_its_donors_parameters_and_optimizer_state(adapters, make_optimizer):
+    """w0 trains three steps (its optimizer builds momentum, Adam's step counts and moments), then
+    lingers; w1 starts late with join: auto and its own optimizer. Before the constructor returns,
+    w1's parameters, float buffers, clock and optimizer state equal w0's, tensor by tensor."""
+    cfg = make_config(2, join="auto", fetch_probability=0)
+    torch.manual_seed(0)
+    donor_net = Net()
+    donor_opt = make_optimizer(donor_net.parameters())
+    donor = adapters(donor_net, "w0", cfg, optimizer=donor_opt)
+    x = torch.randn(8, 2, 6, 6)
+    for _ in range(3):
+        donor.update_send(None, batch_size=8)
+        loss = donor_net(x).square().mean()
+        donor_opt.zero_grad()
+        loss.backward()
+        donor_opt.step()
+        donor.update_wait(loss.item())
+    # w0 has finished and lingers (as train.py does after its epochs): it offers its state as of now
+    stop = threading.Event()
+    lingering = threading.Thread(target=donor.linger, args=(30.0, 60.0, stop.is_set))
+    lingering.start()
+    try:
+        torch.manual_seed(1)
+        joiner_net = Net()
+        joiner_opt = make_optimizer(joiner_net.parameters())
+        joiner = adapters(joiner_net, "w1", cfg, optimizer=joiner_opt)
+    finally:
+        stop.set()
+        lingering.join(30)
+    assert joiner.joined is not None and joiner.joined.donor == "w0" and joiner.joined.extra_meta
+    for (name, a), (_, b) in zip(donor_net.state_dict().items(), joiner_net.state_dict().items(), strict=True):
+        if a.is_floating_point():
+            assert torch.equal(a, b), name
+    assert joiner.clock == donor.clock == 24.0
+    donor_state, joiner_state = donor_opt.state_dict()["state"], joiner_opt.state_dict()["state"]
+    assert donor_state.keys() == joiner_state.keys() and donor_state
+    for index, entry in donor_state.items():
+        for key, value in entry.items():
+            other = joiner_state[index][key]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other, (index, key)
+    # and training goes on with the taken state
+    joiner.update_send(None, batch_size=8)
+    loss = joiner_net(x).square().mean()
+    joiner_opt.zero_grad()
+    loss.backward()
+    joiner_opt.step()
+    joiner.update_wait(loss.item())
+
+
+def test_an_optimizer_state_that_does_not_fit_is_refused_with_a_reason():
+    from dpwa.adapters.pytorch import OptimizerState
+
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 2, 6, 6)).sum().backward()
+    opt.step()
+    meta, data = OptimizerState(opt).capture()
+    other = torch.optim.SGD(Net().parameters(), lr=0.1, momentum=0.9)
+    OptimizerState(other).restore(meta, data)  # fits
+    with pytest.raises(ValueError, match="does not describe the bytes"):
+        OptimizerState(other).restore(meta, data[:-4])
+    with pytest.raises(ValueError, match="unreadable|does not describe"):
+        OptimizerState(other).restore(b"\xc1junk", data)
+    small = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="optimizer state for parameter|shape"):
+        OptimizerState(torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9)).restore(meta, data)

@@ -22,11 +22,13 @@ is done in float32 (or the tensor's own dtype) whatever the wire dtype.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgpack
 import numpy as np
 import torch
 from torch import nn
@@ -36,7 +38,7 @@ from ..gossip.node import Node, Update
 from ..mixing import kernels
 from ..params import FlatParams, fingerprint
 
-__all__ = ["DpwaPyTorchAdapter", "TorchParams"]
+__all__ = ["DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
 
 
 class TorchParams(FlatParams):
@@ -152,6 +154,107 @@ class TorchParams(FlatParams):
         self._apply(add_diff, first, second, f=float(f))
 
 
+_TENSOR_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+
+
+class OptimizerState:
+    """An optimizer's state (momentum buffers, step counts) as msgpack metadata plus raw tensor bytes.
+
+    What a joining node takes from its donor besides the parameters (see
+    :mod:`dpwa.gossip.join`). Never pickle: the metadata holds only numbers,
+    names and tensor layouts, checked against our own optimizer before use.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def capture(self) -> tuple[bytes, np.ndarray]:
+        state = self.optimizer.state_dict()["state"]
+        parts: list[np.ndarray] = []
+        meta: dict[str, dict[str, list[Any]]] = {}
+        offset = 0
+        for index, entry in state.items():
+            described: dict[str, list[Any]] = {}
+            for key, value in entry.items():
+                if torch.is_tensor(value):
+                    host = value.detach().to("cpu").contiguous()
+                    dtype = str(host.dtype).replace("torch.", "")
+                    if dtype not in _TENSOR_DTYPES:
+                        raise ValueError(f"optimizer state {key!r} has dtype {dtype}, which a joiner cannot take")
+                    raw = host.view(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)
+                    described[key] = ["tensor", offset, list(host.shape), dtype]
+                    parts.append(raw)
+                    offset += raw.nbytes
+                elif value is None or isinstance(value, (bool, int, float)):
+                    described[key] = ["value", value]
+                else:
+                    raise ValueError(f"optimizer state {key!r} is a {type(value).__name__}, which a joiner cannot take")
+            meta[str(index)] = described
+        data = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+        return msgpack.packb({"state": meta, "bytes": offset}, use_bin_type=True), data
+
+    @torch.no_grad()
+    def restore(self, meta: bytes, data: np.ndarray) -> None:
+        try:
+            decoded = msgpack.unpackb(meta, raw=False, strict_map_key=False, max_str_len=256, max_array_len=64)
+        except Exception as exc:
+            raise ValueError(f"unreadable optimizer metadata: {type(exc).__name__}") from None
+        if (
+            not isinstance(decoded, dict)
+            or decoded.get("bytes") != data.nbytes
+            or not isinstance(decoded.get("state"), dict)
+        ):
+            raise ValueError("the optimizer metadata does not describe the bytes received")
+        params = self._params()
+        state: dict[int, dict[str, Any]] = {}
+        for index_text, entry in decoded["state"].items():
+            if not (isinstance(index_text, str) and index_text.isdigit() and int(index_text) < len(params)):
+                raise ValueError(f"optimizer state for parameter {index_text!r}, we have {len(params)}")
+            if not isinstance(entry, dict):
+                raise ValueError("optimizer state entries must be maps")
+            param = params[int(index_text)]
+            restored: dict[str, Any] = {}
+            for key, spec in entry.items():
+                restored[str(key)] = self._value(spec, data, param)
+            state[int(index_text)] = restored
+        ours = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": state, "param_groups": ours["param_groups"]})
+
+    @staticmethod
+    def _value(spec: Any, data: np.ndarray, param: torch.Tensor) -> Any:
+        is_value = isinstance(spec, list) and len(spec) == 2 and spec[0] == "value"
+        if is_value and (spec[1] is None or isinstance(spec[1], (bool, int, float))):
+            return spec[1]
+        if isinstance(spec, list) and len(spec) == 4 and spec[0] == "tensor":
+            _, offset, shape, dtype = spec
+            if dtype not in _TENSOR_DTYPES or not isinstance(offset, int) or not isinstance(shape, list):
+                raise ValueError(f"a bad tensor description {spec!r:.80}")
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"a bad shape {shape!r:.80}")
+            if shape and list(shape) != list(param.shape):
+                raise ValueError(f"a state of shape {shape} for a parameter of shape {list(param.shape)}")
+            torch_dtype = _TENSOR_DTYPES[dtype]
+            count = math.prod(shape)
+            nbytes = count * torch.empty(0, dtype=torch_dtype).element_size()
+            if not 0 <= offset <= data.nbytes - nbytes:
+                raise ValueError(f"a tensor at {offset} of {nbytes} bytes lies outside the {data.nbytes} received")
+            raw = torch.from_numpy(data[offset : offset + nbytes].copy())
+            tensor = raw.view(torch_dtype).reshape(shape)
+            return tensor.to(param.device) if shape else tensor
+        raise ValueError(f"a bad optimizer state value {spec!r:.80}")
+
+
 class DpwaPyTorchAdapter:
     """Gossip averaging for a PyTorch model.
 
@@ -162,6 +265,8 @@ class DpwaPyTorchAdapter:
         include_buffers: also blend floating-point buffers such as BatchNorm
             running statistics (default True).
         rng: seed the fetch decisions and peer choice (tests, reproducibility).
+        optimizer: give it, and a node that joins a running cluster takes
+            its donor's optimizer state (momentum) too, not only the parameters.
     """
 
     def __init__(
@@ -172,10 +277,12 @@ class DpwaPyTorchAdapter:
         *,
         include_buffers: bool = True,
         rng: random.Random | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.net = net
         self.params = TorchParams(net, include_buffers=include_buffers)
-        self.node = Node(config_file, name, self.params, rng=rng)
+        extra = OptimizerState(optimizer) if optimizer is not None else None
+        self.node = Node(config_file, name, self.params, rng=rng, extra=extra)
 
     @property
     def name(self) -> str:
@@ -193,12 +300,28 @@ class DpwaPyTorchAdapter:
         """Blend in the fetched parameters after a batch, if a fetch succeeded. See Node.update_wait."""
         return self.node.update_wait(loss)
 
+    def barrier(self, name: str = "epoch", timeout_s: float | None = None, missing: str = "raise") -> list[str]:
+        """Wait until every node has made as many calls of barrier `name`. See Node.barrier."""
+        return self.node.barrier(name, timeout_s, missing)
+
     def linger(self, idle_s: float, limit_s: float, stop: Callable[[], bool] = lambda: False) -> float:
         """Keep serving peers without training until none is served for `idle_s`. See Node.linger."""
         return self.node.linger(idle_s, limit_s, stop)
 
     def stats(self) -> dict[str, Any]:
         return self.node.stats()
+
+    def barrier_counters(self) -> dict[str, int]:
+        return self.node.barrier_counters()
+
+    def restore(self, clock: float | None = None, barriers: Mapping[str, int] | None = None) -> None:
+        """Resume from a checkpoint: the clock and barrier counters. See Node.restore."""
+        self.node.restore(clock, barriers)
+
+    @property
+    def joined(self) -> Any:
+        """The state this node took from a peer at start (None if it did not join). See Node.joined."""
+        return self.node.joined
 
     def close(self) -> None:
         self.node.close()

@@ -33,6 +33,7 @@ import functools
 import math
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,19 +48,23 @@ from ..logs import RateLimitedLog, logger
 from ..mixing import interpolation as interp
 from ..mixing import kernels, rules
 from ..params import FlatParams
-from ..stats import Counters
+from ..stats import Counters, Rate
 from ..wire.client import Call, ClientThread
 from ..wire.curve import Curve, KeyFileError, load_secret
 from ..wire.endpoints import EndpointInUse, EndpointLock, is_local_host
 from ..wire.messages import LARGEST_HEADER_BYTES
 from ..wire.server import Server, TransportError
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
+from .barrier import BarrierServer, BarrierTask, BarrierTimeout
+from .barrier import Counters as BarrierCounters
 from .exchange import SETTLE_QUIET_S, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
 from .flow import FlowControl
+from .join import CHUNK_BYTES, ExtraState, Joined, JoinServer, join_cluster
 from .messages import MAX_CLOCK
 from .requesting import FetchTask, ReplyReader
 from .serving import Serving
 from .snapshots import Lease, SlotAllocator, SnapshotStore
+from .status import StatusServer
 from .validation import PeerValues
 
 __all__ = ["Node", "Update", "WAIT_SLACK_S"]
@@ -69,6 +74,8 @@ MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none sta
 EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
 UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
 BUSY_RETRY_MAX_S = 0.02  # symmetric: how long an exchange may keep asking busy peers again
+JOIN_WAIT_MIN_S = 10.0  # at a fresh start, how long a node waits at least for the first node's parameters
+BARRIER_POLL_MAX_S = 1.0  # a peer not yet at a barrier is asked again at most this long after the last time
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class Node:
         name: which node of the config this process is.
         params: the model as a :class:`~dpwa.params.FlatParams`.
         rng: randomness for fetch decisions and peer choice (seed it for tests).
+        extra: state a joining peer takes too, besides the parameters (an optimizer's).
     """
 
     def __init__(
@@ -137,6 +145,7 @@ class Node:
         params: FlatParams,
         *,
         rng: random.Random | None = None,
+        extra: ExtraState | None = None,
     ) -> None:
         self.config = _as_config(config)
         self.spec = self.config.node(name)  # raises before any socket exists
@@ -160,7 +169,12 @@ class Node:
         self._step_s = 0.0  # a running estimate of the time between two update_send calls
         self._last_send = 0.0
         self._outstanding: list[Call] = []  # symmetric: exchange calls whose result is not yet taken
-        self.state = "starting"  # starting | training | lingering | closing | closed
+        self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
+        self._barriers = BarrierCounters(list(self.peers))
+        self._loss: float | None = None  # the last loss reported
+        self._rate = Rate()  # blends per second, for status
+        self._started = time.monotonic()
+        self.state = "starting"  # starting | joining | training | at_barrier | lingering | closing | closed
         self._close_lock = threading.Lock()
         # Resources, made by _open; close() releases whichever exist, on every path.
         self._store: SnapshotStore | None = None
@@ -172,6 +186,9 @@ class Node:
         self._reader: ReplyReader | None = None
         self._exchange_server: ExchangeServer | None = None
         self._exchange_client: ExchangeClient | None = None
+        self._extra = extra
+        self._joins: JoinServer | None = None
+        self.joined: Joined | None = None  # the state this node took from a peer at start, if it did
         curve = self._load_curve()  # key problems are reported before any socket exists
 
         logger.info("%s: starting on %s; %s", name, self.config.bind_endpoint(self.spec), self.config.describe())
@@ -179,6 +196,10 @@ class Node:
             logger.warning("%s: %s", name, note)
         try:
             self._open(curve)
+            if self.config.join == "auto" and self.peers:
+                self.state = "joining"
+                self._join()
+            self._publish(None)  # our state, for a peer that joins now, and for fetches
         except BaseException:
             self.close()
             raise
@@ -234,7 +255,7 @@ class Node:
             self._ctx,
             {peer: self.config.endpoint(spec) for peer, spec in self.peers.items()},
             name=self.name,
-            max_reply_bytes=max(self.nbytes, LARGEST_HEADER_BYTES),
+            max_reply_bytes=max(self.nbytes, LARGEST_HEADER_BYTES, CHUNK_BYTES),
             socket_options=options,
         ).start()
         values = PeerValues(self.wire, self.config.max_peer_distance, store.lease)
@@ -260,6 +281,12 @@ class Node:
             self.counters,
         )
         routes = serving.routes()
+        routes.update(BarrierServer(self._barriers, list(self.peers)).routes())
+        self._joins = JoinServer(
+            store, self.params.fingerprint, self.wire, self._barriers, lambda: self.state, self._extra, list(self.peers)
+        )
+        routes.update(self._joins.routes())
+        routes.update(StatusServer(self._status_report).routes())
         if self._symmetric:
             self._exchange_server = ExchangeServer(
                 serving,
@@ -284,6 +311,47 @@ class Node:
             max_unsent_per_client=UNSENT_PER_CLIENT,
             max_unsent=unsent,
         ).start()
+
+    def _join(self) -> None:
+        """Take the cluster's state from a peer before training (see dpwa.gossip.join)."""
+        client = self._client
+        assert client is not None
+        joined, trained = join_cluster(
+            self.name,
+            [spec.name for spec in self.config.nodes],
+            client.submit,
+            self._flow.selector.ranked,
+            self.config.timeout_s,
+            max(JOIN_WAIT_MIN_S, 4 * self.config.timeout_s),
+            self.params.fingerprint,
+            self.wire,
+            self.nbytes,
+            lambda message: logger.warning("%s: %s", self.name, message),
+        )
+        if joined is None:
+            return
+        self.params.lerp_from(joined.params, 1.0, self.wire)  # f = 1 takes the donor's snapshot exactly
+        if self._extra is not None and joined.extra_meta:
+            try:
+                self._extra.restore(joined.extra_meta, joined.extra)
+            except ValueError as exc:
+                logger.warning(
+                    "%s: %s's optimizer state does not fit ours (%s); keeping our own", self.name, joined.donor, exc
+                )
+        if trained:  # a late or restarted node: it continues where the cluster is
+            self._clock = _clamp_clock(joined.clock)
+            self._barriers.restore(joined.barriers)  # where the cluster is ...
+            self._barriers.restore(joined.yours)  # ... or where we were, if the donor knew us further on
+        self.joined = joined
+        self.counters.add("joined")
+        logger.info(
+            "%s: took %s's state (clock %.0f, barriers %s, %s)",
+            self.name,
+            joined.donor,
+            joined.clock,
+            joined.barriers if trained else "not taken at a fresh start",
+            "with its optimizer state" if joined.extra_meta else "parameters only",
+        )
 
     def _same_host_peers(self) -> list[str]:
         """Peers on this machine whose snapshots we read from shared memory (and who read ours)."""
@@ -349,6 +417,8 @@ class Node:
                 "%s: every snapshot slot is held by readers; peers get the previous snapshot",
                 self.name,
             )
+        if self._joins is not None:
+            self._joins.capture_if_wanted()  # a peer is joining: our optimizer state, paired with this snapshot
 
     def _start_exchange(self, step: _Step) -> bool:
         exchanges, reader, client = self._exchange_client, self._reader, self._client
@@ -401,6 +471,8 @@ class Node:
         own_loss = _loss_value(loss)
         if own_loss is None:
             own_loss = step.send_loss
+        self._loss = own_loss if own_loss is not None else self._loss
+        self._rate.sample(time.monotonic(), self.counters.get("averaged") + self.counters.get("mirrored"))
         try:
             if step.call is not None:
                 step.call.wait(max(0.0, step.deadline + WAIT_SLACK_S - time.monotonic()))
@@ -484,6 +556,9 @@ class Node:
 
     def _tend(self) -> int:
         """Apply what symmetric exchanges have settled since the last call: both sides' halves. Returns how many."""
+        self._stray = [call for call in self._stray if not call.done.is_set()]
+        if self._joins is not None and self._joins.wanted.is_set() and self.state in ("at_barrier", "lingering"):
+            self._publish(self._loss)  # a peer is joining while we make no steps: offer our state as of now
         if not self._symmetric:
             return 0
         assert self._exchange_server is not None and self._exchange_client is not None
@@ -513,6 +588,7 @@ class Node:
         if call.outcome == "ok":
             self.counters.add("fetches_ok")
             self.counters.set("last_fetch_latency_s", call.latency_s)
+            self.counters.set(f"peer.{call.peer}.latency_s", call.latency_s)
             retries = getattr(call.task, "retries", 0)
             if retries:
                 self.counters.add("same_host_retries", retries)
@@ -577,6 +653,132 @@ class Node:
             self.state = "training"
         return time.monotonic() - start
 
+    def barrier(self, name: str = "epoch", timeout_s: float | None = None, missing: str = "raise") -> list[str]:
+        """Wait until every node has made as many calls of barrier `name` as this one (this call included).
+
+        The k-th call returns once every node of the cluster has made its k-th
+        call with this name, or a later one. There is no master: each node
+        tells its peers its counters and asks for theirs (see
+        :mod:`dpwa.gossip.barrier`). Meanwhile the node keeps serving its
+        peers, and settled exchanges are applied. A node that has closed or
+        died never arrives: after `timeout_s` (None: wait for ever) this raises
+        :class:`~dpwa.gossip.barrier.BarrierTimeout` naming the missing nodes,
+        or, with ``missing="proceed"``, logs them and returns their names.
+        Returns the nodes skipped ([] when everyone arrived).
+        """
+        self._check_open()
+        if missing not in ("raise", "proceed"):
+            raise ValueError(f"missing must be 'raise' or 'proceed', got {missing!r}")
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s >= 0):
+            raise ValueError(f"timeout_s must be a number of seconds >= 0 or None, got {timeout_s!r}")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,32}", name):
+            raise ValueError(f"a barrier name is 1 to 32 letters, digits, '_', '.' or '-', got {name!r}")
+        k = self._barriers.arrive(name)
+        deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
+        previous, self.state = self.state, "at_barrier"
+        try:
+            return self._wait_at_barrier(name, k, deadline, missing)
+        finally:
+            self.state = previous
+
+    def _wait_at_barrier(self, name: str, k: int, deadline: float, missing: str) -> list[str]:
+        client = self._client
+        assert client is not None
+        calls: dict[str, Call] = {}
+        told: set[str] = set()  # peers that have heard of this arrival
+        next_try = {peer: 0.0 for peer in self.peers}
+        pause = dict.fromkeys(self.peers, 0.01)
+        while True:
+            for peer, call in list(calls.items()):
+                if not call.done.is_set():
+                    continue
+                del calls[peer]
+                if call.outcome == "ok":
+                    theirs, _ = call.take()
+                    self._barriers.heard(peer, theirs)
+                    told.add(peer)
+                pause[peer] = min(BARRIER_POLL_MAX_S, 2 * pause[peer])
+                next_try[peer] = time.monotonic() + pause[peer]
+            behind = self._barriers.behind(name, k)
+            now = time.monotonic()
+            if not behind:
+                self._tell(name, [p for p in self.peers if p not in told], calls)
+                return []
+            if now >= deadline:
+                heard = self._barriers.all_heard()
+                for call in calls.values():
+                    call.abandon()
+                if missing == "raise":
+                    raise BarrierTimeout(name, k, behind, heard)
+                logger.warning("%s: barrier %r (call %d): proceeding without %s", self.name, name, k, ", ".join(behind))
+                return behind
+            for peer in self.peers:
+                if (peer in behind or peer not in told) and peer not in calls and now >= next_try[peer]:
+                    end = min(deadline, now + self.config.timeout_s)
+                    calls[peer] = client.submit(BarrierTask(peer, end, self.name, self._barriers.own()))
+            self._tend()
+            wake = min([next_try[p] for p in self.peers if p not in calls] + [now + 0.02])
+            time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
+
+    def _tell(self, name: str, peers: list[str], calls: dict[str, Call]) -> None:
+        """Best effort: let peers that have not heard of our arrival hear of it (nobody waits for the answers)."""
+        for call in calls.values():
+            self._stray.append(call)
+        client = self._client
+        assert client is not None
+        for peer in peers:
+            if peer not in calls:
+                task = BarrierTask(peer, time.monotonic() + self.config.timeout_s, self.name, self._barriers.own())
+                self._stray.append(client.submit(task))
+
+    def barrier_counters(self) -> dict[str, int]:
+        """How many calls of each barrier this node has made (for a checkpoint)."""
+        return self._barriers.own()
+
+    def restore(self, clock: float | None = None, barriers: Mapping[str, int] | None = None) -> None:
+        """Resume from a checkpoint: set the clock, and barrier counters (a count never goes down)."""
+        self._check_open()
+        if clock is not None:
+            if not (isinstance(clock, (int, float)) and math.isfinite(clock) and 0 <= clock <= MAX_CLOCK):
+                raise ValueError(f"clock must be a number in [0, {MAX_CLOCK:g}], got {clock!r}")
+            self._clock = float(clock)
+        if barriers is not None:
+            self._barriers.restore(barriers)
+
+    def _status_report(self) -> dict[str, Any]:
+        """The numbers a ``status`` request gets (read from the Rx thread: each read is atomic)."""
+        stats = self.counters.snapshot()
+        scores = self._flow.selector.scores()
+        now = time.monotonic()
+        blends = stats.get("averaged", 0) + stats.get("mirrored", 0)
+        pending = 0
+        if self._exchange_server is not None:
+            pending = self._exchange_server.held() + (len(self._exchange_client) if self._exchange_client else 0)
+        return {
+            "name": self.name,
+            "state": self.state,
+            "epoch": self._barriers.own().get("epoch", 0),
+            "clock": self._clock,
+            "loss": self._loss,
+            "exchanges_per_s": self._rate.per_second(now, blends),
+            "averaged": blends,
+            "failures": sum(stats.get(f"peer.{p}.failures", 0) for p in self.peers),
+            "bytes_in": stats.get("bytes_in", 0),
+            "bytes_out": stats.get("bytes_out", 0),
+            "served": stats.get("requests_served", 0),
+            "pending": pending,
+            "uptime_s": now - self._started,
+            "peers": {
+                peer: {
+                    "score": scores[peer],
+                    "failures": stats.get(f"peer.{peer}.failures", 0),
+                    "latency_s": stats.get(f"peer.{peer}.latency_s"),
+                }
+                for peer in self.peers
+            },
+            "barriers": self._barriers.own(),
+        }
+
     @property
     def clock(self) -> float:
         """Samples (or batches) trained, blended with peers' clocks at each average."""
@@ -606,8 +808,14 @@ class Node:
         out.setdefault("last_fetch_latency_s", None)
         scores = self._flow.selector.scores()
         out["peers"] = {
-            peer: {"score": scores[peer], "failures": out.pop(f"peer.{peer}.failures", 0)} for peer in self.peers
+            peer: {
+                "score": scores[peer],
+                "failures": out.pop(f"peer.{peer}.failures", 0),
+                "latency_s": out.pop(f"peer.{peer}.latency_s", None),
+            }
+            for peer in self.peers
         }
+        out["barriers"] = self._barriers.own()
         out["clock"] = self._clock
         out["state"] = self.state
         if self._store is not None:
@@ -662,6 +870,8 @@ class Node:
                 if self._exchange_client is not None:
                     self._exchange_client.close()
                 self._exchange_server.close()
+            if self._joins is not None:
+                self._joins.close()
             if self._client is not None:
                 stopped &= self._client.close(timeout_s)
             if self._ctx is not None:

@@ -99,6 +99,7 @@ class ChaosProxy:
         self.stats: collections.Counter[tuple[str, str]] = collections.Counter()
         self._rng = random.Random(seed)
         self._plans: collections.defaultdict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
+        self._hooks: dict[str, object] = {}
         self._lock = threading.Lock()
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,6 +117,11 @@ class ChaosProxy:
         """The next messages of `kind` get these actions, in order ("pass", "drop", "cut_after"), before any rule."""
         with self._lock:
             self._plans[kind].extend(actions)
+
+    def on(self, kind: str, callback) -> None:
+        """Call `callback()` (on the proxy's thread) each time a message of `kind` has been forwarded."""
+        with self._lock:
+            self._hooks[kind] = callback
 
     def heal(self) -> None:
         """From now on, forward everything untouched."""
@@ -196,6 +202,9 @@ class ChaosProxy:
                         while time.monotonic() < deadline and not self._stop.is_set():
                             self._stop.wait(min(0.01, max(0.0, deadline - time.monotonic())))
                     dst.sendall(raw)
+                    hook = self._hooks.get(kind)
+                    if hook is not None:
+                        hook()
                     if action == "cut_after":
                         self._cut(pair)
                         return

@@ -1,0 +1,462 @@
+"""Joining: a node that starts late, or restarts after a crash, takes the cluster's state from a peer.
+
+With ``join: auto`` (the default) a starting node asks its peers for a
+*join offer* before its constructor returns:
+
+* if a peer has trained already (its clock > 0), the node joins from a
+  healthy peer with the freshest clock (among those within 10% of the
+  freshest, in a random order weighted by score, so several joiners spread
+  over donors; the other trained peers, freshest first, if those fail), and
+  takes its parameters, floating-point buffers, clock and barrier counters,
+  and its optimizer state when both sides have one;
+* if every node is at clock 0 (a fresh start), every node but the first of
+  the config takes the first node's initial parameters, as DDP broadcasts
+  rank 0's; when that node does not answer in time, the node says so and
+  keeps its own.
+
+A donor never pauses. Its offer's parameters are its latest published
+snapshot (leased: no copy, and no wait for its training thread); its
+optimizer state, which only the training thread may read, is copied at its
+next step (or at once while it waits at a barrier or lingers) and paired
+with the snapshot published then. The joiner reads the offer
+in chunks of :data:`CHUNK_BYTES` and checks a BLAKE2b hash of the whole
+state before using any of it; if the donor dies or lies mid-transfer, it
+tries the next donor. A donor keeps at most :data:`MAX_OFFERS` offers, each
+for :data:`OFFER_TTL_S` after its last use.
+
+The optimizer state travels as msgpack metadata (numbers, names, tensor
+layouts) plus raw tensor bytes: never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..mixing import kernels
+from ..wire.client import Ask
+from ..wire.messages import (
+    MAX_ID,
+    NAME_PATTERN,
+    Blob,
+    Choice,
+    Flag,
+    Integer,
+    ProtocolError,
+    Text,
+    encode,
+    message_kind,
+)
+from ..wire.server import Refused, Reply, Request, Route
+from .barrier import _COUNTS
+from .barrier import Counters as BarrierCounters
+from .messages import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
+from .snapshots import Lease, SnapshotStore
+from .status import STATES
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ExtraState",
+    "JoinServer",
+    "JoinTask",
+    "Joined",
+    "OfferInfo",
+    "OfferTask",
+]
+
+CHUNK_BYTES = 4 << 20  # bytes of state per join_data reply
+MAX_OFFERS = 2  # offers a donor keeps at once (each a copy of the model and its optimizer state)
+OFFER_TTL_S = 30.0  # an offer is dropped this long after its last use
+EXTRA_PATIENCE_S = 2.0  # a joiner waits this long for a donor's optimizer state, then takes its parameters alone
+MAX_EXTRA_META = 60_000  # bytes of optimizer-state metadata
+
+_NAME = Text(64, NAME_PATTERN)
+_SESSION = Integer(1, MAX_ID)
+JOIN_INFO = message_kind("join_info", {"from": _NAME})
+JOIN_OFFER = message_kind(
+    "join_offer",
+    {"clock": CLOCK, "barriers": _COUNTS, "yours": _COUNTS, "state": Choice(STATES), "ready": Flag()},
+    {
+        "session": _SESSION,
+        "fp": FINGERPRINT,
+        "dtype": DTYPE,
+        "params_bytes": Integer(0, 1 << 40),
+        "nbytes": Integer(0, 1 << 40),
+        "digest": Blob(length=32),
+        "extra": Blob(max_len=MAX_EXTRA_META),
+    },
+    max_header_bytes=1 << 16,
+)
+JOIN_CHUNK = message_kind("join_chunk", {"from": _NAME, "session": _SESSION, "offset": Integer(0, 1 << 40)})
+JOIN_DATA = message_kind("join_data", {"session": _SESSION, "offset": Integer(0, 1 << 40)}, payload=1)
+
+
+class ExtraState(Protocol):
+    """State beside the parameters that a joiner takes too (an optimizer's momentum, say)."""
+
+    def capture(self) -> tuple[bytes, np.ndarray]:
+        """(metadata, raw bytes as a uint8 array) of the current state; metadata at most MAX_EXTRA_META bytes."""
+
+    def restore(self, meta: bytes, data: np.ndarray) -> None:
+        """Take over a state captured by a peer's capture(); raise ValueError if it does not fit."""
+
+
+@dataclass(eq=False)
+class _Offer:
+    session: int
+    snapshot: Lease  # the parameters: a published snapshot, leased while the offer lives
+    extra: np.ndarray  # uint8: the extra state's bytes (empty without one)
+    extra_meta: bytes
+    digest: bytes  # of the snapshot's bytes, then the extra bytes
+    created: float
+    used: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.snapshot.snapshot.array.nbytes + self.extra.nbytes)
+
+    def chunk(self, offset: int) -> np.ndarray:
+        """The bytes at [offset, offset + CHUNK_BYTES): a view, alive as long as the offer (and the reply)."""
+        params = self.snapshot.snapshot.array.view(np.uint8)
+        if offset < params.nbytes:
+            return (
+                params[offset : offset + CHUNK_BYTES]
+                if offset + CHUNK_BYTES <= params.nbytes
+                else np.concatenate([params[offset:], self.extra[: offset + CHUNK_BYTES - params.nbytes]])
+            )
+        return self.extra[offset - params.nbytes : offset - params.nbytes + CHUNK_BYTES]
+
+
+class JoinServer:
+    """The donor side: answers offers from the Rx thread; captures the extra state on the training thread.
+
+    The parameters of an offer are a published snapshot, leased, so an offer
+    never waits for the training thread and costs no copy. The extra state (an
+    optimizer's) can only be read on the training thread: asked for it, the
+    donor captures it at its next step (or at once while it waits at a
+    barrier or lingers), paired with the snapshot published then. A donor that
+    makes no step for :data:`EXTRA_PATIENCE_S` (it evaluates, say) offers its
+    parameters without it.
+
+    Args:
+        store: our published snapshots.
+        fingerprint, wire: our model's layout and wire dtype.
+        barriers: our barrier counters (and what we know of our peers').
+        state: reads the node's state.
+        extra: what else a joiner takes (an optimizer), if anything.
+        peers: the names that may ask.
+    """
+
+    def __init__(
+        self,
+        store: SnapshotStore,
+        fingerprint: bytes,
+        wire: str,
+        barriers: BarrierCounters,
+        state: Callable[[], str],
+        extra: ExtraState | None,
+        peers: list[str],
+    ) -> None:
+        self._store, self._fp, self._wire = store, fingerprint, wire
+        self._barriers, self._state, self._extra, self._peers = barriers, state, extra, set(peers)
+        self._lock = threading.Lock()
+        self._offers: dict[int, _Offer] = {}
+        self._captured: tuple[int, bytes, np.ndarray] | None = None  # (snapshot version, meta, bytes)
+        self._asked: dict[str, float] = {}  # joiner -> when it first asked for an offer not yet made
+        self.wanted = threading.Event()  # a joiner waits for our extra state
+
+    def routes(self) -> dict[str, Route]:
+        return {
+            JOIN_INFO.name: Route(JOIN_INFO, self.serve_info),
+            JOIN_CHUNK.name: Route(JOIN_CHUNK, self.serve_chunk, bulk=True),
+        }
+
+    # ----------------------------------------------------------------- training thread
+
+    def capture_if_wanted(self) -> None:
+        """Capture the extra state for the snapshot just published, if a joiner waits for it."""
+        if not self.wanted.is_set() or self._extra is None:
+            return
+        self.wanted.clear()
+        current = self._store.current()
+        if current is None:
+            return
+        meta, data = self._extra.capture()
+        if len(meta) > MAX_EXTRA_META:
+            raise ValueError(f"the extra state's metadata is {len(meta)} bytes, at most {MAX_EXTRA_META}")
+        with self._lock:
+            self._captured = (current.version, meta, np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+
+    # ----------------------------------------------------------------- Rx thread
+
+    def _expire(self, now: float) -> None:
+        for session in [s for s, o in self._offers.items() if now - o.used > OFFER_TTL_S]:
+            self._offers.pop(session).snapshot.release()
+        for joiner in [j for j, t in self._asked.items() if now - t > OFFER_TTL_S]:
+            del self._asked[joiner]
+
+    def _offer_for(self, sender: str, now: float) -> _Offer | None:
+        """An offer for `sender`: a current one, or a new one if everything it needs is there."""
+        current = self._store.current()
+        if current is None:
+            return None
+        asked = self._asked.get(sender)
+        for offer in sorted(self._offers.values(), key=lambda o: -o.created):
+            version = offer.snapshot.snapshot.version
+            if version == current.version or (asked is not None and offer.created >= asked):
+                return offer
+        captured = self._captured
+        if self._extra is not None and (captured is None or captured[0] != current.version):
+            patience_over = asked is not None and now - asked > EXTRA_PATIENCE_S
+            if not patience_over:
+                return None
+            captured = None  # the donor makes no step: its parameters alone
+        lease = self._store.lease()
+        if lease is None:
+            return None
+        if captured is not None and captured[0] != lease.snapshot.version:
+            lease.release()
+            return None
+        meta, extra = (captured[1], captured[2]) if captured is not None else (b"", np.empty(0, np.uint8))
+        hasher = hashlib.blake2b(lease.snapshot.array.view(np.uint8).data, digest_size=32)
+        hasher.update(extra.data)
+        offer = _Offer(secrets.randbelow(MAX_ID) + 1, lease, extra, meta, hasher.digest(), now, now)
+        while len(self._offers) >= MAX_OFFERS:
+            oldest = min(self._offers.values(), key=lambda o: o.used)
+            self._offers.pop(oldest.session).snapshot.release()
+        self._offers[offer.session] = offer
+        return offer
+
+    def serve_info(self, request: Request) -> Reply:
+        sender = request.sender
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            offer = self._offer_for(sender, now)
+            if offer is not None:
+                offer.used = now
+                self._asked.pop(sender, None)
+            elif sender in self._peers:
+                self._asked.setdefault(sender, now)
+        if offer is None:
+            self.wanted.set()
+        current = self._store.current()
+        fields: dict[str, Any] = {
+            "clock": current.clock if current is not None else 0.0,
+            "barriers": self._barriers.own(),
+            "yours": self._barriers.of(sender) if sender in self._peers else {},
+            "state": self._state(),
+            "ready": offer is not None,
+        }
+        if offer is not None:
+            snap = offer.snapshot.snapshot
+            fields.update(
+                session=offer.session,
+                fp=self._fp,
+                dtype=self._wire,
+                params_bytes=int(snap.array.nbytes),
+                nbytes=offer.nbytes,
+                digest=offer.digest,
+                extra=offer.extra_meta,
+                clock=snap.clock,
+            )
+        return Reply(encode(JOIN_OFFER, request.header.id, **fields))
+
+    def serve_chunk(self, request: Request) -> Reply:
+        header = request.header
+        with self._lock:
+            offer = self._offers.get(header["session"])
+            if offer is not None:
+                offer.used = time.monotonic()
+        if offer is None:
+            raise Refused("unknown_session", "no such join offer (expired, or never made)")
+        offset = header["offset"]
+        if offset >= offer.nbytes or offset % CHUNK_BYTES:
+            raise ProtocolError("bad_offset", f"offset {offset} is not a chunk of the {offer.nbytes}-byte offer")
+        return Reply(encode(JOIN_DATA, header.id, session=offer.session, offset=offset), payload=[offer.chunk(offset)])
+
+    def close(self) -> None:
+        with self._lock:
+            for offer in self._offers.values():
+                offer.snapshot.release()
+            self._offers.clear()
+
+
+# --------------------------------------------------------------------------- joiner
+
+
+@dataclass(frozen=True)
+class OfferInfo:
+    """What a peer said about its state, and its offer when it had one ready."""
+
+    peer: str
+    clock: float
+    barriers: dict[str, int]
+    yours: dict[str, int]
+    state: str
+    ready: bool
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A peer's state, received whole and checked."""
+
+    donor: str
+    clock: float
+    barriers: dict[str, int]  # the donor's
+    yours: dict[str, int]  # what the donor knew of our counters
+    params: np.ndarray  # the donor's published snapshot, in the wire dtype
+    extra_meta: bytes
+    extra: np.ndarray  # uint8
+    digest: bytes
+
+
+class OfferTask:
+    """Ask one peer about its state (value: an OfferInfo)."""
+
+    def __init__(self, peer: str, deadline: float, name: str) -> None:
+        self.peer, self.deadline, self._name = peer, deadline, name
+
+    def run(self, ask: Ask) -> OfferInfo:
+        response = ask(lambda rid: [encode(JOIN_INFO, rid, **{"from": self._name})], {JOIN_OFFER.name: JOIN_OFFER})
+        h = response.header
+        return OfferInfo(self.peer, h["clock"], dict(h["barriers"]), dict(h["yours"]), h["state"], h["ready"], h.fields)
+
+
+class JoinTask:
+    """Take one peer's state: wait for its offer, read it in chunks, check its hash. Value: a Joined."""
+
+    def __init__(
+        self, peer: str, deadline: float, name: str, fingerprint: bytes, wire: str, params_bytes: int, request_s: float
+    ) -> None:
+        self.peer, self.deadline, self._name = peer, deadline, name
+        self._fp, self._wire, self._params_bytes, self._request_s = fingerprint, wire, params_bytes, request_s
+
+    def run(self, ask: Ask) -> Joined:
+        info = None
+        pause = 0.01
+        while info is None or not info.ready:  # the donor makes its offer at its next step
+            if info is not None:
+                if time.monotonic() + pause >= self.deadline:
+                    raise Refused("not_ready", "the donor made no offer in time")
+                time.sleep(pause)  # a bounded poll: the donor is training meanwhile
+                pause = min(0.2, 2 * pause)
+            info = OfferTask(self.peer, self.deadline, self._name).run(ask)
+        fields = info.fields
+        if fields["fp"] != self._fp:
+            raise ProtocolError("bad_fingerprint", "the donor's model has another layout")
+        if fields["dtype"] != self._wire:
+            raise ProtocolError("bad_dtype", f"the donor's snapshot is {fields['dtype']}, ours {self._wire}")
+        if fields["params_bytes"] != self._params_bytes or fields["nbytes"] < self._params_bytes:
+            raise ProtocolError(
+                "bad_size", f"an offer of {fields['params_bytes']} parameter bytes, ours is {self._params_bytes}"
+            )
+        session, total = fields["session"], fields["nbytes"]
+        data = np.empty(total, np.uint8)
+        for offset in range(0, total, CHUNK_BYTES):
+            end = min(total, offset + CHUNK_BYTES)
+
+            def request(rid: int, offset: int = offset) -> list[bytes]:
+                return [encode(JOIN_CHUNK, rid, **{"from": self._name}, session=session, offset=offset)]
+
+            response = ask(request, {JOIN_DATA.name: JOIN_DATA}, deadline=time.monotonic() + self._request_s)
+            frame = response.frames[0]
+            if (
+                response.header["offset"] != offset
+                or response.header["session"] != session
+                or len(frame) != end - offset
+            ):
+                raise ProtocolError(
+                    "bad_chunk", f"a chunk for {response.header['offset']}, {len(frame)} bytes; asked {offset}"
+                )
+            data[offset:end] = np.frombuffer(frame.buffer, np.uint8)
+        if hashlib.blake2b(data.data, digest_size=32).digest() != fields["digest"]:
+            raise ProtocolError("bad_digest", "the state received does not match the offer's hash")
+        params = data[: self._params_bytes].view(kernels.storage_dtype(self._wire))
+        if not kernels.within(params, MAX_VALUE, self._wire):
+            raise ProtocolError("not_finite", "the donor's parameters hold NaN, Inf or values out of bounds")
+        return Joined(
+            donor=self.peer,
+            clock=info.clock,
+            barriers=info.barriers,
+            yours=info.yours,
+            params=params,
+            extra_meta=fields.get("extra", b""),
+            extra=data[self._params_bytes :],
+            digest=fields["digest"],
+        )
+
+
+def join_cluster(
+    name: str,
+    order: list[str],
+    submit: Callable[[Any], Any],
+    ranked: Callable[[frozenset[str]], list[str]],
+    timeout_s: float,
+    wait_s: float,
+    fingerprint: bytes,
+    wire: str,
+    params_bytes: int,
+    log: Callable[[str], None],
+) -> tuple[Joined | None, bool]:
+    """Find a donor and take its state (the module docstring says whom). Returns (state, cluster trained).
+
+    `order` is every node of the config, in order (the first is "rank 0");
+    `submit` runs a task on the client thread; `ranked(exclude)` orders peers
+    by flow-control score; `wait_s` is how long a node waits for the first
+    node at a fresh start. Returns (None, ...) when there is nobody to join from.
+    """
+    peers = [p for p in order if p != name]
+    first = order[0]
+    deadline = time.monotonic() + (timeout_s if name == first else wait_s)
+    infos: dict[str, OfferInfo] = {}
+    pause = 0.05
+    while True:
+        calls = {p: submit(OfferTask(p, time.monotonic() + timeout_s, name)) for p in peers}
+        for peer, call in calls.items():
+            call.wait(timeout_s + 1.0)
+            if call.done.is_set() and call.outcome == "ok":
+                infos[peer] = call.take()
+            else:
+                call.abandon()
+        freshest = max((i.clock for i in infos.values()), default=0.0)
+        if freshest > 0:
+            # the freshest (within 10%) in a random order weighted by score, so joiners spread over
+            # donors; then the other trained peers, freshest first, should those fail
+            fresh = {p for p, i in infos.items() if i.clock >= 0.9 * freshest}
+            rest = sorted(
+                (p for p, i in infos.items() if i.clock > 0 and p not in fresh), key=lambda p: -infos[p].clock
+            )
+            donors = ranked(frozenset(peers) - fresh) + rest
+            trained = True
+            break
+        if name != first and first in infos:
+            donors, trained = [first], False
+            break
+        if time.monotonic() + pause >= deadline:
+            if name != first:
+                log(f"{first} did not answer within {wait_s:.0f} s; starting from our own parameters")
+            return None, False
+        time.sleep(pause)  # a bounded poll while the others start
+        pause = min(1.0, 2 * pause)
+    for donor in donors:
+        call = submit(
+            JoinTask(
+                donor, time.monotonic() + max(60.0, 10 * timeout_s), name, fingerprint, wire, params_bytes, timeout_s
+            )
+        )
+        call.wait(max(60.0, 10 * timeout_s) + 5.0)
+        if call.done.is_set() and call.outcome == "ok":
+            return call.take(), trained
+        call.abandon()
+        log(f"joining from {donor} failed ({call.outcome}: {call.reason}); trying the next donor")
+    log(f"no donor of {', '.join(donors)} could give us its state; starting from our own")
+    return None, trained

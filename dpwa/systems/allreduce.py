@@ -1,0 +1,132 @@
+"""The exact reference: ``DistributedDataParallel`` over gloo, launched with ``torch.multiprocessing``.
+
+Every rank computes gradients on its own batch; DDP averages them with an
+all-reduce after the backward pass, so every rank applies the same mean
+gradient and the models stay equal. Nothing here is dpwa's own transport:
+this is torch's machinery, as a user would run it.
+
+* :func:`launch` starts `nprocs` ranks with ``torch.multiprocessing.start_processes``
+  (spawn), each in a gloo process group rendezvoused through a file (no port is
+  opened for the rendezvous; gloo's own connections stay on the loopback
+  interface when ``GLOO_SOCKET_IFNAME`` is unset, as :func:`launch` sets it to
+  ``lo`` where that interface exists).
+* :func:`wrap` wraps a module in DDP with a communication hook that measures the
+  time each rank spends in the all-reduce (waiting for the slowest rank, and
+  moving bytes), which is what "idle" means for this system.
+
+Example (the function must be importable: a module-level function)::
+
+    def train(rank, world, epochs):
+        comm = CommTimer()
+        model = wrap(build_model(), comm)
+        ...
+
+    launch(train, (10,), nprocs=4, workdir="/tmp/run")
+
+A rank that dies stops every other at its next all-reduce: gloo raises after
+``timeout_s``, and ``launch`` raises ``torch.multiprocessing.ProcessRaisedException``
+or ``ProcessExitedException``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["CommTimer", "launch", "ring_allreduce_bytes", "wrap"]
+
+
+def ring_allreduce_bytes(nbytes: int, world: int) -> float:
+    """Bytes one rank sends plus receives in a ring all-reduce of `nbytes`: 2 (n-1)/n each way."""
+    return 4.0 * (world - 1) / world * nbytes if world > 1 else 0.0
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    nprocs: int,
+    *,
+    workdir: str | os.PathLike[str],
+    timeout_s: float = 60.0,
+) -> None:
+    """Run ``fn(rank, world, *args)`` in `nprocs` spawned processes, each in one gloo process group.
+
+    The rendezvous is a file in `workdir` (which must not hold one from an
+    earlier run). Returns when every rank returned; raises if one failed.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    store = Path(workdir) / "allreduce.rendezvous"
+    if store.exists():
+        raise FileExistsError(f"{store} exists: an earlier run's rendezvous; use a fresh workdir")
+    store.parent.mkdir(parents=True, exist_ok=True)
+    if "GLOO_SOCKET_IFNAME" not in os.environ and Path("/sys/class/net/lo").exists():
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # ranks on this machine talk over loopback only
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _rank_main,
+        args=(fn, nprocs, str(store), timeout_s, tuple(args)),
+        nprocs=nprocs,
+        start_method="spawn",
+        join=True,
+    )
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world: int, store: str, timeout_s: float, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class CommTimer:
+    """What DDP's all-reduce cost this rank: seconds inside it, calls, and gradient bytes reduced."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    nbytes: int = 0
+
+
+def _timed_allreduce(state: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    tensor = bucket.buffer()
+    t0 = time.perf_counter()
+    dist.all_reduce(tensor)  # waits for every rank: the time includes waiting for the slowest
+    tensor.div_(dist.get_world_size())
+    state.seconds += time.perf_counter() - t0
+    state.calls += 1
+    state.nbytes += tensor.numel() * tensor.element_size()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def wrap(module: nn.Module, timer: CommTimer) -> nn.parallel.DistributedDataParallel:
+    """`module` in DDP (buffers broadcast from rank 0 every forward), its all-reduce timed into `timer`.
+
+    The hook reduces each bucket synchronously, so the time it measures is
+    exactly the time the rank spent communicating or waiting; DDP's overlap of
+    communication with the rest of the backward pass is lost for models of
+    several buckets (a model under 25 MB is one bucket, reduced at the end anyway).
+    """
+    ddp = nn.parallel.DistributedDataParallel(module, broadcast_buffers=True)
+    ddp.register_comm_hook(timer, _timed_allreduce)
+    return ddp

@@ -1,0 +1,143 @@
+"""Barriers without a master: the k-th call returns once every node made its k-th call;
+missing nodes are named; serving goes on meanwhile; counters survive a restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dpwa import BarrierTimeout, NumpyParams
+
+from conftest import filled, make_config, wait_until
+
+
+class Arrivals:
+    """Each node runs `script(node)` on its own thread; what the script records is kept per node."""
+
+    def __init__(self, nodes, script):
+        self.results: dict[str, object] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.threads = [threading.Thread(target=self._run, args=(node, script)) for node in nodes]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, node, script):
+        try:
+            self.results[node.name] = script(node)
+        except BaseException as exc:  # noqa: BLE001 - reported by join()
+            self.errors[node.name] = exc
+
+    def join(self, timeout_s=60):
+        for t in self.threads:
+            t.join(timeout_s)
+            assert not t.is_alive()
+        return self
+
+
+def test_the_kth_call_returns_once_every_node_made_its_kth_call(nodes):
+    """Three nodes pass barrier "epoch" five times. Node k does k units of work before each
+    arrival; the log of (node, call, event) must show that no node left call c before every
+    node had arrived at call c."""
+    cfg = make_config(3, timeout_ms=500)
+    group = [nodes(cfg, f"w{k}", NumpyParams(filled(k))) for k in range(3)]
+    log, lock = [], threading.Lock()
+
+    def script(node):
+        k = int(node.name[1:])
+        for call in range(1, 6):
+            deadline = time.monotonic() + 0.01 * k  # node k arrives later than the others, each time
+            while time.monotonic() < deadline:
+                node.update_send()
+                node.update_wait()
+            with lock:
+                log.append((node.name, call, "arrive", time.monotonic()))
+            assert node.barrier("epoch", timeout_s=30) == []
+            with lock:
+                log.append((node.name, call, "leave", time.monotonic()))
+        return node.barrier_counters()
+
+    run = Arrivals(group, script).join()
+    assert not run.errors, run.errors
+    for call in range(1, 6):
+        last_arrival = max(t for _, c, e, t in log if c == call and e == "arrive")
+        first_leave = min(t for _, c, e, t in log if c == call and e == "leave")
+        assert first_leave >= last_arrival, call
+    assert all(counters == {"epoch": 5} for counters in run.results.values())
+
+
+def test_a_missing_node_is_named_and_proceed_skips_it(nodes, caplog):
+    """w2 never comes: after the timeout the barrier names it with its last known counters;
+    with missing="proceed" it returns its name instead, and says so in the log."""
+    cfg = make_config(3, timeout_ms=200)
+    w0, w1 = nodes(cfg, "w0", NumpyParams(filled(0))), nodes(cfg, "w1", NumpyParams(filled(1)))
+
+    def script(node):
+        if node.name == "w0":
+            with pytest.raises(BarrierTimeout) as info:
+                node.barrier("epoch", timeout_s=1.5)
+            return info.value
+        return node.barrier("epoch", timeout_s=1.5, missing="proceed")
+
+    t0 = time.monotonic()
+    run = Arrivals([w0, w1], script).join()
+    assert not run.errors, run.errors
+    assert time.monotonic() - t0 < 10
+    error = run.results["w0"]
+    assert error.missing == ["w2"] and error.counters == {"w2": {}}
+    assert "barrier 'epoch' (call 1): no arrival in time from w2 (at 0 of 1)" in str(error)
+    assert run.results["w1"] == ["w2"]
+    assert any("proceeding without w2" in r.getMessage() for r in caplog.records)
+
+
+def test_serving_goes_on_at_a_barrier_and_a_lingering_node_still_answers(nodes):
+    """w1 waits at a barrier while w0 trains and fetches from it; then w0 arrives late and both pass.
+    w0 then lingers, and w1's next barrier call still hears from it."""
+    cfg = make_config(2, timeout_ms=500)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    theirs = filled(8)
+    w1 = nodes(cfg, "w1", NumpyParams(theirs))
+    w1.update_send()
+    w1.update_wait()
+    waiting = Arrivals([w1], lambda node: node.barrier("start", timeout_s=30))
+    assert wait_until(lambda: w1.state == "at_barrier", 10)
+    averaged = 0
+    for _ in range(5):  # w1 serves while it waits
+        w0.update_send()
+        averaged += w0.update_wait().averaged
+    assert averaged == 5
+    assert w0.barrier("start", timeout_s=30) == []
+    waiting.join()
+    assert not waiting.errors and waiting.results["w1"] == []
+    lingering = Arrivals([w0], lambda node: node.linger(idle_s=3.0, limit_s=20))
+    assert wait_until(lambda: w0.state == "lingering", 10)
+    assert w1.barrier("exit", timeout_s=0.5, missing="proceed") == ["w0"]  # w0 never calls "exit" ...
+    assert w1.stats()["barriers"] == {"start": 1, "exit": 1}
+    lingering.join()
+
+
+def test_barrier_arguments_are_checked(nodes):
+    node = nodes(make_config(2), "w0", NumpyParams(filled(0)))
+    for kwargs, message in (({"name": "a b"}, "a barrier name is"), ({"name": "x" * 33}, "a barrier name is"),
+                            ({"missing": "skip"}, "missing must be 'raise' or 'proceed'"),
+                            ({"timeout_s": -1}, "timeout_s must be")):
+        with pytest.raises(ValueError, match=message):
+            node.barrier(**kwargs)
+    assert node.barrier_counters() == {}
+
+
+def test_a_restored_node_passes_barriers_in_step_with_the_others(nodes):
+    """A node resumed from a checkpoint (counters restored) is aligned: its next call is the next k."""
+    cfg = make_config(2, timeout_ms=500)
+    w0, w1 = nodes(cfg, "w0", NumpyParams(filled(0))), nodes(cfg, "w1", NumpyParams(filled(1)))
+    w1.restore(clock=40.0, barriers={"epoch": 3})
+    w0.restore(barriers={"epoch": 3})
+    run = Arrivals([w0, w1], lambda node: node.barrier("epoch", timeout_s=30)).join()
+    assert not run.errors and run.results == {"w0": [], "w1": []}
+    assert w0.barrier_counters() == w1.barrier_counters() == {"epoch": 4}
+    assert w1.clock == 40.0
+    with pytest.raises(ValueError, match="clock must be"):
+        w1.restore(clock=float("nan"))
+    assert np.all(w0.params.array == 0)
