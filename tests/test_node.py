@@ -130,25 +130,26 @@ def test_update_wait_returns_at_once_without_a_fetch(nodes):
 
 
 def test_a_skipped_update_wait_still_counts_the_batch(nodes):
-    cfg = make_config(2)
-    nodes(serving_only(cfg), "w1", NumpyParams(filled(1)))
+    cfg = make_config(2, timeout_ms=200)  # w1 never starts: every fetch fails
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
     node.update_send(batch_size=5)
     node.update_send(batch_size=5)  # no update_wait in between: the first fetch is abandoned
-    assert not node.update_wait().averaged  # the peer never published
+    assert not node.update_wait().averaged
     assert node.clock == 10.0  # both batches counted
     assert node.stats()["fetches_abandoned"] == 1
 
 
-def test_a_node_before_its_first_publish_is_not_ready(nodes):
-    cfg = make_config(2)
-    nodes(serving_only(cfg), "w1", NumpyParams(filled(1)))  # never publishes
+def test_a_node_serves_its_initial_values_from_the_moment_it_is_made(nodes):
+    """A node publishes once in its constructor: a peer that fetches before its first step gets
+    its initial parameters, never "not ready"."""
+    cfg = make_config(2, constant={"value": 1.0})
+    nodes(serving_only(cfg), "w1", NumpyParams(filled(7)))  # never steps
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
     node.update_send()
     update = node.update_wait()
-    assert (update.averaged, update.outcome) == (False, "refused") and "not_ready" in update.reason
-    assert np.all(mine == 0)
+    assert (update.averaged, update.outcome) == (True, "ok")
+    assert np.all(mine == 7)
 
 
 def disagreement(arrays) -> float:

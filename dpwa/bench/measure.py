@@ -249,6 +249,7 @@ def write_pair_config(directory: str, *, same_host: bool, wire_dtype: str = "flo
         # TCP rows measure TCP (loopback clusters otherwise use ipc sockets); same-host rows use the
         # default: ipc for the requests, shared memory for the parameters
         "insecure": not same_host,
+        "join": "never",  # each side starts from its own values; joining is not what is measured
     }
     path = os.path.join(directory, f"pair-{'shm' if same_host else 'tcp'}-{wire_dtype}.yaml")
     with open(path, "w") as fh:
@@ -377,6 +378,7 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
             "timeout_ms": 10_000,
             "same_host": "off",
             "insecure": True,  # TCP, as the README's table says
+            "join": "never",
         }
     )
     arrays = [np.full(size, float(i), np.float32) for i in range(n)]

@@ -119,6 +119,14 @@ def _timed_allreduce(state: CommTimer, bucket: dist.GradBucket) -> torch.futures
     return future
 
 
+# DDP checks the hook's annotations as objects, and this module's are strings (postponed evaluation).
+_timed_allreduce.__annotations__ = {
+    "state": CommTimer,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
 def wrap(module: nn.Module, timer: CommTimer) -> nn.parallel.DistributedDataParallel:
     """`module` in DDP (buffers broadcast from rank 0 every forward), its all-reduce timed into `timer`.
 

@@ -71,6 +71,7 @@ POLL_SLICE_S = 0.05  # how often blocked loops look at their stop flags
 FRAME_ALLOWANCE = 256
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks for authentication (RFC 27)
 BULK_RCVHWM = 4  # queued requests per connection when requests may carry a model
+SNDHWM = 8  # queued replies per connection (small ones: payload replies are budgeted per client)
 
 
 class TransportError(RuntimeError):
@@ -260,7 +261,10 @@ class Server:
         base_options(sock, self._heartbeat_ms)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or vanished peer is an error, not a block
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes + FRAME_ALLOWANCE)
-        sock.setsockopt(zmq.SNDHWM, 2)
+        # Queued replies per connection. Payload replies are bounded by the unsent budget below it;
+        # a very low mark makes libzmq refuse sends spuriously under load (it learns late that
+        # the I/O thread has drained the queue).
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, BULK_RCVHWM if self.max_frame_bytes > 1 << 16 else 64)
         if "[" in self.endpoint:
             sock.setsockopt(zmq.IPV6, 1)

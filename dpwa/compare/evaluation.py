@@ -1,0 +1,218 @@
+"""Accuracy curves: which model of a run is evaluated, and when; time and samples to a target; the run's costs.
+
+**The rule, the same for every system.** A curve's points sit about every
+``eval_every_samples`` samples trained by the whole cluster (accepted or
+applied samples: a refused gradient trains nothing). At each point the
+evaluated model is the one the system would hand a user at that moment:
+
+* ``sync-master``: the master's global model, the first time its applied
+  samples reach the point;
+* ``async-ps``: the servers' model, each server's shard taken the first time
+  every block it holds has applied the point's samples (a dead server's
+  last shard stands in for it);
+* ``allreduce``: rank 0's model (every rank holds the same), after the step
+  that reaches the point;
+* ``gossip``, ``symmetric``: the mean of every node's parameters and buffers,
+  each node's latest snapshot at the moment the nodes' trained samples summed
+  to the point (a node snapshots every few steps, so its snapshot is at most
+  that old; a killed node counts until it was killed).
+
+Every model is evaluated after its run, on the whole test set, in the
+runner's process, so evaluation never competes with training. The time of a
+point is measured from the start gate, so start-up is not counted. The last
+point of each curve is the system's final model.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .runner import SystemRun
+
+__all__ = ["Curve", "Point", "build_curve", "summarize"]
+
+Evaluate = Callable[[np.ndarray], tuple[float, float]]
+
+
+@dataclass
+class Point:
+    t_s: float  # from the start gate
+    samples: int
+    acc: float = 0.0
+    loss: float = 0.0
+
+
+@dataclass
+class Curve:
+    points: list[Point] = field(default_factory=list)
+
+    def first_reaching(self, target: float) -> Point | None:
+        for p in self.points:
+            if p.acc >= target:
+                return p
+        return None
+
+    @property
+    def final(self) -> Point | None:
+        return self.points[-1] if self.points else None
+
+
+def _load(run: SystemRun, line: dict[str, Any]) -> np.ndarray:
+    return np.load(run.workdir / "snapshots" / line["file"], allow_pickle=False)
+
+
+def _states_gossip(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
+    """(time, samples, state) per point: the mean of each node's latest snapshot when the nodes' samples sum to it."""
+    nodes = [n for n in run.workers if run.snapshots.get(n)]
+    if not nodes:
+        return []
+    events: list[tuple[float, int, str]] = []  # (time, samples of that node so far, node)
+    for n in nodes:
+        progress = run.results.get(n, {}).get("progress")
+        if progress:
+            events += [(t, int(s), n) for t, s in progress]
+        else:  # killed before it wrote its results: its snapshots say how far it got
+            events += [(line["t"], int(line["samples"]), n) for line in run.snapshots[n]]
+    events.sort()
+    shots = {n: sorted(run.snapshots[n], key=lambda line: line["t"]) for n in nodes}
+    times = {n: [line["t"] for line in shots[n]] for n in nodes}
+    finished = {n for n in nodes if n in run.results}
+    out: list[tuple[float, int, Callable[[], np.ndarray]]] = []
+    current = dict.fromkeys(nodes, 0)
+    total, point = 0, 1
+    for t, s, n in events:
+        total += s - current[n]
+        current[n] = s
+        if total < point * every:
+            continue
+        chosen = []
+        for m in nodes:
+            i = bisect.bisect_right(times[m], t) - 1
+            alive = m in finished or times[m][-1] >= t  # a killed node counts until its last snapshot
+            if i >= 0 and alive:
+                chosen.append(shots[m][i])
+        if chosen:
+            out.append((t, total, _mean_of(run, chosen)))
+        point = total // every + 1
+    finals = [shots[n][-1] for n in nodes if n in finished and shots[n][-1].get("final")]
+    if finals:
+        t_end = max(line["t"] for line in finals)
+        out.append((t_end, sum(int(line["samples"]) for line in finals), _mean_of(run, finals)))
+    return out
+
+
+def _mean_of(run: SystemRun, lines: list[dict[str, Any]]) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        total = None
+        for line in lines:
+            state = _load(run, line).astype(np.float64)
+            total = state if total is None else total + state
+        assert total is not None
+        return (total / len(lines)).astype(np.float32)
+
+    return load
+
+
+def _states_single(run: SystemRun, name: str) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
+    lines = sorted(run.snapshots.get(name, []), key=lambda line: line["t"])
+    return [(line["t"], int(line["samples"]), _loader(run, line)) for line in lines]
+
+
+def _loader(run: SystemRun, line: dict[str, Any]) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        return _load(run, line)
+
+    return load
+
+
+def _states_ps(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
+    servers = sorted((n for n in run.snapshots if n.startswith("ps")), key=lambda n: int(n[2:]))
+    shots = {n: sorted(run.snapshots[n], key=lambda line: line["samples"]) for n in servers}
+    shots = {n: s for n, s in shots.items() if s}
+    if len(shots) != len(servers) or not servers:
+        return []
+    top = max(int(line["samples"]) for s in shots.values() for line in s)
+    out: list[tuple[float, int, Callable[[], np.ndarray]]] = []
+    for target in range(every, top + 1, every):
+        chosen = []
+        for n in servers:
+            reached = [line for line in shots[n] if line["samples"] >= target]
+            chosen.append(reached[0] if reached else shots[n][-1])  # a dead server: its last shard
+        live = [line for line in chosen if line["samples"] >= target]
+        if not live:
+            continue
+        out.append((max(line["t"] for line in live), min(int(line["samples"]) for line in live), _join(run, chosen)))
+    finals = [shots[n][-1] for n in servers]
+    ends = [r["go"] + r["run_s"] for n, r in run.results.items() if n in run.workers and "run_s" in r]
+    t_end = max(ends) if ends else max(line["t"] for line in finals)  # the servers stop later, when told
+    out.append((t_end, max(int(line["samples"]) for line in finals), _join(run, finals)))
+    return out
+
+
+def _join(run: SystemRun, lines: list[dict[str, Any]]) -> Callable[[], np.ndarray]:
+    """The servers' shards (in server order) put back in the layout's order, by the plan."""
+
+    def load() -> np.ndarray:
+        order = run.extra["ps_order"]  # state index of each element of the servers' shards, concatenated
+        shards = np.concatenate([_load(run, line) for line in lines])
+        state = np.empty_like(shards)
+        state[order] = shards
+        return state
+
+    return load
+
+
+def states(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
+    """(Unix time, samples, state loader) of every point of `run`'s curve, by the module's rule."""
+    if run.system in ("gossip", "symmetric"):
+        return _states_gossip(run, every)
+    if run.system == "sync-master":
+        return _states_single(run, "master")
+    if run.system == "allreduce":
+        return _states_single(run, "rank0")
+    if run.system == "async-ps":
+        return _states_ps(run, every)
+    raise ValueError(f"unknown system {run.system!r}")
+
+
+def build_curve(run: SystemRun, every: int, evaluate: Evaluate, initial: Point | None = None) -> Curve:
+    """Evaluate every point of `run` (the initial model's point first, if given)."""
+    curve = Curve([initial] if initial is not None else [])
+    for t, samples, load in states(run, every):
+        acc, loss = evaluate(load())
+        curve.points.append(Point(max(0.0, t - run.go), samples, acc, loss))
+    return curve
+
+
+def summarize(run: SystemRun, curve: Curve, target: float) -> dict[str, Any]:
+    """The comparison's numbers for one run: accuracy, time and samples to target, bytes, idle time."""
+    workers = [run.results[n] for n in run.workers if n in run.results]
+    hit = curve.first_reaching(target)
+    final = curve.final
+    steps = [w.get("steps", 0) for w in workers]
+    per_step = [w["bytes"] / w["steps"] for w in workers if w.get("steps") and "bytes" in w]
+    ends = [w["go"] + w["run_s"] for w in workers if "run_s" in w]
+    out: dict[str, Any] = {
+        "completed": run.completed,
+        "error": run.error,
+        "failed_at_s": run.failed_at_s,
+        "final_test_acc": final.acc if final else None,
+        "final_test_loss": final.loss if final else None,
+        "time_to_target_s": hit.t_s if hit else None,
+        "samples_to_target": hit.samples if hit else None,
+        "bytes_per_worker_per_step": float(np.mean(per_step)) if per_step else None,
+        "idle_fraction": float(np.mean([w["idle_fraction"] for w in workers])) if workers else None,
+        "train_time_s": max(ends) - run.go if ends and run.go else None,
+        "samples": final.samples if final else 0,
+        "steps_per_worker": float(np.mean(steps)) if steps else 0.0,
+        "workers_finished": len(workers),
+        "curve": [[round(p.t_s, 3), p.samples, round(p.acc, 5), round(p.loss, 5)] for p in curve.points],
+    }
+    if out["train_time_s"]:
+        out["samples_per_s"] = out["samples"] / out["train_time_s"]
+    return out

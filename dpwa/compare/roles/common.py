@@ -1,0 +1,98 @@
+"""What every role shares: the run description, its workload, a stop flag, timed batches."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ..recorder import Recorder, StepTimer
+from ..workload import Workload, WorkloadSpec
+
+__all__ = ["Role", "StopFlag", "load_role", "timed"]
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT: the role finishes its current step, writes its results and exits."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def __bool__(self) -> bool:
+        return self.signal_name is not None
+
+
+@dataclass
+class Role:
+    """One process of a run: its name, position, the run description and what it writes."""
+
+    name: str
+    index: int
+    run: dict[str, Any]
+    workdir: Path
+    spec: WorkloadSpec
+    recorder: Recorder
+    timer: StepTimer
+    stop: StopFlag
+
+    @cached_property
+    def workload(self) -> Workload:
+        """The workload, loaded on first use (a launcher that only starts others never loads the data)."""
+        return Workload(self.spec)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return self.run["options"]
+
+    @property
+    def is_straggler(self) -> bool:
+        return self.index == self.spec.workers - 1 and self.spec.straggler > 1
+
+
+def load_role(run_file: str | Path, name: str, index: int, *, worker: bool) -> Role:
+    """Read the run description and build this process's workload, recorder and timer."""
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    run = json.loads(Path(run_file).read_text())
+    spec = WorkloadSpec(**run["workload"])
+    workdir = Path(run["workdir"])
+    stop = StopFlag()
+    role = Role(
+        name=name,
+        index=index,
+        run=run,
+        workdir=workdir,
+        spec=spec,
+        recorder=Recorder(workdir, name),
+        timer=StepTimer(),
+        stop=stop,
+    )
+    if worker and role.is_straggler:
+        role.timer.factor = spec.straggler
+    return role
+
+
+def timed(batches: Iterable[Any], timer: StepTimer) -> Iterator[Any]:
+    """Yield from `batches`, counting the time each takes to make (augmentation) as compute."""
+    iterator = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        timer.compute_s += time.perf_counter() - t0
+        yield batch

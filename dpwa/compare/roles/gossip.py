@@ -1,0 +1,80 @@
+"""A gossip node: the example's training step with ``DpwaPyTorchAdapter`` around it, as ``train.py`` runs it.
+
+Each node trains its shard with its own SGD at the workload's learning rate
+and schedule (by its own steps), and exchanges parameters around every batch
+(modes ``pull`` and ``symmetric``, from the run's gossip config). Snapshots
+of its state every few steps, and the time and sample count of every step,
+let the runner evaluate the mean of all nodes' models as it stood when the
+cluster had trained a given number of samples.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...systems.layout import ModuleView
+from ..recorder import wait_for_go
+from .common import Role, timed
+
+
+def run(role: Role) -> None:
+    import torch
+
+    from ...adapters.pytorch import DpwaPyTorchAdapter
+
+    w, spec, timer, rec = role.workload, role.spec, role.timer, role.recorder
+    net = w.build_model()
+    view = ModuleView(net)
+    optimizer = torch.optim.SGD(
+        net.parameters(), lr=spec.lr, momentum=spec.momentum, nesterov=True, weight_decay=spec.weight_decay
+    )
+    total = w.local_steps(role.index)
+    stride = w.snapshot_stride()
+    progress: list[list[float]] = []
+    step, samples, loss_value = 0, 0, None
+    averaged = failed = 0
+    with DpwaPyTorchAdapter(net, role.name, role.run["gossip_config"]) as conn:
+        go = wait_for_go(role.workdir, role.name)
+        timer.start()
+        for epoch in range(spec.epochs):
+            for x, y in timed(w.batches(role.index, epoch), timer):
+                if role.stop:
+                    break
+                for group in optimizer.param_groups:
+                    group["lr"] = spec.lr_at(step / total)
+                conn.update_send(loss_value, batch_size=len(y))
+                t0 = time.perf_counter()
+                loss = w.loss(net, (x, y))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                loss_value = loss.item()
+                timer.computed(time.perf_counter() - t0)
+                update = conn.update_wait(loss_value)
+                averaged += update.averaged
+                failed += not update.averaged and update.outcome != "no_fetch"
+                step += 1
+                samples += len(y)
+                progress.append([time.time(), samples])
+                if step % stride == 0:
+                    rec.snapshot(view.state(), samples)
+        timer.stop()
+        left_out = rec.spent_s
+        stats = conn.stats()  # before lingering: what training cost
+        rec.snapshot(view.state(), samples, final=True)
+        lingered = 0.0
+        if not role.stop:
+            lingered = conn.linger(idle_s=1.0, limit_s=role.options.get("linger_s", 30.0), stop=lambda: bool(role.stop))
+    rec.result(
+        role="gossip",
+        go=go,
+        samples=samples,
+        averaged=averaged,
+        failed=failed,
+        bytes=int(stats.get("bytes_in", 0)) + int(stats.get("bytes_out", 0)),
+        stats={k: v for k, v in stats.items() if isinstance(v, int | float)},
+        progress=progress,
+        lingered_s=lingered,
+        stopped=role.stop.signal_name,
+        **timer.summary(left_out),
+    )

@@ -1,0 +1,293 @@
+"""Run one system of the comparison: write its run description, start its processes, open the gate, wait, collect.
+
+A run is bounded: the processes must be ready within ``startup_s`` and done
+within ``time_limit_s`` of the start; past either, every process is stopped
+(SIGTERM to its group, SIGKILL after a grace) and the run is reported as
+not completed. A process that exits with an error stops the run too, unless
+it is the victim of the run's fault. Nothing is left behind: every process,
+and every all-reduce rank, is stopped by PID before :func:`run_system` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..cluster.processes import free_ports
+from ..wire.endpoints import private_dir
+from .processes import Processes
+from .recorder import open_gate
+from .workload import WorkloadSpec
+
+__all__ = ["SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
+
+SYSTEMS = ("gossip", "symmetric", "sync-master", "async-ps", "allreduce")
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the systems are set up (the same for every run of a comparison)."""
+
+    lease_s: float = 5.0  # sync: a task held this long without a call returns to todo
+    sufficient: int | None = None  # sync: gradients per step (None: the live workers)
+    max_retries: int = 3  # sync: refused reports computed again before a task fails
+    ps_servers: int = 2  # async-ps: K
+    ps_timeout_s: float = 1.0  # async-ps: deadline of a pull or push
+    gossip_timeout_ms: int = 1000  # gossip: deadline of a fetch
+    startup_s: float = 120.0  # every process ready within this
+    time_limit_s: float = 600.0  # training done within this of the start
+    grace_s: float = 10.0  # between SIGTERM and SIGKILL
+
+    def __post_init__(self) -> None:
+        if self.lease_s <= 0 or self.ps_timeout_s <= 0 or self.gossip_timeout_ms < 1:
+            raise ValueError("lease_s, ps_timeout_s and gossip_timeout_ms must be positive")
+        if self.sufficient is not None and self.sufficient < 1:
+            raise ValueError(f"num_gradients_sufficient must be at least 1, got {self.sufficient}")
+        if self.ps_servers < 1 or self.max_retries < 0:
+            raise ValueError("ps_servers must be at least 1 and max_retries at least 0")
+
+
+class Fault(Protocol):
+    """Something done to a run while it trains (kill a process). Polled by the runner every 50 ms."""
+
+    def poll(self, run: LiveRun) -> None: ...
+
+    def report(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class SystemRun:
+    """What one run left: its processes' results and snapshots, and how it ended."""
+
+    system: str
+    workdir: Path
+    go: float  # the start (Unix time); 0 if it never started
+    completed: bool
+    error: str | None
+    results: dict[str, dict[str, Any]]
+    snapshots: dict[str, list[dict[str, Any]]]
+    exit_codes: dict[str, int | None]
+    workers: list[str]  # the training processes' names
+    fault: dict[str, Any] | None = None
+    ended: float = 0.0  # Unix time the last process ended
+    failed_at_s: float | None = None  # when the runner saw the run fail, from the start
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LiveRun:
+    """A run in progress, as a fault sees it."""
+
+    system: str
+    workdir: Path
+    run: dict[str, Any]
+    procs: Processes
+    go: float
+    workers: list[str]
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.time() - self.go
+
+
+def _endpoints(tag: str, names: list[str]) -> dict[str, str]:
+    base = private_dir()
+    return {name: f"ipc://{base / f'cmp-{tag}-{name}'}" for name in names}
+
+
+def plan_processes(system: str, spec: WorkloadSpec, options: RunOptions, tag: str) -> tuple[dict, list, list]:
+    """(the system's options for the run description, [(name, role, index)] to start, names that must be ready)."""
+    workers = [f"w{i}" for i in range(spec.workers)]
+    if system in ("gossip", "symmetric"):
+        ports = free_ports(spec.workers)
+        config = {
+            "nodes": [{"name": n, "host": "127.0.0.1", "port": p} for n, p in zip(workers, ports, strict=True)],
+            "fetch_probability": 1,
+            "timeout_ms": options.gossip_timeout_ms,
+            "interpolation": "constant",
+            "constant": {"value": 0.5},
+            "mode": "pull" if system == "gossip" else "symmetric",
+            "blend": "state" if system == "gossip" else "delta",
+            "same_host": "off",  # parameters travel over the socket, as they do for every other system
+            "join": "never",  # every node starts from the same seed already
+        }
+        return {"gossip_config": config}, [(n, "gossip", i) for i, n in enumerate(workers)], workers
+    if system == "sync-master":
+        endpoint = _endpoints(tag, ["master"])["master"]
+        opts = {
+            "endpoint": endpoint,
+            "lease_s": options.lease_s,
+            "sufficient": options.sufficient,
+            "max_retries": options.max_retries,
+            "time_limit_s": options.time_limit_s,
+            "unreachable_s": max(30.0, 3 * options.lease_s),
+        }
+        starts = [("master", "sync-master", 0)] + [(n, "sync-worker", i) for i, n in enumerate(workers)]
+        return {"options": opts}, starts, ["master", *workers]
+    if system == "async-ps":
+        servers = [f"ps{k}" for k in range(options.ps_servers)]
+        endpoints = _endpoints(tag, servers)
+        opts = {
+            "servers": options.ps_servers,
+            "endpoints": [endpoints[s] for s in servers],
+            "timeout_s": options.ps_timeout_s,
+            "io_threads": max(2, 2 * options.ps_servers),
+            "time_limit_s": options.time_limit_s,
+        }
+        starts = [(s, "ps-server", k) for k, s in enumerate(servers)]
+        starts += [(n, "ps-trainer", i) for i, n in enumerate(workers)]
+        return {"options": opts}, starts, servers + workers
+    if system == "allreduce":
+        ranks = [f"rank{i}" for i in range(spec.workers)]
+        return {"options": {"gloo_timeout_s": 30.0}}, [("launcher", "allreduce", 0)], ranks
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def run_system(
+    system: str,
+    spec: WorkloadSpec,
+    options: RunOptions,
+    workdir: Path,
+    *,
+    fault: Fault | None = None,
+    log: Callable[[str], None] = print,
+) -> SystemRun:
+    """Run `system` on `spec` in `workdir` (created; must be new). Always stops every process it started."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=False)
+    tag = f"{int(time.time() * 1000) % 10**9:09d}-{system}"
+    system_options, starts, ready = plan_processes(system, spec, options, tag)
+    run_file = workdir / "run.json"
+    run = {
+        "system": system,
+        "workdir": str(workdir),
+        "run_file": str(run_file),
+        "workload": spec.as_dict(),
+        "options": {},
+        **system_options,
+    }
+    run_file.write_text(json.dumps(run, indent=1))
+    procs = Processes(workdir)
+    workers = [n for n in ready if n.startswith(("w", "rank"))]
+    go, error, completed, failed_at_s = 0.0, None, False, None
+    try:
+        for name, role, index in starts:
+            procs.start(name, role, run_file, index)
+        error = _wait_ready(procs, workdir, ready, options.startup_s)
+        if error is None:
+            go = open_gate(workdir)
+            log(f"  {system}: {len(starts)} processes started, training")
+            live = LiveRun(system, workdir, run, procs, go, workers)
+            completed, error = _wait_done(system, live, options, fault)
+            failed_at_s = None if completed else time.time() - go
+    finally:
+        leftover = procs.stop_all(options.grace_s)
+        if leftover and error is None and not completed:
+            error = f"stopped: {', '.join(leftover)}"
+    ended = time.time()
+    result = _collect(system, workdir, go, completed, error, procs, workers, fault, ended)
+    result.failed_at_s = failed_at_s
+    return result
+
+
+def _wait_ready(procs: Processes, workdir: Path, ready: list[str], limit_s: float) -> str | None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if all((workdir / "ready" / name).exists() for name in ready):
+            return None
+        for name, code in procs.exit_codes().items():
+            if code is not None:
+                return f"{name} exited with status {code} while starting:\n{procs.log_tail(name)}"
+        time.sleep(POLL_S)
+    missing = [n for n in ready if not (workdir / "ready" / n).exists()]
+    return f"not ready within {limit_s:.0f} s: {', '.join(missing)}"
+
+
+def _training_names(system: str, live: LiveRun) -> list[str]:
+    if system == "allreduce":
+        return ["launcher"]
+    return [n for n in live.procs.procs if n.startswith("w")]
+
+
+def _wait_done(system: str, live: LiveRun, options: RunOptions, fault: Fault | None) -> tuple[bool, str | None]:
+    procs = live.procs
+    deadline = time.monotonic() + options.time_limit_s
+    training = _training_names(system, live)
+    while time.monotonic() < deadline:
+        if fault is not None:
+            fault.poll(live)
+        for name, code in procs.exit_codes().items():
+            if code not in (None, 0) and name not in procs.killed:
+                if system == "allreduce" and fault is not None and procs.killed:
+                    return False, f"{name} exited with status {code} after a rank was killed"
+                return False, f"{name} exited with status {code}:\n{procs.log_tail(name)}"
+        if all(not procs.running(n) for n in training):
+            break
+        time.sleep(POLL_S)
+    else:
+        return False, f"not done within {options.time_limit_s:.0f} s"
+    if system == "sync-master":  # the master ends by itself once every task is done
+        end = time.monotonic() + options.lease_s + 5.0
+        while procs.running("master") and time.monotonic() < end:
+            time.sleep(POLL_S)
+        if procs.running("master"):
+            return False, "the master did not finish after every worker ended"
+        if procs.exit_codes()["master"] != 0:
+            return False, f"master exited with status {procs.exit_codes()['master']}"
+    if system == "async-ps":  # servers run until told: every trainer is done
+        servers = [n for n in procs.procs if n.startswith("ps")]
+        procs.stop(servers, options.grace_s)
+    return True, None
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill
+            continue
+    return out
+
+
+def _collect(
+    system: str,
+    workdir: Path,
+    go: float,
+    completed: bool,
+    error: str | None,
+    procs: Processes,
+    workers: list[str],
+    fault: Fault | None,
+    ended: float,
+) -> SystemRun:
+    results = {}
+    for path in sorted((workdir / "results").glob("*.json")) if (workdir / "results").exists() else []:
+        try:
+            results[path.stem] = json.loads(path.read_text())
+        except ValueError:
+            continue
+    snapshots = {}
+    for path in sorted((workdir / "snapshots").glob("*.jsonl")) if (workdir / "snapshots").exists() else []:
+        snapshots[path.stem] = _read_jsonl(path)
+    return SystemRun(
+        system=system,
+        workdir=workdir,
+        go=go,
+        completed=completed,
+        error=error,
+        results=results,
+        snapshots=snapshots,
+        exit_codes=procs.exit_codes(),
+        workers=workers,
+        fault=fault.report() if fault is not None else None,
+        ended=ended,
+        extra={"killed": dict(procs.killed)},
+    )
