@@ -79,21 +79,68 @@ def keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-@subcommand(arg("run_dir", type=Path, help="a run folder, such as runs/latest"))
+@subcommand(
+    arg(
+        "target",
+        type=Path,
+        metavar="CONFIG|RUN_DIR",
+        help="a cluster config (YAML): ask every node over its socket; exit status 0 if every node answered, "
+        "1 if some did not (or on an error), 130 on Ctrl-C. Or a run folder, such as runs/latest: its "
+        "progress table from the metrics files, once",
+    ),
+    arg("--json", action="store_true", help='CONFIG: print {"nodes": [{"name": ..., "state": ..., ...}, ...]}'),
+    arg(
+        "--watch",
+        nargs="?",
+        const=2.0,
+        type=float,
+        metavar="SECONDS",
+        help="CONFIG: ask again every SECONDS (default 2), redrawing the table in place, until Ctrl-C",
+    ),
+    arg("--count", type=int, metavar="N", help="with --watch: stop after N rounds"),
+    arg("--timeout-ms", type=int, metavar="MS", help="CONFIG: how long to wait for each node (default: timeout_ms)"),
+    arg(
+        "--key",
+        metavar="NAME",
+        help="CONFIG: ask as node NAME, with its key pair under CURVE (default: the first "
+        "node whose secret key file is readable here)",
+    ),
+)
 def status(args: argparse.Namespace) -> int:
-    """Show a run's progress table once, and which of its processes are alive."""
+    """Show every node's status (CONFIG: asked over the wire), or a run folder's progress table (RUN_DIR)."""
+    target = Path(args.target)
+    options: dict[str, Any] = {"--json": args.json, "--watch": args.watch, "--count": args.count}
+    options.update({"--timeout-ms": args.timeout_ms, "--key": args.key})
+    if not target.is_dir():
+        from .cluster.status import watch
+        from .config import load_config
+
+        if not target.exists():
+            raise FileNotFoundError(f"{target}: no such config file or run folder")
+        if args.watch is not None and args.watch < 0.1:
+            raise ValueError(f"--watch takes at least 0.1 seconds, got {args.watch:g}")
+        if args.count is not None and (args.watch is None or args.count < 1):
+            raise ValueError(f"--count needs --watch, and N >= 1 (got --count {args.count})")
+        if args.timeout_ms is not None and args.timeout_ms < 1:
+            raise ValueError(f"--timeout-ms must be a positive number of milliseconds, got {args.timeout_ms}")
+        config = load_config(target)
+        timeout_s = None if args.timeout_ms is None else args.timeout_ms / 1000
+        return watch(config, key=args.key, timeout_s=timeout_s, as_json=args.json, every_s=args.watch, count=args.count)
+    given = [flag for flag, value in options.items() if value is not None and value is not False]
+    if given:
+        raise ValueError(f"{target} is a run folder; {', '.join(given)}: only for a CONFIG file")
     from .cluster.launch import LaunchSpec
     from .cluster.monitor import MetricsTail, table
     from .cluster.processes import process_start, read_pid_file
 
-    pids = Path(args.run_dir) / "pids"
+    pids = target / "pids"
     if not pids.is_dir():
-        raise FileNotFoundError(f"{args.run_dir}: not a run folder (no pids/ in it)")
-    if (Path(args.run_dir) / "launch.json").exists():
-        names = LaunchSpec.load(args.run_dir).local_names
+        raise FileNotFoundError(f"{target}: not a run folder (no pids/ in it)")
+    if (target / "launch.json").exists():
+        names = LaunchSpec.load(target).local_names
     else:  # a PID file per node, besides the launcher's own processes
         names = sorted(p.stem for p in pids.glob("*.pid") if p.stem not in ("launcher", "finish"))
-    nodes = MetricsTail(args.run_dir, names).poll()
+    nodes = MetricsTail(target, names).poll()
     for line in table(list(nodes.values())):
         print(line)
     alive = []
@@ -102,7 +149,7 @@ def status(args: argparse.Namespace) -> int:
         if process_start(pid) == start:
             alive.append(f"{path.stem} (pid {pid})")
     print("running: " + (", ".join(alive) if alive else "nothing"))
-    summary = Path(args.run_dir) / "summary.txt"
+    summary = target / "summary.txt"
     if summary.exists() and not alive:
         print("\n" + summary.read_text().rstrip())
     return 0

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import random
 import shlex
 import signal
 import subprocess
@@ -61,6 +63,9 @@ class LaunchSpec:
     grace_s: float = 10.0  # between SIGTERM and SIGKILL
     print_every_s: float = 10.0  # plain progress lines when the output is not a terminal
     env: dict[str, str] = field(default_factory=dict)  # added to each node's environment
+    restarts: int = 0  # times a node that dies (a failure, or chaos) is started again
+    chaos_s: float = 0.0  # chaos mode: kill a random training node every this many seconds on average; 0: off
+    chaos_seed: int | None = None  # randomness of chaos mode
 
     @property
     def names(self) -> list[str]:
@@ -169,6 +174,8 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     """
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
+    if spec.chaos_s > 0 and spec.restarts < 1:
+        raise ValueError("chaos mode kills nodes: give --restarts N (N >= 1) so that they are started again")
     write_pid_file(run_dir / "pids" / "launcher.pid", os.getpid())
     cluster = Cluster(
         run_dir,
@@ -198,12 +205,64 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     return 0 if all(code == 0 for code in cluster.exited().values()) else 1
 
 
+class _Supervisor:
+    """Restarts nodes that die (up to spec.restarts each) and, in chaos mode, kills one now and then."""
+
+    def __init__(self, spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView) -> None:
+        self.spec, self.cluster, self.metrics, self.view = spec, cluster, metrics, view
+        self.rng = random.Random(spec.chaos_seed)
+        self.restarts: dict[str, int] = dict.fromkeys(cluster.commands, 0)
+        self.next_kill = self._next_kill(first=True)
+
+    def _next_kill(self, first: bool = False) -> float:
+        if self.spec.chaos_s <= 0:
+            return math.inf
+        wait = self.rng.expovariate(1.0 / self.spec.chaos_s)
+        return time.monotonic() + max(wait, self.spec.chaos_s / 2 if first else 1.0)
+
+    def tend(self, stopping: bool) -> set[str]:
+        """Kill (chaos) and restart as due; returns the nodes started again now."""
+        restarted: set[str] = set()
+        if stopping:
+            return restarted
+        nodes = self.metrics.nodes
+        if time.monotonic() >= self.next_kill:
+            # One failure at a time: only while every node trains (none is starting again), and only a
+            # node that may still be started again; so the cluster's state always survives in a peer.
+            alive = self.cluster.alive()
+            up = len(alive) == len(nodes) and all(
+                nodes[n].state == "training" and nodes[n].trained_since_start for n in alive
+            )
+            victims = [n for n in alive if self.restarts[n] < self.spec.restarts]
+            if up and victims:
+                victim = self.rng.choice(victims)
+                if self.cluster.kill(victim):
+                    nodes[victim].kills += 1
+                    self.view.message(f"dpwa: chaos: SIGKILL to {victim}")
+            self.next_kill = self._next_kill()
+        for name, code in self.cluster.exited().items():
+            finished = code == 0 and nodes[name].end is not None
+            if finished or self.restarts[name] >= self.spec.restarts:
+                continue
+            self.restarts[name] += 1
+            nodes[name].restarts += 1
+            nodes[name].exit_code = None
+            self.view.message(
+                f"dpwa: {name} exited with code {code}; starting it again "
+                f"(restart {self.restarts[name]} of {self.spec.restarts}): it rejoins from its peers"
+            )
+            self.cluster.restart(name)
+            restarted.add(name)
+        return restarted
+
+
 def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView, signals: _Signals) -> None:
     """Show progress until every node has exited; on a signal, SIGTERM them all, SIGKILL after the grace period."""
     stopping_since: float | None = None
     killed: list[str] = []
     reported: set[str] = set()
-    while cluster.alive():
+    supervisor = _Supervisor(spec, cluster, metrics, view)
+    while cluster.alive() or supervisor.tend(stopping=stopping_since is not None):
         if signals.first and stopping_since is None:
             view.message(
                 f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
@@ -220,6 +279,7 @@ def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveV
                 view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
                 cluster.signal(signal.SIGKILL)
         _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+        reported -= supervisor.tend(stopping=stopping_since is not None)
         view.update(list(metrics.poll().values()))
         time.sleep(0.25)
     _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))

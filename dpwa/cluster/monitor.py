@@ -38,6 +38,15 @@ class NodeState:
     lingering: bool = False
     exit_code: int | None = None  # set by the launcher once the process is gone
     bad_lines: int = 0
+    starts: int = 0  # start lines seen: more than one when the node was started again
+    rejoins: int = 0  # starts that took the cluster's state from a peer
+    restarts: int = 0  # set by the launcher
+    kills: int = 0  # chaos mode's kills, set by the launcher
+
+    @property
+    def trained_since_start(self) -> bool:
+        """A step line since the last start line (a node started again has not trained yet)."""
+        return self.start is not None and self.step is not None and self.step.get("t", 0) >= self.start.get("t", 0)
 
     @property
     def state(self) -> str:
@@ -84,6 +93,11 @@ class MetricsTail:
         kind = record.get("kind") if isinstance(record, dict) else None
         if kind in ("start", "step", "eval", "end"):
             setattr(node, kind, record)
+        if kind == "start":
+            node.starts += 1
+            node.lingering = False
+            node.end = None
+            node.rejoins += str(record.get("started", "")).startswith("joined the cluster")
         elif kind == "linger":
             node.lingering = True
 
@@ -189,6 +203,9 @@ def summarize(
                 "failed": end.get("failed", step.get("failed", 0)),
                 "served": stats.get("requests_served"),
                 "peers": end.get("peers", step.get("peers", {})),
+                "kills": node.kills,
+                "restarts": node.restarts,
+                "rejoins": node.rejoins,
             }
         )
     return {
@@ -198,6 +215,9 @@ def summarize(
         "average": average,
         "exchanges": sum(r["averaged"] or 0 for r in rows),
         "failed": sum(r["failed"] or 0 for r in rows),
+        "kills": sum(r["kills"] for r in rows),
+        "restarts": sum(r["restarts"] for r in rows),
+        "rejoins": sum(r["rejoins"] for r in rows),
     }
 
 
@@ -242,6 +262,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"run folder {summary['run_dir']}, {summary['elapsed_s']:.0f} s; "
         f"exchanges: {summary['exchanges']} done (averaged), {summary['failed']} failed"
     ]
+    if summary.get("kills") or summary.get("restarts"):
+        notes.append(
+            f"chaos and restarts: {summary.get('kills', 0)} killed, {summary.get('restarts', 0)} started again, "
+            f"{summary.get('rejoins', 0)} rejoined from their peers"
+        )
     if "test_acc" in average:
         notes.append("'average': one model whose weights are the mean of every node's final weights")
     elif average.get("error"):

@@ -138,21 +138,39 @@ class Cluster:
 
     def start(self) -> None:
         """Start every node: output to logs/NAME.log, PID file pids/NAME.pid."""
+        for name in self.commands:
+            self._spawn(name)
+
+    def _spawn(self, name: str) -> None:
         env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", **self.env}
-        for i, (name, argv) in enumerate(self.commands.items()):
-            if self.taskset:
-                argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
-            with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            self.procs[name] = proc
-            write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)
+        argv = self.commands[name]
+        if self.taskset:
+            i = list(self.commands).index(name)
+            argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
+        with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.procs[name] = proc
+        write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)
+
+    def restart(self, name: str) -> None:
+        """Start node `name` again (its previous process has exited): same command, its log appended."""
+        old = self.procs[name]
+        if old.poll() is None:
+            raise RuntimeError(f"{name} (pid {old.pid}) is still running; stop it before starting it again")
+        self._spawn(name)
+
+    def kill(self, name: str) -> bool:
+        """SIGKILL node `name` now (chaos mode). False if it had exited already."""
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            return False
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
 
     def exited(self) -> dict[str, int]:
         """Exit codes of the nodes that have exited so far."""

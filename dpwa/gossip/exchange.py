@@ -149,6 +149,7 @@ class InDoubt:
     """A half whose confirm was sent but whose decision has not arrived."""
 
     half: ClientHalf
+    answered: bool = False  # the peer did answer, with something other than a decision on it (alive, then)
 
     def release(self) -> None:
         self.half.release()
@@ -208,11 +209,13 @@ class ExchangeTask:
         except DeadlinePassed:  # nothing was sent: the server will expire it
             half.release()
             raise
-        except (TransportError, ProtocolError, Refused):
+        except TransportError:
             return InDoubt(half)  # the confirm may have arrived: learn the decision later
+        except (ProtocolError, Refused):
+            return InDoubt(half, answered=True)
         outcome = decision.header["outcome"]
         if decision.header["xid"] != xid:
-            return InDoubt(half)  # a confused peer: ask again later
+            return InDoubt(half, answered=True)  # a confused peer: ask again later
         if outcome == "commit":
             return half
         half.release()
@@ -277,8 +280,16 @@ class ExchangeClient:
         counters: where to count committed, aborted and dropped exchanges.
     """
 
-    def __init__(self, name: str, timeout_s: float, submit: Callable[[Any], Call], counters: Counters) -> None:
+    def __init__(
+        self,
+        name: str,
+        timeout_s: float,
+        submit: Callable[[Any], Call],
+        counters: Counters,
+        heard: Callable[[str], None] = lambda peer: None,
+    ) -> None:
         self.name, self._timeout_s, self._submit, self._counters = name, timeout_s, submit, counters
+        self._heard = heard  # a peer answered (flow control: it is alive)
         self._doubts: dict[tuple[str, int], _Doubt] = {}
 
     def __len__(self) -> int:
@@ -306,6 +317,8 @@ class ExchangeClient:
             call = doubt.call
             if call is not None and call.done.is_set():
                 doubt.call = None
+                if call.outcome in ("ok", "refused", "rejected"):
+                    self._heard(doubt.half.peer)
                 if call.outcome == "ok":
                     outcome = call.take()
                     del self._doubts[key]
@@ -400,6 +413,7 @@ class ExchangeServer:
     def serve_exchange(self, request: Request) -> Reply:
         header, peer = request.header, request.sender
         self._serving.check_request(header)
+        self._serving.check_budget(request)
         with contextlib.ExitStack() as undo:
             served = self._reserve(peer)  # cheap refusals before looking at the payload
             undo.push(served)

@@ -165,6 +165,14 @@ class FlowControl:
             self._next_probe = now + self._backoff_s
         return True
 
+    def heard(self, peer: str) -> None:
+        """The peer answered something (not a request of ours that scores it): it is alive."""
+        self._misses[peer] = 0
+        if self.alone:
+            self.alone = False
+            self._backoff_s = 0.0
+            logger.warning("%s: %s answered: averaging again", self.name, peer)
+
     def record(self, peer: str, outcome: str, refusal: str = "") -> None:
         """Learn from one request's outcome (see dpwa.wire.client for the outcomes)."""
         if outcome in ("cancelled", "expired"):  # nothing was learned about the peer
@@ -172,11 +180,7 @@ class FlowControl:
         if outcome in ("timeout", "failed"):
             self._misses[peer] += 1
         else:  # any reply, even a refusal, shows the peer is alive
-            self._misses[peer] = 0
-            if self.alone:
-                self.alone = False
-                self._backoff_s = 0.0
-                logger.warning("%s: %s answered: averaging again", self.name, peer)
+            self.heard(peer)
         if outcome == "ok":
             self.selector.success(peer)
             return

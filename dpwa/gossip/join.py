@@ -208,13 +208,14 @@ class JoinServer:
         if current is None:
             return None
         asked = self._asked.get(sender)
+        patience_over = asked is not None and now - asked > EXTRA_PATIENCE_S
         for offer in sorted(self._offers.values(), key=lambda o: -o.created):
             version = offer.snapshot.snapshot.version
-            if version == current.version or (asked is not None and offer.created >= asked):
+            whole = self._extra is None or bool(offer.extra_meta) or patience_over
+            if whole and (version == current.version or (asked is not None and offer.created >= asked)):
                 return offer
         captured = self._captured
         if self._extra is not None and (captured is None or captured[0] != current.version):
-            patience_over = asked is not None and now - asked > EXTRA_PATIENCE_S
             if not patience_over:
                 return None
             captured = None  # the donor makes no step: its parameters alone
@@ -271,6 +272,8 @@ class JoinServer:
 
     def serve_chunk(self, request: Request) -> Reply:
         header = request.header
+        if not request.may_send_payload:
+            raise Refused("busy", "earlier replies to you are still unsent")
         with self._lock:
             offer = self._offers.get(header["session"])
             if offer is not None:

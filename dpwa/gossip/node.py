@@ -238,7 +238,7 @@ class Node:
                     "(another node of this or another run uses that port)"
                 ) from None
         local = self._same_host_peers()
-        unsent = max(4, UNSENT_PER_CLIENT * len(self.peers))
+        unsent = UNSENT_PER_CLIENT * (len(self.peers) + 1)  # each sender its own budget
         self._store = store = SnapshotStore(
             self.params.size,
             self._storage,
@@ -299,7 +299,9 @@ class Node:
                 self.counters,
             )
             routes.update(self._exchange_server.routes())
-            self._exchange_client = ExchangeClient(self.name, self.config.timeout_s, self._client.submit, self.counters)
+            self._exchange_client = ExchangeClient(
+                self.name, self.config.timeout_s, self._client.submit, self.counters, self._flow.heard
+            )
         self._server = Server(
             self._ctx,
             endpoint,
@@ -532,7 +534,7 @@ class Node:
         value = call.take()
         if isinstance(value, InDoubt):
             assert self._exchange_client is not None
-            self._flow.record(call.peer, "timeout")
+            self._flow.record(call.peer, "rejected" if value.answered else "timeout")
             self._exchange_client.add(value)
             return Update(
                 False,
@@ -627,7 +629,7 @@ class Node:
 
         A node that finishes first and exits would cost each remaining peer a
         request timeout per step; staying up while it is still asked avoids
-        it. Only requests actually served count (not refusals). In mode
+        it. Only requests actually served count (not refusals, nor status requests). In mode
         symmetric the exchanges peers confirm are applied, and a new snapshot
         is published after each, so a lingering node keeps taking part.
         Returns the time spent.
@@ -636,16 +638,20 @@ class Node:
         self._abandon_step()
         self.state = "lingering"
         start = last_change = time.monotonic()
-        last = self.counters.get("requests_served")
+
+        def served() -> int:  # what peers still training ask for (not someone watching our status)
+            return self.counters.get("requests_served") - self.counters.get("served.status")
+
+        last = served()
         committed = self._exchange_server.committed if self._exchange_server is not None else threading.Event()
         try:
             while not stop() and time.monotonic() - start < limit_s:
                 committed.clear()
                 if self._tend():
                     self._publish(None)  # a fresh snapshot at once, so the next exchange is not refused busy
-                served = self.counters.get("requests_served")
-                if served != last:
-                    last, last_change = served, time.monotonic()
+                now_served = served()
+                if now_served != last:
+                    last, last_change = now_served, time.monotonic()
                 elif time.monotonic() - last_change >= idle_s:
                     break
                 committed.wait(0.02)  # woken by a commit; else a bounded poll while the Rx thread serves

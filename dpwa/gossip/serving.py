@@ -56,10 +56,20 @@ class Serving:
 
     def serve_fetch(self, request: Request) -> Reply:
         self.check_request(request.header)
+        self.check_budget(request)
         lease = self.store.lease()
         if lease is None:
             raise Refused("not_ready", "no snapshot published yet")
         return self.snapshot_reply(request.header, lease)
+
+    def check_budget(self, request: Request) -> None:
+        """Refuse "busy" when the reply would carry our snapshot and the sender's unsent budget is spent."""
+        if request.may_send_payload:
+            return
+        current = self.store.current()
+        if request.header.get("shm") and self.shm_id is not None and current is not None and current.shared:
+            return  # the reply only names a shared-memory slot
+        raise Refused("busy", "earlier replies to you are still unsent")
 
     def snapshot_reply(self, header: Header, lease: Lease, **extra: Any) -> Reply:
         """Our snapshot for a requester: a zero-copy frame, or the name of a shared-memory slot.

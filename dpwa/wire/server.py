@@ -20,10 +20,14 @@ What a client can make the server do is bounded, whoever the client is:
 * **Replies nobody reads.** Replies go out with ``NOBLOCK``: a client whose
   queue is full (``SNDHWM``) loses its reply, and nobody else waits. Replies
   that carry a payload are sent without a copy and their memory stays held
-  (:class:`Hold`) until ZeroMQ reports it sent; a client may have at most
-  ``max_unsent_per_client`` such replies unsent, and all clients together
-  ``max_unsent``, beyond which bulk requests are refused ``busy`` at once.
-  So a client that never reads pins a bounded number of buffers.
+  (:class:`Hold`) until ZeroMQ reports it sent; a sender (its CURVE identity,
+  else the node its checked ``from`` names) may have at most
+  ``max_unsent_per_client`` such replies unsent, and all together
+  ``max_unsent``. Handlers of bulk routes read ``request.may_send_payload``
+  and refuse ``busy`` early (a reply without a payload, such as a same-host
+  slot's name, still goes); the server refuses a payload reply beyond it
+  anyway. So a client that never reads pins a bounded number of buffers, and
+  only its own name's budget.
 * **Refusals are not failures.** A handler raises :class:`Refused` for an
   ordinary "not now" (busy, not ready) and :class:`ProtocolError` for a bad
   request; both become ``error`` replies, counted apart.
@@ -103,6 +107,9 @@ class Request:
     payload: Sequence[zmq.Frame]  # the kind's payload frames (empty for most kinds)
     client: bytes  # the ROUTER routing id of the connection (opaque)
     identity: str | None  # the node its CURVE key belongs to; None without CURVE
+    # False when the sender has its budget of unsent payload replies: answer without a payload
+    # (a same-host slot, say), or refuse "busy" (the server refuses a payload reply anyway)
+    may_send_payload: bool = True
 
     @property
     def sender(self) -> str:
@@ -391,9 +398,13 @@ class Server:
         request = Request(header, frames[3:], client, identity)
         try:
             self._check(route, request)
-            if route.bulk:
-                self._check_budget(identity or client)
+            key = identity or header.get("from") or client  # checked: a node of the cluster, or its key's
+            request.may_send_payload = not route.bulk or self._within_budget(key)
             reply = route.handler(request)
+            if reply.payload and not request.may_send_payload:
+                if reply.hold is not None:
+                    reply.hold.release()
+                raise Refused("busy", f"{self._max_unsent_per_client} replies to you are still unsent")
         except Refused as exc:
             self.counters.add("requests_refused")
             self.counters.add(f"refused.{exc.reason}")
@@ -407,7 +418,8 @@ class Server:
             self._reply_error(sock, client, header, "internal", type(exc).__name__)
             return
         self.counters.add("requests_served")
-        self._send(sock, client, reply, key=identity or client)
+        self.counters.add(f"served.{header.kind}")
+        self._send(sock, client, reply, key=key)
 
     def _check(self, route: Route, request: Request) -> None:
         payload = request.payload
@@ -428,11 +440,9 @@ class Server:
         if request.identity is None and self._senders is not None and claimed not in self._senders:
             raise ProtocolError("bad_identity", f"{claimed!r} is not a node of this cluster")
 
-    def _check_budget(self, key: Any) -> None:
-        if self._unsent.count(key) >= self._max_unsent_per_client:
-            raise Refused("busy", f"{self._max_unsent_per_client} replies to you are still unread")
-        if self._unsent.total() >= self._max_unsent:
-            raise Refused("busy", f"{self._max_unsent} replies are still unread by their clients")
+    def _within_budget(self, key: Any) -> bool:
+        """May a reply with a payload go to the sender `key` now? (Its unsent ones, and everyone's, are few.)"""
+        return self._unsent.count(key) < self._max_unsent_per_client and self._unsent.total() < self._max_unsent
 
     def _reply_error(
         self, sock: zmq.Socket, client: bytes, header: Header, reason: str, detail: str, sender: str = "?"
@@ -452,7 +462,13 @@ class Server:
         parts: list[Any] = [client, b"", reply.header, *reply.payload]
         tracked = bool(reply.payload)
         try:
-            tracker = sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False, track=tracked)
+            try:
+                tracker = sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False, track=tracked)
+            except zmq.Again:
+                # libzmq learns late that its I/O thread drained the queue: reading EVENTS makes it catch
+                # up on that news, and one more try tells a really full queue from a stale count.
+                sock.getsockopt(zmq.EVENTS)
+                tracker = sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False, track=tracked)
         except zmq.ZMQError as exc:  # EAGAIN: that client's queue is full; EHOSTUNREACH: it is gone
             self.counters.add("replies_dropped")
             self._log(30, ("drop", exc.errno), "%s: dropped a reply: %s", self.name, exc)

@@ -15,6 +15,7 @@ that of the average of their weights) and draws curves.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -26,13 +27,13 @@ import data as datasets  # noqa: E402
 import models  # noqa: E402
 
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
-from dpwa.cluster import launch, processes  # noqa: E402
+from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
 from dpwa.cluster.keys import key_nodes  # noqa: E402
 from dpwa.wire.endpoints import is_loopback  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = ("model", "width", "epochs", "steps_per_epoch", "batch_size", "lr", "shard", "device", "seed",
-                 "log_every", "linger_s")
+                 "log_every", "linger_s", "barrier_timeout_s")
 
 
 def default_nodes() -> int:
@@ -67,6 +68,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="config: state (the original rule) or delta (keeps the local step; default: %(default)s)")
     g.add_argument("--wire-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="config: dtype of parameters on the wire (default: %(default)s)")
+    g = p.add_argument_group("failures")
+    g.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue RUN_DIR (its config and options) from its latest complete checkpoint")
+    g.add_argument("--restarts", type=int, default=0,
+                   help="start a node that dies again, up to this many times each; it rejoins from its peers "
+                        "(default: %(default)s)")
+    g.add_argument("--chaos", type=float, nargs="?", const=8.0, metavar="SECONDS",
+                   help="chaos mode: SIGKILL a random training node every SECONDS on average (default 8), and "
+                        "start it again (needs --restarts N; default then 3)")
+    g.add_argument("--chaos-seed", type=int, help="the randomness of --chaos (default: a new one each run)")
+    g.add_argument("--barrier-timeout-s", type=float,
+                   help="how long nodes wait for missing ones at a barrier (default: 300)")
     g = p.add_argument_group("processes")
     g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
     g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
@@ -106,6 +119,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--base-port must leave room for every node below 65536, got {args.base_port}")
     if args.grace < 0:
         p.error(f"--grace must be >= 0, got {args.grace}")
+    if args.chaos is not None and args.chaos <= 0:
+        p.error(f"--chaos takes a mean interval in seconds > 0, got {args.chaos}")
+    if args.chaos is not None and not args.restarts:
+        args.restarts = 3
+    if args.restarts < 0:
+        p.error(f"--restarts must be >= 0, got {args.restarts}")
+    if args.resume is not None and (args.config or args.nodes or args.base_port):
+        p.error("--resume continues a run with its own config: leave out --config, --nodes and --base-port")
     return args
 
 
@@ -133,8 +154,29 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     return mapping, []
 
 
+def resume(args: argparse.Namespace) -> int:
+    """Run RUN_DIR again, every node continuing from the run's latest complete checkpoint."""
+    try:
+        spec = launch.LaunchSpec.load(args.resume)
+        names = spec.local_names
+        epoch = checkpoints.latest_complete(args.resume, [n["name"] for n in spec.config["nodes"]])
+        if epoch is None:
+            raise ConfigError(f"{args.resume}: no complete checkpoint of every node ({', '.join(names)}) to resume from")
+        command = spec.command if "--resume" in spec.command else spec.command + ["--resume"]
+        spec = launch.prepare(dataclasses.replace(
+            spec, command=command, restarts=args.restarts, chaos_s=args.chaos or 0.0, chaos_seed=args.chaos_seed,
+            grace_s=args.grace, print_every_s=args.print_every))
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"./run.sh: {exc}", file=sys.stderr)
+        return 2
+    print(f"dpwa: resuming {args.resume} from the checkpoint of epoch {epoch}", flush=True)
+    return launch.detach(spec) if args.detach else launch.run(spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resume is not None:
+        return resume(args)
     data = datasets.resolve(args.data, args.data_dir)
     try:
         config, local = cluster_config(args)
@@ -158,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}",
                             "--data-dir", str(args.data_dir.resolve())],
             pin=not args.no_pin, grace_s=args.grace, print_every_s=args.print_every,
+            restarts=args.restarts, chaos_s=args.chaos or 0.0, chaos_seed=args.chaos_seed,
         ))
     except (ConfigError, OSError) as exc:
         print(f"./run.sh: {exc}", file=sys.stderr)

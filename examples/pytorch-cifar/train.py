@@ -27,10 +27,13 @@ import json
 import logging
 import math
 import os
+import random
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +45,7 @@ from evaluate import checkpoint, evaluate
 import dpwa
 from dpwa import DpwaPyTorchAdapter
 from dpwa import TransportError
+from dpwa.cluster import checkpoints
 
 # Defaults per dataset. On digits, 2 nodes reach about 99% in 20 epochs of 22 steps; with more
 # nodes the shards shrink, so the default epochs grow until each node takes at least min_steps.
@@ -82,7 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--linger-s", type=float, default=60.0,
                    help="after the last epoch, keep serving peers that still train, until none has fetched "
                         "for a while or this many seconds passed (default: %(default)s; 0: exit at once)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from RUN_DIR's latest complete checkpoint (needs --run-dir)")
+    p.add_argument("--barrier-timeout-s", type=float, default=300.0,
+                   help="how long a node waits at a barrier for missing nodes before it goes on without them "
+                        "(default: %(default)s)")
     args = p.parse_args(argv)
+    if args.resume and args.run_dir is None:
+        p.error("--resume needs --run-dir (the run whose checkpoints to continue from)")
     for option in ("epochs", "steps_per_epoch", "batch_size", "width", "log_every"):
         value = getattr(args, option)
         if value is not None and value < 1:
@@ -131,6 +142,69 @@ class Metrics:
             self._fh.close()
 
 
+def node_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, order: torch.Generator,
+               conn: DpwaPyTorchAdapter, progress: dict[str, int]) -> dict[str, Any]:
+    """Everything a node needs to continue after its epoch: tensors, numbers and strings only."""
+    return {
+        "model": {k: v.detach().cpu() for k, v in net.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "dpwa": {"clock": conn.clock, "barriers": conn.barrier_counters()},
+        "progress": dict(progress),
+        "rng": {"torch": torch.get_rng_state(), "order": order.get_state(), "python": random.getstate()},
+    }
+
+
+def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
+                     schedule: Any, order: torch.Generator, progress: dict[str, int], steps: int) -> str:
+    """Where this node starts; fills `progress` and says which, in words:
+
+    * --resume: the run's latest complete checkpoint;
+    * it joined a cluster that has trained (it started late, or again after a crash): where the cluster is;
+    * it was started again and no peer could give it their state: its own latest checkpoint, if any;
+    * otherwise, the beginning.
+    """
+    if args.resume:
+        names = [n.name for n in dpwa.load_config(args.config).nodes]
+        epoch = checkpoints.latest_complete(args.run_dir, names)
+        if epoch is None:
+            raise checkpoints.CheckpointError(f"{args.run_dir}: no complete checkpoint of {', '.join(names)} to resume")
+        load_checkpoint(args, epoch, conn, optimizer, schedule, order, progress)
+        return f"resumed from the checkpoint of epoch {epoch}"
+    counters = conn.barrier_counters()
+    if conn.joined is not None and conn.clock > 0:
+        progress["epoch"] = counters.get("epoch", 0)
+        progress["step"] = progress["epoch"] * steps
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": deliberate here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(progress["step"]):  # the learning rate where the cluster's is
+                schedule.step()
+        order.manual_seed(order.initial_seed() + 7919 * progress["epoch"])  # a batch order of its own
+        return f"joined the cluster at epoch {progress['epoch'] + 1} from {conn.joined.donor}"
+    own = [e for e in checkpoints.epochs(args.run_dir) if args.name in checkpoints.manifest(args.run_dir, e).get(
+        "files", {})] if args.run_dir is not None else []
+    if own:  # started again, and no peer had trained: our own last checkpoint is the freshest state we know
+        load_checkpoint(args, own[-1], conn, optimizer, schedule, order, progress)
+        return f"started again from its own checkpoint of epoch {own[-1]} (no peer could give it its state)"
+    if conn.joined is not None:
+        return f"started from {conn.joined.donor}'s initial parameters"
+    return "started from the beginning"
+
+
+def load_checkpoint(args: argparse.Namespace, epoch: int, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
+                    schedule: Any, order: torch.Generator, progress: dict[str, int]) -> None:
+    """Continue from this node's checkpoint of `epoch` (hash checked, weights_only loading)."""
+    state = checkpoints.load(args.run_dir, epoch, args.name)
+    conn.net.load_state_dict(state["model"])  # in place: the adapter keeps blending the same tensors
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    conn.restore(clock=state["dpwa"]["clock"], barriers=state["dpwa"]["barriers"])
+    order.set_state(state["rng"]["order"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    progress.update(state["progress"])
+
+
 def pick_device(choice: str, index: int) -> torch.device:
     if choice != "auto":
         return torch.device(choice)
@@ -173,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = min(full_epoch, args.steps_per_epoch or full_epoch)
     epochs = args.epochs or max(defaults["epochs"], math.ceil(defaults["min_steps"] / full_epoch))
 
-    torch.manual_seed(args.seed)  # same initial weights on every node
+    torch.manual_seed(args.seed)  # same initial weights on every node (and joining makes sure of it)
     net = models.build(model_name, data.in_channels, data.num_classes, args.width).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, nesterov=True)
@@ -182,27 +256,45 @@ def main(argv: list[str] | None = None) -> int:
         optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     order = torch.Generator().manual_seed(args.seed * 1000 + index + 1)  # each node its own batch order
 
-    try:
-        conn = DpwaPyTorchAdapter(net, args.name, config)
+    try:  # with join: auto (the default) a node that starts late or restarts takes a peer's state here
+        conn = DpwaPyTorchAdapter(net, args.name, config, optimizer=optimizer)
     except TransportError as exc:  # e.g. the port is in use
         log.error("%s", exc)
+        return 2
+    progress = {"epoch": 0, "step": 0, "averaged": 0, "failed": 0}  # what a checkpoint keeps besides the state
+    try:
+        started = resume_or_rejoin(args, conn, optimizer, schedule, order, progress, steps)
+    except checkpoints.CheckpointError as exc:
+        log.error("%s: %s", args.name, exc)
+        conn.close()
         return 2
     metrics = Metrics(args.run_dir, args.name)
     metrics.write("start", pid=os.getpid(), data=data_name, model=model_name, device=str(device),
                   parameters=models.count_parameters(net), train_images=len(data.train_y),
-                  test_images=len(data.test_y), epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr)
-    log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps",
+                  test_images=len(data.test_y), epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr,
+                  started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock)
+    log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps; %s",
              args.name, data_name, "its shard" if args.shard == "auto" else "all the data", len(data.train_y),
-             model_name, f"{models.count_parameters(net):,}", device, epochs, steps)
+             model_name, f"{models.count_parameters(net):,}", device, epochs, steps, started)
 
-    step, loss_value = 0, None
-    averaged, failed, averaged_with = 0, 0, collections.Counter()
+    step, loss_value = progress["step"], None
+    averaged, failed, averaged_with = progress["averaged"], progress["failed"], collections.Counter()
     window_losses: list[float] = []
-    window_start, window_averaged = time.monotonic(), 0
+    window_start, window_averaged = time.monotonic(), averaged
     train_start = time.monotonic()
-    epoch, reason = 0, "error"
+    epoch, reason = progress["epoch"], "error"
+
+    def barrier(name: str) -> None:
+        """Wait for every node at the barrier (going on without missing ones after the timeout)."""
+        t0 = time.monotonic()
+        skipped = conn.barrier(name, timeout_s=args.barrier_timeout_s, missing="proceed")
+        metrics.write("barrier", name=name, epoch=epoch, step=step, waited_s=round(time.monotonic() - t0, 3),
+                      skipped=skipped)
+
     try:
-        for epoch in range(1, epochs + 1):
+        if conn.barrier_counters().get("start", 0) == 0:  # a rejoined or resumed node passed it already
+            barrier("start")
+        for epoch in range(progress["epoch"] + 1, epochs + 1):
             net.train()
             for epoch_step, (x, y) in enumerate(datasets.batches(data, batch_size, order), start=1):
                 if stop or epoch_step > steps:
@@ -234,6 +326,12 @@ def main(argv: list[str] | None = None) -> int:
                     window_losses, window_start, window_averaged = [], now, averaged
             if stop:
                 break
+            barrier("epoch")  # every node ends epoch `epoch` here, so all evaluate the same boundary
+            if args.run_dir is not None:
+                progress.update(epoch=epoch, step=step, averaged=averaged, failed=failed)
+                saved = checkpoints.save(args.run_dir, epoch, args.name,
+                                         node_state(net, optimizer, schedule, order, conn, progress))
+                metrics.write("checkpoint", epoch=epoch, step=step, file=str(saved))
             result = evaluate(net, data, device, should_stop=lambda: bool(stop))
             if result is None:
                 break
@@ -241,9 +339,12 @@ def main(argv: list[str] | None = None) -> int:
             metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss)
             log.info("%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
                      "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
-                     loss_value, 100 * acc, test_loss, averaged, failed)
+                     loss_value if loss_value is not None else float("nan"), 100 * acc, test_loss,
+                     averaged, failed)
+        if not stop:
+            barrier("exit")
         if not stop and args.linger_s > 0:
-            step_s = (time.monotonic() - train_start) / max(step, 1)
+            step_s = (time.monotonic() - train_start) / max(step - progress["step"], 1)
             idle_s = max(2.0, 4 * step_s, 2 * config.timeout_s)
             metrics.write("linger", idle_s=idle_s, limit_s=args.linger_s)
             log.info("%s: serving peers that still train (until none fetched for %.1f s)", args.name, idle_s)

@@ -25,7 +25,7 @@ import socket
 import struct
 import time
 
-__all__ = ["RawZmtp", "ZmtpError", "frame_bytes", "greeting", "ready_command"]
+__all__ = ["RawZmtp", "ZmtpError", "frame_bytes", "frames_blob", "greeting", "ready_command"]
 
 SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
 FLAG_MORE, FLAG_LONG, FLAG_COMMAND = 0x01, 0x02, 0x04
@@ -51,6 +51,11 @@ def frame_bytes(body: bytes, more: bool = False, command: bool = False) -> bytes
     """One frame on the wire: flags, size (1 or 8 bytes), body."""
     flags = (FLAG_MORE if more else 0) | (FLAG_COMMAND if command else 0)
     return _frame_head(flags, len(body)) + body
+
+
+def frames_blob(body_size: int, count: int, more: bool = True) -> bytes:
+    """`count` frames of `body_size` zero bytes, each with the MORE flag: one piece of a message that never ends."""
+    return frame_bytes(b"\x00" * body_size, more=more) * count
 
 
 def ready_command(socket_type: bytes = b"REQ", identity: bytes | None = None) -> bytes:
@@ -127,6 +132,19 @@ class RawZmtp:
         """A whole message: every frame but the last with MORE."""
         data = b"".join(frame_bytes(f, more=i < len(frames) - 1) for i, f in enumerate(frames))
         self.send_raw(data)
+
+    def stream(self, blob: bytes, total: int) -> int:
+        """Send `blob` again and again until `total` bytes went out or the server cut the connection.
+
+        Returns the bytes the kernel accepted; stops quietly at EPIPE or ECONNRESET.
+        """
+        start = self.sent
+        try:
+            while self.sent - start < total:
+                self.send_raw(blob)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return self.sent - start
 
     def send_request(self, header: bytes, *payload: bytes) -> None:
         """What a REQ socket sends: the empty delimiter, the header, the payload frames."""

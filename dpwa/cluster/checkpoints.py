@@ -1,0 +1,165 @@
+"""Coordinated checkpoints: one file per node per epoch, a manifest with their hashes, safe loading.
+
+Layout::
+
+    RUN_DIR/checkpoints/epoch-K/NODE.pt        one node's state after epoch K
+    RUN_DIR/checkpoints/epoch-K/manifest.json  {"epoch": K, "files": {NODE: {"file", "sha256", "bytes", "saved"}}}
+
+Every file is written atomically: into a temporary file, flushed and
+fsync'ed, then renamed over its name (and the directory fsync'ed), so a crash
+at any moment leaves the old file or the new one, never half of one. The
+manifest is updated the same way under a file lock, one entry per node.
+
+An epoch's checkpoint is *complete* when every node's file is listed and
+present; :func:`latest_complete` finds the newest. :func:`load` checks a
+file's SHA-256 against the manifest before reading it, and reads it with
+``torch.load(weights_only=True)``: tensors, numbers, strings, lists, tuples
+and dicts only, never arbitrary pickled objects.
+
+What goes into a node's state is the caller's choice (the example saves the
+model, the optimizer, the learning-rate schedule, dpwa's clock and barrier
+counters, the epoch and step, and the random number generators' states).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CheckpointError", "checkpoint_dir", "latest_complete", "load", "manifest", "save"]
+
+_EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged; the message names the file."""
+
+
+def checkpoint_dir(run_dir: str | os.PathLike[str], epoch: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"epoch-{epoch}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    fd = os.open(directory / "manifest.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def save(run_dir: str | os.PathLike[str], epoch: int, node: str, state: dict[str, Any]) -> Path:
+    """Write `node`'s state for `epoch` atomically and list it in the epoch's manifest. Returns the file."""
+    import io
+
+    import torch
+
+    if not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", node):
+        raise ValueError(f"a node name is 1 to 64 letters, digits, '_', '.' or '-', got {node!r}")
+    directory = checkpoint_dir(run_dir, epoch)
+    directory.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    path = directory / f"{node}.pt"
+    _write_atomically(path, data)
+    entry = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "saved": time.time()}
+    with _locked(directory):
+        current = manifest(run_dir, epoch)
+        current.setdefault("files", {})[node] = entry
+        current["epoch"] = epoch
+        _write_atomically(directory / "manifest.json", (json.dumps(current, indent=2) + "\n").encode())
+    return path
+
+
+def manifest(run_dir: str | os.PathLike[str], epoch: int) -> dict[str, Any]:
+    """The manifest of `epoch` ({} when there is none yet)."""
+    path = checkpoint_dir(run_dir, epoch) / "manifest.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable manifest: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("files", {}), dict):
+        raise CheckpointError(f"{path}: not a checkpoint manifest")
+    return data
+
+
+def epochs(run_dir: str | os.PathLike[str]) -> list[int]:
+    """The epochs that have a checkpoint folder, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _EPOCH_DIR.match(p.name)) and p.is_dir())
+
+
+def latest_complete(run_dir: str | os.PathLike[str], nodes: Iterable[str]) -> int | None:
+    """The newest epoch whose manifest lists a present file for every one of `nodes`, or None."""
+    names = list(nodes)
+    for epoch in reversed(epochs(run_dir)):
+        try:
+            files = manifest(run_dir, epoch).get("files", {})
+        except CheckpointError:
+            continue
+        directory = checkpoint_dir(run_dir, epoch)
+        if all(name in files and (directory / files[name]["file"]).is_file() for name in names):
+            return epoch
+    return None
+
+
+def load(run_dir: str | os.PathLike[str], epoch: int, node: str, map_location: Any = "cpu") -> dict[str, Any]:
+    """`node`'s state for `epoch`, after checking its hash against the manifest (weights_only loading)."""
+    import io
+
+    import torch
+
+    entry = manifest(run_dir, epoch).get("files", {}).get(node)
+    directory = checkpoint_dir(run_dir, epoch)
+    if entry is None:
+        raise CheckpointError(f"{directory / 'manifest.json'}: no checkpoint of {node} for epoch {epoch}")
+    path = directory / str(entry.get("file", ""))
+    if path.parent != directory or not path.is_file():
+        raise CheckpointError(f"{path}: the checkpoint file the manifest lists is missing")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        raise CheckpointError(f"{path}: its SHA-256 does not match the manifest (damaged or replaced)")
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError and others for what it refuses
+        raise CheckpointError(f"{path}: not a safe checkpoint ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: a checkpoint holds a dict, got {type(state).__name__}")
+    return state

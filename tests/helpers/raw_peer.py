@@ -1,0 +1,87 @@
+"""A fake dpwa peer for tests: a ROUTER socket that answers each request with crafted frames.
+
+A real node's config names the fake's endpoint as one of its peers (``insecure:
+true`` TCP, so no keys are needed), and the fake answers the node's fetches,
+exchanges and confirms with whatever the test's ``respond(request)`` returns,
+malformed on purpose or not. Nothing here validates what it sends.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+__all__ = ["FakePeer", "FakeRequest"]
+
+
+@dataclass
+class FakeRequest:
+    """One request as the fake received it: the raw header, its msgpack content if any, payload frames."""
+
+    raw: bytes
+    header: dict[str, Any]  # {} when the header is not a msgpack map
+    payload: list[bytes]
+
+    @property
+    def kind(self) -> str | None:
+        return self.header.get("kind")
+
+    @property
+    def id(self) -> int:
+        return self.header.get("id", 0)
+
+
+class FakePeer:
+    """Serves `endpoint` on its own thread until closed.
+
+    Args:
+        ctx: the ZeroMQ context.
+        endpoint: where to bind (the TCP endpoint a node's config gives the faked peer).
+        respond: called for each request (on the fake's thread); returns the reply's frames
+            (without the envelope), or None to send nothing.
+    """
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, respond: Callable[[FakeRequest], list[bytes] | None]) -> None:
+        self._respond = respond
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.handled = 0
+        self.errors: list[str] = []  # exceptions raised by `respond`: a broken test, not a broken node
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-fake-peer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            frames = self.sock.recv_multipart()
+            if len(frames) < 3:
+                continue
+            ident, raw, payload = frames[0], frames[2], frames[3:]
+            try:
+                header = msgpack.unpackb(raw, raw=False)
+                if not isinstance(header, dict):
+                    header = {}
+            except Exception:
+                header = {}
+            try:
+                reply = self._respond(FakeRequest(raw, header, payload))
+            except Exception:
+                self.errors.append(traceback.format_exc())
+                continue
+            self.handled += 1
+            if reply is not None:
+                self.sock.send_multipart([ident, b"", *reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close(linger=0)

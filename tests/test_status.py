@@ -1,0 +1,225 @@
+"""python -m dpwa status CONFIG: every node asked over its own socket; one table, or JSON for scripts.
+
+The nodes run in this process; the command runs as a child process, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import yaml
+
+from dpwa import NumpyParams, parse_config
+from dpwa.cluster.status import FIELDS, StatusClient
+
+from conftest import ROOT, filled, make_config, wait_until
+from test_security import secure_config
+
+IDLE_PEER = {"score": 1.0, "failures": 0, "latency_s": None}  # a peer never fetched from
+
+
+def dpwa_status(config_path, *args):
+    return subprocess.run([sys.executable, "-m", "dpwa", "status", str(config_path), *map(str, args)],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def write(tmp_path, cfg, name="cluster.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def by_name(done):
+    assert done.stdout.count("\n") == 1, done.stdout  # one JSON document, one line
+    return {row["name"]: row for row in json.loads(done.stdout)["nodes"]}
+
+
+def steps(node, n, batch_size, loss):
+    """n steps without fetches: the clock grows by batch_size each, the loss is the last one given."""
+    for _ in range(n):
+        assert not node.update_send(batch_size=batch_size)
+        node.update_wait(loss=loss)
+
+
+def test_json_gives_every_field_with_the_values_each_node_has(tmp_path, nodes):
+    cfg = make_config(2, fetch_probability=0)  # no fetches: clocks and peers are known in advance
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    nodes(cfg, "w1", NumpyParams(filled(1)))
+    steps(w0, 3, batch_size=4, loss=0.5)
+
+    done = dpwa_status(write(tmp_path, cfg), "--json")
+    assert done.returncode == 0, done.stderr
+    assert list(json.loads(done.stdout)) == ["nodes"]
+    rows = by_name(done)
+    assert list(rows) == ["w0", "w1"]  # config order
+    for row in rows.values():
+        assert list(row) == list(FIELDS) and list(row)[:2] == ["name", "state"]
+        assert row["state"] == "training" and row["epoch"] == 0 and row["barriers"] == {}
+        assert row["averaged"] == row["failures"] == row["pending"] == 0 and row["exchanges_per_s"] == 0.0
+        assert row["uptime_s"] > 0
+    assert rows["w0"]["clock"] == 12.0 and rows["w0"]["loss"] == 0.5
+    assert rows["w1"]["clock"] == 0.0 and rows["w1"]["loss"] is None
+    assert rows["w0"]["peers"] == {"w1": IDLE_PEER} and rows["w1"]["peers"] == {"w0": IDLE_PEER}
+
+
+def test_a_node_that_does_not_answer_is_unreachable_and_the_exit_status_says_so(tmp_path, nodes):
+    cfg = make_config(3, fetch_probability=0)
+    for k in (0, 1):  # w2 never starts
+        nodes(cfg, f"w{k}", NumpyParams(filled(k)))
+    path = write(tmp_path, cfg)
+
+    done = dpwa_status(path, "--json", "--timeout-ms", 300)
+    assert done.returncode == 1, done.stderr
+    rows = by_name(done)
+    assert [rows[n]["state"] for n in ("w0", "w1", "w2")] == ["training", "training", "unreachable"]
+    assert set(rows["w2"]) == {"name", "state", "reason"} and rows["w2"]["reason"].startswith("timeout: ")
+
+    table = dpwa_status(path, "--timeout-ms", 300)
+    assert table.returncode == 1
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["node", "state", "epoch", "clock", "loss", "exch/s", "failed", "in", "out",
+                                "pending", "up"]
+    assert [line.split()[:2] for line in lines[1:4]] == [["w0", "training"], ["w1", "training"],
+                                                         ["w2", "unreachable"]]
+    assert lines[1].split()[2:5] == ["0", "0.0", "-"]  # epoch, clock, loss
+    assert "w0    w1 1.00/-  w2 1.00/-" in lines  # the peers section: score/last latency
+    assert any(line.startswith("w2: unreachable: timeout: ") for line in lines)
+    assert lines[-1].startswith("2 of 3 nodes answered at ") and lines[-1].endswith("(asked as w0)")
+
+
+def test_every_node_is_asked_at_once(nodes):
+    """Eight dead nodes cost one timeout, not eight; and every thread and socket is gone afterwards."""
+    config = parse_config(make_config(8))
+    started = time.monotonic()
+    with StatusClient(config) as client:
+        rows = client.ask(timeout_s=0.4)
+    elapsed = time.monotonic() - started
+    assert [row["state"] for row in rows] == ["unreachable"] * 8
+    assert elapsed < 2.0, f"{elapsed:.2f} s: asked one after another (8 x 0.4 s = 3.2 s)?"
+    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-tx-status")]
+
+
+def test_a_node_at_a_barrier_says_so_and_its_epoch(tmp_path, nodes):
+    cfg = make_config(2, fetch_probability=0)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    w1 = nodes(cfg, "w1", NumpyParams(filled(1)))
+    waiting = threading.Thread(target=w0.barrier, args=("epoch",), kwargs={"timeout_s": 30})
+    waiting.start()
+    try:
+        assert wait_until(lambda: w0.state == "at_barrier", 10)
+        path = write(tmp_path, cfg)
+        rows = by_name(dpwa_status(path, "--json"))
+        assert rows["w0"]["state"] == "at_barrier" and rows["w0"]["epoch"] == 1
+        assert rows["w0"]["barriers"] == {"epoch": 1} and rows["w1"]["epoch"] == 0
+        table = dpwa_status(path).stdout.splitlines()
+        assert table[1].split()[:4] == ["w0", "at", "barrier", "1"]
+    finally:
+        w1.barrier("epoch", timeout_s=30)
+        waiting.join(30)
+    assert not waiting.is_alive()
+
+
+def test_watch_with_count_prints_a_table_per_round(tmp_path, nodes):
+    cfg = make_config(2, fetch_probability=0)
+    for k in (0, 1):
+        nodes(cfg, f"w{k}", NumpyParams(filled(k)))
+    path = write(tmp_path, cfg)
+
+    done = dpwa_status(path, "--watch", 0.1, "--count", 2)  # not a terminal: one table after the other
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("node  state") for line in lines) == 2
+    assert sum(line.startswith("2 of 2 nodes answered") for line in lines) == 2
+    assert "\x1b" not in done.stdout
+
+    as_json = dpwa_status(path, "--json", "--watch", 0.1, "--count", 2)
+    documents = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [[row["name"] for row in d["nodes"]] for d in documents] == [["w0", "w1"], ["w0", "w1"]]
+
+
+def test_curve_asks_with_a_key_that_is_here_and_says_which_ones_it_tried(tmp_path, nodes):
+    cfg = secure_config(tmp_path, 2, fetch_probability=0)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    nodes(cfg, "w1", NumpyParams(filled(1)))
+    steps(w0, 2, batch_size=1, loss=0.25)
+    path = write(tmp_path, cfg)
+
+    done = dpwa_status(path, "--json")
+    assert done.returncode == 0, done.stderr
+    rows = by_name(done)
+    assert [rows[n]["state"] for n in ("w0", "w1")] == ["training", "training"]
+    assert rows["w0"]["clock"] == 2.0 and rows["w0"]["loss"] == 0.25 and rows["w1"]["peers"] == {"w0": IDLE_PEER}
+    as_w1 = dpwa_status(path, "--key", "w1")
+    assert as_w1.returncode == 0 and as_w1.stdout.splitlines()[-1].endswith("(asked as w1)")
+
+    for node in cfg["nodes"]:  # no secret key file is usable any more
+        os.chmod(node["secret_key_file"], 0o644)
+    refused = dpwa_status(path)
+    assert refused.returncode == 1 and refused.stdout == ""
+    message = refused.stderr
+    assert message.startswith(f"dpwa status: {path}: the nodes use CURVE") and "no node's secret key file" in message
+    for node in cfg["nodes"]:
+        assert f"\n  {node['name']}: {node['secret_key_file']}: the secret key file can be read by others" in message
+    assert message.rstrip().endswith("Copy one node's NAME.key_secret to the path this config gives for it "
+                                     "(mode 0600), and run status again")
+    one = dpwa_status(path, "--key", "w1")
+    assert one.returncode == 1 and f"{path}: --key w1: {cfg['nodes'][1]['secret_key_file']}: " in one.stderr
+    unknown = dpwa_status(path, "--key", "w9")
+    assert unknown.returncode == 1 and "no node named 'w9'" in unknown.stderr
+
+
+def test_a_node_of_another_cluster_answers_no_status(tmp_path, nodes):
+    """A config whose names the node does not know: the node refuses, and the row says why."""
+    cfg = make_config(1)
+    nodes(cfg, "w0", NumpyParams(filled(0)))
+    other = {**cfg, "nodes": [dict(cfg["nodes"][0], name="x0")]}
+    rows = by_name(dpwa_status(write(tmp_path, other), "--json"))
+    assert rows["x0"]["state"] == "unreachable" and "bad_identity" in rows["x0"]["reason"]
+
+
+def test_errors_name_the_file_and_what_is_wrong(tmp_path):
+    bad = write(tmp_path, {**make_config(2), "timeout_ms": -5}, "bad.yaml")
+    done = dpwa_status(bad)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"dpwa status: {bad}: timeout_ms must be a positive integer, got -5"
+    missing = dpwa_status(tmp_path / "nope.yaml")
+    assert missing.returncode == 1 and "nope.yaml: no such config file or run folder" in missing.stderr
+    run_dir = tmp_path / "run"
+    (run_dir / "pids").mkdir(parents=True)
+    mixed = dpwa_status(run_dir, "--json")
+    assert mixed.returncode == 1 and "is a run folder; --json: only for a CONFIG file" in mixed.stderr
+    assert dpwa_status(bad, "--count", 2).returncode == 1
+
+
+def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it_quietly(tmp_path, nodes):
+    cfg = make_config(2, fetch_probability=0)
+    for k in (0, 1):
+        nodes(cfg, f"w{k}", NumpyParams(filled(k)))
+    main, child = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "dpwa", "status", str(write(tmp_path, cfg)), "--watch", "0.1"],
+                            stdout=child, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    os.close(child)
+    output = b""
+    try:
+        while output.count(b"2 of 2 nodes answered") < 2:  # two rounds drawn, then Ctrl-C
+            assert select.select([main], [], [], 30)[0], f"no second table within 30 s: {output!r}"
+            output += os.read(main, 65536)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        assert proc.stderr.read() == b""  # no traceback
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+        os.close(main)
+    assert output.count(b"\x1b[H\x1b[2J") >= 2  # each round clears the screen and draws from the top
+    assert b"every 0.1 s, Ctrl-C stops" in output
