@@ -247,6 +247,7 @@ class _Supervisor:
             self.restarts[name] += 1
             nodes[name].restarts += 1
             nodes[name].exit_code = None
+            nodes[name].restarted_at = time.time()  # it is not training until it says so again
             self.view.message(
                 f"dpwa: {name} exited with code {code}; starting it again "
                 f"(restart {self.restarts[name]} of {self.spec.restarts}): it rejoins from its peers"

@@ -41,12 +41,15 @@ class NodeState:
     starts: int = 0  # start lines seen: more than one when the node was started again
     rejoins: int = 0  # starts that took the cluster's state from a peer
     restarts: int = 0  # set by the launcher
+    restarted_at: float = 0.0  # time.time() of the last restart, set by the launcher
     kills: int = 0  # chaos mode's kills, set by the launcher
 
     @property
     def trained_since_start(self) -> bool:
-        """A step line since the last start line (a node started again has not trained yet)."""
-        return self.start is not None and self.step is not None and self.step.get("t", 0) >= self.start.get("t", 0)
+        """A step line since the last start line, and that start after the last restart (if any)."""
+        if self.start is None or self.step is None:
+            return False
+        return self.step.get("t", 0) >= self.start.get("t", 0) >= self.restarted_at
 
     @property
     def state(self) -> str:

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..logs import logger
 from ..mixing import kernels
 from ..wire.client import Ask
 from ..wire.messages import (
@@ -146,6 +147,7 @@ class JoinServer:
     parameters without it.
 
     Args:
+        name: this node, for the log.
         store: our published snapshots.
         fingerprint, wire: our model's layout and wire dtype.
         barriers: our barrier counters (and what we know of our peers').
@@ -156,6 +158,7 @@ class JoinServer:
 
     def __init__(
         self,
+        name: str,
         store: SnapshotStore,
         fingerprint: bytes,
         wire: str,
@@ -164,7 +167,7 @@ class JoinServer:
         extra: ExtraState | None,
         peers: list[str],
     ) -> None:
-        self._store, self._fp, self._wire = store, fingerprint, wire
+        self._name, self._store, self._fp, self._wire = name, store, fingerprint, wire
         self._barriers, self._state, self._extra, self._peers = barriers, state, extra, set(peers)
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
@@ -229,6 +232,16 @@ class JoinServer:
         hasher = hashlib.blake2b(lease.snapshot.array.view(np.uint8).data, digest_size=32)
         hasher.update(extra.data)
         offer = _Offer(secrets.randbelow(MAX_ID) + 1, lease, extra, meta, hasher.digest(), now, now)
+        logger.info(
+            "%s: offers %s its state: snapshot %d at clock %.0f (parameters sha256 %s), %s, digest %s",
+            self._name,
+            sender,
+            lease.snapshot.version,
+            lease.snapshot.clock,
+            hashlib.sha256(lease.snapshot.array.data).hexdigest(),
+            "with its optimizer state" if meta else "parameters only",
+            offer.digest.hex(),
+        )
         while len(self._offers) >= MAX_OFFERS:
             oldest = min(self._offers.values(), key=lambda o: o.used)
             self._offers.pop(oldest.session).snapshot.release()

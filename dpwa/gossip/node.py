@@ -283,7 +283,14 @@ class Node:
         routes = serving.routes()
         routes.update(BarrierServer(self._barriers, list(self.peers)).routes())
         self._joins = JoinServer(
-            store, self.params.fingerprint, self.wire, self._barriers, lambda: self.state, self._extra, list(self.peers)
+            self.name,
+            store,
+            self.params.fingerprint,
+            self.wire,
+            self._barriers,
+            lambda: self.state,
+            self._extra,
+            list(self.peers),
         )
         routes.update(self._joins.routes())
         routes.update(StatusServer(self._status_report).routes())
@@ -347,12 +354,13 @@ class Node:
         self.joined = joined
         self.counters.add("joined")
         logger.info(
-            "%s: took %s's state (clock %.0f, barriers %s, %s)",
+            "%s: took %s's state (clock %.0f, barriers %s, %s, digest %s)",
             self.name,
             joined.donor,
             joined.clock,
             joined.barriers if trained else "not taken at a fresh start",
             "with its optimizer state" if joined.extra_meta else "parameters only",
+            joined.digest.hex(),
         )
 
     def _same_host_peers(self) -> list[str]:

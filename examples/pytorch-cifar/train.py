@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import json
 import logging
 import math
@@ -140,6 +141,14 @@ class Metrics:
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
+
+
+def params_sha256(net: torch.nn.Module) -> str:
+    """SHA-256 of the model's floating-point tensors in float32, in order (what a join takes)."""
+    digest = hashlib.sha256()
+    for tensor in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def node_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, order: torch.Generator,
@@ -272,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics.write("start", pid=os.getpid(), data=data_name, model=model_name, device=str(device),
                   parameters=models.count_parameters(net), train_images=len(data.train_y),
                   test_images=len(data.test_y), epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr,
-                  started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock)
+                  started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock,
+                  joined=None if conn.joined is None else {
+                      "donor": conn.joined.donor, "clock": conn.joined.clock, "digest": conn.joined.digest.hex(),
+                      "params_sha256": params_sha256(net)})
     log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps; %s",
              args.name, data_name, "its shard" if args.shard == "auto" else "all the data", len(data.train_y),
              model_name, f"{models.count_parameters(net):,}", device, epochs, steps, started)

@@ -1,0 +1,160 @@
+"""End to end, the life of a cluster: a node killed mid-run rejoins from its peers and the run
+finishes; chaos mode; a stopped run resumes from its latest complete checkpoint.
+
+Every process run.sh starts is found through the PID files of the run folder and killed by PID
+if it is still there when a test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from dpwa.cluster.processes import read_pid_file
+
+from conftest import ROOT, wait_until
+from test_cluster import ACCURACY_FLOOR, alive, metrics, reap, run_sh
+
+pytestmark = pytest.mark.slow
+
+
+class Foreground:
+    """run.sh in the foreground, its output collected on a thread."""
+
+    def __init__(self, runs: Path, *args: str) -> None:
+        self.proc = run_sh(runs, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.out.extend(self.proc.stdout))
+        self.reader.start()
+
+    def wait(self, timeout_s: float) -> str:
+        self.proc.wait(timeout_s)
+        self.reader.join(10)
+        return "".join(self.out)
+
+
+def run_dir_of(runs: Path) -> Path | None:
+    latest = runs / "latest"
+    return latest.resolve() if latest.exists() else None
+
+
+def epoch_reached(run_dir: Path, node: str) -> int:
+    return max([r["epoch"] for r in metrics(run_dir, node) if r["kind"] == "step"], default=0)
+
+
+def check_finished(run_dir: Path, nodes: list[str]) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for row in summary["nodes"]:
+        assert row["state"] == "done", row
+        assert row["test_acc"] >= ACCURACY_FLOOR, row
+    assert sorted(r["node"] for r in summary["nodes"]) == nodes
+    return summary
+
+
+def offers_in_log(run_dir: Path, donor: str) -> list[str]:
+    """The parameters' SHA-256 of every join offer the donor's log mentions."""
+    text = (run_dir / "logs" / f"{donor}.log").read_text()
+    return re.findall(r"offers \S+ its state: .*parameters sha256 ([0-9a-f]{64})", text)
+
+
+@pytest.mark.timeout(200)
+def test_a_node_killed_mid_run_rejoins_from_a_peer_and_the_run_finishes(tmp_path):
+    """Three nodes; once they train their second epoch, w2 is killed with SIGKILL. The launcher
+    (--restarts 1) starts it again; it takes a donor's state before its first step: its parameters
+    are the donor's snapshot (the SHA-256 the donor logged when it made the offer), its clock goes
+    on from the donor's, and it trains on from the cluster's epoch. The run finishes with every
+    node done and in the usual accuracy band."""
+    runs = tmp_path / "runs"
+    run = Foreground(runs, "--nodes", "3", "--epochs", "10", "--restarts", "1", "--print-every", "5")
+    try:
+        assert wait_until(lambda: run_dir_of(runs) is not None and all(
+            epoch_reached(run_dir_of(runs), n) >= 2 for n in ("w1", "w2", "w3")), 90), "".join(run.out)
+        run_dir = run_dir_of(runs)
+        pid, _ = read_pid_file(run_dir / "pids" / "w2.pid")
+        os.kill(pid, signal.SIGKILL)
+        out = run.wait(150)
+    finally:
+        reap(run.proc, runs)
+    assert run.proc.returncode == 0, out
+    assert "w2 exited with code -9; starting it again (restart 1 of 1)" in out
+    summary = check_finished(run_dir, ["w1", "w2", "w3"])
+    assert summary["restarts"] == 1 and summary["rejoins"] == 1
+    starts = [r for r in metrics(run_dir, "w2") if r["kind"] == "start"]
+    assert len(starts) == 2 and starts[1]["started"].startswith("joined the cluster at epoch")
+    joined = starts[1]["joined"]
+    assert joined["params_sha256"] in offers_in_log(run_dir, joined["donor"])  # exactly the donor's snapshot
+    assert starts[1]["clock"] == joined["clock"] > 0  # its clock goes on from the donor's
+    assert starts[1]["first_epoch"] >= 2
+    evals = [r["epoch"] for r in metrics(run_dir, "w2") if r["kind"] == "eval"]
+    assert evals[-1] == 10
+    assert alive(runs) == []
+
+
+@pytest.mark.timeout(200)
+def test_chaos_mode_kills_nodes_now_and_then_and_they_rejoin(tmp_path):
+    """./run.sh --chaos: the launcher kills a random training node (one at a time) and starts it
+    again; every restarted node rejoins, and the run finishes in the usual band. The summary
+    reports the kills, the restarts and the rejoins."""
+    runs = tmp_path / "runs"
+    run = Foreground(runs, "--nodes", "3", "--epochs", "14", "--chaos", "1.5", "--chaos-seed", "3",
+                     "--restarts", "4", "--print-every", "5")
+    try:
+        out = run.wait(180)
+    finally:
+        reap(run.proc, runs)
+    assert run.proc.returncode == 0, out
+    run_dir = run_dir_of(runs)
+    summary = check_finished(run_dir, ["w1", "w2", "w3"])
+    assert summary["kills"] >= 1 and summary["restarts"] == summary["kills"], summary
+    assert summary["rejoins"] == summary["kills"]
+    assert out.count("dpwa: chaos: SIGKILL to") == summary["kills"]
+    assert f"chaos and restarts: {summary['kills']} killed" in (run_dir / "summary.txt").read_text()
+
+
+@pytest.mark.timeout(200)
+def test_a_stopped_run_resumes_from_its_latest_complete_checkpoint(tmp_path):
+    """A 2-node run is stopped (stop.sh) after its checkpoint of epoch 2; ./run.sh --resume continues
+    every node from the latest complete checkpoint: the state, clock, barrier counters, epoch and
+    step it saved, and it trains the remaining epochs to the end."""
+    runs = tmp_path / "runs"
+    proc = None
+    try:
+        proc = run_sh(runs, "--nodes", "2", "--epochs", "6", "--detach", "--grace", "10",
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        run_dir = run_dir_of(runs)
+        from dpwa.cluster import checkpoints
+
+        assert wait_until(lambda: (checkpoints.latest_complete(run_dir, ["w1", "w2"]) or 0) >= 2, 90)
+        stop = subprocess.run([str(ROOT / "stop.sh"), str(run_dir)], capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert wait_until(lambda: alive(runs) == [], 30)
+        epoch = checkpoints.latest_complete(run_dir, ["w1", "w2"])
+        assert epoch is not None and epoch < 6, "the run ended before it could be stopped"
+        saved = checkpoints.load(run_dir, epoch, "w1")
+        resumed = Foreground(runs, "--resume", str(run_dir), "--print-every", "5")
+        out = resumed.wait(150)
+        proc = resumed.proc
+    finally:
+        reap(proc, runs)
+    assert proc.returncode == 0, out
+    assert f"resuming {run_dir} from the checkpoint of epoch {epoch}" in out
+    check_finished(run_dir, ["w1", "w2"])
+    for node in ("w1", "w2"):
+        records = metrics(run_dir, node)
+        start = [r for r in records if r["kind"] == "start"][-1]
+        assert start["started"] == f"resumed from the checkpoint of epoch {epoch}"
+        assert start["first_epoch"] == epoch + 1
+        after = records[records.index(start):]
+        assert [r["epoch"] for r in after if r["kind"] == "eval"] == list(range(epoch + 1, 7))
+    w1_start = [r for r in metrics(run_dir, "w1") if r["kind"] == "start"][-1]
+    assert w1_start["clock"] == saved["dpwa"]["clock"]
+    assert alive(runs) == []
