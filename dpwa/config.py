@@ -111,17 +111,26 @@ class Config:
     blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
     insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
     join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
+    torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.rendezvous)
+    interface: str = "auto"  # with torchrun: the address (or interface name) peers reach this node at
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property
     def secure(self) -> bool:
-        """True when the nodes authenticate and encrypt with CURVE (every node lists a public key)."""
-        return self.nodes[0].public_key is not None
+        """True when the nodes authenticate and encrypt with CURVE (every node lists a public key).
+
+        A torchrun config is: its nodes make their keys at start and swap them through the store."""
+        return self.torchrun or self.nodes[0].public_key is not None
+
+    @property
+    def resolved(self) -> bool:
+        """False for a ``nodes: torchrun`` config before the rendezvous filled in its nodes."""
+        return bool(self.nodes)
 
     @property
     def transport(self) -> str:
         """``ipc`` for a cluster on loopback addresses without keys (only this user can connect), else ``tcp``."""
-        if self.secure or self.insecure or not all(spec.loopback for spec in self.nodes):
+        if self.secure or self.insecure or not self.nodes or not all(spec.loopback for spec in self.nodes):
             return "tcp"
         return "ipc"
 
@@ -140,6 +149,8 @@ class Config:
 
     def node(self, name: str) -> NodeSpec:
         """The node called `name`, or a ConfigError listing the known names."""
+        if not self.resolved:
+            raise ConfigError(f"{self.source}: nodes: torchrun: the nodes are known only once torchrun's workers meet")
         for spec in self.nodes:
             if spec.name == name:
                 return spec
@@ -157,11 +168,15 @@ class Config:
     def to_mapping(self) -> dict[str, Any]:
         """Every setting as plain data that :func:`parse_config` reads back to an equal Config
         (secret key paths are absolute, so the mapping can be written anywhere)."""
-        nodes = [
+        nodes: Any = [
             {key: value for key, value in dataclasses.asdict(node).items() if value is not None} for node in self.nodes
         ]
+        extra: dict[str, Any] = {}
+        if self.torchrun and not self.resolved:
+            nodes, extra = "torchrun", {"interface": self.interface}
         return {
             "nodes": nodes,
+            **extra,
             "fetch_probability": self.fetch_probability,
             "timeout_ms": self.timeout_ms,
             "interpolation": self.interpolation,
@@ -178,7 +193,7 @@ class Config:
 
     def describe(self) -> str:
         """One line with every resolved setting, for the start-up log."""
-        nodes = ", ".join(f"{n.name}@{n.host}:{n.port}" for n in self.nodes)
+        nodes = ", ".join(f"{n.name}@{n.host}:{n.port}" for n in self.nodes) or "torchrun"
         return (
             f"nodes=[{nodes}] fetch_probability={self.fetch_probability} "
             f"timeout_ms={self.timeout_ms} interpolation={self.interpolation} "
@@ -208,6 +223,7 @@ _TOP_KEYS = (
     "blend",
     "insecure",
     "join",
+    "interface",
 )
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
@@ -242,7 +258,13 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     raw = _flatten(data, source)
     _reject_unknown(raw, _TOP_KEYS, source, where="")
 
-    nodes = _parse_nodes(raw.get("nodes"), source, base_dir=_base_dir(source))
+    torchrun = raw.get("nodes") == "torchrun"
+    nodes = () if torchrun else _parse_nodes(raw.get("nodes"), source, base_dir=_base_dir(source))
+    interface = raw.get("interface", "auto")
+    if "interface" in raw and not torchrun:
+        raise ConfigError(f"{source}: interface is for 'nodes: torchrun'; here each node's host says where it is")
+    if not isinstance(interface, str) or not interface.strip():
+        raise ConfigError(f"{source}: interface must be auto, an address or an interface name, got {interface!r}")
     fetch_probability = _number(raw, "fetch_probability", 1.0, source, lo=0.0, hi=1.0)
     timeout_ms = _positive_int(raw, "timeout_ms", 2500, source)
     interpolation = _choice(raw, "interpolation", INTERPOLATIONS, source)
@@ -257,7 +279,9 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     blend = _choice(raw, "blend", BLENDS, source)
     insecure = _flag(raw, "insecure", source)
     join = _choice(raw, "join", JOINS, source)
-    if not insecure and nodes[0].public_key is None:
+    if insecure and torchrun:
+        raise ConfigError(f"{source}: insecure cannot be used with nodes: torchrun, whose nodes make and swap keys")
+    if not insecure and nodes and nodes[0].public_key is None:
         exposed = [spec for spec in nodes if not spec.loopback]
         if exposed:
             spec = exposed[0]
@@ -282,6 +306,8 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         blend=blend,
         insecure=insecure,
         join=join,
+        torchrun=torchrun,
+        interface=interface.strip(),
         source=source,
     )
 

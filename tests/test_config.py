@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from dpwa.config import ConfigError, NodeSpec, load_config, parse_config, pointless_settings
 
-from conftest import ROOT
+from conftest import ROOT, make_config
 
 ORIGINAL = (ROOT / "samples" / "config.yaml").read_text()
 
@@ -190,7 +191,8 @@ def test_every_sample_config_loads(tmp_path):
             with pytest.raises(ConfigError, match="keygen --config"):
                 load_config(path)
             continue
-        assert load_config(path).nodes, path
+        config = load_config(path)
+        assert config.nodes or config.torchrun, path
 
 
 def test_keygen_config_keys_every_node_and_the_result_loads(tmp_path):
@@ -205,3 +207,36 @@ def test_keygen_config_keys_every_node_and_the_result_loads(tmp_path):
     assert all(n.secret_key_file == str(tmp_path / "keys" / f"{n.name}.key_secret") for n in keyed.nodes)
     assert (tmp_path / "two-machines.yaml.bak").read_text() == (ROOT / "samples" / "two-machines.yaml").read_text()
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in written)
+
+
+def test_a_torchrun_config_has_no_node_list_until_the_workers_meet(tmp_path):
+    from dpwa import Node, NumpyParams
+    from dpwa.rendezvous import TorchrunEnv, advertised_address
+
+    config = load_config(ROOT / "samples" / "torchrun.yaml")
+    assert config.torchrun and not config.resolved and config.secure and config.nodes == ()
+    assert config.interface == "auto" and config.to_mapping()["nodes"] == "torchrun"
+    with pytest.raises(ConfigError, match="known only once torchrun's workers meet"):
+        config.node("rank0")
+    with pytest.raises(ConfigError, match="interface is for 'nodes: torchrun'"):
+        parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 5}], "interface": "eth0"})
+    with pytest.raises(ConfigError, match="insecure cannot be used with nodes: torchrun"):
+        parse_config({"nodes": "torchrun", "insecure": True})
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    with pytest.raises(ConfigError, match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set: start the workers "
+                                          r"with torchrun"):
+        TorchrunEnv.from_environ(env, "samples/torchrun.yaml")
+    with pytest.raises(ConfigError, match="RANK 3 of WORLD_SIZE 2"):
+        TorchrunEnv.from_environ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    got = TorchrunEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
+                                    "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert (got.name, got.restart_count) == ("rank1", 2)
+    assert advertised_address("auto", "127.0.0.1", 29500) == "127.0.0.1"
+    assert advertised_address("lo", "127.0.0.1", 29500) == "127.0.0.1"
+    with pytest.raises(ConfigError, match="interface 'nosuch0': no IPv4 address"):
+        advertised_address("nosuch0", "127.0.0.1", 29500)
+    if "RANK" not in os.environ:
+        with pytest.raises(ConfigError, match="start the workers with torchrun"):
+            Node(config, None, NumpyParams(np.zeros(4, np.float32)))
+    with pytest.raises(ConfigError, match="which node is this"):
+        Node(make_config(2), None, NumpyParams(np.zeros(4, np.float32)))

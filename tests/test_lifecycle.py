@@ -119,10 +119,10 @@ def test_chaos_mode_kills_nodes_now_and_then_and_they_rejoin(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_a_stopped_run_resumes_from_its_latest_complete_checkpoint(tmp_path):
-    """A 2-node run is stopped (stop.sh) after its checkpoint of epoch 2; ./run.sh --resume continues
-    every node from the latest complete checkpoint: the state, clock, barrier counters, epoch and
-    step it saved, and it trains the remaining epochs to the end."""
+def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
+    """A 2-node run is stopped (stop.sh: SIGTERM) after its checkpoint of epoch 2; each node saves its
+    state as it stops. ./run.sh --resume continues every node from that state (the freshest complete
+    one): its clock, barrier counters, epoch and step, and it trains the remaining epochs to the end."""
     runs = tmp_path / "runs"
     proc = None
     try:
@@ -133,28 +133,30 @@ def test_a_stopped_run_resumes_from_its_latest_complete_checkpoint(tmp_path):
         run_dir = run_dir_of(runs)
         from dpwa.cluster import checkpoints
 
-        assert wait_until(lambda: (checkpoints.latest_complete(run_dir, ["w1", "w2"]) or 0) >= 2, 90)
+        assert wait_until(lambda: 2 in checkpoints.epochs(run_dir) and
+                          checkpoints.latest_complete(run_dir, ["w1", "w2"]) not in (None, 1), 90)
         stop = subprocess.run([str(ROOT / "stop.sh"), str(run_dir)], capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert wait_until(lambda: alive(runs) == [], 30)
-        epoch = checkpoints.latest_complete(run_dir, ["w1", "w2"])
-        assert epoch is not None and epoch < 6, "the run ended before it could be stopped"
-        saved = checkpoints.load(run_dir, epoch, "w1")
+        assert checkpoints.latest_complete(run_dir, ["w1", "w2"]) == checkpoints.LAST
+        saved = {node: checkpoints.load(run_dir, checkpoints.LAST, node) for node in ("w1", "w2")}
+        first_epoch = saved["w1"]["progress"]["epoch"] + 1
+        assert 3 <= first_epoch <= 6, "the run ended before it could be stopped"
         resumed = Foreground(runs, "--resume", str(run_dir), "--print-every", "5")
         out = resumed.wait(150)
         proc = resumed.proc
     finally:
         reap(proc, runs)
     assert proc.returncode == 0, out
-    assert f"resuming {run_dir} from the checkpoint of epoch {epoch}" in out
+    assert f"resuming {run_dir} from the state every node saved when it was stopped" in out
     check_finished(run_dir, ["w1", "w2"])
     for node in ("w1", "w2"):
         records = metrics(run_dir, node)
         start = [r for r in records if r["kind"] == "start"][-1]
-        assert start["started"] == f"resumed from the checkpoint of epoch {epoch}"
-        assert start["first_epoch"] == epoch + 1
+        assert start["started"] == "resumed from the state saved when it was stopped"
+        assert start["first_epoch"] == saved[node]["progress"]["epoch"] + 1
+        assert start["clock"] == saved[node]["dpwa"]["clock"]
         after = records[records.index(start):]
-        assert [r["epoch"] for r in after if r["kind"] == "eval"] == list(range(epoch + 1, 7))
-    w1_start = [r for r in metrics(run_dir, "w1") if r["kind"] == "start"][-1]
-    assert w1_start["clock"] == saved["dpwa"]["clock"]
+        assert [r["epoch"] for r in after if r["kind"] == "eval"] == list(range(start["first_epoch"], 7))
+        assert not checkpoints.has(run_dir, checkpoints.LAST, node)  # taken up: it will not be used twice
     assert alive(runs) == []

@@ -260,7 +260,8 @@ class DpwaPyTorchAdapter:
 
     Args:
         net: the model; its parameters are blended in place.
-        name: which node of the configuration this process is.
+        name: which node of the configuration this process is (None with ``nodes: torchrun``:
+            the worker's ``rank<RANK>``).
         config_file: a YAML path, or a :class:`~dpwa.config.Config`, or parsed YAML data.
         include_buffers: also blend floating-point buffers such as BatchNorm
             running statistics (default True).
@@ -272,7 +273,7 @@ class DpwaPyTorchAdapter:
     def __init__(
         self,
         net: nn.Module,
-        name: str,
+        name: str | None,
         config_file: str | os.PathLike[str] | Config | Mapping[str, Any] | list,
         *,
         include_buffers: bool = True,
@@ -317,6 +318,10 @@ class DpwaPyTorchAdapter:
     def restore(self, clock: float | None = None, barriers: Mapping[str, int] | None = None) -> None:
         """Resume from a checkpoint: the clock and barrier counters. See Node.restore."""
         self.node.restore(clock, barriers)
+
+    def join(self, wait_s: float = 60.0) -> bool:
+        """Take a trained peer's state now (parameters, optimizer state, clock, barriers). See Node.join."""
+        return self.node.join(wait_s)
 
     @property
     def joined(self) -> Any:

@@ -4,6 +4,8 @@ Layout::
 
     RUN_DIR/checkpoints/epoch-K/NODE.pt        one node's state after epoch K
     RUN_DIR/checkpoints/epoch-K/manifest.json  {"epoch": K, "files": {NODE: {"file", "sha256", "bytes", "saved"}}}
+    RUN_DIR/checkpoints/last/NODE.pt           a node's state when it was stopped (SIGTERM) mid-epoch
+    RUN_DIR/checkpoints/last/manifest.json
 
 Every file is written atomically: into a temporary file, flushed and
 fsync'ed, then renamed over its name (and the directory fsync'ed), so a crash
@@ -34,7 +36,18 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointError", "checkpoint_dir", "latest_complete", "load", "manifest", "save"]
+__all__ = [
+    "LAST",
+    "CheckpointError",
+    "checkpoint_dir",
+    "discard",
+    "epochs",
+    "has",
+    "latest_complete",
+    "load",
+    "manifest",
+    "save",
+]
 
 _EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
 
@@ -43,8 +56,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged; the message names the file."""
 
 
-def checkpoint_dir(run_dir: str | os.PathLike[str], epoch: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"epoch-{epoch}"
+LAST = "last"  # the epoch argument for the state a node saves when it is stopped
+
+
+def checkpoint_dir(run_dir: str | os.PathLike[str], epoch: int | str) -> Path:
+    return Path(run_dir) / "checkpoints" / (LAST if epoch == LAST else f"epoch-{epoch}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -78,13 +94,13 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def save(run_dir: str | os.PathLike[str], epoch: int, node: str, state: dict[str, Any]) -> Path:
-    """Write `node`'s state for `epoch` atomically and list it in the epoch's manifest. Returns the file."""
+def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: dict[str, Any]) -> Path:
+    """Write `node`'s state for `epoch` (or LAST) atomically and list it in its manifest. Returns the file."""
     import io
 
     import torch
 
-    if not isinstance(epoch, int) or epoch < 0:
+    if epoch != LAST and (not isinstance(epoch, int) or epoch < 0):
         raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", node):
         raise ValueError(f"a node name is 1 to 64 letters, digits, '_', '.' or '-', got {node!r}")
@@ -104,7 +120,7 @@ def save(run_dir: str | os.PathLike[str], epoch: int, node: str, state: dict[str
     return path
 
 
-def manifest(run_dir: str | os.PathLike[str], epoch: int) -> dict[str, Any]:
+def manifest(run_dir: str | os.PathLike[str], epoch: int | str) -> dict[str, Any]:
     """The manifest of `epoch` ({} when there is none yet)."""
     path = checkpoint_dir(run_dir, epoch) / "manifest.json"
     try:
@@ -126,9 +142,12 @@ def epochs(run_dir: str | os.PathLike[str]) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _EPOCH_DIR.match(p.name)) and p.is_dir())
 
 
-def latest_complete(run_dir: str | os.PathLike[str], nodes: Iterable[str]) -> int | None:
-    """The newest epoch whose manifest lists a present file for every one of `nodes`, or None."""
+def latest_complete(run_dir: str | os.PathLike[str], nodes: Iterable[str]) -> int | str | None:
+    """The freshest complete checkpoint of `nodes`: LAST when every one of them saved its state when it
+    was stopped (that comes after its epochs'), else the newest epoch with every node's file, else None."""
     names = list(nodes)
+    if names and all(has(run_dir, LAST, name) for name in names):
+        return LAST
     for epoch in reversed(epochs(run_dir)):
         try:
             files = manifest(run_dir, epoch).get("files", {})
@@ -140,7 +159,30 @@ def latest_complete(run_dir: str | os.PathLike[str], nodes: Iterable[str]) -> in
     return None
 
 
-def load(run_dir: str | os.PathLike[str], epoch: int, node: str, map_location: Any = "cpu") -> dict[str, Any]:
+def discard(run_dir: str | os.PathLike[str], epoch: int | str, node: str) -> None:
+    """Forget `node`'s state for `epoch` (its LAST state, once it was taken up: it is stale from then on)."""
+    directory = checkpoint_dir(run_dir, epoch)
+    if not directory.is_dir():
+        return
+    with _locked(directory):
+        current = manifest(run_dir, epoch)
+        entry = current.get("files", {}).pop(node, None)
+        if entry is None:
+            return
+        _write_atomically(directory / "manifest.json", (json.dumps(current, indent=2) + "\n").encode())
+    (directory / str(entry.get("file", ""))).unlink(missing_ok=True)
+
+
+def has(run_dir: str | os.PathLike[str], epoch: int | str, node: str) -> bool:
+    """True if `node` has a state listed and present for `epoch` (or LAST)."""
+    try:
+        entry = manifest(run_dir, epoch).get("files", {}).get(node)
+    except CheckpointError:
+        return False
+    return entry is not None and (checkpoint_dir(run_dir, epoch) / str(entry.get("file", ""))).is_file()
+
+
+def load(run_dir: str | os.PathLike[str], epoch: int | str, node: str, map_location: Any = "cpu") -> dict[str, Any]:
     """`node`'s state for `epoch`, after checking its hash against the manifest (weights_only loading)."""
     import io
 

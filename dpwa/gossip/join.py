@@ -422,17 +422,20 @@ def join_cluster(
     wire: str,
     params_bytes: int,
     log: Callable[[str], None],
+    trained_only: bool = False,
 ) -> tuple[Joined | None, bool]:
     """Find a donor and take its state (the module docstring says whom). Returns (state, cluster trained).
 
     `order` is every node of the config, in order (the first is "rank 0");
     `submit` runs a task on the client thread; `ranked(exclude)` orders peers
     by flow-control score; `wait_s` is how long a node waits for the first
-    node at a fresh start. Returns (None, ...) when there is nobody to join from.
+    node at a fresh start, or, with `trained_only`, for a peer that has
+    trained (a node started again whose peers restart too, and restore their
+    state first). Returns (None, ...) when there is nobody to join from.
     """
     peers = [p for p in order if p != name]
     first = order[0]
-    deadline = time.monotonic() + (timeout_s if name == first else wait_s)
+    deadline = time.monotonic() + (timeout_s if name == first and not trained_only else wait_s)
     infos: dict[str, OfferInfo] = {}
     pause = 0.05
     while True:
@@ -454,11 +457,13 @@ def join_cluster(
             donors = ranked(frozenset(peers) - fresh) + rest
             trained = True
             break
-        if name != first and first in infos:
+        if name != first and first in infos and not trained_only:
             donors, trained = [first], False
             break
         if time.monotonic() + pause >= deadline:
-            if name != first:
+            if trained_only:
+                log(f"no peer had trained within {wait_s:.0f} s; nothing to join")
+            elif name != first:
                 log(f"{first} did not answer within {wait_s:.0f} s; starting from our own parameters")
             return None, False
         time.sleep(pause)  # a bounded poll while the others start

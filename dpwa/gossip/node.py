@@ -48,9 +48,10 @@ from ..logs import RateLimitedLog, logger
 from ..mixing import interpolation as interp
 from ..mixing import kernels, rules
 from ..params import FlatParams
+from ..rendezvous import rendezvous
 from ..stats import Counters, Rate
 from ..wire.client import Call, ClientThread
-from ..wire.curve import Curve, KeyFileError, load_secret
+from ..wire.curve import Curve, KeyFileError, KeyPair, load_secret
 from ..wire.endpoints import EndpointInUse, EndpointLock, is_local_host
 from ..wire.messages import LARGEST_HEADER_BYTES
 from ..wire.server import Server, TransportError
@@ -132,7 +133,7 @@ class Node:
 
     Args:
         config: a :class:`Config`, a path to a YAML file, or parsed YAML data.
-        name: which node of the config this process is.
+        name: which node of the config this process is (None with ``nodes: torchrun``: ``rank<RANK>``).
         params: the model as a :class:`~dpwa.params.FlatParams`.
         rng: randomness for fetch decisions and peer choice (seed it for tests).
         extra: state a joining peer takes too, besides the parameters (an optimizer's).
@@ -141,13 +142,23 @@ class Node:
     def __init__(
         self,
         config: Config | str | os.PathLike[str] | Mapping[str, Any] | list,
-        name: str,
+        name: str | None,
         params: FlatParams,
         *,
         rng: random.Random | None = None,
         extra: ExtraState | None = None,
     ) -> None:
         self.config = _as_config(config)
+        keys = None
+        if not self.config.resolved:  # nodes: torchrun: meet the other workers through torchrun's store
+            met = rendezvous(self.config)
+            if name is not None and name != met.name:
+                raise ConfigError(f"{self.config.source}: under torchrun this worker is {met.name!r}, not {name!r}")
+            self.config, name, keys = met.config, met.name, met.keys
+        if name is None:
+            raise ConfigError(
+                f"{self.config.source}: which node is this? give its name (None only with nodes: torchrun)"
+            )
         self.spec = self.config.node(name)  # raises before any socket exists
         self.name = name
         self.params = params
@@ -189,7 +200,7 @@ class Node:
         self._extra = extra
         self._joins: JoinServer | None = None
         self.joined: Joined | None = None  # the state this node took from a peer at start, if it did
-        curve = self._load_curve()  # key problems are reported before any socket exists
+        curve = self._load_curve(keys)  # key problems are reported before any socket exists
 
         logger.info("%s: starting on %s; %s", name, self.config.bind_endpoint(self.spec), self.config.describe())
         for note in pointless_settings(self.config):
@@ -205,7 +216,11 @@ class Node:
             raise
         self.state = "training"
 
-    def _load_curve(self) -> Curve | None:
+    def _load_curve(self, keys: KeyPair | None) -> Curve | None:
+        """Our CURVE keys: made at the rendezvous (`keys`), or read from our secret key file."""
+        allowed = {z85.decode(spec.public_key.encode()): spec.name for spec in self.config.nodes if spec.public_key}
+        if keys is not None:
+            return Curve(public=keys.public, secret=keys.secret, allowed=allowed)
         if not self.config.secure:
             if self.config.insecure:
                 logger.warning(
@@ -224,7 +239,6 @@ class Node:
             pair = load_secret(self.spec.secret_key_file, self.spec.public_key or "")
         except KeyFileError as exc:
             raise ConfigError(f"{self.config.source}: node {self.name!r}: {exc}") from None
-        allowed = {z85.decode(spec.public_key.encode()): spec.name for spec in self.config.nodes if spec.public_key}
         return Curve(public=pair.public, secret=pair.secret, allowed=allowed)
 
     def _open(self, curve: Curve | None) -> None:
@@ -321,7 +335,24 @@ class Node:
             max_unsent=unsent,
         ).start()
 
-    def _join(self) -> None:
+    def join(self, wait_s: float = 60.0) -> bool:
+        """Take a trained peer's state now, waiting up to `wait_s` for a peer that has trained.
+
+        For a node started again together with its peers (torchrun restarts
+        every worker): the others restore their own state first, and this one,
+        which has none, then joins from them. Returns True if it took a state.
+        """
+        self._check_open()
+        previous, self.state = self.state, "joining"
+        try:
+            self._join(trained_only=True, wait_s=wait_s)
+        finally:
+            self.state = previous
+        if self.joined is not None:
+            self._publish(self._loss)
+        return self.joined is not None
+
+    def _join(self, trained_only: bool = False, wait_s: float | None = None) -> None:
         """Take the cluster's state from a peer before training (see dpwa.gossip.join)."""
         client = self._client
         assert client is not None
@@ -331,11 +362,12 @@ class Node:
             client.submit,
             self._flow.selector.ranked,
             self.config.timeout_s,
-            max(JOIN_WAIT_MIN_S, 4 * self.config.timeout_s),
+            wait_s if wait_s is not None else max(JOIN_WAIT_MIN_S, 4 * self.config.timeout_s),
             self.params.fingerprint,
             self.wire,
             self.nbytes,
             lambda message: logger.warning("%s: %s", self.name, message),
+            trained_only=trained_only,
         )
         if joined is None:
             return

@@ -169,7 +169,9 @@ def resume(args: argparse.Namespace) -> int:
     except (ConfigError, OSError, ValueError) as exc:
         print(f"./run.sh: {exc}", file=sys.stderr)
         return 2
-    print(f"dpwa: resuming {args.resume} from the checkpoint of epoch {epoch}", flush=True)
+    what = "the state every node saved when it was stopped" if epoch == checkpoints.LAST else (
+        f"the checkpoint of epoch {epoch}")
+    print(f"dpwa: resuming {args.resume} from {what}", flush=True)
     return launch.detach(spec) if args.detach else launch.run(spec)
 
 

@@ -59,7 +59,8 @@ DEFAULTS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="cluster YAML file (every node uses the same)")
-    p.add_argument("--name", required=True, help="which node of the config this process is")
+    p.add_argument("--name", help="which node of the config this process is (under torchrun with "
+                                   "nodes: torchrun: left out, the worker is rank<RANK>)")
     p.add_argument("--run-dir", type=Path, help="write metrics/NAME.jsonl and models/NAME.pt here")
     p.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
                    help="auto (default): cifar10 if prepared in --data-dir, else the embedded digits")
@@ -164,25 +165,56 @@ def node_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule:
     }
 
 
+def position(config: dpwa.Config, args: argparse.Namespace) -> tuple[int, int]:
+    """(this node's index, the number of nodes): from the config's node list, or from torchrun's RANK."""
+    if config.torchrun:
+        from dpwa.rendezvous import TorchrunEnv
+
+        env = TorchrunEnv.from_environ(source=config.source)
+        if args.name not in (None, env.name):
+            raise dpwa.ConfigError(f"{config.source}: under torchrun this worker is {env.name}, not {args.name}")
+        return env.rank, env.world_size
+    if args.name is None:
+        raise dpwa.ConfigError(f"{config.source}: --name is needed: which node of the config is this?")
+    config.node(args.name)  # a ConfigError lists the known node names
+    return [n.name for n in config.nodes].index(args.name), len(config.nodes)
+
+
+def describe_checkpoint(epoch: int | str) -> str:
+    return "the state saved when it was stopped" if epoch == checkpoints.LAST else f"the checkpoint of epoch {epoch}"
+
+
+def restart_count() -> int:
+    """How many times torchrun has started this worker group again (0: the first time)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
                      schedule: Any, order: torch.Generator, progress: dict[str, int], steps: int) -> str:
-    """Where this node starts; fills `progress` and says which, in words:
+    """Where this node starts; fills `progress` and says which, in words. In this order:
 
-    * --resume: the run's latest complete checkpoint;
-    * it joined a cluster that has trained (it started late, or again after a crash): where the cluster is;
-    * it was started again and no peer could give it their state: its own latest checkpoint, if any;
-    * otherwise, the beginning.
+    1. --resume: the state it saved when it was stopped, or else the run's latest complete checkpoint;
+    2. it was stopped mid-run (SIGTERM, as torchrun stops every worker to start them all again): the state
+       it saved then;
+    3. it joined a cluster that has trained (it started late, or again after a crash): where the cluster is;
+    4. torchrun started every worker again and this one saved nothing (it was the one that died): where
+       the others are, once they have restored their state;
+    5. it was started again and no peer could give it their state: its own latest checkpoint;
+    6. otherwise, the beginning.
     """
-    if args.resume:
-        names = [n.name for n in dpwa.load_config(args.config).nodes]
-        epoch = checkpoints.latest_complete(args.run_dir, names)
+    names = [n.name for n in conn.node.config.nodes]  # resolved: under torchrun too
+    own_last = args.run_dir is not None and checkpoints.has(args.run_dir, checkpoints.LAST, args.name)
+    if args.resume or own_last:
+        epoch = checkpoints.LAST if own_last else checkpoints.latest_complete(args.run_dir, names)
         if epoch is None:
             raise checkpoints.CheckpointError(f"{args.run_dir}: no complete checkpoint of {', '.join(names)} to resume")
         load_checkpoint(args, epoch, conn, optimizer, schedule, order, progress)
-        return f"resumed from the checkpoint of epoch {epoch}"
-    counters = conn.barrier_counters()
+        checkpoints.discard(args.run_dir, checkpoints.LAST, args.name)  # taken up, or older than what was
+        return f"{'resumed' if args.resume else 'restarted'} from {describe_checkpoint(epoch)}"
+    if not (conn.joined is not None and conn.clock > 0) and restart_count() > 0:
+        conn.join(wait_s=max(60.0, args.barrier_timeout_s / 5))
     if conn.joined is not None and conn.clock > 0:
-        progress["epoch"] = counters.get("epoch", 0)
+        progress["epoch"] = conn.barrier_counters().get("epoch", 0)
         progress["step"] = progress["epoch"] * steps
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": deliberate here
             warnings.simplefilter("ignore", UserWarning)
@@ -190,8 +222,8 @@ def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimiz
                 schedule.step()
         order.manual_seed(order.initial_seed() + 7919 * progress["epoch"])  # a batch order of its own
         return f"joined the cluster at epoch {progress['epoch'] + 1} from {conn.joined.donor}"
-    own = [e for e in checkpoints.epochs(args.run_dir) if args.name in checkpoints.manifest(args.run_dir, e).get(
-        "files", {})] if args.run_dir is not None else []
+    own = [e for e in checkpoints.epochs(args.run_dir) if checkpoints.has(args.run_dir, e, args.name)] if (
+        args.run_dir is not None) else []
     if own:  # started again, and no peer had trained: our own last checkpoint is the freshest state we know
         load_checkpoint(args, own[-1], conn, optimizer, schedule, order, progress)
         return f"started again from its own checkpoint of epoch {own[-1]} (no peer could give it its state)"
@@ -200,7 +232,7 @@ def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimiz
     return "started from the beginning"
 
 
-def load_checkpoint(args: argparse.Namespace, epoch: int, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
+def load_checkpoint(args: argparse.Namespace, epoch: int | str, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
                     schedule: Any, order: torch.Generator, progress: dict[str, int]) -> None:
     """Continue from this node's checkpoint of `epoch` (hash checked, weights_only loading)."""
     state = checkpoints.load(args.run_dir, epoch, args.name)
@@ -230,11 +262,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = dpwa.load_config(args.config)  # a ConfigError names the file, the key and the problem
-        config.node(args.name)  # ... or lists the known node names
+        index, count = position(config, args)  # picks this node's shard and GPU
     except dpwa.ConfigError as exc:
         log.error("%s", exc)
         return 2
-    index = [n.name for n in config.nodes].index(args.name)  # picks this node's shard and GPU
     data_name = datasets.resolve(args.data, args.data_dir)
     defaults = DEFAULTS[data_name]
     batch_size = args.batch_size or defaults["batch_size"]
@@ -248,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", args.name, exc)
         return 2
     if args.shard == "auto":
-        data = data.shard(index, len(config.nodes), seed=args.seed)
+        data = data.shard(index, count, seed=args.seed)
     full_epoch = datasets.steps_per_epoch(data, batch_size)
     if full_epoch == 0:
         log.error("%s: %d training images are fewer than one batch of %d", args.name, len(data.train_y), batch_size)
@@ -267,9 +298,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # with join: auto (the default) a node that starts late or restarts takes a peer's state here
         conn = DpwaPyTorchAdapter(net, args.name, config, optimizer=optimizer)
-    except TransportError as exc:  # e.g. the port is in use
+    except (TransportError, dpwa.ConfigError) as exc:  # e.g. the port is in use; torchrun's store out of reach
         log.error("%s", exc)
         return 2
+    args.name = conn.name  # rank<RANK> under torchrun
     progress = {"epoch": 0, "step": 0, "averaged": 0, "failed": 0}  # what a checkpoint keeps besides the state
     try:
         started = resume_or_rejoin(args, conn, optimizer, schedule, order, progress, steps)
@@ -296,12 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     train_start = time.monotonic()
     epoch, reason = progress["epoch"], "error"
 
-    def barrier(name: str) -> None:
+    def barrier(name: str) -> list[str]:
         """Wait for every node at the barrier (going on without missing ones after the timeout)."""
         t0 = time.monotonic()
         skipped = conn.barrier(name, timeout_s=args.barrier_timeout_s, missing="proceed")
         metrics.write("barrier", name=name, epoch=epoch, step=step, waited_s=round(time.monotonic() - t0, 3),
                       skipped=skipped)
+        return skipped
 
     try:
         if conn.barrier_counters().get("start", 0) == 0:  # a rejoined or resumed node passed it already
@@ -353,11 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                      "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
                      loss_value if loss_value is not None else float("nan"), 100 * acc, test_loss,
                      averaged, failed)
-        if not stop:
-            barrier("exit")
+        skipped = barrier("exit") if not stop else []
         if not stop and args.linger_s > 0:
+            # After the exit barrier every node has trained its last step; only requests in flight remain,
+            # unless the barrier went on without someone, who may still train and fetch from us.
             step_s = (time.monotonic() - train_start) / max(step - progress["step"], 1)
-            idle_s = max(2.0, 4 * step_s, 2 * config.timeout_s)
+            idle_s = max(2.0, 4 * step_s, 2 * conn.node.config.timeout_s) if skipped else 2 * conn.node.config.timeout_s
             metrics.write("linger", idle_s=idle_s, limit_s=args.linger_s)
             log.info("%s: serving peers that still train (until none fetched for %.1f s)", args.name, idle_s)
             spent = conn.linger(idle_s, args.linger_s, stop=lambda: bool(stop))
@@ -373,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
             saved = args.run_dir / "models" / f"{args.name}.pt"
             torch.save(checkpoint(net, model_name, args.width, data), saved.with_suffix(".tmp"))
             saved.with_suffix(".tmp").replace(saved)  # never a half-written file
+        if stop and args.run_dir is not None:  # stopped mid-run: keep our state for a restart (torchrun's, say)
+            progress.update(epoch=epoch - 1, step=step, averaged=averaged, failed=failed)
+            checkpoints.save(args.run_dir, checkpoints.LAST, args.name,
+                             node_state(net, optimizer, schedule, order, conn, progress))
         metrics.write("end", reason=reason, epoch=epoch, step=step, averaged=averaged, failed=failed,
                       peers=dict(averaged_with), stats=json.loads(json.dumps(stats, default=str)))
         metrics.close()

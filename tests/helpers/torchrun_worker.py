@@ -1,0 +1,51 @@
+"""A torchrun worker for the tests: a tiny model, `nodes: torchrun`, a few steps; writes OUT/rankN.json.
+
+    torchrun --standalone --nproc-per-node 3 tests/helpers/torchrun_worker.py OUT_DIR [STEPS]
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpwa import DpwaPyTorchAdapter
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(rank)  # different initial weights: joining at start makes them rank 0's
+    net = nn.Linear(4, 2)
+    config = {"nodes": "torchrun", "fetch_probability": 1, "timeout_ms": 3000}
+    with DpwaPyTorchAdapter(net, None, config) as conn:
+        start = [p.detach().clone() for p in net.parameters()]
+        conn.barrier("start", timeout_s=60)  # every worker is up (and has joined) before anyone trains
+        peers: dict[str, int] = {}
+        for _ in range(steps):
+            conn.update_send(None)
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.add_(0.01 * (rank + 1))  # a known step per rank
+            update = conn.update_wait(None)
+            if update.averaged:
+                peers[update.peer] = peers.get(update.peer, 0) + 1
+        conn.barrier("exit", timeout_s=60)
+        result = {
+            "name": conn.name,
+            "peers": peers,
+            "nodes": [(n.name, n.host, n.port) for n in conn.node.config.nodes],
+            "secure": conn.node.config.secure,
+            "transport": conn.node.config.transport,
+            "start": [t.tolist() for t in start],
+            "joined": None if conn.joined is None else conn.joined.donor,
+        }
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
