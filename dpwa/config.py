@@ -53,6 +53,7 @@ SAME_HOST_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 BLENDS = ("state", "delta")
 JOINS = ("auto", "never")
+PAIRINGS = ("random", "hypercube")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -109,6 +110,7 @@ class Config:
     max_peer_distance: float = 0.0  # reject a peer with ||peer - ours|| / ||ours|| above this; 0 disables
     mode: str = "pull"  # pull: only the requester moves; symmetric: both move, the mean is kept
     blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
+    pairing: str = "random"  # random: a peer drawn by score; hypercube: i pairs with i XOR 2^(t mod log2 n)
     insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
     join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
     torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.rendezvous)
@@ -187,6 +189,7 @@ class Config:
             "max_peer_distance": self.max_peer_distance,
             "mode": self.mode,
             "blend": self.blend,
+            "pairing": self.pairing,
             "insecure": self.insecure,
             "join": self.join,
         }
@@ -200,7 +203,7 @@ class Config:
             f"constant.value={self.constant.value} "
             f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
             f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
-            f"mode={self.mode} blend={self.blend} "
+            f"mode={self.mode} blend={self.blend} pairing={self.pairing} "
             f"join={self.join} transport={self.transport} curve={'on' if self.secure else 'off'}"
         )
 
@@ -224,6 +227,7 @@ _TOP_KEYS = (
     "insecure",
     "join",
     "interface",
+    "pairing",
 )
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
@@ -279,6 +283,11 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     blend = _choice(raw, "blend", BLENDS, source)
     insecure = _flag(raw, "insecure", source)
     join = _choice(raw, "join", JOINS, source)
+    pairing = _choice(raw, "pairing", PAIRINGS, source)
+    if pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
+        raise ConfigError(
+            f"{source}: pairing: hypercube needs a power of two of nodes (2, 4, 8, ...), got {len(nodes)}"
+        )
     if insecure and torchrun:
         raise ConfigError(f"{source}: insecure cannot be used with nodes: torchrun, whose nodes make and swap keys")
     if not insecure and nodes and nodes[0].public_key is None:
@@ -306,6 +315,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         blend=blend,
         insecure=insecure,
         join=join,
+        pairing=pairing,
         torchrun=torchrun,
         interface=interface.strip(),
         source=source,

@@ -52,3 +52,22 @@ def test_the_new_modes_train_like_exact_averaging():
         assert rows[label]["steps_vs_exact"] <= 1.10, rows[label]
         assert rows[label]["accuracy_vs_exact_points"] >= -1.0, rows[label]
     assert rows["pull, state, p = 1 (the original)"]["steps_vs_exact"] >= 1.5
+
+
+def test_hypercube_pairing_reaches_the_exact_average_in_log2_n_rounds():
+    """8 nodes in step, f = 1/2, nothing trained: after 3 = log2 8 hypercube rounds every node holds
+    the mean (to float32 rounding); random pairing is still far from it."""
+    for mode, blend in (("symmetric", "delta"), ("pull", "state")):
+        hyper = sim.rounds(8, mode, blend, "hypercube", 3, seed=1)["relative_disagreement"]
+        randomly = sim.rounds(8, mode, blend, "random", 3, seed=1)["relative_disagreement"]
+        assert hyper[2] < 1e-12 and hyper[1] > 1e-2  # exact at round 3, not before
+        assert randomly[2] > 1e-3
+
+
+def test_hypercube_partners():
+    from dpwa.mixing.pairing import hypercube_partner, initiates
+
+    assert [hypercube_partner(5, 8, t) for t in range(4)] == [4, 7, 1, 4]
+    assert initiates(4, 5, "symmetric") and not initiates(5, 4, "symmetric") and initiates(5, 4, "pull")
+    with pytest.raises(ValueError, match="power of two"):
+        hypercube_partner(0, 6, 0)

@@ -475,3 +475,32 @@ def test_exchange_ids_are_the_servers_and_bound_to_the_peer(nodes, zctx):
         w0.exchange(server, filled(0))
         server.update_wait()
     assert server.stats()["snapshot_slots"] <= 4 and server.stats()["exchanges_pending"] <= 2
+
+
+def test_hypercube_pairing_gives_four_nodes_in_step_the_exact_mean_in_two_rounds(nodes):
+    """pairing: hypercube, 4 nodes holding 0, 1, 2, 3, stepping in lock step with nothing trained:
+    round 0 pairs (w0, w1) and (w2, w3), round 1 pairs (w0, w2) and (w1, w3); f = 1/2 averages each
+    pair exactly, so after two rounds every node holds 1.5, exactly. Nobody hears "busy".
+    In step: in each round the nodes that are asked publish (update_send) before those that ask."""
+    from dpwa.mixing.pairing import hypercube_partner, initiates
+
+    cfg = make_config(4, mode="symmetric", blend="delta", pairing="hypercube", timeout_ms=3000)
+    arrays = [filled(k, 100) for k in range(4)]
+    group = [nodes(cfg, f"w{k}", NumpyParams(arrays[k])) for k in range(4)]
+    for round_ in range(2):
+        asks = [initiates(k, hypercube_partner(k, 4, round_), "symmetric") for k in range(4)]
+        for k in sorted(range(4), key=lambda k: asks[k]):  # those asked first, then those that ask
+            group[k].update_send()
+        for node in group:
+            node.update_wait()
+    for node in group:
+        tend(node)  # the last mirrors (symmetric)
+    assert all(np.all(a == 1.5) for a in arrays), [a[0] for a in arrays]
+    assert sum(node.stats().get("fetches_busy", 0) + node.stats().get("busy_answers", 0) for node in group) == 0
+
+
+def test_hypercube_pairing_needs_a_power_of_two_of_nodes():
+    from dpwa import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match="pairing: hypercube needs a power of two of nodes"):
+        parse_config(make_config(3, pairing="hypercube"))

@@ -29,7 +29,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..logs import logger
 
@@ -129,9 +129,17 @@ class FlowControl:
     """
 
     def __init__(
-        self, name: str, peers: Sequence[str], fetch_probability: float, timeout_s: float, rng: random.Random
+        self,
+        name: str,
+        peers: Sequence[str],
+        fetch_probability: float,
+        timeout_s: float,
+        rng: random.Random,
+        schedule: Callable[[int], str | None] | None = None,
     ) -> None:
         self.name = name
+        self._schedule = schedule  # round -> the scheduled partner (None: not this node's turn); None: random
+        self.rounds = 0  # steps that asked whom to ask
         self.selector = PeerSelector(peers, rng=rng)
         self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
         self._misses = {peer: 0 for peer in peers}  # consecutive timeouts or transport failures
@@ -147,9 +155,15 @@ class FlowControl:
         return self.selector.choose(exclude)
 
     def candidates(self, exclude: frozenset[str] = frozenset()) -> list[str]:
-        """The peers to ask this step, best first (see PeerSelector.ranked); empty when none is to be asked."""
+        """The peers to ask this step, best first (see PeerSelector.ranked); empty when none is to be asked.
+
+        With a schedule (pairing: hypercube) only this round's partner, when it is this node's turn."""
+        round_, self.rounds = self.rounds, self.rounds + 1
         if not self._asks():
             return []
+        if self._schedule is not None:
+            partner = self._schedule(round_)
+            return [partner] if partner is not None and partner not in exclude else []
         return self.selector.ranked(exclude)
 
     def _asks(self) -> bool:

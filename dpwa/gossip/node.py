@@ -46,7 +46,7 @@ from zmq.utils import z85
 from ..config import Config, ConfigError, load_config, parse_config, pointless_settings
 from ..logs import RateLimitedLog, logger
 from ..mixing import interpolation as interp
-from ..mixing import kernels, rules
+from ..mixing import kernels, pairing, rules
 from ..params import FlatParams
 from ..rendezvous import rendezvous
 from ..stats import Counters, Rate
@@ -173,7 +173,12 @@ class Node:
         self.counters = Counters()
         self._log = RateLimitedLog()
         self._flow = FlowControl(
-            name, list(self.peers), self.config.fetch_probability, self.config.timeout_s, self._rng
+            name,
+            list(self.peers),
+            self.config.fetch_probability,
+            self.config.timeout_s,
+            self._rng,
+            schedule=self._hypercube() if self.config.pairing == "hypercube" else None,
         )
         self._clock = 0.0
         self._step: _Step | None = None
@@ -352,6 +357,17 @@ class Node:
             self._publish(self._loss)
         return self.joined is not None
 
+    def _hypercube(self) -> Callable[[int], str | None]:
+        """pairing: hypercube: round -> our partner, or None when the partner starts the exchange."""
+        order = [spec.name for spec in self.config.nodes]
+        index, n, mode = order.index(self.name), len(order), self.config.mode
+
+        def partner(round_: int) -> str | None:
+            other = pairing.hypercube_partner(index, n, round_)
+            return order[other] if pairing.initiates(index, other, mode) else None
+
+        return partner
+
     def _join(self, trained_only: bool = False, wait_s: float | None = None) -> None:
         """Take the cluster's state from a peer before training (see dpwa.gossip.join)."""
         client = self._client
@@ -439,7 +455,8 @@ class Node:
             self._publish(step.send_loss)
             return self._start_exchange(step)
         # Start the fetch first: it does not need our snapshot, so the copy overlaps with the request.
-        peer = self._flow.choose()
+        candidates = self._flow.candidates()
+        peer = candidates[0] if candidates else None
         if peer is not None:
             assert self._reader is not None and self._client is not None
             step.deadline = time.monotonic() + self.config.timeout_s

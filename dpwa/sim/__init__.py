@@ -1,6 +1,18 @@
 """``python -m dpwa.sim``: gossip mixing and training without sockets, on the node's own mixing code."""
 
-from .simulate import RULES, Digits, Gossip, Rule, consensus, disagreement, main, study, symmetric_decay, train_run
+from .simulate import (
+    RULES,
+    Digits,
+    Gossip,
+    Rule,
+    consensus,
+    disagreement,
+    main,
+    rounds,
+    study,
+    symmetric_decay,
+    train_run,
+)
 
 __all__ = [
     "RULES",
@@ -10,6 +22,7 @@ __all__ = [
     "consensus",
     "disagreement",
     "main",
+    "rounds",
     "study",
     "symmetric_decay",
     "train_run",

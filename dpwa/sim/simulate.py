@@ -6,6 +6,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.sim consensus --nodes 16 --mode pull --exchanges 2000
     python -m dpwa.sim study                  # the convergence study of the README (about a minute)
     python -m dpwa.sim study --seeds 2 --json study.json
+    python -m dpwa.sim rounds --nodes 8      # random against hypercube pairing, round by round
 
 :class:`Gossip` holds n flat models as :class:`~dpwa.params.NumpyParams` and
 applies exchanges exactly as :class:`~dpwa.node.Node` does: the requester's
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..gossip.flow import PeerSelector
+from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
 from ..params import NumpyParams
 
@@ -70,6 +72,7 @@ class Gossip:
         f: the constant interpolation factor.
         fetch_probability: chance that a node exchanges in a round.
         seed: seeds the fetch decisions and peer choices.
+        pairing: "random" (a peer by score, as a node draws it) or "hypercube" (dpwa.mixing.pairing).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class Gossip:
         f: float = 0.5,
         fetch_probability: float = 1.0,
         seed: int = 0,
+        pairing: str = "random",
     ) -> None:
         if mode not in ("pull", "symmetric") or blend not in ("state", "delta"):
             raise ValueError(f"mode must be pull or symmetric and blend state or delta, got {mode!r}, {blend!r}")
@@ -93,6 +97,9 @@ class Gossip:
         self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]
         self.exchanges = 0
         self.refused = 0  # symmetric requests a busy server turned away
+        if pairing not in pairings.PAIRINGS:
+            raise ValueError(f"pairing must be one of {', '.join(pairings.PAIRINGS)}, got {pairing!r}")
+        self.pairing, self.rounds = pairing, 0
 
     def choose(self, i: int) -> int:
         chosen = self.selectors[i].choose()
@@ -117,7 +124,12 @@ class Gossip:
         snapshot serves at most EXCHANGES_PER_SNAPSHOT of them, as on a real node.
         """
         snapshots = [a.copy() for a in self.arrays]
-        pairs = [(i, self.choose(i)) for i in range(self.n) if self.rng.random() < self.fetch_probability]
+        if self.pairing == "hypercube":
+            partners = [(i, pairings.hypercube_partner(i, self.n, self.rounds)) for i in range(self.n)]
+            pairs = [(i, j) for i, j in partners if pairings.initiates(i, j, self.mode)]
+        else:
+            pairs = [(i, self.choose(i)) for i in range(self.n) if self.rng.random() < self.fetch_probability]
+        self.rounds += 1
         self.rng.shuffle(pairs)
         if train is not None:
             for i, array in enumerate(self.arrays):
@@ -189,6 +201,7 @@ class Rule:
     mode: str  # "exact" for all-reduce averaging
     blend: str = "state"
     p: float = 1.0
+    pairing: str = "random"
 
 
 RULES = (
@@ -199,6 +212,8 @@ RULES = (
     Rule("pull, delta, p = 1", "pull", "delta", 1.0),
     Rule("symmetric, delta, p = 1", "symmetric", "delta", 1.0),
     Rule("symmetric, state, p = 1", "symmetric", "state", 1.0),
+    Rule("pull, delta, hypercube", "pull", "delta", 1.0, "hypercube"),
+    Rule("symmetric, delta, hypercube", "symmetric", "delta", 1.0, "hypercube"),
 )
 
 
@@ -221,7 +236,7 @@ def train_run(
     gossip = (
         None
         if rule.mode == "exact"
-        else Gossip(arrays, mode=rule.mode, blend=rule.blend, fetch_probability=rule.p, seed=seed)
+        else Gossip(arrays, mode=rule.mode, blend=rule.blend, fetch_probability=rule.p, seed=seed, pairing=rule.pairing)
     )
 
     def local_step(i: int, w: np.ndarray) -> None:
@@ -371,6 +386,22 @@ def consensus(
     }
 
 
+def rounds(nodes: int, mode: str, blend: str, pairing: str, rounds: int, seed: int, size: int = 64) -> dict:
+    """Mix random models by whole rounds, no training: every node publishes, the round's pairs
+    exchange (f = 1/2), and the disagreement (sum of squared distances to the mean) is recorded
+    after each round, relative to the start. With hypercube pairing and n = 2^k nodes it reaches
+    float32 rounding after k rounds; with random pairing it only decays geometrically."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
+    gossip = Gossip(arrays, mode=mode, blend=blend, f=0.5, seed=seed, pairing=pairing)
+    start = disagreement(gossip.arrays)
+    relative = []
+    for _ in range(rounds):
+        gossip.round()
+        relative.append(disagreement(gossip.arrays) / start)
+    return {"nodes": nodes, "mode": mode, "blend": blend, "pairing": pairing, "relative_disagreement": relative}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpwa.sim", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -381,6 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--f", type=float, default=0.5, help="the constant interpolation factor")
     c.add_argument("--exchanges", type=int, default=3000)
     c.add_argument("--seed", type=int, default=0)
+    w = sub.add_parser("rounds", help="mix random models by whole rounds: random against hypercube pairing")
+    w.add_argument("--nodes", type=int, default=8)
+    w.add_argument("--mode", choices=("pull", "symmetric"), default="symmetric")
+    w.add_argument("--blend", choices=("state", "delta"), default="delta")
+    w.add_argument("--rounds", type=int, default=6)
+    w.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("study", help="steps to a training-loss threshold on digits, per mixing rule")
     s.add_argument("--seeds", type=int, default=5)
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
@@ -394,6 +431,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['mean_ratio']:.4f} ± {r['standard_error']:.4f} (symmetric theory "
             f"{r['theory_symmetric']:.4f}); largest drift of the mean {r['max_mean_drift']:.2e}"
         )
+        return 0
+    if args.command == "rounds":
+        if args.nodes < 2:
+            parser.error(f"--nodes must be at least 2, got {args.nodes}")
+        kinds = ["random"] + (["hypercube"] if args.nodes & (args.nodes - 1) == 0 else [])
+        print(
+            f"{args.nodes} nodes, {args.mode}/{args.blend}, f = 0.5: disagreement after each round, "
+            "relative to the start"
+        )
+        print("  round  " + "  ".join(f"{k:>10}" for k in kinds))
+        runs = [rounds(args.nodes, args.mode, args.blend, k, args.rounds, args.seed) for k in kinds]
+        for t in range(args.rounds):
+            print(f"  {t + 1:>5}  " + "  ".join(f"{run['relative_disagreement'][t]:>10.2e}" for run in runs))
         return 0
     result = study(seeds=args.seeds)
     print(format_study(result))

@@ -1,0 +1,39 @@
+"""Who exchanges with whom: a random peer by flow-control score, or a hypercube schedule.
+
+With ``pairing: hypercube`` and n = 2^k nodes, node i's partner in round t is
+``i XOR 2^(t mod k)``: in k rounds every node has met one partner along each
+dimension of the hypercube, and if every exchange averages the pair exactly
+(f = 1/2, nothing trained in between) every node holds the exact mean of all
+n starting values after those k = log2 n rounds, where random pairing only
+gets there geometrically. Rounds are counted per node (its update_send
+calls), so nodes that step in step meet their scheduled partner; nodes that
+drift apart still mix, only less perfectly.
+
+In mode symmetric one exchange moves both sides, so only the lower index of
+each pair starts it; in mode pull both sides pull from each other.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PAIRINGS", "hypercube_partner", "initiates", "is_power_of_two"]
+
+PAIRINGS = ("random", "hypercube")
+
+
+def is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def hypercube_partner(index: int, n: int, round_: int) -> int:
+    """Node `index`'s partner in round `round_` of the hypercube schedule of n = 2^k nodes."""
+    if not is_power_of_two(n) or n < 2:
+        raise ValueError(f"a hypercube needs a power of two of at least 2 nodes, got {n}")
+    if not 0 <= index < n:
+        raise ValueError(f"index must be in [0, {n}), got {index}")
+    dimensions = n.bit_length() - 1
+    return index ^ (1 << (round_ % dimensions))
+
+
+def initiates(index: int, partner: int, mode: str) -> bool:
+    """Does node `index` start this round's exchange with `partner`? (Symmetric: only the lower index.)"""
+    return mode != "symmetric" or index < partner
