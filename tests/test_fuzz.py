@@ -59,7 +59,7 @@ NAMES = ("w0", "w1", "w2")  # without CURVE, "from" must be one of the config's 
 DECODE_REASONS = {"header_too_large", "bad_header", "bad_version", "bad_kind", "unexpected_kind"}
 # Reasons decided before a bulk route's unsent-reply budget is looked at; the others
 # (checked by the handler) may instead be a "busy" refusal if a reply's tracker lags.
-EARLY_REASONS = DECODE_REASONS | {"bad_envelope", "bad_request", "too_large", "bad_identity"}
+EARLY_REASONS = DECODE_REASONS | {"bad_envelope", "bad_frames", "too_large", "bad_identity"}
 ALL_REASONS = EARLY_REASONS | {"bad_fingerprint", "bad_dtype", "bad_size", "not_finite", "busy", "not_ready"}
 
 
@@ -289,7 +289,7 @@ class RequestFuzzer:
         else:
             header = self.header("fetch", rid, **self.fetch_fields(sender))
         extra = [self.rng.randbytes(self.rng.randrange(0, 300)) for _ in range(self.rng.randrange(1, 4))]
-        return self.req("extra payload frames", header, extra, error("bad_request"), request_id=rid)
+        return self.req("extra payload frames", header, extra, error("bad_frames"), request_id=rid)
 
     def no_envelope(self) -> Case:
         kind, fields, payload = self.base()
@@ -373,7 +373,7 @@ class RequestFuzzer:
     def exchange_payload_frames(self) -> Case:
         fields = self.exchange_fields(self.sender())
         payload = self.rng.choice([[], [self.snapshot, b""], [self.snapshot[:4096], self.snapshot[4096:]]])
-        return self.exchange("exchange with 0 or 2 payload frames", fields, payload, error("bad_request"))
+        return self.exchange("exchange with 0 or 2 payload frames", fields, payload, error("bad_frames"))
 
     def exchange_payload_too_large(self) -> Case:
         fields = self.exchange_fields(self.sender())
@@ -438,7 +438,7 @@ class RequestFuzzer:
 
     def confirm_extra_frame(self) -> Case:
         return self.confirm("confirm with a payload frame", self.sender(), self.rng.randrange(1, MAX_ID),
-                            error("bad_request"), extra=[b"\x00" * self.rng.randrange(0, 64)])
+                            error("bad_frames"), extra=[b"\x00" * self.rng.randrange(0, 64)])
 
     # ----------------------------------------------------------------- the server's side of an exchange
 

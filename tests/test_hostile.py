@@ -124,7 +124,7 @@ def special_frames(node):
     (["BAD_FP"], "bad_fingerprint"),
     (["BAD_DTYPE"], "bad_dtype"),
     (["NOT_A_NODE"], "bad_identity"),  # without CURVE, "from" must name a node of the config
-    (["EXTRA_FRAME"], "bad_request"),
+    (["EXTRA_FRAME"], "bad_frames"),
     ([b"\xdb\xff\xff\xff\xff"], "bad_header"),  # claims a 4 GB string
 ])
 def test_bad_requests_get_their_reason_and_change_nothing(nodes, zctx, make_cluster, frames, reason):

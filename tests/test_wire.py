@@ -131,7 +131,7 @@ def test_payload_frames_are_counted_and_sized_before_the_handler_runs(ctx):
 
         header = encode(BLOB, 1, **{"from": "a"})
         assert decode(ask([header, b"x" * 50])[0])["n"] == 50
-        for frames, reason in (([header], "bad_request"), ([header, b"x", b"y"], "bad_request"),
+        for frames, reason in (([header], "bad_frames"), ([header, b"x", b"y"], "bad_frames"),
                                ([header, b"x" * 101], "too_large")):
             reply = decode(ask(frames)[0])
             assert reply.kind == "error" and reply["reason"] == reason

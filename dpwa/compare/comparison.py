@@ -60,13 +60,7 @@ class CompareConfig:
 def _ps_order(layout: ModelLayout, servers: int) -> np.ndarray:
     """For the servers' shards concatenated in server order: each element's index in the full state."""
     plan = make_plan(layout, servers)
-    parts = []
-    for blocks in plan.servers:
-        for b in blocks:
-            v = b.variable
-            start = v.offset if v.kind == "param" else layout.param_size + v.offset
-            parts.append(np.arange(start, start + v.size))
-    return np.concatenate(parts)
+    return np.concatenate([plan.state_index(k, layout.param_size) for k in range(servers)])
 
 
 def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
@@ -122,8 +116,9 @@ def _outcome(scenario: str, fault: dict[str, Any], summary: dict[str, Any], base
         back = "never went back to todo" if requeued is None else f"went back to todo {requeued:.1f} s after the kill"
         return (
             f"task {held.get('task')} ({held.get('reports_accepted')} reports accepted) {back}; the run {done}; "
-            f"tasks done {tasks.get('done')}/{tasks.get('total')}, retried {tasks.get('retried')}, "
-            f"done twice {tasks.get('done_twice')}; final accuracy {acc_text}"
+            f"tasks done {tasks.get('done')}/{tasks.get('total')}, retried {tasks.get('retried')} "
+            f"({tasks.get('expired')} after a lease expired, {tasks.get('failed')} failed after too many refused "
+            f"reports), done twice {tasks.get('done_twice')}; final accuracy {acc_text}"
         )
     if scenario == "async-ps":
         return (

@@ -26,6 +26,7 @@ point of each curve is the system's final model.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,7 @@ def _states_gossip(run: SystemRun, every: int) -> list[tuple[float, int, Callabl
     finals = [shots[n][-1] for n in nodes if n in finished and shots[n][-1].get("final")]
     if finals:
         t_end = max(line["t"] for line in finals)
-        out.append((t_end, sum(int(line["samples"]) for line in finals), _mean_of(run, finals)))
+        out.append((t_end, total, _mean_of(run, finals)))  # every node's samples, a killed one's until it died
     return out
 
 
@@ -189,6 +190,11 @@ def build_curve(run: SystemRun, every: int, evaluate: Evaluate, initial: Point |
     return curve
 
 
+def _finite(value: float) -> float | None:
+    """`value` rounded, or None when it is NaN or infinite (JSON has no such numbers)."""
+    return round(value, 5) if math.isfinite(value) else None
+
+
 def summarize(run: SystemRun, curve: Curve, target: float) -> dict[str, Any]:
     """The comparison's numbers for one run: accuracy, time and samples to target, bytes, idle time."""
     workers = [run.results[n] for n in run.workers if n in run.results]
@@ -202,7 +208,7 @@ def summarize(run: SystemRun, curve: Curve, target: float) -> dict[str, Any]:
         "error": run.error,
         "failed_at_s": run.failed_at_s,
         "final_test_acc": final.acc if final else None,
-        "final_test_loss": final.loss if final else None,
+        "final_test_loss": _finite(final.loss) if final else None,
         "time_to_target_s": hit.t_s if hit else None,
         "samples_to_target": hit.samples if hit else None,
         "bytes_per_worker_per_step": float(np.mean(per_step)) if per_step else None,
@@ -211,7 +217,9 @@ def summarize(run: SystemRun, curve: Curve, target: float) -> dict[str, Any]:
         "samples": final.samples if final else 0,
         "steps_per_worker": float(np.mean(steps)) if steps else 0.0,
         "workers_finished": len(workers),
-        "curve": [[round(p.t_s, 3), p.samples, round(p.acc, 5), round(p.loss, 5)] for p in curve.points],
+        "curve": [[round(p.t_s, 3), p.samples, round(p.acc, 5), _finite(p.loss)] for p in curve.points],
+        # points whose model gave a NaN test loss (say, a BatchNorm running variance gone negative)
+        "nonfinite_points": sum(1 for p in curve.points if not math.isfinite(p.loss)),
     }
     if out["train_time_s"]:
         out["samples_per_s"] = out["samples"] / out["train_time_s"]

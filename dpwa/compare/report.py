@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,21 @@ def fault_lines(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _plain(value: Any) -> Any:
+    """`value` with every NaN or infinite float made None: the file stays strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
 def write_json(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    tmp.write_text(json.dumps(_plain(report), indent=1, default=str, allow_nan=False) + "\n")
     tmp.replace(path)
 
 

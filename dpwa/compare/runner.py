@@ -187,6 +187,8 @@ def run_system(
             failed_at_s = None if completed else time.time() - go
     finally:
         leftover = procs.stop_all(options.grace_s)
+        for path in private_dir().glob(f"cmp-{tag}-*"):  # this run's ipc sockets and locks (a killed server's too)
+            path.unlink(missing_ok=True)
         if leftover and error is None and not completed:
             error = f"stopped: {', '.join(leftover)}"
     ended = time.time()

@@ -90,7 +90,7 @@ class WorkloadSpec:
     weight_decay: float = 5e-4
     segment_batches: int = 4  # minibatches in one sync-master task
     straggler: float = 1.0  # the last worker is this many times slower per step (1: none)
-    eval_points: int = 40  # about how many points each accuracy curve has
+    eval_points: int = 80  # about how many points each accuracy curve has
 
     def __post_init__(self) -> None:
         checks = [

@@ -63,7 +63,6 @@ a requester at most :data:`MAX_IN_DOUBT` exchanges in doubt.
 from __future__ import annotations
 
 import contextlib
-import functools
 import secrets
 import threading
 import time
@@ -72,14 +71,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..logs import logger
 from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..stats import Counters
 from ..wire.client import Ask, Call, DeadlinePassed, RequestTimeout, Response
 from ..wire.messages import MAX_ID, ProtocolError, encode
+from ..wire.payload import BufferPool
 from ..wire.server import Refused, Reply, Request, Route, TransportError
 from .messages import CONFIRM, DECISION, EXCHANGE, SNAPSHOT_REPLIES
 from .requesting import Received, ReplyReader
@@ -371,7 +369,6 @@ class ExchangeServer:
         interpolation, divergence_threshold: how f is computed.
         timeout_s: the requesters' deadline (a pending exchange expires after it plus a margin).
         capacity: requester snapshots held at most (pending and committed together).
-        discard: frees a received frame on the client thread.
         counters: where to count.
     """
 
@@ -383,7 +380,6 @@ class ExchangeServer:
         divergence_threshold: float,
         timeout_s: float,
         capacity: int,
-        discard: Callable[[Any], None],
         counters: Counters,
     ) -> None:
         self._serving, self._store = serving, serving.store
@@ -391,7 +387,8 @@ class ExchangeServer:
         self._interpolation, self._threshold = interpolation, divergence_threshold
         self.ttl_s = timeout_s + TTL_MARGIN_S
         self.capacity = capacity
-        self._discard = discard
+        # requester snapshots that came in chunks are copied into these (at most `capacity` held at once)
+        self._buffers = BufferPool(serving.nbytes)
         self._counters = counters
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], ServerHalf] = {}
@@ -418,13 +415,12 @@ class ExchangeServer:
             served = self._reserve(peer)  # cheap refusals before looking at the payload
             undo.push(served)
             undo.callback(self._unreserve, served.snapshot.version)
-            frame = request.payload[0]
-            if len(frame) != self._serving.nbytes:
+            payload = request.payload[0]
+            if len(payload) != self._serving.nbytes:
                 raise ProtocolError(
-                    "bad_size", f"the payload holds {len(frame)} bytes, expected {self._serving.nbytes}"
+                    "bad_size", f"the payload holds {len(payload)} bytes, expected {self._serving.nbytes}"
                 )
-            array = np.frombuffer(frame.buffer, dtype=self._store.dtype)
-            theirs = Received(header, array, functools.partial(self._discard, frame))
+            theirs = Received(header, *payload.array(self._store.dtype, self._buffers))
             undo.push(theirs)
             self._values.check(theirs.array)
             snap = served.snapshot

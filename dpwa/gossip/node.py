@@ -286,7 +286,6 @@ class Node:
             self._storage,
             values,
             readers,
-            self._client.discard,
             self.counters,
             lambda message: logger.info("%s: %s", self.name, message),
         )
@@ -321,7 +320,6 @@ class Node:
                 self.config.divergence_threshold,
                 self.config.timeout_s,
                 EXCHANGE_CAPACITY,
-                self._client.discard,
                 self.counters,
             )
             routes.update(self._exchange_server.routes())

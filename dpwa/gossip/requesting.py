@@ -4,25 +4,24 @@ Everything here runs on the node's client (Tx) thread, as tasks of
 :class:`dpwa.wire.client.ClientThread`. A :class:`FetchTask` asks one peer
 for its snapshot; :class:`ReplyReader` checks the reply (schema, fingerprint,
 dtype, size, values) and holds on to its parameters as a :class:`Received`:
-a received frame, or, from a same-host peer, its shared-memory slot locked
-for reading. Whoever holds a ``Received`` owns that memory until it lets go
-(a ``with`` block): a frame is freed on the client thread, a slot's lock is
-dropped.
+a received frame, a pooled buffer its chunks were copied into, or, from a
+same-host peer, its shared-memory slot locked for reading. Whoever holds a
+``Received`` owns that memory until it lets go (a ``with`` block): the frame
+is dropped, the buffer goes back to its pool, the slot's lock is released.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import zmq
 
 from ..stats import Counters
 from ..wire.client import Ask, Response
 from ..wire.messages import Header, ProtocolError, encode
+from ..wire.payload import BufferPool
 from ..wire.shm import PeerSlots
 from .messages import FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
@@ -63,7 +62,6 @@ class ReplyReader:
         values: the checks every peer's parameters must pass.
         readers: same-host peers whose shared-memory slots we may read (a peer
             is dropped from it, and asked over TCP, once its slots cannot be opened).
-        discard: frees a received frame on the client thread.
         counters: where to count bytes and same-host reads.
     """
 
@@ -75,14 +73,14 @@ class ReplyReader:
         storage: np.dtype,
         values: PeerValues,
         readers: dict[str, PeerSlots],
-        discard: Callable[[Any], None],
         counters: Counters,
         log: Callable[[str], None],
     ) -> None:
         self.fingerprint, self.wire, self.nbytes, self.storage = fingerprint, wire, nbytes, storage
         self.values = values
         self.readers = readers
-        self._discard = discard
+        # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
+        self._buffers = BufferPool(nbytes)
         self._counters = counters
         self._log = log
 
@@ -96,13 +94,12 @@ class ReplyReader:
         if header.kind == SHM_PARAMS.name:
             received = self._read_slot(header, peer)
         else:
-            frame: zmq.Frame = response.frames[0]
-            if len(frame) != self.nbytes:
-                raise ProtocolError("bad_size", f"the payload holds {len(frame)} bytes, the header {self.nbytes}")
-            array = np.frombuffer(frame.buffer, dtype=self.storage)
+            payload = response.frames[0]
+            if len(payload) != self.nbytes:
+                raise ProtocolError("bad_size", f"the payload holds {len(payload)} bytes, the header {self.nbytes}")
+            array, release = payload.array(self.storage, self._buffers)
             self._counters.add("bytes_in", self.nbytes)
-            # Unmapping a large frame takes milliseconds: the client thread frees it, off the training thread.
-            received = Received(header, array, functools.partial(self._discard, frame))
+            received = Received(header, array, release)
         with contextlib.ExitStack() as keep:
             keep.push(received)  # released if the check fails
             self.values.check(received.array)

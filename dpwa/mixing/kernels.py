@@ -231,6 +231,9 @@ def within(y: np.ndarray, bound: float, wire: str = "float32") -> bool:
     if y.size == 0:
         return True
     torch = _torch(y.size)
+    if torch is None and wire != "bfloat16":  # small: numpy reads float32 and float16 directly
+        lo, hi = float(y.min()), float(y.max())
+        return math.isfinite(lo) and math.isfinite(hi) and -bound <= lo and hi <= bound
     if torch is not None:
         lo_t, hi_t = torch.aminmax(as_torch(aligned(y), wire))
         lo, hi = float(lo_t), float(hi_t)

@@ -20,7 +20,9 @@ frames, CURVE, no pickle), plus the exact reference:
 * :mod:`.allreduce`: ``DistributedDataParallel`` over gloo, launched with
   ``torch.multiprocessing``: every worker applies the exact mean gradient.
 
-The pieces every system shares, the model seen as named variables in one flat
-order, are in :mod:`.layout`. ``python -m dpwa.compare`` runs them all, and
+The pieces every system shares: the model seen as named variables in one flat
+order and the checks received values pass (:mod:`.layout`), the optimizer over
+flat vectors (:mod:`.optim`), and ipc endpoints claimed for a service's
+lifetime (:mod:`.transport`). ``python -m dpwa.compare`` runs them all, and
 gossip, on the same model, data and machine.
 """

@@ -1,33 +1,41 @@
-"""What the systems add to :mod:`dpwa.wire` for services that each client calls several times a step.
-
-:class:`RpcServer` is a :class:`~dpwa.wire.server.Server` that never drops
-the reply to a client who has read its earlier replies. The wire server
-sends each reply with ``NOBLOCK`` under a send high-water mark of 2 per
-connection, which suits a gossip node (one fetch per peer per step). But
-libzmq learns that a reply was read only when the server's socket processes
-its pending commands, which a busy receive loop does at most about once a
-millisecond. A worker that calls a master two or three times per minibatch,
-while other workers keep the loop busy, then finds its connection "full"
-although it read everything, and its reply is dropped (it waits out its
-timeout and sends again). Asking the socket for its events before each send
-processes those commands first, so only a client that really leaves replies
-unread loses them.
-"""
+"""What the systems add to :mod:`dpwa.wire`: an ipc endpoint claimed for a service's lifetime."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
-import zmq
+from ..wire.endpoints import EndpointInUse, EndpointLock
+from ..wire.server import TransportError
 
-from ..wire.server import Reply, Server
-
-__all__ = ["RpcServer"]
+__all__ = ["IpcClaim"]
 
 
-class RpcServer(Server):
-    """A :class:`~dpwa.wire.server.Server` that processes libzmq's pending commands before each reply."""
+class IpcClaim:
+    """An ``ipc://`` endpoint claimed by one service: locked while it runs, its socket file removed when it stops.
 
-    def _send(self, sock: zmq.Socket, client: bytes, reply: Reply, key: Any = None) -> None:
-        sock.getsockopt(zmq.EVENTS)  # unthrottled command processing: learn which replies were read
-        super()._send(sock, client, reply, key)
+    libzmq silently replaces the socket file of an ipc endpoint that another
+    process is serving; the lock (:class:`~dpwa.wire.endpoints.EndpointLock`)
+    makes a second service on the same endpoint fail instead, as a TCP bind
+    would. A TCP endpoint needs neither, and gets neither.
+
+    Raises :class:`~dpwa.wire.server.TransportError` naming the endpoint when another process holds it.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.path: Path | None = None
+        self._lock: EndpointLock | None = None
+        if endpoint.startswith("ipc://"):
+            try:
+                self._lock = EndpointLock(endpoint)
+            except EndpointInUse as exc:
+                raise TransportError(str(exc)) from None
+            self.path = Path(endpoint[len("ipc://") :])
+
+    def release(self) -> None:
+        """Remove the socket file and release the lock (the lock file stays: see EndpointLock). Idempotent."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None

@@ -40,6 +40,7 @@ import zmq
 
 from ..logs import logger
 from .messages import KINDS, MAX_HEADER_BYTES, Header, MessageKind, ProtocolError, decode
+from .payload import CHUNK_BYTES, Payload, group, send_frames
 from .server import FRAME_ALLOWANCE, POLL_SLICE_S, Refused, TransportError, base_options
 
 __all__ = [
@@ -73,10 +74,10 @@ class DeadlinePassed(TransportError):
 
 @dataclass
 class Response:
-    """A reply: its validated header and the frames after it."""
+    """A reply: its validated header and its payloads (as many as its kind declares)."""
 
     header: Header
-    frames: list[zmq.Frame]
+    frames: list[Payload]
 
 
 class Channel:
@@ -130,7 +131,7 @@ class Channel:
             raise DeadlinePassed(f"{self.name}: the deadline passed before request {request_id} was sent")
         sock = self._socket()
         try:
-            sock.send_multipart(list(frames), flags=zmq.NOBLOCK, copy=False)
+            send_frames(sock, frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self.reset()
             raise TransportError(f"{self.name}: cannot send to {self.endpoint}: {exc}") from exc
@@ -158,18 +159,19 @@ class Channel:
         if header.id != request_id and not (header.kind == "error" and header.id == 0):
             self.reset()
             raise ProtocolError("bad_id", f"from {self.endpoint}: reply to request {header.id}, expected {request_id}")
-        if len(reply) - 1 != KINDS[header.kind].payload:
-            raise ProtocolError(
-                "bad_reply", f"from {self.endpoint}: a {header.kind} reply with {len(reply) - 1} payload frames"
-            )
-        return Response(header, reply[1:])
+        try:
+            payloads = group(reply[1:], KINDS[header.kind].payload)
+        except ProtocolError as exc:
+            raise ProtocolError("bad_reply", f"from {self.endpoint}: a {header.kind} reply: {exc.detail}") from None
+        return Response(header, payloads)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
             sock = self._ctx.socket(zmq.REQ)
             try:
                 base_options(sock, self._heartbeat_ms)
-                sock.setsockopt(zmq.MAXMSGSIZE, self._max_reply_bytes + FRAME_ALLOWANCE)
+                # every frame is a header or one chunk of a payload (dpwa.wire.payload)
+                sock.setsockopt(zmq.MAXMSGSIZE, min(self._max_reply_bytes, CHUNK_BYTES) + FRAME_ALLOWANCE)
                 sock.setsockopt(zmq.RECONNECT_IVL, 100)
                 sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
                 if "[" in self.endpoint:

@@ -55,6 +55,7 @@ from ..logs import RateLimitedLog, logger
 from ..stats import Counters
 from .curve import Curve
 from .messages import MAX_HEADER_BYTES, Header, MessageKind, ProtocolError, decode, error_header
+from .payload import CHUNK_BYTES, Payload, group, send_frames
 
 __all__ = [
     "FRAME_ALLOWANCE",
@@ -104,7 +105,7 @@ class Request:
     """One validated request, as a handler sees it."""
 
     header: Header
-    payload: Sequence[zmq.Frame]  # the kind's payload frames (empty for most kinds)
+    payload: Sequence[Payload]  # the kind's payloads, exactly as many as it declares (most: none)
     client: bytes  # the ROUTER routing id of the connection (opaque)
     identity: str | None  # the node its CURVE key belongs to; None without CURVE
     # False when the sender has its budget of unsent payload replies: answer without a payload
@@ -215,9 +216,13 @@ class Server:
 
     @property
     def max_frame_bytes(self) -> int:
-        """The largest frame any route accepts (ZMQ_MAXMSGSIZE, before the CURVE allowance)."""
+        """The largest frame any route accepts (ZMQ_MAXMSGSIZE, before the CURVE allowance).
+
+        A header, or one chunk of a payload (dpwa.wire.payload): never more than a chunk.
+        """
         largest = max((r.kind.max_header_bytes for r in self._routes.values()), default=MAX_HEADER_BYTES)
-        return max(largest, max((r.max_payload_bytes for r in self._routes.values()), default=0))
+        chunk = min(CHUNK_BYTES, max((r.max_payload_bytes for r in self._routes.values()), default=0))
+        return max(largest, chunk)
 
     def start(self, timeout_s: float = 10.0) -> Server:
         """Start the thread and wait until the socket is bound; raise TransportError if binding fails."""
@@ -395,8 +400,9 @@ class Server:
             self._reply_error(sock, client, header, "unexpected_kind", f"{header.kind!r} is not a request")
             return
         route = self._routes[header.kind]
-        request = Request(header, frames[3:], client, identity)
+        request = Request(header, (), client, identity)
         try:
+            request.payload = group(frames[3:], route.kind.payload)
             self._check(route, request)
             key = identity or header.get("from") or client  # checked: a node of the cluster, or its key's
             request.may_send_payload = not route.bulk or self._within_budget(key)
@@ -422,12 +428,7 @@ class Server:
         self._send(sock, client, reply, key=key)
 
     def _check(self, route: Route, request: Request) -> None:
-        payload = request.payload
-        if len(payload) != route.kind.payload:
-            raise ProtocolError(
-                "bad_request", f"a {route.kind.name} carries {route.kind.payload} payload frames, got {len(payload)}"
-            )
-        size = sum(len(frame) for frame in payload)
+        size = sum(len(p) for p in request.payload)
         if size > route.max_payload_bytes:
             raise ProtocolError("too_large", f"{size} payload bytes, at most {route.max_payload_bytes}")
         claimed = request.header.get("from")
@@ -463,12 +464,12 @@ class Server:
         tracked = bool(reply.payload)
         try:
             try:
-                tracker = sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False, track=tracked)
+                tracker = send_frames(sock, parts, flags=zmq.NOBLOCK, track=tracked)
             except zmq.Again:
                 # libzmq learns late that its I/O thread drained the queue: reading EVENTS makes it catch
                 # up on that news, and one more try tells a really full queue from a stale count.
                 sock.getsockopt(zmq.EVENTS)
-                tracker = sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False, track=tracked)
+                tracker = send_frames(sock, parts, flags=zmq.NOBLOCK, track=tracked)
         except zmq.ZMQError as exc:  # EAGAIN: that client's queue is full; EHOSTUNREACH: it is gone
             self.counters.add("replies_dropped")
             self._log(30, ("drop", exc.errno), "%s: dropped a reply: %s", self.name, exc)

@@ -35,6 +35,7 @@ def run(role: Role) -> None:
     averaged = failed = 0
     with DpwaPyTorchAdapter(net, role.name, role.run["gossip_config"]) as conn:
         go = wait_for_go(role.workdir, role.name)
+        rec.snapshot(view.state(), 0)  # the model before training, for points before its first snapshot
         timer.start()
         for epoch in range(spec.epochs):
             for x, y in timed(w.batches(role.index, epoch), timer):
@@ -63,8 +64,19 @@ def run(role: Role) -> None:
         stats = conn.stats()  # before lingering: what training cost
         rec.snapshot(view.state(), samples, final=True)
         lingered = 0.0
+        if not role.stop and role.run["gossip_config"]["mode"] == "symmetric":
+            # A lingering node in mode symmetric answers "busy" to every exchange while its last snapshot is
+            # spent (each snapshot serves one exchange) and nothing new commits, so it would stop lingering
+            # after idle_s and peers still training would pay a timeout per step. One more publish (no
+            # training step) gives it a fresh snapshot; each exchange served then republishes.
+            conn.update_send(loss_value)
+            conn.update_wait(loss_value)
         if not role.stop:
-            lingered = conn.linger(idle_s=1.0, limit_s=role.options.get("linger_s", 30.0), stop=lambda: bool(role.stop))
+            # as train.py lingers: until no peer was served for max(2 s, 4 steps, 2 fetch timeouts)
+            step_s = timer.summary()["run_s"] / max(step, 1)
+            timeout_s = role.run["gossip_config"]["timeout_ms"] / 1000
+            idle_s = max(2.0, 4 * step_s, 2 * timeout_s)
+            lingered = conn.linger(idle_s, limit_s=role.options.get("linger_s", 60.0), stop=lambda: bool(role.stop))
     rec.result(
         role="gossip",
         go=go,

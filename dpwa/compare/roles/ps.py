@@ -15,27 +15,15 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
-from ...systems.layout import ModelLayout, ModuleView
+from ...systems.layout import ModuleView
 from ...systems.ps.server import ParameterServer
-from ...systems.ps.sharding import ShardPlan, make_plan
+from ...systems.ps.sharding import make_plan
 from ...systems.ps.trainer import PSTrainer
 from ..recorder import wait_for_go
 from .common import Role, timed
 
 OBSERVER = "observer"
 POLL_S = 0.01
-
-
-def shard_values(plan: ShardPlan, layout: ModelLayout, state: np.ndarray, server: int) -> np.ndarray:
-    """Server `server`'s flat vector, taken from a full state (parameters, then buffers)."""
-    parts = []
-    for b in plan.servers[server]:
-        v = b.variable
-        start = v.offset if v.kind == "param" else layout.param_size + v.offset
-        parts.append(state[start : start + v.size])
-    return np.concatenate(parts).astype(np.float32)
 
 
 def run_server(role: Role) -> None:
@@ -47,7 +35,7 @@ def run_server(role: Role) -> None:
     server = ParameterServer(
         plan,
         role.index,
-        shard_values(plan, view.layout, view.state(), role.index),
+        view.state()[plan.state_index(role.index, view.layout.param_size)],
         opts["endpoints"][role.index],
         settings=spec.settings,
         schedule=lambda s: spec.lr_at(s / budget),

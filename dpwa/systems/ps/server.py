@@ -27,10 +27,10 @@ import zmq
 
 from ...wire.curve import Curve
 from ...wire.messages import ProtocolError, encode
-from ...wire.server import Refused, Reply, Request, Route
+from ...wire.server import Refused, Reply, Request, Route, Server
 from ..layout import check_values
 from ..optim import SGDSettings
-from ..transport import RpcServer
+from ..transport import IpcClaim
 from . import messages as m
 from .blocks import BlockApplier, Update
 from .sharding import ShardPlan
@@ -103,7 +103,7 @@ class ParameterServer:
             m.STATUS.name: Route(m.STATUS, self._status),
         }
         clients = len(trainers) if trainers is not None else 8
-        self.server = RpcServer(
+        self.server = Server(
             self._ctx,
             endpoint,
             routes,
@@ -114,6 +114,7 @@ class ParameterServer:
             max_unsent=max(8, 4 * clients),
         )
         self.endpoint = endpoint
+        self._claim: IpcClaim | None = None
 
     # ----------------------------------------------------------------- lifetime
 
@@ -121,6 +122,7 @@ class ParameterServer:
         for block in self.blocks:
             block.start()
         try:
+            self._claim = IpcClaim(self.endpoint)
             self.server.start(timeout_s)
         except BaseException:
             self.close()
@@ -134,6 +136,8 @@ class ParameterServer:
             ended = block.close(timeout_s) and ended
         if self._own_context and ended:
             self._ctx.term()
+        if ended and self._claim is not None:
+            self._claim.release()
         return ended
 
     def __enter__(self) -> ParameterServer:

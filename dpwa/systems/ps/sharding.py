@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...params import fingerprint
 from ..layout import ModelLayout, Variable
 
@@ -66,6 +68,28 @@ class ShardPlan:
     @property
     def count(self) -> int:
         return len(self.servers)
+
+    def state_index(self, server: int, param_size: int) -> np.ndarray:
+        """Where each element of server `server`'s vector sits in a model's full state (parameters, then buffers).
+
+        `param_size` is the layout's; ``state[plan.state_index(k, n)]`` is server k's shard of a full state.
+        """
+        parts = []
+        for b in self.servers[server]:
+            v = b.variable
+            start = v.offset if v.kind == "param" else param_size + v.offset
+            parts.append(np.arange(start, start + v.size))
+        return np.concatenate(parts)
+
+    def join(self, shards: list[np.ndarray], param_size: int) -> np.ndarray:
+        """The full state (parameters, then buffers) from every server's shard, in server order."""
+        size = sum(self.size(k) for k in range(self.count))
+        if len(shards) != self.count or any(s.shape != (self.size(k),) for k, s in enumerate(shards)):
+            raise ValueError(f"expected {self.count} shards of sizes {[self.size(k) for k in range(self.count)]}")
+        state = np.empty(size, np.float32)
+        for k, shard in enumerate(shards):
+            state[self.state_index(k, param_size)] = shard
+        return state
 
 
 def make_plan(layout: ModelLayout, servers: int) -> ShardPlan:

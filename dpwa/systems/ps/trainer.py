@@ -142,14 +142,7 @@ class PSTrainer:
         layout = view.layout
         self._param_size = layout.param_size
         # Where each server's flat vector sits in our state vector (parameters, then buffers).
-        self._index: list[np.ndarray] = []
-        for blocks in plan.servers:
-            parts = []
-            for b in blocks:
-                v = b.variable
-                start = v.offset if v.kind == "param" else layout.param_size + v.offset
-                parts.append(np.arange(start, start + v.size))
-            self._index.append(np.concatenate(parts))
+        self._index = [plan.state_index(k, layout.param_size) for k in range(plan.count)]
         covered = np.sort(np.concatenate(self._index))
         if not np.array_equal(covered, np.arange(layout.param_size + layout.buffer_size)):
             raise ValueError("the shard plan does not cover this model's layout exactly once")

@@ -73,7 +73,7 @@ class MasterClient:
         )
         self.timeout_s = timeout_s
         self.unreachable_s = unreachable_s
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # tensor bytes (payload frames), as every system counts them
         self.bytes_received = 0
         self.resent = 0  # requests sent again after no reply
 
@@ -109,8 +109,8 @@ class MasterClient:
                     ) from exc
                 self.resent += 1
                 continue
-            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
-            self.bytes_received += sum(len(f) for f in response.frames) + len(response.header.kind)
+            self.bytes_sent += sum(memoryview(f).nbytes for f in frames[1:])  # tensor frames, not headers
+            self.bytes_received += sum(len(f) for f in response.frames)
             if response.header.kind == "error":
                 raise Refusal(response.header["reason"], response.header["detail"])
             return response

@@ -186,6 +186,12 @@ class TaskBoard:
             self.expired += 1
         return expired
 
+    def renew(self, worker: str, now: float) -> None:
+        """Extend every lease `worker` holds: any call from it shows it is alive."""
+        for lease in self.doing.values():
+            if lease.worker == worker:
+                lease.expires_at = now + self.lease_s
+
     def take(self, worker: str, now: float) -> tuple[Task, Lease] | None:
         """Move the next task from todo to doing, leased to `worker`; None if todo is empty."""
         if not self.todo:
@@ -267,7 +273,8 @@ class Master:
     # ----------------------------------------------------------------- who is live
 
     def _saw(self, worker: str, now: float) -> None:
-        self.board.expire(now)
+        self.board.expire(now)  # first: a lease that expired is not brought back by a late call
+        self.board.renew(worker, now)
         if worker not in self.finished:
             self.seen[worker] = now
 
