@@ -62,6 +62,32 @@ def test_a_lingering_symmetric_node_keeps_exchanging_and_applies_its_halves(node
     assert peer.state == "training"
 
 
+def test_a_node_whose_last_snapshot_served_an_exchange_publishes_a_fresh_one_to_linger(nodes):
+    """w1's last snapshot already served (and settled) an exchange when it starts lingering:
+    one snapshot serves one exchange, so without a fresh one every request from w0 would
+    hear "busy". The lingering node republishes once the spent snapshot is settled."""
+    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=2000)
+    theirs, mine = filled(10), filled(0)
+    peer = nodes(cfg, "w1", NumpyParams(theirs))
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    peer.update_send()  # w1's last step: its snapshot ...
+    node.update_send()
+    assert node.update_wait().outcome == "ok"  # ... serves w0's exchange, committed when w0 hears of it
+    peer.update_wait()  # w1 applies its half: the snapshot is spent and settled
+    assert peer.stats()["mirrored"] == 1
+    lingering = Lingering(peer, idle_s=1.0, limit_s=60.0)
+    outcomes = []
+    for _ in range(20):
+        node.update_send()
+        mine += 0.5
+        time.sleep(0.005)  # w0's training step (not a synchronization)
+        outcomes.append(node.update_wait().outcome)
+    lingering.join(30)
+    assert outcomes.count("ok") >= 15, outcomes
+    assert peer.stats()["mirrored"] == node.stats()["averaged"] == 1 + outcomes.count("ok")
+    assert np.allclose(mine + theirs, 10 + 20 * 0.5)
+
+
 def test_refused_and_rejected_requests_do_not_keep_a_node_lingering(nodes):
     """Requests that are refused or rejected (a wrong model, say) are not service: a client that
     keeps sending them cannot hold a finished node up until its limit."""

@@ -491,6 +491,9 @@ class ExchangeServer:
     def _expire(self, now: float) -> None:
         for key in [k for k, half in self._pending.items() if now >= half.expires]:
             half = self._pending.pop(key)
+            version = half.served.snapshot.version
+            if self._uses.get(version):  # never applied: that snapshot may serve another exchange
+                self._uses[version] -= 1
             half.release()
             self._decide(key[0], key[1], "abort", now)
             self._counters.add("exchanges_expired")
@@ -509,6 +512,21 @@ class ExchangeServer:
         with self._lock:
             self._expire(time.monotonic())
             return len(self._pending)
+
+    def spent(self) -> bool:
+        """Has the current snapshot served all its exchanges, and are they all settled?
+
+        A node that makes no steps (lingering, at a barrier) publishes a fresh
+        snapshot then, or it would answer busy to everyone. Not before they
+        settle: a snapshot per exchange still pending would let the node be in
+        more exchanges at once than convex mixing allows.
+        """
+        current = self._store.current()
+        with self._lock:
+            self._expire(time.monotonic())
+            if current is None or self._pending or self._committed:
+                return False
+            return self._uses.get(current.version, 0) >= rules.EXCHANGES_PER_SNAPSHOT
 
     def held(self) -> int:
         """Requester snapshots held: pending and committed-not-applied."""

@@ -611,6 +611,13 @@ class Node:
         self.counters.add("averaged")
         return half.f
 
+    def _keep_exchanging(self) -> None:
+        """While making no steps: apply settled exchanges, and publish a fresh snapshot once the current one
+        is spent (mode symmetric), so that peers still training are not refused busy."""
+        applied = self._tend()
+        if self._exchange_server is not None and (applied or self._exchange_server.spent()):
+            self._publish(self._loss)
+
     def _tend(self) -> int:
         """Apply what symmetric exchanges have settled since the last call: both sides' halves. Returns how many."""
         self._stray = [call for call in self._stray if not call.done.is_set()]
@@ -702,8 +709,7 @@ class Node:
         try:
             while not stop() and time.monotonic() - start < limit_s:
                 committed.clear()
-                if self._tend():
-                    self._publish(None)  # a fresh snapshot at once, so the next exchange is not refused busy
+                self._keep_exchanging()
                 now_served = served()
                 if now_served != last:
                     last, last_change = now_served, time.monotonic()
@@ -777,7 +783,7 @@ class Node:
                 if (peer in behind or peer not in told) and peer not in calls and now >= next_try[peer]:
                     end = min(deadline, now + self.config.timeout_s)
                     calls[peer] = client.submit(BarrierTask(peer, end, self.name, self._barriers.own()))
-            self._tend()
+            self._keep_exchanging()
             wake = min([next_try[p] for p in self.peers if p not in calls] + [now + 0.02])
             time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
 
