@@ -170,6 +170,29 @@ def test_add_scaled_diff_on_mixed_dtypes_and_layouts():
         assert torch.all(p == 2.5)
 
 
+def test_a_delta_blend_keeps_running_statistics_convex():
+    """Parameters move by the snapshots' difference; BatchNorm's running statistics move
+    towards the peer's, so a running variance cannot turn negative (0.01 + 0.5 (1 - 5) would)."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Conv2d(1, 1, 1).double())
+    params = TorchParams(net)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(1.0)
+        net[1].running_mean.fill_(0.0)
+        net[1].running_var.fill_(0.01)
+    a = np.empty(params.size, np.float32)
+    params.copy_to(a)
+    b = a.copy()
+    stats = slice(params.size - 4, params.size)  # running_mean, running_var: the last 4 values
+    a[: params.size - 4], b[: params.size - 4] = 5.0, 3.0
+    a[stats], b[stats] = [2.0, 2.0, 1.0, 1.0], [0.0, 0.0, 5.0, 5.0]
+    params.add_scaled_diff_from(a, b, 0.5)
+    for p in net.parameters():
+        assert torch.all(p == 2.0)  # 1 + 0.5 * (5 - 3), the float64 conv too
+    assert torch.allclose(net[1].running_mean, torch.tensor([1.0, 1.0]))  # 0 + 0.5 * (2 - 0)
+    assert torch.allclose(net[1].running_var, torch.tensor([0.505, 0.505]))  # 0.01 + 0.5 * (1 - 0.01)
+
+
 def test_a_symmetric_delta_exchange_through_the_adapter(adapters, make_cluster):
     """w0 (all 2) asks w1 (all 6), f = 1/2, blend delta: w0 moves to 4 at once, and w1 to 4
     at its next update (the mirror image), buffers included."""

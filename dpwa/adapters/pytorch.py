@@ -14,7 +14,10 @@ Example::
 Parameters and floating-point buffers (BatchNorm running statistics) are
 blended in place, under ``torch.no_grad()``: their storage is never replaced,
 so optimizers and anything else holding a reference keep working. Integer
-buffers (``num_batches_tracked``) are left alone. On CUDA, snapshots are
+buffers (``num_batches_tracked``) are left alone. Buffers always blend
+convexly: where parameters move by the difference of two snapshots (``blend:
+delta``), a buffer moves towards the peer's instead (``x += f (peer - x)``),
+so a running variance stays positive whatever the peers' statistics. On CUDA, snapshots are
 copied into pinned host memory, and received parameters go through one pinned
 staging buffer to one flat device buffer before the in-place blend. Blending
 is done in float32 (or the tensor's own dtype) whatever the wire dtype.
@@ -53,6 +56,7 @@ class TorchParams(FlatParams):
 
     def __init__(self, module: nn.Module, include_buffers: bool = True) -> None:
         named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+        n_params = len(named)
         if include_buffers:
             named += [(n, b) for n, b in module.named_buffers() if b is not None and b.is_floating_point()]
         if not named:
@@ -76,6 +80,8 @@ class TorchParams(FlatParams):
         self._fast = [i for i, t in enumerate(self._tensors) if t.dtype == torch.float32 and t.is_contiguous()]
         self._fast_targets = [self._tensors[i].view(-1) for i in self._fast]
         self._slow = [i for i in range(len(self._tensors)) if i not in set(self._fast)]
+        # buffers (running statistics) follow the parameters in `named`; delta blends keep them convex
+        self._is_stat = [i >= n_params for i in range(len(self._tensors))]
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
@@ -128,15 +134,23 @@ class TorchParams(FlatParams):
             return self._buffer(slot, "float32").copy_(source)
         return source
 
-    def _apply(self, op, *flats: torch.Tensor, f: float) -> None:
+    def _apply(self, op, *flats: torch.Tensor, f: float, stats=None) -> None:
         """op(tensors, *per-tensor views of each flat, f): one foreach call for the fast tensors,
-        then the others one by one (their views converted to their dtype)."""
+        then the others one by one (their views converted to their dtype). With `stats`, the
+        buffers get that op instead."""
         pieces = [self._pieces(flat) for flat in flats]
         if self._fast:
-            op(self._fast_targets, *[fast for fast, _ in pieces], f)
+            if stats is None:
+                op(self._fast_targets, *[fast for fast, _ in pieces], f)
+            else:
+                for chosen, wanted in ((op, False), (stats, True)):
+                    ks = [k for k, i in enumerate(self._fast) if self._is_stat[i] == wanted]
+                    if ks:
+                        chosen([self._fast_targets[k] for k in ks], *[[fast[k] for k in ks] for fast, _ in pieces], f)
         for k, i in enumerate(self._slow):
             tensor = self._tensors[i]
-            op([tensor], *[[slow[k].to(tensor.dtype)] for _, slow in pieces], f)
+            chosen = stats if stats is not None and self._is_stat[i] else op
+            chosen([tensor], *[[slow[k].to(tensor.dtype)] for _, slow in pieces], f)
 
     @torch.no_grad()
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
@@ -145,13 +159,17 @@ class TorchParams(FlatParams):
 
     @torch.no_grad()
     def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
+        """Parameters: ``x += f (a - b)``; buffers (running statistics): ``x += f (a - x)``, convex."""
         first = self._float32_source(a, wire, "device")  # views, or two distinct work buffers
         second = self._float32_source(b, wire, "device2")
 
         def add_diff(xs, ys, zs, w):
             torch._foreach_add_(xs, torch._foreach_sub(ys, zs), alpha=w)
 
-        self._apply(add_diff, first, second, f=float(f))
+        def towards(xs, ys, zs, w):  # running statistics: convex, towards the peer's snapshot
+            torch._foreach_lerp_(xs, ys, w)
+
+        self._apply(add_diff, first, second, f=float(f), stats=towards)
 
 
 _TENSOR_DTYPES = {
