@@ -1,4 +1,5 @@
-"""Flow control: bounded scores, AIMD updates, and choice frequencies proportional to score."""
+"""Flow control: bounded scores, AIMD updates, choice frequencies proportional to score, and
+the back-offs for unreachable peers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from dpwa.gossip.flow import SCORE_MAX, SCORE_MIN, PeerSelector
+from dpwa.gossip.flow import SCORE_MAX, SCORE_MIN, FlowControl, PeerSelector
 
 
 def test_scores_are_bounded_and_follow_the_documented_rule():
@@ -67,3 +68,49 @@ def test_no_peers_means_no_choice():
 def test_duplicate_names_are_refused():
     with pytest.raises(ValueError, match="unique"):
         PeerSelector(["a", "a"])
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_unreachable_peer_rests_for_a_doubling_time_while_the_others_are_asked():
+    """After two misses in a row a peer is not asked for timeout (1 s), then 2 s after its
+    next miss, 4 s, ... up to 30 s; any answer ends that. The others are asked meanwhile."""
+    clock = FakeClock()
+    flow = FlowControl("w0", ["a", "dead"], 1.0, 1.0, random.Random(3), clock=clock)
+    flow.record("dead", "timeout")
+    assert "dead" in flow.candidates()  # one miss: still asked
+    flow.record("dead", "timeout")
+    assert flow.unreachable() == ["dead"] and not flow.alone
+    rests = []
+    for _ in range(8):
+        start = clock.now
+        while flow.candidates() == ["a"]:  # "dead" rests; "a" alone is asked
+            clock.now += 0.25
+        assert set(flow.candidates()) == {"a", "dead"}  # rested: asked again (by score)
+        rests.append(clock.now - start)
+        flow.record("dead", "timeout")  # and it misses again
+    assert rests == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    flow.heard("dead")  # any answer (a refusal, a confirm) shows it alive
+    assert set(flow.candidates()) == {"a", "dead"} and flow.unreachable() == []
+
+
+def test_when_every_peer_is_unreachable_the_node_is_alone_and_probes_any_of_them():
+    clock = FakeClock()
+    flow = FlowControl("w0", ["a", "b"], 1.0, 1.0, random.Random(3), clock=clock)
+    for peer in ("a", "b", "a", "b"):
+        flow.record(peer, "failed")
+    assert flow.alone and flow.candidates() == []  # the first probe waits a timeout
+    clock.now += 1.0
+    assert set(flow.candidates()) == {"a", "b"}  # a probe may go to either, resting or not
+    assert flow.candidates() == []  # then the next one waits twice as long
+    flow.record("a", "timeout")  # the probe went to "a", and it missed: "a" rests 2 s from now
+    flow.record("b", "refused", "busy")  # "b" answered something: it is alive
+    assert not flow.alone and flow.candidates() == ["b"]
+    clock.now += 2.0
+    assert set(flow.candidates()) == {"a", "b"}

@@ -16,11 +16,14 @@ often than a healthy one, but never never: it is still tried now and then,
 and four successes bring it back to full score. No peer is ever dropped.
 
 :class:`FlowControl` adds the rest of the decision, and is owned by the
-training thread: the fetch coin (``fetch_probability``), and a back-off when
-every peer has missed its last :data:`UNREACHABLE_AFTER` fetches (timeouts or
-transport failures; any reply, even a refusal, shows a peer is alive): the
-node trains alone and probes a peer after ``timeout``, then twice that, up to
-every :data:`ALONE_BACKOFF_MAX_S`, until one answers.
+training thread: the fetch coin (``fetch_probability``), and back-offs. A
+peer that missed its last :data:`UNREACHABLE_AFTER` requests (timeouts or
+transport failures; any reply, even a refusal, shows a peer is alive) is
+*unreachable*: it is not asked for ``timeout``, then twice that after its
+next miss, up to :data:`ALONE_BACKOFF_MAX_S`, so a dead peer costs a timeout
+now and then, not one in every few steps. When every peer is unreachable
+the node says so once, trains alone, and probes one peer after ``timeout``,
+then twice that, up to every :data:`ALONE_BACKOFF_MAX_S`, until one answers.
 """
 
 from __future__ import annotations
@@ -126,6 +129,9 @@ class FlowControl:
         fetch_probability: the chance that a step asks anyone.
         timeout_s: one request's deadline (the first back-off interval).
         rng: randomness for the coin and the choice.
+        schedule: round -> the scheduled partner, or None when it is not this node's turn
+            (pairing: hypercube); None: a random peer by score.
+        clock: the time source (tests pass a fake one).
     """
 
     def __init__(
@@ -136,13 +142,17 @@ class FlowControl:
         timeout_s: float,
         rng: random.Random,
         schedule: Callable[[int], str | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
-        self._schedule = schedule  # round -> the scheduled partner (None: not this node's turn); None: random
+        self._schedule = schedule
+        self._clock = clock
         self.rounds = 0  # steps that asked whom to ask
         self.selector = PeerSelector(peers, rng=rng)
         self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
         self._misses = {peer: 0 for peer in peers}  # consecutive timeouts or transport failures
+        self._pause = dict.fromkeys(peers, 0.0)  # an unreachable peer's back-off (0: reachable)
+        self._retry_at = dict.fromkeys(peers, 0.0)  # clock() before which an unreachable peer is not asked
         self.alone = False  # every peer is unreachable, and we said so once
         self._backoff_s = 0.0  # while alone: the interval between probes
         self._next_probe = 0.0  # while alone: time.monotonic() of the next attempt
@@ -152,7 +162,7 @@ class FlowControl:
         """The peer to ask this step, or None (no peers, the coin said no, or backing off)."""
         if not self._asks():
             return None
-        return self.selector.choose(exclude)
+        return self.selector.choose(exclude | self._resting())
 
     def candidates(self, exclude: frozenset[str] = frozenset()) -> list[str]:
         """The peers to ask this step, best first (see PeerSelector.ranked); empty when none is to be asked.
@@ -163,15 +173,26 @@ class FlowControl:
             return []
         if self._schedule is not None:
             partner = self._schedule(round_)
-            return [partner] if partner is not None and partner not in exclude else []
-        return self.selector.ranked(exclude)
+            return [partner] if partner is not None and partner not in exclude | self._resting() else []
+        return self.selector.ranked(exclude | self._resting())
+
+    def _resting(self) -> frozenset[str]:
+        """Unreachable peers whose back-off has not run out (none while alone: then every peer may be probed)."""
+        if self.alone:
+            return frozenset()
+        now = self._clock()
+        return frozenset(peer for peer, at in self._retry_at.items() if now < at)
+
+    def unreachable(self) -> list[str]:
+        """The peers that missed their last UNREACHABLE_AFTER requests."""
+        return [peer for peer, misses in self._misses.items() if misses >= UNREACHABLE_AFTER]
 
     def _asks(self) -> bool:
         """The coin, and the back-off while alone: does this step ask anyone?"""
         if not self._misses or self._rng.random() >= self._p:
             return False
         if self.alone:
-            now = time.monotonic()
+            now = self._clock()
             if now < self._next_probe:
                 self.skipped_alone += 1
                 return False
@@ -182,6 +203,7 @@ class FlowControl:
     def heard(self, peer: str) -> None:
         """The peer answered something (not a request of ours that scores it): it is alive."""
         self._misses[peer] = 0
+        self._pause[peer] = self._retry_at[peer] = 0.0
         if self.alone:
             self.alone = False
             self._backoff_s = 0.0
@@ -193,6 +215,9 @@ class FlowControl:
             return
         if outcome in ("timeout", "failed"):
             self._misses[peer] += 1
+            if self._misses[peer] >= UNREACHABLE_AFTER:  # rest it: timeout, then twice that, ... up to the maximum
+                self._pause[peer] = min(ALONE_BACKOFF_MAX_S, max(self._timeout_s, 2 * self._pause[peer]))
+                self._retry_at[peer] = self._clock() + self._pause[peer]
         else:  # any reply, even a refusal, shows the peer is alive
             self.heard(peer)
         if outcome == "ok":
@@ -203,7 +228,7 @@ class FlowControl:
         self.selector.failure(peer)
         if not self.alone and all(m >= UNREACHABLE_AFTER for m in self._misses.values()):
             self.alone = True
-            self._next_probe = time.monotonic() + self._timeout_s
+            self._next_probe = self._clock() + self._timeout_s
             logger.warning(
                 "%s: none of the %d peers answered its last %d requests; training alone, "
                 "and trying a peer now and then (at most every %.0f s) until one answers",
