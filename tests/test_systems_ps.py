@@ -129,8 +129,7 @@ def servers():
     for server in made:
         assert server.close()
         path = Path(server.endpoint[len("ipc://") :])
-        assert not path.exists()
-        Path(f"{path}.lock").unlink()
+        assert not path.exists() and not Path(f"{path}.lock").exists()  # the endpoint's files are removed
     leftover = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("dpwa-")]
     assert not leftover, f"threads left behind: {leftover}"
 

@@ -255,8 +255,7 @@ def service():
     for svc in made:
         assert svc.close()
         path = Path(svc.endpoint[len("ipc://") :])
-        assert not path.exists()  # the socket file is removed; the lock file stays (see EndpointLock)
-        Path(f"{path}.lock").unlink()
+        assert not path.exists() and not Path(f"{path}.lock").exists()  # the endpoint's files are removed
     leftover = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("dpwa-")]
     assert not leftover, f"threads left behind: {leftover}"
 

@@ -52,9 +52,9 @@ from ..rendezvous import rendezvous
 from ..stats import Counters, Rate
 from ..wire.client import Call, ClientThread
 from ..wire.curve import Curve, KeyFileError, KeyPair, load_secret
-from ..wire.endpoints import EndpointInUse, EndpointLock, is_local_host
+from ..wire.endpoints import is_local_host
 from ..wire.messages import LARGEST_HEADER_BYTES
-from ..wire.server import Server, TransportError
+from ..wire.server import Server
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 from .barrier import BarrierServer, BarrierTask, BarrierTimeout
 from .barrier import Counters as BarrierCounters
@@ -194,7 +194,6 @@ class Node:
         self._close_lock = threading.Lock()
         # Resources, made by _open; close() releases whichever exist, on every path.
         self._store: SnapshotStore | None = None
-        self._endpoint_lock: EndpointLock | None = None
         self._shared: SharedSlots | None = None
         self._ctx: zmq.Context | None = None
         self._client: ClientThread | None = None
@@ -248,14 +247,6 @@ class Node:
 
     def _open(self, curve: Curve | None) -> None:
         endpoint = self.config.bind_endpoint(self.spec)
-        if endpoint.startswith("ipc://"):
-            try:
-                self._endpoint_lock = EndpointLock(endpoint)
-            except EndpointInUse as exc:
-                raise TransportError(
-                    f"{self.name}: cannot bind {self.spec.host}:{self.spec.port}: {exc} "
-                    "(another node of this or another run uses that port)"
-                ) from None
         local = self._same_host_peers()
         unsent = UNSENT_PER_CLIENT * (len(self.peers) + 1)  # each sender its own budget
         self._store = store = SnapshotStore(
@@ -950,8 +941,6 @@ class Node:
                 self._reader.close()
             if self._shared is not None:
                 self._shared.close()
-            if self._endpoint_lock is not None:
-                self._endpoint_lock.close()
         finally:
             self.state = "closed"
         logger.info("%s: closed", self.name)

@@ -22,7 +22,7 @@ frames, CURVE, no pickle), plus the exact reference:
 
 The pieces every system shares: the model seen as named variables in one flat
 order and the checks received values pass (:mod:`.layout`), the optimizer over
-flat vectors (:mod:`.optim`), and ipc endpoints claimed for a service's
-lifetime (:mod:`.transport`). ``python -m dpwa.compare`` runs them all, and
+flat vectors (:mod:`.optim`); the transport claims ipc endpoints for a
+service's lifetime itself. ``python -m dpwa.compare`` runs them all, and
 gossip, on the same model, data and machine.
 """

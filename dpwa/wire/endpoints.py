@@ -29,6 +29,7 @@ __all__ = [
     "is_local_host",
     "is_loopback",
     "private_dir",
+    "sweep",
 ]
 
 
@@ -78,34 +79,104 @@ def ipc_endpoint(port: int, root: Path | None = None) -> str:
 class EndpointLock:
     """An exclusive lock on an ipc endpoint, held until :meth:`close` (or the process dies).
 
+    The lock is an ``flock`` on ``<socket path>.lock``. :meth:`close`, called
+    once the socket is closed, removes the socket file and the lock file while
+    still holding the lock; files left by a process that died are swept by the
+    next one to claim an endpoint in the directory (:func:`sweep`). A lock
+    file can be removed while another process has it open, so after locking,
+    the holder checks that the path still names the file it locked, and tries
+    again if not: at most one live process ever holds an endpoint.
+
     Raises :class:`EndpointInUse` when another process holds it.
     """
 
     def __init__(self, endpoint: str) -> None:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"only ipc endpoints are locked, got {endpoint}")
-        self.path = Path(endpoint[len("ipc://") :] + ".lock")
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise EndpointInUse(f"{endpoint} is in use by another process (its lock {self.path} is held)") from None
-            raise
-        self._fd: int | None = fd
+        self.socket_path = Path(endpoint[len("ipc://") :])
+        self.path = self.socket_path.with_name(self.socket_path.name + ".lock")
+        sweep(self.path.parent)
+        for _ in range(_LOCK_ATTEMPTS):
+            fd = _lock(self.path)
+            if fd is None:
+                raise EndpointInUse(f"{endpoint} is in use by another process (its lock {self.path} is held)")
+            if fd >= 0:
+                self._fd: int | None = fd
+                return
+        raise EndpointInUse(f"{endpoint}: its lock file {self.path} kept being replaced while we locked it")
 
     def close(self) -> None:
-        """Release the lock. Idempotent. The lock file stays (removing it could race a new owner)."""
+        """Remove the socket and lock files, then release the lock. Idempotent. Call it once the socket is closed."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            try:
+                self.socket_path.unlink(missing_ok=True)
+                self.path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> EndpointLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_LOCK_ATTEMPTS = 8  # a lock file swept between our open and our lock is opened again
+
+
+def _lock(path: Path) -> int | None:
+    """Lock `path` (created if missing): its descriptor; None if another process holds it; -1 if the file
+    was removed or replaced before we locked it (try again)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        mine = os.fstat(fd)
+        if current is None or (current.st_dev, current.st_ino) != (mine.st_dev, mine.st_ino):
+            os.close(fd)
+            return -1
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return None
+        raise
+
+
+def sweep(directory: Path) -> int:
+    """Remove the endpoint files (``X`` and ``X.lock``) whose lock nobody holds: left by processes that died.
+
+    Safe against live owners: a file is removed only while its lock is held here. Returns how many
+    endpoints were swept.
+    """
+    swept = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.endswith(".lock"):
+            continue
+        path = directory / name
+        try:
+            fd = _lock(path)
+        except OSError:
+            continue
+        if fd is None or fd < 0:
+            continue
+        try:
+            (directory / name[: -len(".lock")]).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+            swept += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return swept
 
 
 def is_loopback(host: str) -> bool:

@@ -54,6 +54,7 @@ import zmq.utils.z85
 from ..logs import RateLimitedLog, logger
 from ..stats import Counters
 from .curve import Curve
+from .endpoints import EndpointInUse, EndpointLock
 from .messages import MAX_HEADER_BYTES, Header, MessageKind, ProtocolError, decode, error_header
 from .payload import CHUNK_BYTES, Payload, group, send_frames
 
@@ -213,6 +214,7 @@ class Server:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"dpwa-rx-{name}", daemon=True)
         self._log = RateLimitedLog()
+        self._claim: EndpointLock | None = None  # an ipc endpoint's lock, held while the socket may be bound
 
     @property
     def max_frame_bytes(self) -> int:
@@ -225,13 +227,26 @@ class Server:
         return max(largest, chunk)
 
     def start(self, timeout_s: float = 10.0) -> Server:
-        """Start the thread and wait until the socket is bound; raise TransportError if binding fails."""
+        """Start the thread and wait until the socket is bound; raise TransportError if binding fails.
+
+        An ``ipc://`` endpoint is locked first (dpwa.wire.endpoints.EndpointLock): libzmq would silently
+        take over another process's socket file, where a TCP bind fails. The lock is released, and the
+        endpoint's files removed, by close().
+        """
+        if self.endpoint.startswith("ipc://"):
+            try:
+                self._claim = EndpointLock(self.endpoint)
+            except EndpointInUse as in_use:
+                raise TransportError(
+                    f"{self.name}: cannot bind {in_use} (another process, or another node of this config, "
+                    "is using that port)"
+                ) from None
         self._thread.start()
         if not self._ready.wait(timeout_s):
             self.close()
             raise TransportError(f"{self.name}: the Rx thread did not bind {self.endpoint} within {timeout_s} s")
         if self._error is not None:
-            self._thread.join(timeout_s)
+            self.close(timeout_s)  # the thread has ended: this releases the endpoint's lock
             exc = self._error
             hint = ""
             if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EADDRINUSE:
@@ -252,6 +267,9 @@ class Server:
         if self._thread.is_alive():
             logger.error("%s: Rx thread still running %.1f s after close(); it is a daemon", self.name, timeout_s)
             return False
+        if self._claim is not None:  # the socket is closed: its endpoint may go
+            self._claim.close()
+            self._claim = None
         return True
 
     @property

@@ -30,7 +30,6 @@ from ...wire.messages import ProtocolError, encode
 from ...wire.server import Refused, Reply, Request, Route, Server
 from ..layout import check_values
 from ..optim import SGDSettings
-from ..transport import IpcClaim
 from . import messages as m
 from .blocks import BlockApplier, Update
 from .sharding import ShardPlan
@@ -114,7 +113,6 @@ class ParameterServer:
             max_unsent=max(8, 4 * clients),
         )
         self.endpoint = endpoint
-        self._claim: IpcClaim | None = None
 
     # ----------------------------------------------------------------- lifetime
 
@@ -122,7 +120,6 @@ class ParameterServer:
         for block in self.blocks:
             block.start()
         try:
-            self._claim = IpcClaim(self.endpoint)
             self.server.start(timeout_s)
         except BaseException:
             self.close()
@@ -136,8 +133,6 @@ class ParameterServer:
             ended = block.close(timeout_s) and ended
         if self._own_context and ended:
             self._ctx.term()
-        if ended and self._claim is not None:
-            self._claim.release()
         return ended
 
     def __enter__(self) -> ParameterServer:

@@ -28,7 +28,6 @@ import zmq
 from ...wire.curve import Curve
 from ...wire.messages import ProtocolError, encode
 from ...wire.server import Refused, Reply, Request, Route, Server
-from ..transport import IpcClaim
 from . import messages as m
 from .master import Assignment, BadRequest, Master, NoMoreTask, Refusal, Wait
 from .model import GlobalModel
@@ -91,13 +90,11 @@ class MasterService:
             self._ctx, endpoint, routes, name=name, curve=curve, senders=workers, max_unsent=max(8, allowed)
         )
         self.endpoint = endpoint
-        self._claim: IpcClaim | None = None
 
     # ----------------------------------------------------------------- lifetime
 
     def start(self, timeout_s: float = 10.0) -> MasterService:
         try:
-            self._claim = IpcClaim(self.endpoint)
             self.server.start(timeout_s)
         except BaseException:
             self.close()
@@ -109,8 +106,6 @@ class MasterService:
         ended = self.server.close(timeout_s)
         if self._own_context and ended:
             self._ctx.term()
-        if ended and self._claim is not None:
-            self._claim.release()
         return ended
 
     def __enter__(self) -> MasterService:
