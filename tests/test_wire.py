@@ -12,7 +12,7 @@ import zmq
 
 from dpwa.logs import RateLimitedLog
 from dpwa.stats import Counters
-from dpwa.wire.client import ClientThread
+from dpwa.wire.client import ClientThread, DirectClient
 from dpwa.wire.messages import KINDS, Integer, Text, encode, message_kind
 from dpwa.wire.server import Refused, Reply, Request, Route, Server
 
@@ -177,3 +177,56 @@ def test_a_server_closes_in_bounded_time_while_clients_hammer_it(ctx):
     for t in threads:
         t.join(10)
         assert not t.is_alive()
+
+
+class FirstPing(PingTask):
+    """A PingTask that can say its first request, so a DirectClient sends it at start()."""
+
+    def first_request(self, rid):
+        return [encode(PING, rid, **{"from": self.name}, n=self.n)], {PONG.name: PONG}
+
+
+def test_a_direct_client_sends_at_start_and_takes_the_reply_on_the_callers_thread(ctx):
+    """No thread is started; a reply that arrived in time is taken even when the caller comes
+    for it after the deadline; the call's outcome is what a ClientThread would give."""
+    echo = Echo(ctx)
+    before = set(threading.enumerate())
+    direct = DirectClient(ctx, {"e": echo.endpoint}, name="d", max_reply_bytes=4096)
+    try:
+        call = direct.start(FirstPing("e", time.monotonic() + 0.3, 7))
+        assert wait_until(lambda: echo.seen == [7], 5)  # it went out at start(), nobody waiting yet
+        assert wait_until(lambda: time.monotonic() > call.task.deadline, 5)
+        assert call.wait(None) and call.outcome == "ok" and call.take() == 7  # late, but it had come in time
+        assert set(threading.enumerate()) == before
+    finally:
+        direct.close()
+        echo.server.close()
+
+
+def test_a_direct_call_times_out_at_its_deadline_and_an_abandoned_one_frees_its_socket(ctx):
+    echo = Echo(ctx)
+    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+    silent_port = free_port()
+    silent.bind(f"tcp://127.0.0.1:{silent_port}")
+    direct = DirectClient(ctx, {"e": echo.endpoint, "s": f"tcp://127.0.0.1:{silent_port}"}, name="d",
+                          max_reply_bytes=4096)
+    try:
+        t0 = time.monotonic()
+        slow = direct.start(FirstPing("s", t0 + 0.3, 1))
+        slow.wait(None)
+        assert slow.outcome == "timeout" and 0.3 <= time.monotonic() - t0 < 3
+        again = direct.start(FirstPing("s", time.monotonic() + 0.1, 2))  # a fresh socket: it can send
+        again.wait(None)
+        assert again.outcome == "timeout"
+        never = direct.start(FirstPing("e", time.monotonic() + 5, 3))  # its reply is never taken ...
+        echo.refuse = True
+        refused = direct.start(FirstPing("e", time.monotonic() + 5, 4))  # ... so this one replaces the socket
+        assert never.done.is_set() and never.outcome == "cancelled"
+        assert refused.wait(None) and refused.outcome == "refused" and refused.refusal == "busy"
+        unknown = direct.start(FirstPing("nobody", time.monotonic() + 5, 5))
+        assert unknown.done.is_set() and unknown.outcome == "failed"
+        assert 4 in echo.seen and set(echo.seen) <= {3, 4}  # 3 may have died with its socket, unsent
+    finally:
+        direct.close()
+        silent.close(0)
+        echo.server.close()

@@ -50,7 +50,7 @@ from ..mixing import kernels, pairing, rules
 from ..params import FlatParams
 from ..rendezvous import rendezvous
 from ..stats import Counters, Rate
-from ..wire.client import Call, ClientThread
+from ..wire.client import Call, ClientThread, DirectClient
 from ..wire.curve import Curve, KeyFileError, KeyPair, load_secret
 from ..wire.endpoints import is_local_host
 from ..wire.messages import LARGEST_HEADER_BYTES
@@ -73,6 +73,10 @@ __all__ = ["Node", "Update", "WAIT_SLACK_S"]
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
 MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none stale), publishing is skipped
 EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
+# Pull-mode fetches of models up to this size from peers on other machines run on the training thread
+# (DirectClient): two thread wake-ups cost more than checking a small reply; larger ones are received
+# and checked on the Tx thread, in parallel with training.
+DIRECT_MAX_BYTES = 1 << 20
 UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
 BUSY_RETRY_MAX_S = 0.02  # symmetric: how long an exchange may keep asking busy peers again
 JOIN_WAIT_MIN_S = 10.0  # at a fresh start, how long a node waits at least for the first node's parameters
@@ -197,6 +201,7 @@ class Node:
         self._shared: SharedSlots | None = None
         self._ctx: zmq.Context | None = None
         self._client: ClientThread | None = None
+        self._direct: DirectClient | None = None  # pull-mode fetches of a small model (training thread)
         self._server: Server | None = None
         self._reader: ReplyReader | None = None
         self._exchange_server: ExchangeServer | None = None
@@ -261,13 +266,15 @@ class Node:
         options = None
         if curve is not None:
             options = {p: curve.client_options(s.public_key.encode()) for p, s in self.peers.items() if s.public_key}
+        endpoints = {peer: self.config.endpoint(spec) for peer, spec in self.peers.items()}
+        max_reply = max(self.nbytes, LARGEST_HEADER_BYTES, CHUNK_BYTES)
         self._client = ClientThread(
-            self._ctx,
-            {peer: self.config.endpoint(spec) for peer, spec in self.peers.items()},
-            name=self.name,
-            max_reply_bytes=max(self.nbytes, LARGEST_HEADER_BYTES, CHUNK_BYTES),
-            socket_options=options,
+            self._ctx, endpoints, name=self.name, max_reply_bytes=max_reply, socket_options=options
         ).start()
+        if not self._symmetric and self.nbytes <= DIRECT_MAX_BYTES:
+            self._direct = DirectClient(
+                self._ctx, endpoints, name=self.name, max_reply_bytes=max_reply, socket_options=options
+            )
         values = PeerValues(self.wire, self.config.max_peer_distance, store.lease)
         readers = {peer: PeerSlots(peer, self.peers[peer].port) for peer in local}
         self._reader = ReplyReader(
@@ -449,7 +456,11 @@ class Node:
         if peer is not None:
             assert self._reader is not None and self._client is not None
             step.deadline = time.monotonic() + self.config.timeout_s
-            step.call = self._client.submit(FetchTask(peer, step.deadline, self.name, self._reader))
+            task = FetchTask(peer, step.deadline, self.name, self._reader)
+            # A same-host reply names a slot the peer may rewrite before update_wait: the Tx thread locks it
+            # at once. Other small replies wait in ZeroMQ's queue, and the training thread takes them.
+            direct = self._direct if self._direct is not None and not self._reader.wants_shm(peer) else None
+            step.call = direct.start(task) if direct is not None else self._client.submit(task)
             self.counters.add("fetches_started")
         self._publish(step.send_loss)
         if step.call is not None and isinstance(self._blend, rules.DeltaBlend):
@@ -930,6 +941,8 @@ class Node:
                 self._exchange_server.close()
             if self._joins is not None:
                 self._joins.close()
+            if self._direct is not None:
+                self._direct.close()
             if self._client is not None:
                 stopped &= self._client.close(timeout_s)
             if self._ctx is not None:

@@ -1,7 +1,8 @@
 """The requesting side of a node: fetch a peer's snapshot and take hold of it, checked.
 
-Everything here runs on the node's client (Tx) thread, as tasks of
-:class:`dpwa.wire.client.ClientThread`. A :class:`FetchTask` asks one peer
+Everything here runs as tasks of :class:`dpwa.wire.client.ClientThread`
+(the node's Tx thread), or, for a small model in mode pull, of
+:class:`dpwa.wire.client.DirectClient` on the training thread. A :class:`FetchTask` asks one peer
 for its snapshot; :class:`ReplyReader` checks the reply (schema, fingerprint,
 dtype, size, values) and holds on to its parameters as a :class:`Received`:
 a received frame, a pooled buffer its chunks were copied into, or, from a
@@ -20,7 +21,7 @@ import numpy as np
 
 from ..stats import Counters
 from ..wire.client import Ask, Response
-from ..wire.messages import Header, ProtocolError, encode
+from ..wire.messages import Header, MessageKind, ProtocolError, encode
 from ..wire.payload import BufferPool
 from ..wire.shm import PeerSlots
 from .messages import FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
@@ -55,7 +56,8 @@ class Received:
 
 
 class ReplyReader:
-    """Checks snapshot replies and takes hold of their parameters (client thread only).
+    """Checks snapshot replies and takes hold of their parameters (on one thread: the client thread,
+    or the training thread when a small model's fetches run there).
 
     Args:
         fingerprint, wire, nbytes: what our model looks like on the wire.
@@ -138,9 +140,13 @@ class FetchTask:
             self._fields["shm"] = True
         self.retries = 0
 
+    def first_request(self, request_id: int) -> tuple[list[bytes], dict[str, MessageKind]]:
+        """The request run() makes first (so a DirectClient can send it early)."""
+        return [encode(FETCH, request_id, **self._fields)], SNAPSHOT_REPLIES
+
     def run(self, ask: Ask) -> Received:
         for attempts_left in range(SAME_HOST_ATTEMPTS - 1, -1, -1):
-            response = ask(lambda rid: [encode(FETCH, rid, **self._fields)], SNAPSHOT_REPLIES)
+            response = ask(lambda rid: self.first_request(rid)[0], SNAPSHOT_REPLIES)
             try:
                 return self._reader.read(response, self.peer)
             except ProtocolError as exc:

@@ -54,22 +54,33 @@ def chunks(buffers: Iterable[Any], chunk_bytes: int = CHUNK_BYTES) -> Iterator[A
 
 
 def send_frames(
-    sock: zmq.Socket, parts: Sequence[Any], *, flags: int = 0, track: bool = False
+    sock: zmq.Socket, parts: Sequence[Any], *, flags: int = 0, track: bool = False, head: int = 1
 ) -> zmq.MessageTracker | None:
-    """Send `parts` (a header, then payload buffers) as one message, payloads in chunks, without copies.
+    """Send `parts` as one message: `head` small frames (an envelope, a header), copied, then payload
+    buffers in chunks, without copies.
 
     With `track`, the returned tracker is done once ZeroMQ has let go of every
-    frame. Only the first frame can fail for lack of room (ZeroMQ admits a
-    message whole), so a refusal leaves nothing half-sent.
+    payload chunk. Only the first frame can fail for lack of room (ZeroMQ admits
+    a message whole), so a refusal leaves nothing half-sent.
     """
-    frames = list(chunks(parts))
+    frames = list(parts[:head])
+    copied = len(frames)
+    frames += chunks(parts[head:])
     trackers = []
+    last = len(frames) - 1
     for i, frame in enumerate(frames):
-        more = zmq.SNDMORE if i < len(frames) - 1 else 0
-        tracker = sock.send(frame, flags | more, copy=False, track=track)
-        if track:
-            trackers.append(tracker)
-    return zmq.MessageTracker(*trackers) if track else None
+        more = zmq.SNDMORE if i < last else 0
+        if i < copied:
+            sock.send(frame, flags | more, copy=True)
+        else:
+            tracker = sock.send(frame, flags | more, copy=False, track=track)
+            if track and tracker is not None and not tracker.done:
+                trackers.append(tracker)
+    if not track:
+        return None
+    if len(trackers) == 1:
+        return trackers[0]
+    return zmq.MessageTracker(*trackers)
 
 
 class Payload:

@@ -482,12 +482,12 @@ class Server:
         tracked = bool(reply.payload)
         try:
             try:
-                tracker = send_frames(sock, parts, flags=zmq.NOBLOCK, track=tracked)
+                tracker = send_frames(sock, parts, flags=zmq.NOBLOCK, track=tracked, head=3)
             except zmq.Again:
                 # libzmq learns late that its I/O thread drained the queue: reading EVENTS makes it catch
                 # up on that news, and one more try tells a really full queue from a stale count.
                 sock.getsockopt(zmq.EVENTS)
-                tracker = send_frames(sock, parts, flags=zmq.NOBLOCK, track=tracked)
+                tracker = send_frames(sock, parts, flags=zmq.NOBLOCK, track=tracked, head=3)
         except zmq.ZMQError as exc:  # EAGAIN: that client's queue is full; EHOSTUNREACH: it is gone
             self.counters.add("replies_dropped")
             self._log(30, ("drop", exc.errno), "%s: dropped a reply: %s", self.name, exc)

@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="config: pull (only the requester moves) or symmetric (both; default: %(default)s)")
     g.add_argument("--blend", default="state", choices=("state", "delta"),
                    help="config: state (the original rule) or delta (keeps the local step; default: %(default)s)")
+    g.add_argument("--pairing", default="random", choices=("random", "hypercube"),
+                   help="config: a random peer by score, or the hypercube schedule (a power of two of nodes; "
+                        "default: %(default)s)")
     g.add_argument("--wire-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="config: dtype of parameters on the wire (default: %(default)s)")
     g = p.add_argument_group("failures")
@@ -148,7 +151,8 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
     mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
                "interpolation": args.interpolation, "constant": {"value": args.factor},
-               "mode": args.mode, "blend": args.blend, "wire_dtype": args.wire_dtype}
+               "mode": args.mode, "blend": args.blend, "pairing": args.pairing,
+               "wire_dtype": args.wire_dtype}
     # --fetch-probability 2 fails here, before any file is written (keys come later, in the run folder)
     parse_config({**mapping, "insecure": True}, source="./run.sh options")
     return mapping, []
