@@ -50,6 +50,7 @@ __all__ = [
 INTERPOLATIONS = ("constant", "clock", "loss")
 WIRE_DTYPES = tuple(WIRE_STORAGE)
 SAME_HOST_MODES = ("auto", "off")
+BULK_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 BLENDS = ("state", "delta")
 JOINS = ("auto", "never")
@@ -112,6 +113,7 @@ class Config:
     blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
     pairing: str = "random"  # random: a peer drawn by score; hypercube: i pairs with i XOR 2^(t mod log2 n)
     insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
+    bulk: str = "auto"  # auto: without keys, large snapshots stream over raw TCP (dpwa.wire.bulk); off: never
     join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
     torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.rendezvous)
     interface: str = "auto"  # with torchrun: the address (or interface name) peers reach this node at
@@ -191,6 +193,7 @@ class Config:
             "blend": self.blend,
             "pairing": self.pairing,
             "insecure": self.insecure,
+            "bulk": self.bulk,
             "join": self.join,
         }
 
@@ -204,7 +207,7 @@ class Config:
             f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
             f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
             f"mode={self.mode} blend={self.blend} pairing={self.pairing} "
-            f"join={self.join} transport={self.transport} curve={'on' if self.secure else 'off'}"
+            f"join={self.join} bulk={self.bulk} transport={self.transport} curve={'on' if self.secure else 'off'}"
         )
 
 
@@ -228,6 +231,7 @@ _TOP_KEYS = (
     "join",
     "interface",
     "pairing",
+    "bulk",
 )
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
@@ -282,6 +286,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     mode = _choice(raw, "mode", MODES, source)
     blend = _choice(raw, "blend", BLENDS, source)
     insecure = _flag(raw, "insecure", source)
+    bulk = _choice(raw, "bulk", BULK_MODES, source)
     join = _choice(raw, "join", JOINS, source)
     pairing = _choice(raw, "pairing", PAIRINGS, source)
     if pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
@@ -314,6 +319,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         mode=mode,
         blend=blend,
         insecure=insecure,
+        bulk=bulk,
         join=join,
         pairing=pairing,
         torchrun=torchrun,

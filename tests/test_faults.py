@@ -67,8 +67,9 @@ def bounded_step(node, delta: float = 0.0):
 
 
 def test_a_peer_killed_mid_transfer(nodes, children, proxies):
+    """Over ZeroMQ (bulk: off; tests/test_bulk.py kills a bulk stream's server mid-stream)."""
     size = 4_000_000  # 16 MB, slowed down by the proxy so the kill lands mid-reply
-    base, configs = proxied_configs(proxies, 2, timeout_ms=4000)
+    base, configs = proxied_configs(proxies, 2, timeout_ms=4000, bulk="off")
     peer = children(base, "w1", fill=8, size=size, fetch=False)
     peer.expect("ready")
     link = proxies[(0, 1)]

@@ -95,6 +95,9 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
     elif run.system in ("gossip", "symmetric"):
         out["exchanges_averaged"] = sum(w.get("averaged", 0) for w in workers)
         out["exchanges_failed"] = sum(w.get("failed", 0) for w in workers)
+        out["fetches_timed_out"] = {  # by worker that finished: each waited out timeout_ms (a dead peer's, say)
+            n: int(run.results[n].get("stats", {}).get("fetches_timed_out", 0)) for n in run.workers if n in run.results
+        }
     elif run.system == "allreduce":
         out["bytes_estimated"] = True
         out["bytes_note"] = "gloo counts no bytes: ring all-reduce of the gradients plus the buffer broadcast, computed"
@@ -127,10 +130,11 @@ def _outcome(scenario: str, fault: dict[str, Any], summary: dict[str, Any], base
             f"other shards trained on; the run {done}; final accuracy {acc_text}"
         )
     if scenario in ("gossip", "symmetric"):
+        timeouts = ", ".join(f"{n} {k}" for n, k in (summary.get("fetches_timed_out") or {}).items()) or "-"
         return (
             f"the other nodes trained on ({summary.get('exchanges_failed')} exchanges failed, "
-            f"{summary.get('exchanges_averaged')} averaged); the run {done}; final accuracy of the survivors' "
-            f"mean {acc_text}"
+            f"{summary.get('exchanges_averaged')} averaged; fetch timeouts per survivor: {timeouts}); the run "
+            f"{done}; final accuracy of the survivors' mean {acc_text}"
         )
     if scenario == "allreduce":
         failed, killed = summary.get("failed_at_s"), fault.get("killed_at_s")

@@ -218,7 +218,7 @@ def summarize(run: SystemRun, curve: Curve, target: float) -> dict[str, Any]:
         "steps_per_worker": float(np.mean(steps)) if steps else 0.0,
         "workers_finished": len(workers),
         "curve": [[round(p.t_s, 3), p.samples, round(p.acc, 5), _finite(p.loss)] for p in curve.points],
-        # points whose model gave a NaN test loss (say, a BatchNorm running variance gone negative)
+        # points whose model gave a NaN test loss (a BatchNorm running variance gone negative, say): 0 expected
         "nonfinite_points": sum(1 for p in curve.points if not math.isfinite(p.loss)),
     }
     if out["train_time_s"]:

@@ -6,6 +6,9 @@ kind        direction              meaning
 fetch       requester -> server    "send me your latest snapshot"
 params      server -> requester    a snapshot: header + one payload frame of `nbytes`
 shm_params  server -> requester    a snapshot in a same-host shared-memory slot
+bulk_params server -> requester    a snapshot waiting at the server's bulk port for
+                                   the holder of `token` (asked with ``bulk``; only
+                                   unencrypted clusters: dpwa.wire.bulk)
 exchange    requester -> server    (mode symmetric) "here is my snapshot, send yours";
                                    one payload frame; answered params / shm_params
                                    with the server-assigned exchange id `xid` and `f`
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 from ..mixing.kernels import WIRE_STORAGE
 from ..mixing.rules import MAX_SYMMETRIC_FACTOR
+from ..wire.bulk import TOKEN_BYTES
 from ..wire.messages import (
     MAX_ID,
     NAME_PATTERN,
@@ -37,6 +41,7 @@ from ..wire.messages import (
 )
 
 __all__ = [
+    "BULK_PARAMS",
     "CONFIRM",
     "DECISION",
     "EXCHANGE",
@@ -73,12 +78,15 @@ _SNAPSHOT = {
 }
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 
-FETCH = message_kind("fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag()})
+FETCH = message_kind("fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag(), "bulk": Flag()})
 PARAMS = message_kind("params", _SNAPSHOT, _EXCHANGE_REPLY, payload=1)
 SHM_PARAMS = message_kind(
     "shm_params",
     {**_SNAPSHOT, "shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")},
     _EXCHANGE_REPLY,
+)
+BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
+    "bulk_params", {**_SNAPSHOT, "port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}
 )
 EXCHANGE = message_kind(
     "exchange",
@@ -89,7 +97,7 @@ EXCHANGE = message_kind(
 CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})
 
-SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS}
+SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAMS.name: BULK_PARAMS}
 
 
 def check_payload(header: Header, *, fp: bytes, dtype: str, nbytes: int) -> None:

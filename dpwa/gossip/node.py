@@ -50,6 +50,7 @@ from ..mixing import kernels, pairing, rules
 from ..params import FlatParams
 from ..rendezvous import rendezvous
 from ..stats import Counters, Rate
+from ..wire.bulk import BulkServer
 from ..wire.client import Call, ClientThread, DirectClient
 from ..wire.curve import Curve, KeyFileError, KeyPair, load_secret
 from ..wire.endpoints import is_local_host
@@ -77,6 +78,8 @@ EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
 # (DirectClient): two thread wake-ups cost more than checking a small reply; larger ones are received
 # and checked on the Tx thread, in parallel with training.
 DIRECT_MAX_BYTES = 1 << 20
+# Without keys, snapshots of at least this size stream over raw TCP (dpwa.wire.bulk, config key `bulk`).
+BULK_MIN_BYTES = 4 << 20
 UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
 BUSY_RETRY_MAX_S = 0.02  # symmetric: how long an exchange may keep asking busy peers again
 JOIN_WAIT_MIN_S = 10.0  # at a fresh start, how long a node waits at least for the first node's parameters
@@ -202,6 +205,7 @@ class Node:
         self._ctx: zmq.Context | None = None
         self._client: ClientThread | None = None
         self._direct: DirectClient | None = None  # pull-mode fetches of a small model (training thread)
+        self._bulk: BulkServer | None = None  # streams large snapshots to peers (unencrypted clusters)
         self._server: Server | None = None
         self._reader: ReplyReader | None = None
         self._exchange_server: ExchangeServer | None = None
@@ -277,6 +281,19 @@ class Node:
             )
         values = PeerValues(self.wire, self.config.max_peer_distance, store.lease)
         readers = {peer: PeerSlots(peer, self.peers[peer].port) for peer in local}
+        bulk_hosts: dict[str, str] = {}
+        config = self.config
+        if config.bulk == "auto" and config.transport == "tcp" and not config.secure and self.nbytes >= BULK_MIN_BYTES:
+            self._bulk = BulkServer(
+                self.spec.bind or self.spec.host,
+                name=self.name,
+                counters=self.counters,
+                max_per_sender=UNSENT_PER_CLIENT,
+                max_pending=unsent,
+                max_connections=4 * (len(self.peers) + 1),
+            )
+            if not self._symmetric:
+                bulk_hosts = {peer: spec.host for peer, spec in self.peers.items() if peer not in local}
         self._reader = ReplyReader(
             self.params.fingerprint,
             self.wire,
@@ -286,6 +303,7 @@ class Node:
             readers,
             self.counters,
             lambda message: logger.info("%s: %s", self.name, message),
+            bulk_hosts=bulk_hosts,
         )
         serving = Serving(
             self.name,
@@ -295,6 +313,8 @@ class Node:
             self.nbytes,
             self._shared.id if self._shared else None,
             self.counters,
+            bulk=self._bulk,
+            bulk_ttl_s=self.config.timeout_s + 1.0,
         )
         routes = serving.routes()
         routes.update(BarrierServer(self._barriers, list(self.peers)).routes())
@@ -892,6 +912,8 @@ class Node:
             out["publish_skipped"] = self._store.skipped
             out["slots_retired"] = self._store.retired
         out["fetches_skipped_alone"] = self._flow.skipped_alone
+        if self._bulk is not None:
+            out["bulk_pending"] = self._bulk.pending()
         if self._exchange_server is not None and self._exchange_client is not None:
             out["exchanges_pending"] = self._exchange_server.held()
             out["exchanges_unsettled"] = len(self._exchange_client)
@@ -931,6 +953,8 @@ class Node:
             stopped = True
             if self._server is not None:
                 stopped &= self._server.close(timeout_s)
+            if self._bulk is not None:  # after the server: nothing offers transfers any more
+                stopped &= self._bulk.close(timeout_s)
             if self._symmetric and self._exchange_server is not None:
                 self._tend()  # the last decisions the Rx thread made
                 for call in self._outstanding:

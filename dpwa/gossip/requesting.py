@@ -14,17 +14,19 @@ is dropped, the buffer goes back to its pool, the slot's lock is released.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from ..stats import Counters
+from ..wire.bulk import BulkReceiver
 from ..wire.client import Ask, Response
 from ..wire.messages import Header, MessageKind, ProtocolError, encode
 from ..wire.payload import BufferPool
 from ..wire.shm import PeerSlots
-from .messages import FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
+from .messages import BULK_PARAMS, FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
 __all__ = ["FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]
@@ -65,6 +67,7 @@ class ReplyReader:
         readers: same-host peers whose shared-memory slots we may read (a peer
             is dropped from it, and asked over TCP, once its slots cannot be opened).
         counters: where to count bytes and same-host reads.
+        bulk_hosts: peers we ask for bulk transfers (dpwa.wire.bulk), and the host each is reached at.
     """
 
     def __init__(
@@ -77,10 +80,13 @@ class ReplyReader:
         readers: dict[str, PeerSlots],
         counters: Counters,
         log: Callable[[str], None],
+        bulk_hosts: dict[str, str] | None = None,
     ) -> None:
         self.fingerprint, self.wire, self.nbytes, self.storage = fingerprint, wire, nbytes, storage
         self.values = values
         self.readers = readers
+        self.bulk_hosts = dict(bulk_hosts or {})
+        self._bulk = BulkReceiver()
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
         self._buffers = BufferPool(nbytes)
         self._counters = counters
@@ -89,12 +95,18 @@ class ReplyReader:
     def wants_shm(self, peer: str) -> bool:
         return peer in self.readers
 
-    def read(self, response: Response, peer: str) -> Received:
-        """The parameters of a ``params`` or ``shm_params`` reply, checked; ProtocolError if unusable."""
+    def wants_bulk(self, peer: str) -> bool:
+        return peer in self.bulk_hosts
+
+    def read(self, response: Response, peer: str, deadline: float = math.inf) -> Received:
+        """The parameters of a snapshot reply, checked; ProtocolError if unusable (TransportError if a
+        bulk transfer fails). A bulk transfer must be in by `deadline`."""
         header = response.header
         check_payload(header, fp=self.fingerprint, dtype=self.wire, nbytes=self.nbytes)
         if header.kind == SHM_PARAMS.name:
             received = self._read_slot(header, peer)
+        elif header.kind == BULK_PARAMS.name:
+            return self._read_bulk(header, peer, deadline)
         else:
             payload = response.frames[0]
             if len(payload) != self.nbytes:
@@ -107,6 +119,27 @@ class ReplyReader:
             self.values.check(received.array)
             keep.pop_all()
         return received
+
+    def _read_bulk(self, header: Header, peer: str, deadline: float) -> Received:
+        """Stream the snapshot straight into a pooled buffer, checking each block as it arrives."""
+        host = self.bulk_hosts.get(peer)
+        if host is None:
+            raise ProtocolError("bad_reply", "a bulk transfer that was not asked for")
+        buffer, give_back = self._buffers.take()
+        with contextlib.ExitStack() as keep:
+            keep.callback(give_back)  # given back if anything fails
+            array = buffer.view(self.storage)
+            size = array.itemsize
+
+            def check(start: int, end: int) -> None:
+                self.values.check_values(array[start // size : end // size])
+
+            self._bulk.receive(host, header["port"], header["token"], buffer, deadline, check)
+            self.values.check_distance(array)
+            keep.pop_all()
+        self._counters.add("bytes_in", self.nbytes)
+        self._counters.add("bulk_fetches")
+        return Received(header, array, give_back)
 
     def _read_slot(self, header: Header, peer: str) -> Received:
         reader = self.readers.get(peer)
@@ -127,6 +160,7 @@ class ReplyReader:
         for reader in self.readers.values():
             reader.close()
         self.readers.clear()
+        self._bulk.close()
 
 
 class FetchTask:
@@ -138,6 +172,8 @@ class FetchTask:
         self._fields: dict[str, Any] = {"from": name, "fp": reader.fingerprint, "dtype": reader.wire}
         if reader.wants_shm(peer):
             self._fields["shm"] = True
+        elif reader.wants_bulk(peer):
+            self._fields["bulk"] = True
         self.retries = 0
 
     def first_request(self, request_id: int) -> tuple[list[bytes], dict[str, MessageKind]]:
@@ -148,7 +184,7 @@ class FetchTask:
         for attempts_left in range(SAME_HOST_ATTEMPTS - 1, -1, -1):
             response = ask(lambda rid: self.first_request(rid)[0], SNAPSHOT_REPLIES)
             try:
-                return self._reader.read(response, self.peer)
+                return self._reader.read(response, self.peer, self.deadline)
             except ProtocolError as exc:
                 if exc.reason not in _RETRY or not attempts_left:
                     raise

@@ -1,9 +1,11 @@
 """The serving side of a node: answer ``fetch`` with the latest snapshot (Rx thread).
 
-A reply carries the snapshot as one zero-copy frame leased until ZeroMQ has
-sent it, or, to a same-host peer that asked for it and when the snapshot's
+A reply carries the snapshot as zero-copy frames leased until ZeroMQ has
+sent them; or, to a same-host peer that asked for it and when the snapshot's
 slot is in shared memory, only the slot's name and version: the peer locks
-and reads the slot itself (see :mod:`dpwa.wire.shm`). The symmetric
+and reads the slot itself (see :mod:`dpwa.wire.shm`); or, to a peer that
+asked for a ``bulk`` transfer in an unencrypted cluster, a token and the
+port where the leased snapshot waits for it (see :mod:`dpwa.wire.bulk`). The symmetric
 exchange's server half (:mod:`dpwa.gossip.exchange`) answers with the same
 replies.
 """
@@ -13,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..stats import Counters
+from ..wire.bulk import BulkServer
 from ..wire.messages import Header, encode
 from ..wire.server import Refused, Reply, Request, Route
-from .messages import FETCH, PARAMS, SHM_PARAMS, check_payload
+from .messages import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
 from .snapshots import Lease, SnapshotStore
 
 __all__ = ["Serving"]
@@ -30,6 +33,8 @@ class Serving:
         fingerprint, wire, nbytes: what our model looks like on the wire.
         shm_id: the id of our shared-memory slot directory, if same-host peers may read it.
         counters: where to count same-host replies.
+        bulk: streams snapshots to peers that ask for a bulk transfer (unencrypted clusters only).
+        bulk_ttl_s: how long a bulk transfer waits for its requester.
     """
 
     def __init__(
@@ -41,11 +46,14 @@ class Serving:
         nbytes: int,
         shm_id: str | None,
         counters: Counters,
+        bulk: BulkServer | None = None,
+        bulk_ttl_s: float = 0.0,
     ) -> None:
         self.name, self.store = name, store
         self.fingerprint, self.wire, self.nbytes = fingerprint, wire, nbytes
         self.shm_id = shm_id
         self._counters = counters
+        self._bulk, self._bulk_ttl_s = bulk, bulk_ttl_s
 
     def routes(self) -> dict[str, Route]:
         return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True)}
@@ -60,12 +68,27 @@ class Serving:
         lease = self.store.lease()
         if lease is None:
             raise Refused("not_ready", "no snapshot published yet")
+        if request.header.get("bulk") and self._bulk is not None:
+            return self._bulk_reply(request, lease)
         return self.snapshot_reply(request.header, lease)
+
+    def _bulk_reply(self, request: Request, lease: Lease) -> Reply:
+        """The snapshot's header, and a token to claim the snapshot at our bulk port (the lease goes with it)."""
+        assert self._bulk is not None
+        snap = lease.snapshot
+        try:
+            token = self._bulk.offer(request.sender, [snap.array], lease, self._bulk_ttl_s)
+        except Refused:
+            lease.release()
+            raise
+        self._counters.add("bulk_served")
+        fields = self._fields(lease)
+        return Reply(encode(BULK_PARAMS, request.header.id, **fields, port=self._bulk.port, token=token))
 
     def check_budget(self, request: Request) -> None:
         """Refuse "busy" when the reply would carry our snapshot and the sender's unsent budget is spent."""
-        if request.may_send_payload:
-            return
+        if request.may_send_payload or (request.header.get("bulk") and self._bulk is not None):
+            return  # a bulk transfer has its own budget (dpwa.wire.bulk)
         current = self.store.current()
         if request.header.get("shm") and self.shm_id is not None and current is not None and current.shared:
             return  # the reply only names a shared-memory slot
@@ -77,16 +100,7 @@ class Serving:
         The reply takes over `lease` (released once the frame has left, or at once for a slot).
         """
         snap = lease.snapshot
-        fields = {
-            "from": self.name,
-            "fp": self.fingerprint,
-            "dtype": self.wire,
-            "nbytes": self.nbytes,
-            "clock": snap.clock,
-            "loss": snap.loss,
-            "version": snap.version,
-            **extra,
-        }
+        fields = {**self._fields(lease), **extra}
         if header.get("shm") and snap.shared and self.shm_id is not None:
             # The peer locks the slot's file and checks its version itself: if we
             # rewrite the slot before it locks it, it sees a newer version and
@@ -95,3 +109,15 @@ class Serving:
             self._counters.add("same_host_served")
             return Reply(encode(SHM_PARAMS, header.id, **fields, shm_slot=snap.slot, shm_id=self.shm_id))
         return Reply(encode(PARAMS, header.id, **fields), payload=[snap.array], hold=lease)
+
+    def _fields(self, lease: Lease) -> dict[str, Any]:
+        snap = lease.snapshot
+        return {
+            "from": self.name,
+            "fp": self.fingerprint,
+            "dtype": self.wire,
+            "nbytes": self.nbytes,
+            "clock": snap.clock,
+            "loss": snap.loss,
+            "version": snap.version,
+        }

@@ -37,8 +37,16 @@ class PeerValues:
         self._reference = reference
 
     def check(self, array: np.ndarray) -> None:
-        if not kernels.within(array, MAX_VALUE, self.wire):
+        self.check_values(array)
+        self.check_distance(array)
+
+    def check_values(self, part: np.ndarray) -> None:
+        """Every value of `part` (all of a peer's parameters, or a block of them) finite and within bounds."""
+        if not kernels.within(part, MAX_VALUE, self.wire):
             raise ProtocolError("not_finite", f"the parameters hold NaN, Inf or values beyond ±{MAX_VALUE:g}")
+
+    def check_distance(self, array: np.ndarray) -> None:
+        """With max_peer_distance: all of a peer's parameters not implausibly far from our snapshot."""
         if self.max_peer_distance <= 0:
             return
         lease = self._reference()

@@ -64,15 +64,9 @@ def run(role: Role) -> None:
         stats = conn.stats()  # before lingering: what training cost
         rec.snapshot(view.state(), samples, final=True)
         lingered = 0.0
-        if not role.stop and role.run["gossip_config"]["mode"] == "symmetric":
-            # A lingering node in mode symmetric answers "busy" to every exchange while its last snapshot is
-            # spent (each snapshot serves one exchange) and nothing new commits, so it would stop lingering
-            # after idle_s and peers still training would pay a timeout per step. One more publish (no
-            # training step) gives it a fresh snapshot; each exchange served then republishes.
-            conn.update_send(loss_value)
-            conn.update_wait(loss_value)
         if not role.stop:
-            # as train.py lingers: until no peer was served for max(2 s, 4 steps, 2 fetch timeouts)
+            # as train.py lingers: until no peer was served for max(2 s, 4 steps, 2 fetch timeouts); in mode
+            # symmetric the lingering node publishes a fresh snapshot once its last one served an exchange
             step_s = timer.summary()["run_s"] / max(step, 1)
             timeout_s = role.run["gossip_config"]["timeout_ms"] / 1000
             idle_s = max(2.0, 4 * step_s, 2 * timeout_s)
