@@ -11,9 +11,12 @@ For each model size it measures, in the same run and on the same machine:
 (a) ``copy``: ``np.copyto`` of the model's bytes (a memory-copy floor);
 (b) ``zmq``: a raw pyzmq REQ/REP round trip over tcp://127.0.0.1 between two
     processes, the reply carrying the model's bytes (``copy=False`` on both
-    sides): the transport floor;
+    sides): the ZeroMQ floor;
+(t) ``tcp``: the same round trip over a raw TCP socket, the reply written with
+    ``sendall`` and read with ``recv_into`` a preallocated buffer: the socket floor;
 (c) dpwa between two processes: ``update_send`` alone, ``update_wait`` alone
-    and the full exchange, over TCP and over the same-host path.
+    and the full exchange, over TCP (large models by stream, dpwa.wire.bulk;
+    and all over ZeroMQ, ``bulk: off``), under CURVE, and over the same-host path.
 
 It also times a training step of the example (``examples/pytorch-cifar``,
 the small ResNet, one torch thread per process as ``run.sh`` runs it) with
@@ -132,6 +135,22 @@ def serve_raw(port: int, size: int) -> None:
     ctx.term()
 
 
+def serve_raw_tcp(port: int, size: int) -> None:
+    """A TCP server that answers every byte it reads with `size` float32s (sendall), until stdin closes."""
+    import socket
+
+    payload = np.ones(size, np.float32).data.cast("B")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        print("ready", flush=True)
+        conn, _ = listener.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while conn.recv(1):
+                conn.sendall(payload)
+
+
 def serve_node(config_path: str, size: int) -> None:
     """A dpwa node that publishes `size` float32s and serves them until stdin closes."""
     import dataclasses
@@ -234,24 +253,35 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
     }
 
 
-def write_pair_config(directory: str, *, same_host: bool, wire_dtype: str = "float32") -> str:
+def write_pair_config(
+    directory: str, *, same_host: bool, wire_dtype: str = "float32", bulk: str = "auto", curve: bool = False
+) -> str:
     import yaml
 
+    from dpwa.wire.curve import generate
+
+    nodes: list[dict[str, Any]] = [
+        {"name": "client", "host": "127.0.0.1", "port": free_port()},
+        {"name": "server", "host": "127.0.0.1", "port": free_port()},
+    ]
     config = {
-        "nodes": [
-            {"name": "client", "host": "127.0.0.1", "port": free_port()},
-            {"name": "server", "host": "127.0.0.1", "port": free_port()},
-        ],
+        "nodes": nodes,
         "fetch_probability": 1,
         "timeout_ms": 10_000,
         "same_host": "auto" if same_host else "off",
         "wire_dtype": wire_dtype,
         # TCP rows measure TCP (loopback clusters otherwise use ipc sockets); same-host rows use the
         # default: ipc for the requests, shared memory for the parameters
-        "insecure": not same_host,
+        "insecure": not same_host and not curve,
         "join": "never",  # each side starts from its own values; joining is not what is measured
+        "bulk": bulk,
     }
-    path = os.path.join(directory, f"pair-{'shm' if same_host else 'tcp'}-{wire_dtype}.yaml")
+    tag = f"{'shm' if same_host else 'tcp'}-{wire_dtype}-{bulk}{'-curve' if curve else ''}"
+    if curve:  # TCP, authenticated and encrypted
+        for node in nodes:
+            _, secret, pair = generate(f"{node['name']}-{tag}", Path(directory) / "keys")
+            node["public_key"], node["secret_key_file"] = pair.public.decode(), str(secret)
+    path = os.path.join(directory, f"pair-{tag}.yaml")
     with open(path, "w") as fh:
         yaml.safe_dump(config, fh)
     return path
@@ -304,14 +334,52 @@ class ZmqFloor:
         self.child.stop()
 
 
+class RawTcpFloor:
+    """(t): a raw TCP round trip whose reply carries the model's bytes, read into a preallocated buffer."""
+
+    def __init__(self, size: int) -> None:
+        import socket
+
+        port = free_port()
+        self.child = Child("--serve-raw-tcp", str(port), str(size))
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = np.empty(size, np.float32)
+        self.view = self.buffer.data.cast("B")
+
+    def sample(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.sock.sendall(b"x")
+        got, total = 0, self.view.nbytes
+        while got < total:
+            n = self.sock.recv_into(self.view[got:], total - got)
+            if not n:
+                raise RuntimeError("raw TCP server closed the connection")
+            got += n
+        return {"ms": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        self.sock.close()
+        self.child.stop()
+
+
 class DpwaPair:
     """(c): a dpwa node here fetching from a dpwa node in another process."""
 
-    def __init__(self, size: int, directory: str, *, same_host: bool, wire_dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        size: int,
+        directory: str,
+        *,
+        same_host: bool,
+        wire_dtype: str = "float32",
+        bulk: str = "auto",
+        curve: bool = False,
+    ) -> None:
         from dpwa import Node, NumpyParams
 
         self.same_host = same_host
-        path = write_pair_config(directory, same_host=same_host, wire_dtype=wire_dtype)
+        path = write_pair_config(directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve)
         self.child = Child("--serve-node", path, str(size))
         try:
             self.node = Node(path, "client", NumpyParams(np.zeros(size, np.float32)), rng=random.Random(0))
@@ -339,12 +407,18 @@ class DpwaPair:
 
 def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
     """Every measurement for one model size, interleaved: one sample of each per repetition."""
+    from dpwa.gossip.node import BULK_MIN_BYTES
+
     with tempfile.TemporaryDirectory() as tmp:
         subjects: dict[str, Any] = {}
         try:
             subjects["copy"] = CopyFloor(size)
             subjects["zmq"] = ZmqFloor(size)
+            subjects["raw_tcp"] = RawTcpFloor(size)
             subjects["tcp"] = DpwaPair(size, tmp, same_host=False)
+            if size * 4 >= BULK_MIN_BYTES:  # smaller models never stream: tcp is already all ZeroMQ
+                subjects["tcp_zmq"] = DpwaPair(size, tmp, same_host=False, bulk="off")
+            subjects["curve"] = DpwaPair(size, tmp, same_host=False, curve=True)
             subjects["same_host"] = DpwaPair(size, tmp, same_host=True)
             for dtype in wire_dtypes:
                 subjects[f"tcp_{dtype}"] = DpwaPair(size, tmp, same_host=False, wire_dtype=dtype)
@@ -360,7 +434,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
     row: dict[str, Any] = {"parameters": size, "mbytes": size * 4 / 1e6, "reps": reps}
     for name, rows in samples.items():
         medians = {key: median_ms([r[key] for r in rows]) for key in rows[0]}
-        row[f"{name}_ms" if name in ("copy", "zmq") else name] = medians.get("ms", medians)
+        row[f"{name}_ms" if name in ("copy", "zmq", "raw_tcp") else name] = medians.get("ms", medians)
     return row
 
 
@@ -470,18 +544,20 @@ def run(
 
 
 def format_size_row(row: dict[str, Any]) -> str:
-    a, b = row["copy_ms"], row["zmq_ms"]
+    a, b, t = row["copy_ms"], row["zmq_ms"], row["raw_tcp_ms"]
     lines = [
         f"\n{row['parameters']:,} parameters ({row['mbytes']:.1f} MB), medians of {row['reps']} runs",
-        f"  {'measurement':<38}{'ms':>9}{'x copy':>9}{'x zmq':>9}",
-        f"  {'(a) numpy copy':<38}{a:>9.2f}{1:>9.2f}{a / b:>9.2f}",
-        f"  {'(b) raw pyzmq REQ/REP, tcp':<38}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}",
+        f"  {'measurement':<42}{'ms':>9}{'x copy':>9}{'x zmq':>9}{'x tcp':>9}",
+        f"  {'(a) numpy copy':<42}{a:>9.2f}{1:>9.2f}{a / b:>9.2f}{a / t:>9.2f}",
+        f"  {'(b) raw pyzmq REQ/REP, tcp':<42}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}{b / t:>9.2f}",
+        f"  {'(t) raw TCP sendall -> recv_into':<42}{t:>9.2f}{t / a:>9.2f}{t / b:>9.2f}{1:>9.2f}",
     ]
-    for path in [k for k in row if k == "tcp" or k == "same_host" or k.startswith("tcp_")]:
-        label = {"tcp": "tcp", "same_host": "same-host"}.get(path, path.replace("tcp_", "tcp, wire "))
+    labels = {"tcp": "tcp", "tcp_zmq": "tcp, bulk: off", "curve": "tcp, CURVE", "same_host": "same-host"}
+    for path in [k for k in row if k in labels or k.startswith("tcp_")]:
+        label = labels.get(path, path.replace("tcp_", "tcp, wire "))
         for key in ("update_send", "update_wait", "exchange"):
             v = row[path][key]
-            lines.append(f"  {'(c) dpwa ' + key + ', ' + label:<38}{v:>9.2f}{v / a:>9.2f}{v / b:>9.2f}")
+            lines.append(f"  {'(c) dpwa ' + key + ', ' + label:<42}{v:>9.2f}{v / a:>9.2f}{v / b:>9.2f}{v / t:>9.2f}")
     return "\n".join(lines)
 
 
@@ -514,11 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions for large models (default 30)")
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-raw-tcp", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-node", nargs=2, metavar=("CONFIG", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-training", nargs=3, metavar=("CONFIG", "SHAPE", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_raw:
         serve_raw(int(args.serve_raw[0]), int(args.serve_raw[1]))
+        return 0
+    if args.serve_raw_tcp:
+        serve_raw_tcp(int(args.serve_raw_tcp[0]), int(args.serve_raw_tcp[1]))
         return 0
     if args.serve_node:
         serve_node(args.serve_node[0], int(args.serve_node[1]))
