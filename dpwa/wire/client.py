@@ -23,7 +23,12 @@
   * ``expired``: the deadline passed before anything was sent (not the peer's fault);
   * ``cancelled``: the submitter gave up first, or the thread is closing.
 
-Nothing a peer sends can raise out of this thread.
+* :class:`DirectClient` runs tasks that can name their first request
+  (:class:`FirstRequest`) on the caller's own thread instead: the request
+  goes out at ``start``, ZeroMQ's I/O thread receives the reply meanwhile,
+  and the call's ``wait`` runs the rest of the task, with the same outcomes.
+
+Nothing a peer sends can raise out of these threads.
 """
 
 from __future__ import annotations
