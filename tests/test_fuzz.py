@@ -17,9 +17,9 @@ commit path while keeping "unchanged" exact.) Afterwards the node must still
 be alive and average with an honest peer to values known in advance.
 
 The node may drop a reply although this client reads every one (libzmq
-updates the send credit of its SNDHWM-2 pipe lazily, and ``Server._send`` gives
-up at the first EAGAIN: a dpwa bug, timing-dependent, so no test can pin it
-down). Such a drop is never guessed at: the node counts it
+updates the send credit of its pipe lazily; ``Server._send`` tries once more
+after reading ``ZMQ_EVENTS``, and rarely still finds the queue full: timing-
+dependent, so no test can pin it down). Such a drop is never guessed at: the node counts it
 (``replies_dropped``), and the oracle then applies what the node did all the
 same (a commit decided, an exchange left to expire), so every other check
 stays exact.

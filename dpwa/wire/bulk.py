@@ -48,7 +48,6 @@ __all__ = ["BLOCK_BYTES", "HELLO_TIMEOUT_S", "TOKEN_BYTES", "BulkReceiver", "Bul
 TOKEN_BYTES = 16
 HELLO_TIMEOUT_S = 2.0  # a new connection must send its whole token this soon (a reused one: its next token)
 BLOCK_BYTES = 1 << 20  # the receiver checks (and the server sends) this much at a time
-SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffers on both ends: a large stream keeps the link busy
 
 
 @dataclass
@@ -201,7 +200,6 @@ class BulkServer:
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             connections[sock.fileno()] = _Connection(sock)
             selector.register(sock, selectors.EVENT_READ)
 
@@ -371,7 +369,6 @@ class BulkReceiver:
             raise TransportError(f"{self.name}: no time left to connect to {host}:{port}")
         sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         return sock
 
     def forget(self, key: tuple[str, int]) -> None:
