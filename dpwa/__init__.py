@@ -5,12 +5,16 @@ is the framework-agnostic core over one flat numpy buffer.
 
 The package, by layer:
 
-* ``dpwa.wire``: the transport (wire format, server, client, CURVE, endpoints, shared memory);
-* ``dpwa.mixing``: pure math (kernels, interpolation, mixing rules);
+* ``dpwa.wire``: the transport (wire format, chunked payloads, server, clients, bulk streams, CURVE,
+  endpoints, shared memory);
+* ``dpwa.mixing``: pure math (kernels, interpolation, mixing rules, pairing schedules);
 * ``dpwa.gossip``: the gossip node, split by concern;
 * ``dpwa.adapters``: framework adapters (PyTorch);
-* ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot);
-* ``dpwa.bench``, ``dpwa.sim``: the benchmark and the simulator.
+* ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot, checkpoints, status);
+* ``dpwa.rendezvous``: the node list and keys from torchrun's store;
+* ``dpwa.systems``: the other training systems on the same transport (a sync master, parameter servers,
+  all-reduce);
+* ``dpwa.compare``, ``dpwa.bench``, ``dpwa.sim``: the comparison, the benchmark and the simulator.
 """
 
 from __future__ import annotations
