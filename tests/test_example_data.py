@@ -193,7 +193,13 @@ def test_train_py_runs_on_cifar_files_and_writes_metrics_and_weights(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics" / "w0.jsonl").read_text().splitlines()]
     kinds = [line["kind"] for line in lines]
-    assert kinds == ["start"] + ["step"] * 5 + ["eval"] + ["step"] * 5 + ["eval", "end"]
+    epoch = ["step"] * 5 + ["barrier", "checkpoint", "eval"]
+    assert kinds == ["start", "barrier"] + epoch + epoch + ["barrier", "end"]
+    barriers = [line for line in lines if line["kind"] == "barrier"]
+    assert [b["name"] for b in barriers] == ["start", "epoch", "epoch", "exit"]
+    assert all(b["skipped"] == [] for b in barriers)  # alone, nobody is missing
+    checkpoints = [line for line in lines if line["kind"] == "checkpoint"]
+    assert [(c["epoch"], c["step"]) for c in checkpoints] == [(1, 5), (2, 10)]
     assert lines[0]["model"] == "resnet18" and lines[0]["steps_per_epoch"] == 5 and lines[0]["train_images"] == 20
     assert lines[-1]["reason"] == "done" and lines[-1]["averaged"] == 0 and lines[-1]["failed"] == 0
     assert all(0.0 <= line["test_acc"] <= 1.0 for line in lines if line["kind"] == "eval")
