@@ -11,6 +11,9 @@ Every file is written atomically: into a temporary file, flushed and
 fsync'ed, then renamed over its name (and the directory fsync'ed), so a crash
 at any moment leaves the old file or the new one, never half of one. The
 manifest is updated the same way under a file lock, one entry per node.
+A write that fails (a full disk, a quota) raises :class:`CheckpointError`
+naming the file and leaves no partial file and no listing behind: earlier
+checkpoints stay complete and loadable.
 
 An epoch's checkpoint is *complete* when every node's file is listed and
 present; :func:`latest_complete` finds the newest. :func:`load` checks a
@@ -105,18 +108,29 @@ def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: di
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", node):
         raise ValueError(f"a node name is 1 to 64 letters, digits, '_', '.' or '-', got {node!r}")
     directory = checkpoint_dir(run_dir, epoch)
-    directory.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     data = buffer.getvalue()
     path = directory / f"{node}.pt"
-    _write_atomically(path, data)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, data)
+    except OSError as exc:  # ENOSPC, EDQUOT, EIO: the temporary file is gone, nothing was listed
+        raise CheckpointError(f"{path}: could not be written ({exc.strerror or exc}); "
+                              f"{node}'s earlier checkpoints are untouched") from exc
     entry = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "saved": time.time()}
-    with _locked(directory):
-        current = manifest(run_dir, epoch)
-        current.setdefault("files", {})[node] = entry
-        current["epoch"] = epoch
-        _write_atomically(directory / "manifest.json", (json.dumps(current, indent=2) + "\n").encode())
+    manifest_path = directory / "manifest.json"
+    try:
+        with _locked(directory):
+            current = manifest(run_dir, epoch)
+            current.setdefault("files", {})[node] = entry
+            current["epoch"] = epoch
+            _write_atomically(manifest_path, (json.dumps(current, indent=2) + "\n").encode())
+    except OSError as exc:
+        # Not listed, so not part of any complete checkpoint: remove it rather than leave it to fill the disk.
+        path.unlink(missing_ok=True)
+        raise CheckpointError(f"{manifest_path}: could not be written ({exc.strerror or exc}), so {path.name} "
+                              f"was removed; {node}'s earlier checkpoints are untouched") from exc
     return path
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
@@ -129,19 +131,29 @@ class Metrics:
 
     def __init__(self, run_dir: Path | None, node: str) -> None:
         self.node = node
+        self.dropped = 0  # lines lost to write errors (a full disk)
         self._fh = None
         if run_dir is not None:
             (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
             self._fh = open(run_dir / "metrics" / f"{node}.jsonl", "a", encoding="utf-8")
 
     def write(self, kind: str, **fields: object) -> None:
-        if self._fh is not None:
-            self._fh.write(json.dumps({"kind": kind, "t": round(time.time(), 3), "node": self.node, **fields}) + "\n")
+        if self._fh is None:
+            return
+        line = json.dumps({"kind": kind, "t": round(time.time(), 3), "node": self.node, **fields}) + "\n"
+        try:
+            self._fh.write(line)
             self._fh.flush()
+        except OSError as exc:  # a full disk loses metrics lines, never the training
+            if not self.dropped:
+                logging.getLogger("train").warning("%s: %s: a metrics line was lost (%s); training goes on",
+                                                   self.node, self._fh.name, exc.strerror or exc)
+            self.dropped += 1
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
+            with contextlib.suppress(OSError):  # the last flush may meet a full disk too
+                self._fh.close()
 
 
 def params_sha256(net: torch.nn.Module) -> str:
@@ -374,9 +386,14 @@ def main(argv: list[str] | None = None) -> int:
             barrier("epoch")  # every node ends epoch `epoch` here, so all evaluate the same boundary
             if args.run_dir is not None:
                 progress.update(epoch=epoch, step=step, averaged=averaged, failed=failed)
-                saved = checkpoints.save(args.run_dir, epoch, args.name,
-                                         node_state(net, optimizer, schedule, order, conn, progress))
-                metrics.write("checkpoint", epoch=epoch, step=step, file=str(saved))
+                try:
+                    saved = checkpoints.save(args.run_dir, epoch, args.name,
+                                             node_state(net, optimizer, schedule, order, conn, progress))
+                except checkpoints.CheckpointError as exc:  # a full disk: train on, the last good one stays
+                    log.warning("%s: checkpoint of epoch %d not saved: %s", args.name, epoch, exc)
+                    metrics.write("checkpoint_failed", epoch=epoch, step=step, error=str(exc))
+                else:
+                    metrics.write("checkpoint", epoch=epoch, step=step, file=str(saved))
             result = evaluate(net, data, device, should_stop=lambda: bool(stop))
             if result is None:
                 break
@@ -403,14 +420,23 @@ def main(argv: list[str] | None = None) -> int:
         stats = conn.stats()
         conn.close()
         if args.run_dir is not None:
-            (args.run_dir / "models").mkdir(parents=True, exist_ok=True)
             saved = args.run_dir / "models" / f"{args.name}.pt"
-            torch.save(checkpoint(net, model_name, args.width, data), saved.with_suffix(".tmp"))
-            saved.with_suffix(".tmp").replace(saved)  # never a half-written file
+            try:
+                saved.parent.mkdir(parents=True, exist_ok=True)
+                buffer = io.BytesIO()  # torch.save into a file turns a full disk into a RuntimeError
+                torch.save(checkpoint(net, model_name, args.width, data), buffer)
+                saved.with_suffix(".tmp").write_bytes(buffer.getvalue())
+                saved.with_suffix(".tmp").replace(saved)  # never a half-written file
+            except OSError as exc:
+                saved.with_suffix(".tmp").unlink(missing_ok=True)
+                log.error("%s: %s: final weights not saved (%s)", args.name, saved, exc.strerror or exc)
         if stop and args.run_dir is not None:  # stopped mid-run: keep our state for a restart (torchrun's, say)
             progress.update(epoch=epoch - 1, step=step, averaged=averaged, failed=failed)
-            checkpoints.save(args.run_dir, checkpoints.LAST, args.name,
-                             node_state(net, optimizer, schedule, order, conn, progress))
+            try:
+                checkpoints.save(args.run_dir, checkpoints.LAST, args.name,
+                                 node_state(net, optimizer, schedule, order, conn, progress))
+            except checkpoints.CheckpointError as exc:  # a restart takes the last complete epoch instead
+                log.error("%s: state at stop not saved: %s", args.name, exc)
         metrics.write("end", reason=reason, epoch=epoch, step=step, averaged=averaged, failed=failed,
                       peers=dict(averaged_with), stats=json.loads(json.dumps(stats, default=str)))
         metrics.close()
