@@ -24,7 +24,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000]
     for row in result["sizes"]:
-        assert row["copy_ms"] > 0 and row["zmq_ms"] > 0 and row["raw_tcp_ms"] > 0
+        assert row["copy_ms"] > 0 and row["zmq_ms"] > 0 and row["raw_tcp_ms"] > 0 and row["node_served_ms"] > 0
         for path in ("tcp", "curve", "same_host", "tcp_float16"):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]

@@ -14,6 +14,9 @@ For each model size it measures, in the same run and on the same machine:
     sides): the ZeroMQ floor;
 (t) ``tcp``: the same round trip over a raw TCP socket, the reply written with
     ``sendall`` and read with ``recv_into`` a preallocated buffer: the socket floor;
+(s) ``node_served``: a raw pyzmq REQ client sending a dpwa node the fetch a node
+    sends, and reading the reply: the serving side's share of an exchange
+    (what it adds to (b)); the rest of (c) is the requesting side's;
 (c) dpwa between two processes: ``update_send`` alone, ``update_wait`` alone
     and the full exchange, over TCP (large models by stream, dpwa.wire.bulk;
     and all over ZeroMQ, ``bulk: off``), under CURVE, and over the same-host path.
@@ -23,7 +26,7 @@ the small ResNet, one torch thread per process as ``run.sh`` runs it) with
 dpwa exchanging every step against a second training node, and the same loop
 without dpwa, alternating blocks of steps so both see the same machine.
 
-Every figure is a median over repetitions, and the ratios to (a) and (b) are
+Every figure is a median over repetitions, and the ratios to (a), (b) and (t) are
 printed beside it. Machines are shared and noisy: compare ratios taken in one
 run, not absolute times across runs. A second table scales the number of
 nodes (threads in one process, small model) and reports exchanges per second
@@ -405,6 +408,48 @@ class DpwaPair:
             raise RuntimeError(f"expected the {'same-host' if self.same_host else 'TCP'} path; the node used the other")
 
 
+class RawClientOfNode:
+    """(s): a raw pyzmq REQ client fetching from `pair`'s serving node: the serving side's share of (c).
+
+    The same fetch request the dpwa node sends, from a client that only reads the reply: the
+    difference to (b) is what the serving node adds; the rest of (c) is the requesting side's.
+    """
+
+    def __init__(self, pair: DpwaPair) -> None:
+        import zmq
+
+        from dpwa.gossip.messages import FETCH
+        from dpwa.wire.messages import decode, encode
+
+        config = pair.node.config
+        self._encode = lambda rid: encode(
+            FETCH, rid, **{"from": "client", "fp": pair.node.params.fingerprint, "dtype": "float32"}
+        )
+        self._decode = decode
+        self._request_id = 0
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(config.endpoint(config.node("server")))
+
+    def sample(self) -> dict[str, float]:
+        self._request_id += 1
+        t0 = time.perf_counter()
+        self.sock.send(self._encode(self._request_id))
+        if not self.sock.poll(30_000):
+            raise RuntimeError("the dpwa node did not answer")
+        frames = self.sock.recv_multipart(copy=False)
+        elapsed = time.perf_counter() - t0
+        header = self._decode(frames[0].buffer)
+        if header.kind != "params":
+            raise RuntimeError(f"the dpwa node answered {header.kind}: {dict(header.fields)}")
+        return {"ms": elapsed}
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
 def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
     """Every measurement for one model size, interleaved: one sample of each per repetition."""
     from dpwa.gossip.node import BULK_MIN_BYTES
@@ -416,6 +461,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
             subjects["zmq"] = ZmqFloor(size)
             subjects["raw_tcp"] = RawTcpFloor(size)
             subjects["tcp"] = DpwaPair(size, tmp, same_host=False)
+            subjects["node_served"] = RawClientOfNode(subjects["tcp"])
             if size * 4 >= BULK_MIN_BYTES:  # smaller models never stream: tcp is already all ZeroMQ
                 subjects["tcp_zmq"] = DpwaPair(size, tmp, same_host=False, bulk="off")
             subjects["curve"] = DpwaPair(size, tmp, same_host=False, curve=True)
@@ -434,7 +480,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
     row: dict[str, Any] = {"parameters": size, "mbytes": size * 4 / 1e6, "reps": reps}
     for name, rows in samples.items():
         medians = {key: median_ms([r[key] for r in rows]) for key in rows[0]}
-        row[f"{name}_ms" if name in ("copy", "zmq", "raw_tcp") else name] = medians.get("ms", medians)
+        row[f"{name}_ms" if name in ("copy", "zmq", "raw_tcp", "node_served") else name] = medians.get("ms", medians)
     return row
 
 
@@ -552,6 +598,8 @@ def format_size_row(row: dict[str, Any]) -> str:
         f"  {'(b) raw pyzmq REQ/REP, tcp':<42}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}{b / t:>9.2f}",
         f"  {'(t) raw TCP sendall -> recv_into':<42}{t:>9.2f}{t / a:>9.2f}{t / b:>9.2f}{1:>9.2f}",
     ]
+    s = row["node_served_ms"]
+    lines.append(f"  {'(s) raw REQ client <- dpwa node, tcp':<42}{s:>9.2f}{s / a:>9.2f}{s / b:>9.2f}{s / t:>9.2f}")
     labels = {"tcp": "tcp", "tcp_zmq": "tcp, bulk: off", "curve": "tcp, CURVE", "same_host": "same-host"}
     for path in [k for k in row if k in labels or k.startswith("tcp_")]:
         label = labels.get(path, path.replace("tcp_", "tcp, wire "))

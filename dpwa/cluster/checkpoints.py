@@ -116,8 +116,9 @@ def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: di
         directory.mkdir(parents=True, exist_ok=True)
         _write_atomically(path, data)
     except OSError as exc:  # ENOSPC, EDQUOT, EIO: the temporary file is gone, nothing was listed
-        raise CheckpointError(f"{path}: could not be written ({exc.strerror or exc}); "
-                              f"{node}'s earlier checkpoints are untouched") from exc
+        raise CheckpointError(
+            f"{path}: could not be written ({exc.strerror or exc}); {node}'s earlier checkpoints are untouched"
+        ) from exc
     entry = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "saved": time.time()}
     manifest_path = directory / "manifest.json"
     try:
@@ -129,8 +130,10 @@ def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: di
     except OSError as exc:
         # Not listed, so not part of any complete checkpoint: remove it rather than leave it to fill the disk.
         path.unlink(missing_ok=True)
-        raise CheckpointError(f"{manifest_path}: could not be written ({exc.strerror or exc}), so {path.name} "
-                              f"was removed; {node}'s earlier checkpoints are untouched") from exc
+        raise CheckpointError(
+            f"{manifest_path}: could not be written ({exc.strerror or exc}), so {path.name} "
+            f"was removed; {node}'s earlier checkpoints are untouched"
+        ) from exc
     return path
 
 
