@@ -96,25 +96,28 @@ def test_names_and_epochs_are_checked(tmp_path):
         checkpoints.save(tmp_path, -1, "w1", state(1))
 
 
-def _private_tmpfs(size: str, script: str, timeout: float, env: dict | None = None) -> "subprocess.CompletedProcess[str]":
-    """Run `script` (sh) with a fresh tmpfs of `size` mounted at $DISK, in a private mount namespace."""
+def _private_tmpfs(disk, size: str, script: str, timeout: float, env: dict | None = None):
+    """Run `script` (sh) with a fresh tmpfs of `size` mounted at `disk` ($DISK), in a private mount namespace
+    (the mount ends with the namespace; `disk` itself is an empty folder the test's tmp_path owns)."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare(1) to mount a small private tmpfs")
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
-    wrapper = f"DISK=$(mktemp -d) && mount -t tmpfs -o size={size} tmpfs \"$DISK\" && export DISK && {script}"
+    disk.mkdir()
+    wrapper = f"mount -t tmpfs -o size={size} tmpfs \"$DISK\" && {script}"
     return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", wrapper], capture_output=True,
-                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+                          text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), DISK=str(disk), **(env or {})))
 
 
 @pytest.mark.timeout(60)
-def test_a_full_disk_fails_the_save_with_the_file_named_and_leaves_earlier_checkpoints_whole():
+def test_a_full_disk_fails_the_save_with_the_file_named_and_leaves_earlier_checkpoints_whole(tmp_path):
     """On a 1 MB tmpfs: a node file that does not fit, then one that fits but whose manifest does not.
     Each raises CheckpointError naming the file and the reason; no temporary or unlisted file stays,
     and epoch 1 stays the latest complete checkpoint, loadable."""
     helper = shlex.quote(str(HELPERS / "full_disk_checkpoints.py"))
-    done = _private_tmpfs("1m", f"exec {shlex.quote(sys.executable)} {helper} \"$DISK\"", timeout=50)
+    done = _private_tmpfs(tmp_path / "disk", "1m", f"exec {shlex.quote(sys.executable)} {helper} \"$DISK\"", timeout=50)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["file_error"].endswith("epoch-2/a.pt: could not be written (No space left on device); "
@@ -137,7 +140,7 @@ def test_train_py_on_a_full_disk_trains_to_the_end_and_says_what_it_could_not_sa
     script = (f"mkdir \"$DISK/run\" && (cat /dev/zero > \"$DISK/filler\" 2>/dev/null; true) && "
               f"exec {shlex.quote(sys.executable)} {train} --config {shlex.quote(str(config))} "
               f"--name w0 --data digits --epochs 2 --run-dir \"$DISK/run\" --linger-s 0 --device cpu")
-    done = _private_tmpfs("4m", script, timeout=100, env={"OMP_NUM_THREADS": "1"})
+    done = _private_tmpfs(tmp_path / "disk", "4m", script, timeout=100, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stderr
     assert "metrics/w0.jsonl: a metrics line was lost (No space left on device); training goes on" in log, log[-3000:]
