@@ -191,8 +191,54 @@ def training_setup(shape: tuple[int, ...], batch: int, seed: int):
     return net, step
 
 
-def serve_training(config_path: str, shape: str, batch: int) -> None:
-    """A second training node: trains the example's model and exchanges every step until stdin closes."""
+class RawExchange:
+    """The training floor's transport: a REP thread serving a fixed buffer of the model's bytes, and a
+    REQ socket fetching the peer's, over ipc. Nothing is copied into the buffer, checked or blended:
+    only the bytes move, with a thread per process serving them as a node's Rx thread does."""
+
+    def __init__(self, nbytes: int, serve_at: str, fetch_from: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.payload = np.ones(nbytes // 4, np.float32)
+        self._stop = threading.Event()
+        rep = self.ctx.socket(zmq.REP)
+        rep.setsockopt(zmq.LINGER, 0)
+        rep.bind(serve_at)
+        self._thread = threading.Thread(target=self._serve, args=(rep,), name="raw-rx", daemon=True)
+        self._thread.start()
+        self.req = self.ctx.socket(zmq.REQ)
+        self.req.setsockopt(zmq.LINGER, 0)
+        self.req.connect(fetch_from)
+
+    def _serve(self, rep: Any) -> None:
+        try:
+            while not self._stop.is_set():
+                if rep.poll(100):
+                    rep.recv()
+                    rep.send(self.payload, copy=False)
+        finally:
+            rep.close(0)
+
+    def send(self) -> None:
+        self.req.send(b"fetch")
+
+    def wait(self) -> None:
+        if not self.req.poll(30_000):
+            raise RuntimeError("the raw training peer did not answer")
+        self.req.recv(copy=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.req.close(0)
+        self.ctx.term()
+
+
+def serve_training(config_path: str, shape: str, batch: int, raw: str | None = None) -> None:
+    """A second training node: trains the example's model and exchanges every step until stdin closes:
+    through dpwa, or (`raw` = "SERVE_AT,FETCH_FROM") over :class:`RawExchange`."""
     import torch
 
     from dpwa import DpwaPyTorchAdapter
@@ -201,6 +247,18 @@ def serve_training(config_path: str, shape: str, batch: int) -> None:
     net, step = training_setup(tuple(int(d) for d in shape.split("x")), batch, seed=1)
     stdin_closed = threading.Event()
     threading.Thread(target=_set_when_stdin_closes, args=(stdin_closed,), daemon=True).start()
+    if raw is not None:
+        serve_at, fetch_from = raw.split(",")
+        exchange = RawExchange(sum(4 * p.numel() for p in net.parameters()), serve_at, fetch_from)
+        try:
+            print("ready", flush=True)
+            while not stdin_closed.is_set():
+                exchange.send()
+                step()
+                exchange.wait()
+        finally:
+            exchange.close()
+        return
     with DpwaPyTorchAdapter(net, "server", config_path) as conn:
         loss = None
         conn.update_send(loss)  # publish; its fetch (the client is not up yet) is dropped by the next step
@@ -211,8 +269,26 @@ def serve_training(config_path: str, shape: str, batch: int) -> None:
             conn.update_wait(loss)
 
 
+def _alternate(step: Any, with_exchange: Any, steps: int) -> tuple[list[float], list[float], list[Any]]:
+    """Step times without and with an exchange, one of each in turn (the first 3 pairs warm up), and
+    what each counted `with_exchange()` returned."""
+    plain, exchanged, results = [], [], []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        result = with_exchange()
+        t2 = time.perf_counter()
+        if i >= 3:
+            plain.append(t1 - t0)
+            exchanged.append(t2 - t1)
+            results.append(result)
+    return plain, exchanged, results
+
+
 def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, Any] | None:
-    """Median step time of the example with and without dpwa, alternating one step of each."""
+    """Median step time of the example with and without dpwa, alternating one step of each; then the
+    same against the raw floor: the same bytes fetched every step over plain ZeroMQ (RawExchange)."""
     if not (EXAMPLE / "models.py").exists():
         return None  # an installed package without the repository's examples
     import torch
@@ -221,29 +297,42 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as run.sh runs a node: one core each
+    env = {"OMP_NUM_THREADS": "1"}
+    geometry = "x".join(map(str, shape))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = write_pair_config(tmp, same_host=True)
-            with Child("--serve-training", path, "x".join(map(str, shape)), str(batch), env={"OMP_NUM_THREADS": "1"}):
-                net, step = training_setup(shape, batch, seed=0)
-                plain, with_dpwa, averaged = [], [], 0
-                with DpwaPyTorchAdapter(net, "client", path, rng=random.Random(0)) as conn:
-                    loss = None
-                    for i in range(steps + 3):  # the first 3 pairs warm up
-                        t0 = time.perf_counter()
+            net, step = training_setup(shape, batch, seed=0)
+            with (
+                Child("--serve-training", path, geometry, str(batch), env=env),
+                DpwaPyTorchAdapter(net, "client", path, rng=random.Random(0)) as conn,
+            ):
+                loss: float | None = None
+
+                def dpwa_step() -> bool:
+                    nonlocal loss
+                    conn.update_send(loss)
+                    loss = step()
+                    return conn.update_wait(loss).averaged
+
+                plain, with_dpwa, averaged = _alternate(step, dpwa_step, steps)
+            ours, theirs = f"ipc://{tmp}/raw-client", f"ipc://{tmp}/raw-server"
+            with Child("--serve-training", path, geometry, str(batch), "--raw", f"{theirs},{ours}", env=env):
+                exchange = RawExchange(sum(4 * p.numel() for p in net.parameters()), ours, theirs)
+                try:
+
+                    def raw_step() -> None:
+                        exchange.send()
                         step()
-                        t1 = time.perf_counter()
-                        conn.update_send(loss)
-                        loss = step()
-                        update = conn.update_wait(loss)
-                        t2 = time.perf_counter()
-                        if i >= 3:
-                            plain.append(t1 - t0)
-                            with_dpwa.append(t2 - t1)
-                            averaged += update.averaged
+                        exchange.wait()
+
+                    plain_raw, with_raw, _ = _alternate(step, raw_step, steps)
+                finally:
+                    exchange.close()
     finally:
         torch.set_num_threads(threads)
     a, b = median_ms(plain), median_ms(with_dpwa)
+    c, d = median_ms(plain_raw), median_ms(with_raw)
     return {
         "parameters": sum(p.numel() for p in net.parameters()),
         "batch": batch,
@@ -252,7 +341,10 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
         "step_ms": a,
         "step_with_dpwa_ms": b,
         "overhead": b / a - 1.0,
-        "averaged_fraction": averaged / len(with_dpwa),
+        "averaged_fraction": sum(averaged) / len(averaged),
+        "raw_step_ms": c,
+        "step_with_raw_ms": d,
+        "raw_overhead": d / c - 1.0,
     }
 
 
@@ -611,13 +703,16 @@ def format_size_row(row: dict[str, Any]) -> str:
 
 def format_training(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "\nTraining step of the example (small ResNet, one thread per process), exchanging every step",
-        f"  {'workload':<38}{'params':>9}{'plain ms':>10}{'dpwa ms':>10}{'overhead':>10}{'averaged':>10}",
+        "\nTraining step of the example (small ResNet, one thread per process), exchanging every step;",
+        "raw: the same bytes fetched every step over plain ZeroMQ, nothing copied, checked or blended (the floor)",
+        f"  {'workload':<38}{'params':>9}{'plain ms':>10}{'dpwa ms':>10}{'overhead':>10}{'averaged':>10}"
+        f"{'plain ms':>10}{'raw ms':>10}{'raw':>8}",
     ]
     for r in rows:
         lines.append(
             f"  {r['workload']:<38}{r['parameters']:>9,}{r['step_ms']:>10.2f}{r['step_with_dpwa_ms']:>10.2f}"
             f"{100 * r['overhead']:>9.1f}%{100 * r['averaged_fraction']:>9.0f}%"
+            f"{r['raw_step_ms']:>10.2f}{r['step_with_raw_ms']:>10.2f}{100 * r['raw_overhead']:>7.1f}%"
         )
     return "\n".join(lines)
 
@@ -641,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-raw-tcp", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-node", nargs=2, metavar=("CONFIG", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-training", nargs=3, metavar=("CONFIG", "SHAPE", "BATCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--raw", metavar="SERVE_AT,FETCH_FROM", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_raw:
         serve_raw(int(args.serve_raw[0]), int(args.serve_raw[1]))
@@ -652,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         serve_node(args.serve_node[0], int(args.serve_node[1]))
         return 0
     if args.serve_training:
-        serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]))
+        serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]), args.raw)
         return 0
     if args.quick:
         results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:1])
