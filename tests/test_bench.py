@@ -31,4 +31,5 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     assert all(r["failed"] == 0 for r in result["scale"])
     assert [r["workload"] for r in result["training"]] == ["digits, batch 32 (run.sh's default)"]
     assert result["training"][0]["averaged_fraction"] > 0
+    assert result["training"][0]["raw_step_ms"] > 0 and result["training"][0]["step_with_raw_ms"] > 0
     assert "x zmq" in proc.stdout and "x tcp" in proc.stdout
