@@ -81,16 +81,28 @@ class KillSyncWorkerMidTask(KillProcess):
         except (TransportError, Refusal):
             return None
 
-    def ready(self, run: LiveRun) -> bool:
-        status = self._status(run)
+    def _held_task(self, status: dict[str, Any] | None) -> list[int] | None:
+        """The first task the victim holds with at least one accepted report, per `status`."""
         if status is None:
+            return None
+        return next((t for t in status["holders"].get(self.victim, []) if t[1] >= 1), None)
+
+    def ready(self, run: LiveRun) -> bool:
+        if self._held_task(self._status(run)) is None:
             return False
-        held = [t for t in status["holders"].get(self.victim, []) if t[1] >= 1]
-        if held:
-            self._held = held[0]
-            self._expired_before = status["expired"]
-            self.notes["held_task"] = {"task": held[0][0], "reports_accepted": held[0][1]}
-        return bool(held)
+        # The victim may finish that task between our look and the kill: freeze it, look again, and
+        # kill only what is still mid-task (else let it go on and try again later).
+        if not run.procs.pause(self.victim):
+            return False
+        status = self._status(run)
+        held = self._held_task(status)
+        if held is None or status is None:
+            run.procs.resume(self.victim)
+            return False
+        self._held = held
+        self._expired_before = status["expired"]
+        self.notes["held_task"] = {"task": held[0], "reports_accepted": held[1]}
+        return True
 
     def after_kill(self, run: LiveRun) -> None:
         if "requeued_after_s" in self.notes or self._held is None or time.monotonic() - self._last_poll < 0.1:

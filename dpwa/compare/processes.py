@@ -77,6 +77,20 @@ class Processes:
         self.killed[name] = time.time()
         return True
 
+    def pause(self, name: str) -> bool:
+        """SIGSTOP the process `name` (ours, still running), so that what it holds cannot change. True if paused."""
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            return False
+        proc.send_signal(signal.SIGSTOP)
+        return True
+
+    def resume(self, name: str) -> None:
+        """SIGCONT the process `name` after :meth:`pause` (a no-op once it has ended)."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+
     def signal_group(self, name: str, sig: int) -> None:
         """Send `sig` to the process group led by `name`, while that process is still ours (not reaped)."""
         proc = self.procs[name]
