@@ -92,6 +92,22 @@ def test_a_missing_node_is_named_and_proceed_skips_it(nodes, caplog):
     assert any("proceeding without w2" in r.getMessage() for r in caplog.records)
 
 
+def test_a_stop_ends_the_wait_at_once_and_names_the_missing(nodes):
+    """w1 never comes and w0 waits without a time limit and with missing="raise": a stop request
+    (what a SIGTERM sets) ends the wait within a poll, naming w1 instead of raising, and the call
+    still counts as made."""
+    cfg = make_config(2, timeout_ms=200)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    stop = threading.Event()
+    run = Arrivals([w0], lambda node: node.barrier("epoch", timeout_s=None, stop=stop.is_set))
+    assert wait_until(lambda: w0.state == "at_barrier", 10)
+    stop.set()
+    run.join(10)  # without the stop it would wait for ever
+    assert not run.errors, run.errors
+    assert run.results["w0"] == ["w1"]
+    assert w0.barrier_counters() == {"epoch": 1} and w0.state != "at_barrier"
+
+
 def test_serving_goes_on_at_a_barrier_and_a_lingering_node_still_answers(nodes):
     """w1 waits at a barrier while w0 trains and fetches from it; then w0 arrives late and both pass.
     w0 then lingers, and w1's next barrier call still hears from it."""

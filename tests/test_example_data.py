@@ -19,7 +19,7 @@ import data as datasets  # noqa: E402
 import evaluate  # noqa: E402
 import models  # noqa: E402
 
-from conftest import make_config  # noqa: E402
+from conftest import make_config, wait_until  # noqa: E402
 
 
 # --------------------------------------------------------------------------- CIFAR-10 python batches
@@ -205,3 +205,39 @@ def test_train_py_runs_on_cifar_files_and_writes_metrics_and_weights(tmp_path):
     assert all(0.0 <= line["test_acc"] <= 1.0 for line in lines if line["kind"] == "eval")
     saved = evaluate.load_checkpoint(run_dir / "models" / "w0.pt")
     assert saved["model"] == "resnet18" and saved["data"] == "cifar10" and saved["in_channels"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_train_py_stopped_while_waiting_at_a_barrier_saves_its_state_and_exits_at_once(tmp_path):
+    """A node of a two-node cluster whose peer never comes waits at the start barrier (its time limit:
+    300 s). SIGTERM, as torchrun or stop.sh send it, ends the wait: the node records the barrier as
+    stopped, saves its state for a restart and exits 0, long before the barrier's limit."""
+    import signal
+
+    from dpwa.cluster import checkpoints
+
+    config = tmp_path / "two.json"
+    config.write_text(json.dumps(make_config(2)))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--config", str(config), "--name", "w0", "--data", "digits",
+           "--epochs", "2", "--run-dir", str(run_dir), "--linger-s", "0", "--device", "cpu",
+           "--barrier-timeout-s", "300"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = run_dir / "metrics" / "w0.jsonl"
+        assert wait_until(lambda: lines.exists() and '"kind": "start"' in lines.read_text(), 60)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)  # well within the barrier's 300 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-3000:]
+    records = [json.loads(line) for line in lines.read_text().splitlines()]
+    barrier = [r for r in records if r["kind"] == "barrier"]
+    assert [(b["name"], b["skipped"], b.get("stopped")) for b in barrier] == [("start", ["w1"], True)]
+    assert records[-1]["kind"] == "end" and records[-1]["reason"] == "stopped by SIGTERM"
+    state = checkpoints.load(run_dir, checkpoints.LAST, "w0")
+    assert state["progress"]["epoch"] == 0 and state["dpwa"]["barriers"] == {"start": 1}

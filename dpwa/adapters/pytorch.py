@@ -319,9 +319,15 @@ class DpwaPyTorchAdapter:
         """Blend in the fetched parameters after a batch, if a fetch succeeded. See Node.update_wait."""
         return self.node.update_wait(loss)
 
-    def barrier(self, name: str = "epoch", timeout_s: float | None = None, missing: str = "raise") -> list[str]:
+    def barrier(
+        self,
+        name: str = "epoch",
+        timeout_s: float | None = None,
+        missing: str = "raise",
+        stop: Callable[[], bool] = lambda: False,
+    ) -> list[str]:
         """Wait until every node has made as many calls of barrier `name`. See Node.barrier."""
-        return self.node.barrier(name, timeout_s, missing)
+        return self.node.barrier(name, timeout_s, missing, stop)
 
     def linger(self, idle_s: float, limit_s: float, stop: Callable[[], bool] = lambda: False) -> float:
         """Keep serving peers without training until none is served for `idle_s`. See Node.linger."""

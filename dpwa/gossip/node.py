@@ -742,7 +742,13 @@ class Node:
             self.state = "training"
         return time.monotonic() - start
 
-    def barrier(self, name: str = "epoch", timeout_s: float | None = None, missing: str = "raise") -> list[str]:
+    def barrier(
+        self,
+        name: str = "epoch",
+        timeout_s: float | None = None,
+        missing: str = "raise",
+        stop: Callable[[], bool] = lambda: False,
+    ) -> list[str]:
         """Wait until every node has made as many calls of barrier `name` as this one (this call included).
 
         The k-th call returns once every node of the cluster has made its k-th
@@ -753,7 +759,10 @@ class Node:
         died never arrives: after `timeout_s` (None: wait for ever) this raises
         :class:`~dpwa.gossip.barrier.BarrierTimeout` naming the missing nodes,
         or, with ``missing="proceed"``, logs them and returns their names.
-        Returns the nodes skipped ([] when everyone arrived).
+        Returns the nodes skipped ([] when everyone arrived). `stop` is
+        asked between polls: once it returns True (a SIGTERM, say) the wait
+        ends at once and returns the nodes not yet arrived, whatever
+        `missing` says; this call still counts as made.
         """
         self._check_open()
         if missing not in ("raise", "proceed"):
@@ -766,11 +775,11 @@ class Node:
         deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
         previous, self.state = self.state, "at_barrier"
         try:
-            return self._wait_at_barrier(name, k, deadline, missing)
+            return self._wait_at_barrier(name, k, deadline, missing, stop)
         finally:
             self.state = previous
 
-    def _wait_at_barrier(self, name: str, k: int, deadline: float, missing: str) -> list[str]:
+    def _wait_at_barrier(self, name: str, k: int, deadline: float, missing: str, stop: Callable[[], bool]) -> list[str]:
         client = self._client
         assert client is not None
         calls: dict[str, Call] = {}
@@ -793,10 +802,16 @@ class Node:
             if not behind:
                 self._tell(name, [p for p in self.peers if p not in told], calls)
                 return []
-            if now >= deadline:
+            stopped = stop()
+            if now >= deadline or stopped:
                 heard = self._barriers.all_heard()
                 for call in calls.values():
                     call.abandon()
+                if stopped:
+                    logger.info(
+                        "%s: stopped at barrier %r (call %d) before %s arrived", self.name, name, k, ", ".join(behind)
+                    )
+                    return behind
                 if missing == "raise":
                     raise BarrierTimeout(name, k, behind, heard)
                 logger.warning("%s: barrier %r (call %d): proceeding without %s", self.name, name, k, ", ".join(behind))

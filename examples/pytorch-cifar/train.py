@@ -339,13 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     window_start, window_averaged = time.monotonic(), averaged
     train_start = time.monotonic()
     epoch, reason = progress["epoch"], "error"
+    completed = progress["epoch"]  # the last epoch whose steps all ran (a stopped node goes on after it)
 
     def barrier(name: str) -> list[str]:
         """Wait for every node at the barrier (going on without missing ones after the timeout)."""
         t0 = time.monotonic()
-        skipped = conn.barrier(name, timeout_s=args.barrier_timeout_s, missing="proceed")
+        # A SIGTERM (torchrun's, stop.sh's) ends the wait at once: the node saves its state and exits.
+        skipped = conn.barrier(name, timeout_s=args.barrier_timeout_s, missing="proceed", stop=lambda: bool(stop))
         metrics.write("barrier", name=name, epoch=epoch, step=step, waited_s=round(time.monotonic() - t0, 3),
-                      skipped=skipped)
+                      skipped=skipped, **({"stopped": True} if stop else {}))
         return skipped
 
     try:
@@ -383,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
                     window_losses, window_start, window_averaged = [], now, averaged
             if stop:
                 break
+            completed = epoch  # counted at the barrier below: a node stopped there resumes with the next epoch
             barrier("epoch")  # every node ends epoch `epoch` here, so all evaluate the same boundary
+            if stop:
+                break
             if args.run_dir is not None:
                 progress.update(epoch=epoch, step=step, averaged=averaged, failed=failed)
                 try:
@@ -403,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                      "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
                      loss_value if loss_value is not None else float("nan"), 100 * acc, test_loss,
                      averaged, failed)
-        skipped = barrier("exit") if not stop else []
+        # Once per node: a node restarted after its exit barrier (its counters restored) does not wait again.
+        skipped = barrier("exit") if not stop and conn.barrier_counters().get("exit", 0) == 0 else []
         if not stop and args.linger_s > 0:
             # After the exit barrier every node has trained its last step; only requests in flight remain,
             # unless the barrier went on without someone, who may still train and fetch from us.
@@ -431,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                 saved.with_suffix(".tmp").unlink(missing_ok=True)
                 log.error("%s: %s: final weights not saved (%s)", args.name, saved, exc.strerror or exc)
         if stop and args.run_dir is not None:  # stopped mid-run: keep our state for a restart (torchrun's, say)
-            progress.update(epoch=epoch - 1, step=step, averaged=averaged, failed=failed)
+            progress.update(epoch=completed, step=step, averaged=averaged, failed=failed)
             try:
                 checkpoints.save(args.run_dir, checkpoints.LAST, args.name,
                                  node_state(net, optimizer, schedule, order, conn, progress))
