@@ -178,30 +178,31 @@ def test_insecure_tcp_nodes_stream_large_snapshots_and_refuse_poisoned_ones(node
     assert peer.stats()["bulk_pending"] == 0  # the refused transfer was sent, not left waiting
 
 
-def test_bulk_off_keeps_everything_on_zeromq(nodes):
+def _fetch_a_bulk_sized_model(nodes, cfg):
+    """w0 (zeros) fetches once from w1 (fours), a model of BULK_MIN_BYTES; returns both nodes and w0's array."""
     size = BULK_MIN_BYTES // 4
-    cfg = make_config(2, insecure=True, same_host="off", bulk="off")
     theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
     node = nodes(cfg, "w0", NumpyParams(mine))
     node.update_send()
-    assert node.update_wait().averaged and np.all(mine == 2.0)
+    return node, peer, node.update_wait(), mine
+
+
+def test_bulk_off_keeps_everything_on_zeromq(nodes):
+    cfg = make_config(2, insecure=True, same_host="off", bulk="off")
+    node, _, update, mine = _fetch_a_bulk_sized_model(nodes, cfg)
+    assert update.averaged and np.all(mine == 2.0)
     assert "bulk_fetches" not in node.stats()
 
 
 def test_a_node_with_keys_never_streams(nodes, tmp_path):
-    size = BULK_MIN_BYTES // 4
     cfg = make_config(2, same_host="off")
-    for node in cfg["nodes"]:
-        _, secret, pair = generate(node["name"], tmp_path / "keys")
-        node["public_key"], node["secret_key_file"] = pair.public.decode(), str(secret)
-    theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
-    peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
-    peer.update_send()
-    node = nodes(cfg, "w0", NumpyParams(mine))
-    node.update_send()
-    assert node.update_wait().averaged and np.all(mine == 2.0)
+    for spec in cfg["nodes"]:
+        _, secret, pair = generate(spec["name"], tmp_path / "keys")
+        spec["public_key"], spec["secret_key_file"] = pair.public.decode(), str(secret)
+    node, peer, update, mine = _fetch_a_bulk_sized_model(nodes, cfg)
+    assert update.averaged and np.all(mine == 2.0)
     assert "bulk_fetches" not in node.stats() and peer._bulk is None
 
 

@@ -201,25 +201,30 @@ class RawExchange:
     def __init__(self, nbytes: int, serve_at: str, fetch_from: str) -> None:
         import zmq
 
-        self._zmq = zmq
         self.ctx = zmq.Context()
         self.payload = np.ones(nbytes // 4, np.float32)
-        self._stop = threading.Event()
-        rep = self.ctx.socket(zmq.REP)
-        rep.setsockopt(zmq.LINGER, 0)
-        rep.bind(serve_at)
-        self._thread = threading.Thread(target=self._serve, args=(rep,), name="raw-rx", daemon=True)
-        self._thread.start()
-        self.req = self.ctx.socket(zmq.REQ)
+        self.req = self.ctx.socket(zmq.REQ)  # the caller's thread's
         self.req.setsockopt(zmq.LINGER, 0)
         self.req.connect(fetch_from)
+        self._stop, self._bound = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(serve_at,), name="raw-rx", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(10):
+            self.close()
+            raise RuntimeError(f"the raw training floor could not serve at {serve_at}")
 
-    def _serve(self, rep: Any) -> None:
+    def _serve(self, serve_at: str) -> None:
+        import zmq
+
+        rep = self.ctx.socket(zmq.REP)  # made, used and closed on this thread only
         try:
+            rep.setsockopt(zmq.LINGER, 0)
+            rep.bind(serve_at)
+            self._bound.set()
             while not self._stop.is_set():
                 if rep.poll(100):
                     rep.recv()
-                    rep.send(self.payload, copy=False)
+                    rep.send(self.payload.data, 0, copy=False)
         finally:
             rep.close(0)
 
