@@ -24,7 +24,7 @@ dependent, so no test can pin it down). Such a drop is never guessed at: the nod
 same (a commit decided, an exchange left to expire), so every other check
 stays exact.
 
-Counts: run with ``-s`` to print the tables the README quotes.
+Counts: run with ``-s`` to print the tables docs/reliability.md quotes.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ ALL_REASONS = EARLY_REASONS | {"bad_fingerprint", "bad_dtype", "bad_size", "not_
 
 
 def table(title: str, counts: dict, total_label: str = "total") -> str:
-    """A small text table of counts (what the README quotes)."""
+    """A small text table of counts (what docs/reliability.md quotes)."""
     width = max([len(str(k)) for k in counts] + [len(total_label)])
     lines = [title] + [f"  {str(k):<{width}}  {v:>6}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
     lines.append(f"  {total_label:<{width}}  {sum(counts.values()):>6}")

@@ -517,10 +517,10 @@ def test_without_keys_a_multipart_flood_never_gets_past_the_handshake(children, 
 
 @pytest.mark.timeout(120)
 def test_with_insecure_tcp_an_unending_message_is_buffered(children, tmp_path):
-    """Documents the limitation the README states for ``insecure: true`` only: a client that
-    completes the plain (NULL) handshake and streams frames with the MORE flag, each under
-    ZMQ_MAXMSGSIZE, makes libzmq buffer the whole unfinished message before dpwa sees any of
-    it. 100 MB streamed grows the node by at least 50 MB, and nothing reaches a handler. (The
+    """Documents the limitation docs/design.md and docs/security.md state for ``insecure: true``
+    only: a client that completes the plain (NULL) handshake and streams frames with the MORE
+    flag, each under ZMQ_MAXMSGSIZE, makes libzmq buffer the whole unfinished message before
+    dpwa sees any of it. 100 MB streamed grows the node by at least 50 MB, and nothing reaches a handler. (The
     two tests above show that without keys, or as another user, nobody gets that far.)"""
     cfg = make_config(2, insecure=True, same_host="off")
     child = children(cfg, "w0", size=SIZE, fetch=False)

@@ -596,7 +596,7 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
             "fetch_probability": 1,
             "timeout_ms": 10_000,
             "same_host": "off",
-            "insecure": True,  # TCP, as the README's table says
+            "insecure": True,  # TCP, as the table in docs/performance.md says
             "join": "never",
         }
     )

@@ -1,6 +1,6 @@
 """Flow control: which peer to ask next, and when to stop asking every step.
 
-The rule, exactly (the README repeats it):
+The rule, exactly (docs/configuration.md repeats it):
 
 * every peer starts with score 1.0, and its score always stays within
   [SCORE_MIN, SCORE_MAX] = [0.05, 1.0];

@@ -4,7 +4,7 @@ Commands (they run as written from the repository root)::
 
     python -m dpwa.sim consensus --nodes 8 --mode symmetric --blend delta
     python -m dpwa.sim consensus --nodes 16 --mode pull --exchanges 2000
-    python -m dpwa.sim study                  # the convergence study of the README (about a minute)
+    python -m dpwa.sim study                  # the convergence study in docs/design.md (about a minute)
     python -m dpwa.sim study --seeds 2 --json study.json
     python -m dpwa.sim rounds --nodes 8      # random against hypercube pairing, round by round
 
