@@ -13,7 +13,11 @@ before its node starts:
    prefix of this run and this restart round (a restarted group meets anew);
 4. waits, within a deadline, until all ``WORLD_SIZE`` workers have published;
 5. starts with that node list: every connection encrypted and authenticated
-   with the keys just swapped.
+   with the keys just swapped;
+6. once it has joined (taken rank 0's initial parameters) and published its
+   own, arrives at a start barrier in the store (:meth:`Rendezvous.start_barrier`):
+   like DDP's constructor, the node's returns on every rank once every rank
+   holds the same initial state, so nobody trains alone because it started first.
 
 Names default to ``rank<RANK>``. The store, the rendezvous and process
 supervision all remain torchrun's. Trusting the store is trusting the
@@ -29,14 +33,15 @@ import json
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
 from .config import Config, ConfigError, NodeSpec, parse_config
 from .wire.curve import KeyPair, valid_public_key
 
-__all__ = ["Rendezvous", "TorchrunEnv", "advertised_address", "rendezvous"]
+__all__ = ["Rendezvous", "StartTimeout", "TorchrunEnv", "advertised_address", "rendezvous"]
 
 STORE_TIMEOUT_S = 300.0  # how long a worker waits for the others to publish
 
@@ -122,6 +127,17 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+class StartTimeout(TimeoutError):
+    """Ranks did not reach the start barrier in time; `missing` names them."""
+
+    def __init__(self, missing: list[str], timeout_s: float) -> None:
+        super().__init__(
+            f"{len(missing)} worker(s) did not reach the start barrier within {timeout_s:.0f} s: "
+            f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} (did they fail to join, or crash?)"
+        )
+        self.missing = missing
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """What the rendezvous gives a worker: the whole config, its name, its key pair (in memory)."""
@@ -130,6 +146,19 @@ class Rendezvous:
     name: str
     keys: KeyPair
     env: TorchrunEnv
+    store: Any = field(default=None, repr=False, compare=False)  # this round's prefix of torchrun's store
+
+    def start_barrier(self, timeout_s: float = STORE_TIMEOUT_S) -> None:
+        """Say this rank is ready to train; wait until every rank of this round is (StartTimeout if not)."""
+        if self.store is None:
+            return
+        self.store.set(f"started/{self.env.rank}", "1")
+        keys = [f"started/{rank}" for rank in range(self.env.world_size)]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception:
+            missing = [f"rank{k.split('/')[1]}" for k in keys if not self.store.check([k])]
+            raise StartTimeout(missing, timeout_s) from None
 
 
 def rendezvous(
@@ -177,4 +206,4 @@ def rendezvous(
     resolved = dataclasses.replace(resolved, torchrun=True, interface=config.interface, source=config.source)
     if resolved.node(env.name) != NodeSpec(env.name, host, port, public_key=public.decode()):
         raise ConfigError(f"{config.source}: the store's entry for {env.name} is not the one this worker published")
-    return Rendezvous(resolved, env.name, KeyPair(public, secret), env)
+    return Rendezvous(resolved, env.name, KeyPair(public, secret), env, store=prefix)

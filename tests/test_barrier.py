@@ -157,3 +157,64 @@ def test_a_restored_node_passes_barriers_in_step_with_the_others(nodes):
     with pytest.raises(ValueError, match="clock must be"):
         w1.restore(clock=float("nan"))
     assert np.all(w0.params.array == 0)
+
+
+# --------------------------------------------------------------------------- arrivals that cannot be believed
+
+
+def test_a_forged_arrival_moves_a_peers_count_two_calls_at_most_and_a_stranger_counts_for_nothing(nodes):
+    """Over insecure TCP anyone who reaches the port can claim to be a node of the config. A forged
+    ``barrier`` request says w2 (which never started) has made 2**31 - 1 calls of "epoch"; another
+    comes from "ghost", no node of the config. w0 believes w2's count up to one call past its own
+    plus the slack (two calls), so from its third call on it names w2 missing; ghost's counts
+    nothing (the request is rejected). (Before: w0 passed that barrier and every later one in 0.000 s.)
+    Who can forge an arrival under each transport is in docs/security.md."""
+    import zmq
+
+    from dpwa.gossip.barrier import BARRIER, BARRIER_STATE, MAX_COUNT, SLACK
+    from dpwa.wire.messages import decode, encode
+
+    cfg = make_config(3, insecure=True, same_host="off")
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    w1 = nodes(cfg, "w1", NumpyParams(filled(1)))
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{cfg['nodes'][0]['port']}")
+        replies = []
+        for rid, sender in ((1, "w2"), (2, "ghost")):
+            sock.send(encode(BARRIER, rid, **{"from": sender}, counters={"epoch": MAX_COUNT}))
+            assert sock.poll(5000)
+            replies.append(decode(sock.recv(), {BARRIER_STATE.name: BARRIER_STATE}))
+        sock.close()
+    finally:
+        ctx.destroy(linger=0)
+    assert replies[0].kind == "barrier_state" and replies[1].kind == "error"
+    assert replies[1]["reason"] == "bad_identity"
+    assert w0.stats()["requests_rejected"] >= 1
+    missing = Arrivals([w0, w1], lambda node: [node.barrier("epoch", timeout_s=1.5, missing="proceed")
+                                               for _ in range(1 + SLACK + 1)]).join().results
+    assert missing["w0"] == [[], [], ["w2"]]  # believed for 1 + SLACK calls, not for ever
+    assert all("ghost" not in str(m) for m in missing.values())
+
+
+def test_counts_stay_within_the_schema_and_a_restore_beyond_it_is_refused(nodes):
+    """A count never leaves [0, MAX_COUNT]: restoring one beyond it (a checkpoint from elsewhere) is a
+    ValueError naming it, and takes nothing; a call that would count past it is refused."""
+    from dpwa.gossip.barrier import MAX_COUNT, BarrierCounts
+
+    node = nodes(make_config(2), "w0", NumpyParams(filled(0)))
+    with pytest.raises(ValueError, match="epoch"):
+        node.restore(barriers={"epoch": 2**40})
+    with pytest.raises(ValueError):
+        node.restore(barriers={"<script>": 1})
+    assert node.barrier_counters() == {}
+    counts = BarrierCounts(["w1"])
+    counts.restore({"epoch": MAX_COUNT})
+    with pytest.raises(ValueError, match="the most a count can hold"):
+        counts.arrive("epoch")
+    counts.heard("w1", {"epoch": MAX_COUNT})
+    assert counts.of("w1") == {"epoch": MAX_COUNT}
+    counts.heard("stranger", {"epoch": 1})
+    assert "stranger" not in counts.all_heard()

@@ -148,3 +148,52 @@ def test_train_py_on_a_full_disk_trains_to_the_end_and_says_what_it_could_not_sa
         assert f"checkpoint of epoch {epoch} not saved: " in log and f"epoch-{epoch}/w0.pt: could not be written" in log
     assert "models/w0.pt: final weights not saved (No space left on device)" in log
     assert "w0: done after " in log  # trained every step of both epochs
+
+
+def rewrite_manifest(run_dir, epoch, change) -> None:
+    path = checkpoints.checkpoint_dir(run_dir, epoch) / "manifest.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("entry, expected", [
+    ({"file": "../../../victim.txt"}, "'file' must be 'w1.pt'"),
+    ({"file": "/etc/passwd"}, "'file' must be 'w1.pt'"),
+    ({"file": "w2.pt"}, "'file' must be 'w1.pt'"),  # another node's file
+    ({"sha256": "x" * 64}, "'sha256' must be 64 lowercase hex digits"),
+    ({"bytes": -1}, "'bytes' must be an integer"),
+    ({"saved": "yesterday"}, "'saved' must be a time"),
+])
+def test_a_manifest_entry_is_checked_before_any_use_and_nothing_outside_the_folder_is_touched(tmp_path, entry,
+                                                                                            expected):
+    """A manifest entry naming a file outside its folder (or another node's), or with fields of the
+    wrong type, is a CheckpointError naming the manifest, the entry and what was expected, for every
+    function that reads the manifest; discard() deletes nothing. (Before: "../../../victim.txt" made
+    discard(), which train.py calls on resume, delete a file outside the run folder.)"""
+    run = tmp_path / "run"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    for node in ("w1", "w2"):
+        checkpoints.save(run, checkpoints.LAST, node, state(1.0))
+    rewrite_manifest(run, checkpoints.LAST, lambda data: data["files"]["w1"].update(entry))
+    for call in (lambda: checkpoints.discard(run, checkpoints.LAST, "w1"),
+                 lambda: checkpoints.load(run, checkpoints.LAST, "w1"),
+                 lambda: checkpoints.manifest(run, checkpoints.LAST)):
+        with pytest.raises(checkpoints.CheckpointError, match=rf"manifest\.json: files\['w1'\]: {expected}"):
+            call()
+    assert checkpoints.has(run, checkpoints.LAST, "w1") is False
+    assert checkpoints.latest_complete(run, ["w1", "w2"]) is None
+    assert victim.read_text() == "keep me"
+    assert (checkpoints.checkpoint_dir(run, checkpoints.LAST) / "w2.pt").is_file()
+
+
+@pytest.mark.parametrize("bad", [["w1.pt"], "w1.pt", 7, None])
+def test_an_entry_that_is_not_a_mapping_is_a_checkpoint_error_not_a_type_error(tmp_path, bad):
+    """(Before: latest_complete, has and load crashed with a TypeError.)"""
+    checkpoints.save(tmp_path, 2, "w1", state(2.0))
+    rewrite_manifest(tmp_path, 2, lambda data: data["files"].update(w1=bad))
+    with pytest.raises(checkpoints.CheckpointError, match=r"files\['w1'\]: expected a map"):
+        checkpoints.load(tmp_path, 2, "w1")
+    assert checkpoints.has(tmp_path, 2, "w1") is False
+    assert checkpoints.latest_complete(tmp_path, ["w1"]) is None

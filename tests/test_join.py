@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
 
@@ -15,6 +16,7 @@ from dpwa import Node, NumpyParams
 
 from conftest import filled, make_config, wait_until
 from helpers.chaos import ChaosProxy
+from helpers.hostile_donor import HostileDonor, Offer, state_bytes
 
 
 def sha(array: np.ndarray) -> str:
@@ -150,3 +152,279 @@ def test_a_donor_killed_during_the_transfer_is_replaced_by_another(children, nod
     finally:
         for proxy in proxies.values():
             proxy.close()
+
+
+# --------------------------------------------------------------------------- a joiner takes nothing on faith
+
+
+@pytest.fixture
+def zctx():
+    import zmq
+
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def tcp_endpoint(cfg, name):
+    from dpwa import parse_config
+
+    parsed = parse_config(cfg)
+    return parsed.endpoint(parsed.node(name))
+
+
+class Trainer(Training):
+    """Training, for a torch model with an optimizer: one SGD step per update."""
+
+    def __init__(self, conn, net, opt):
+        import torch
+
+        self.net, self.opt, self.x = net, opt, torch.randn(4, 6)
+        super().__init__(conn)
+
+    def _run(self, step):
+        while not self.stop.is_set() and self.steps < 10_000:
+            self.node.update_send(None, batch_size=1)
+            self.opt.zero_grad()
+            self.net(self.x).square().mean().backward()
+            self.opt.step()
+            self.node.update_wait(None)
+            self.steps += 1
+
+
+def corrupt(meta: bytes, data, how: str):
+    """An SGD state's (meta, bytes), with parameter 0's momentum buffer made bad in the way `how` says."""
+    import msgpack
+
+    decoded = msgpack.unpackb(meta, raw=False, strict_map_key=False)
+    entry = decoded["state"]["0"]["momentum_buffer"]
+    data = data.copy()
+    _, offset, shape, _ = entry
+    count = int(np.prod(shape))
+    values = data[offset: offset + 4 * count].view(np.float32)
+    if how == "nan":
+        values[:] = np.nan
+    elif how == "huge":
+        values[:] = 3e38
+    elif how == "scalar":
+        decoded["state"]["0"]["momentum_buffer"] = ["tensor", offset, [], "float32"]
+    elif how == "int":
+        decoded["state"]["0"]["momentum_buffer"] = ["value", 5]
+    return msgpack.packb(decoded, use_bin_type=True), data
+
+
+@pytest.mark.parametrize("how, field", [
+    ("nan", "NaN, Inf or beyond"),
+    ("huge", "NaN, Inf or beyond"),
+    ("scalar", r"shape \[\]"),
+    ("int", "a value, ours is a tensor"),
+])
+def test_a_donors_bad_optimizer_state_is_refused_and_the_next_donor_taken(nodes, zctx, caplog, how, field):
+    """w0 is a hostile donor with the freshest clock: its offer carries SGD momentum buffers that are NaN,
+    3e38, of shape [] or a plain int. The joiner w2 (with an SGD optimizer) checks every field against
+    its own optimizer before using any: it refuses w0's state with a log line naming w0 and the field,
+    takes honest w1's, and one optimizer step later every parameter is finite. (Before: NaN buffers
+    made every parameter NaN after one step; 3e38 gave max|p| = 2.7e37; shape [] and int crashed.)"""
+    import torch
+
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter, OptimizerState
+
+    cfg = make_config(3, join="auto", fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
+    torch.manual_seed(0)
+    honest_net = torch.nn.Linear(6, 3)
+    honest_opt = torch.optim.SGD(honest_net.parameters(), lr=0.01, momentum=0.9)
+    honest = DpwaPyTorchAdapter(honest_net, "w1", {**cfg, "join": "never"}, optimizer=honest_opt)
+    trainer = Trainer(honest, honest_net, honest_opt)
+    donor = None
+    try:
+        assert wait_until(lambda: honest.clock > 3, 20)
+        meta, data = OptimizerState(honest_opt).capture()  # a real state, then spoiled
+        meta, data = corrupt(meta, data, how)
+        params = np.concatenate([p.detach().numpy().ravel() for p in honest_net.parameters()])
+        offer = Offer(fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params, data),
+                      extra_meta=meta)
+        donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), offer)
+        caplog.set_level(logging.WARNING, logger="dpwa")
+        net = torch.nn.Linear(6, 3)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        with DpwaPyTorchAdapter(net, "w2", cfg, optimizer=opt) as joiner:
+            assert joiner.joined is not None and joiner.joined.donor == "w1"
+            assert "join_chunk" in donor.asked  # w0 was asked first, and refused once its state was in
+            refusals = [r.getMessage() for r in caplog.records if "joining from w0 failed" in r.getMessage()]
+            assert refusals and re.search(field, refusals[0]) and "momentum_buffer" in refusals[0], refusals
+            net(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            assert all(torch.isfinite(p).all() and p.abs().max() < 1e3 for p in net.parameters())
+            assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
+    finally:
+        trainer.join()
+        honest.close()
+        if donor is not None:
+            donor.close()
+
+
+def test_an_offer_larger_than_the_joiners_own_state_is_refused_before_anything_is_allocated(nodes, zctx):
+    """A hostile donor announces 1 GB to a joiner with a 4 KB model and no optimizer. The joiner
+    checks the size against its own before allocating: it asks for no chunk at all, its peak memory
+    does not grow by the offer, and it takes honest w1's state instead. (Before: peak memory went
+    from 43 MB to 1.03 GB within 4 s.)"""
+    import resource
+
+    cfg = make_config(3, join="auto", fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
+    honest = nodes({**cfg, "join": "never"}, "w1", NumpyParams(filled(2, 1000)))
+    trainer = Training(honest)
+    donor = None
+    try:
+        assert wait_until(lambda: honest.clock > 3, 20)
+        params = filled(9, 1000)
+        offer = Offer(fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params),
+                      extra_meta=b"\x80", nbytes=10**9)
+        donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), offer)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+        mine = filled(0, 1000)
+        joiner = nodes(cfg, "w2", NumpyParams(mine))
+        grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert donor.asked.count("join_info") >= 1 and donor.chunk_offsets == []
+        assert grown_kib < 64 * 1024, grown_kib  # far below the 1 GB announced
+        assert joiner.joined is not None and joiner.joined.donor == "w1" and mine[0] > 2
+    finally:
+        trainer.join()
+        if donor is not None:
+            donor.close()
+
+
+@pytest.mark.parametrize("claimed, donor_taken, adopted", [
+    (2**40, "w1", 3),  # outside the wire schema: the offer is refused whole, honest w1 is the donor
+    (2**31 - 1, "w0", 4),  # within the schema, far beyond the cluster: cut to what w1 reports plus the slack
+])
+def test_a_donors_barrier_counts_are_adopted_only_near_what_the_cluster_reports(nodes, zctx, caplog, claimed,
+                                                                               donor_taken, adopted):
+    """w0 offers its state with barrier counts {epoch: claimed}; w1 is at epoch 3. The joiner w2 adopts
+    at most the median of what its peers report plus one, never a count outside the schema, and
+    still answers barrier queries: w1's next epoch barrier counts it as arrived. (Before: a count of
+    2**40 was adopted; the joiner's next barrier call was outside the schema and it could no longer
+    answer, so both it and w1 waited out the whole timeout at every epoch.)"""
+    cfg = make_config(3, join="auto", fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
+    honest = nodes({**cfg, "join": "never"}, "w1", NumpyParams(filled(2, 1000)))
+    honest.restore(barriers={"epoch": 3})
+    trainer = Training(honest)
+    donor = None
+    try:
+        assert wait_until(lambda: honest.clock > 3, 20)
+        params = filled(9, 1000)
+        offer = Offer(fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params),
+                      barriers={"epoch": claimed}, yours={"epoch": claimed})
+        donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), offer)
+        caplog.set_level(logging.WARNING, logger="dpwa")
+        joiner = nodes(cfg, "w2", NumpyParams(filled(0, 1000)))
+        assert joiner.joined is not None and joiner.joined.donor == donor_taken
+        assert joiner.barrier_counters() == {"epoch": adopted}
+    finally:
+        trainer.join()
+    try:
+        # w1 arrives at its 4th epoch barrier: the joiner (at 3 or 4) answers it; the fake w0 never does
+        waiting = threading.Thread(target=lambda: joiner.barrier("epoch", timeout_s=3, missing="proceed"))
+        waiting.start()
+        assert honest.barrier("epoch", timeout_s=3, missing="proceed") == ["w0"]
+        waiting.join(10)
+    finally:
+        donor.close()
+
+
+def test_a_busy_donor_is_asked_again_within_the_joins_deadline(nodes, zctx):
+    """The donor answers the first two chunk requests busy (its unsent-reply budget is spent): the
+    joiner asks again with back-off and takes its state. (Before: one busy made it give up and start
+    from its own parameters at clock 0.)"""
+    cfg = make_config(2, join="auto", fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
+    params = np.arange(1000, dtype=np.float32)
+    from dpwa.params import NumpyParams as _NP
+
+    fp = _NP(filled(0, 1000)).fingerprint
+    donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), Offer(fp=fp, params_bytes=params.nbytes,
+                                                               data=state_bytes(params), busy_chunks=2))
+    try:
+        mine = filled(0, 1000)
+        joiner = nodes(cfg, "w1", NumpyParams(mine))
+        assert joiner.joined is not None and joiner.joined.donor == "w0"
+        assert donor.chunk_offsets == [0, 0, 0] and np.array_equal(mine, params)
+        assert joiner.clock == 1e6
+    finally:
+        donor.close()
+
+
+def test_a_join_info_flood_costs_the_donor_one_offer_a_second_at_most(nodes, zctx, caplog):
+    """An attacker (any node name of an insecure cluster) asks a training donor for join offers as fast
+    as it can for 2 s. Each new offer hashes the whole state on the donor's Rx thread, so the donor
+    makes at most one a second, whoever asks, and logs only those. (Before: one offer, two full
+    hashes and a log line per published snapshot: per step.)"""
+    import time as _time
+
+    import zmq
+
+    from dpwa.gossip.join import JOIN_INFO, JOIN_OFFER, OFFER_INTERVAL_S
+    from dpwa.wire.messages import decode, encode
+
+    cfg = make_config(3, fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
+    donor = nodes(cfg, "w0", NumpyParams(filled(1, 250_000)))
+    trainer = Training(donor)
+    caplog.set_level(logging.INFO, logger="dpwa")
+    sock = zctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tcp_endpoint(cfg, "w0"))
+    try:
+        asked, ready = 0, 0
+        start = _time.monotonic()
+        while _time.monotonic() - start < 2.0 and asked < 5000:
+            sock.send(encode(JOIN_INFO, asked + 1, **{"from": "w2"}, extra=False))
+            assert sock.poll(5000)
+            reply = decode(sock.recv(), {JOIN_OFFER.name: JOIN_OFFER})
+            asked += 1
+            ready += bool(reply.get("ready"))
+        elapsed = _time.monotonic() - start
+    finally:
+        sock.close()
+        trainer.join()
+    offers = [r for r in caplog.records if "offers w2 its state" in r.getMessage()]
+    assert asked > 50 and trainer.steps > 50 and ready > 0
+    assert 1 <= len(offers) <= elapsed / OFFER_INTERVAL_S + 1, (len(offers), asked, trainer.steps)
+
+
+def test_at_a_fresh_start_no_node_trains_before_every_node_holds_the_first_nodes_state(nodes):
+    """A node list with join: auto, started one by one: w0 first. Like DDP's constructor, w0's does not
+    return while its peers have not taken its state (it says so in its status: at_barrier); once w1
+    and w2 start and take it, every constructor returns, all holding w0's initial parameters, and
+    w0 averages with them from its first steps. (Before: w0 returned at once and trained alone, every
+    fetch refused not_ready, while the others were still joining.)"""
+    from dpwa.cluster.status import StatusClient
+    from dpwa import parse_config
+
+    cfg = make_config(3, join="auto", timeout_ms=500)
+    values = [np.full(1000, float(k + 1), np.float32) for k in range(3)]
+    made, errors, returned = {}, [], {k: threading.Event() for k in range(3)}
+
+    def start(k):
+        try:
+            made[k] = nodes(cfg, f"w{k}", NumpyParams(values[k]))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            returned[k].set()
+
+    first = threading.Thread(target=start, args=(0,))
+    first.start()
+    with StatusClient(parse_config(cfg)) as client:
+        assert wait_until(lambda: client.ask(1.0)[0]["state"] == "at_barrier", 20)
+    assert not returned[0].is_set()  # serving its state, waiting for the others to take it
+    others = [threading.Thread(target=start, args=(k,)) for k in (1, 2)]
+    for t in others:
+        t.start()
+    for t in [first, *others]:
+        t.join(60)
+    assert not errors, errors
+    assert all(np.all(v == 1.0) for v in values)
+    assert made[1].joined.donor == "w0" and made[2].joined.donor == "w0"
+    averaged = 0
+    for _ in range(5):
+        made[0].update_send()
+        averaged += made[0].update_wait().averaged
+    assert averaged == 5

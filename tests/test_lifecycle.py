@@ -59,16 +59,16 @@ def check_finished(run_dir: Path, nodes: list[str]) -> dict:
 
 
 def offers_in_log(run_dir: Path, donor: str) -> list[str]:
-    """The parameters' SHA-256 of every join offer the donor's log mentions."""
+    """The parameters' BLAKE2b of every join offer the donor's log mentions."""
     text = (run_dir / "logs" / f"{donor}.log").read_text()
-    return re.findall(r"offers \S+ its state: .*parameters sha256 ([0-9a-f]{64})", text)
+    return re.findall(r"offers \S+ its state: .*parameters blake2b ([0-9a-f]{64})", text)
 
 
 @pytest.mark.timeout(200)
 def test_a_node_killed_mid_run_rejoins_from_a_peer_and_the_run_finishes(tmp_path):
     """Three nodes; once they train their second epoch, w2 is killed with SIGKILL. The launcher
     (--restarts 1) starts it again; it takes a donor's state before its first step: its parameters
-    are the donor's snapshot (the SHA-256 the donor logged when it made the offer), its clock goes
+    are the donor's snapshot (the BLAKE2b the donor logged when it made the offer), its clock goes
     on from the donor's, and it trains on from the cluster's epoch. The run finishes with every
     node done and in the usual accuracy band."""
     runs = tmp_path / "runs"
@@ -89,7 +89,7 @@ def test_a_node_killed_mid_run_rejoins_from_a_peer_and_the_run_finishes(tmp_path
     starts = [r for r in metrics(run_dir, "w2") if r["kind"] == "start"]
     assert len(starts) == 2 and starts[1]["started"].startswith("joined the cluster at epoch")
     joined = starts[1]["joined"]
-    assert joined["params_sha256"] in offers_in_log(run_dir, joined["donor"])  # exactly the donor's snapshot
+    assert joined["params_blake2b"] in offers_in_log(run_dir, joined["donor"])  # exactly the donor's snapshot
     assert starts[1]["clock"] == joined["clock"] > 0  # its clock goes on from the donor's
     assert starts[1]["first_epoch"] >= 2
     evals = [r["epoch"] for r in metrics(run_dir, "w2") if r["kind"] == "eval"]

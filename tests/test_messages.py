@@ -12,6 +12,7 @@ from dpwa.wire.messages import (
     KINDS,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
+    EncodeError,
     Integer,
     ListOf,
     MapOf,
@@ -112,11 +113,14 @@ def test_a_kind_the_caller_does_not_take_is_unexpected():
 
 
 def test_encoding_checks_too():
-    with pytest.raises(ProtocolError, match="missing field 'loss'"):
+    """A header this side was about to send that breaks its schema is an EncodeError: our bug, which a
+    server counts as its own (internal), never a ProtocolError it would blame on the requester."""
+    with pytest.raises(EncodeError, match="missing field 'loss'"):
         encode(PARAMS, 1, **{k: v for k, v in params_fields().items() if k != "loss"})
-    with pytest.raises(ProtocolError, match="field 'clock'"):
+    with pytest.raises(EncodeError, match="field 'clock'"):
         encode(EXCHANGE, 1, **{"from": "w1"}, fp=FP, dtype="float32", nbytes=60, clock=-5, loss=None)
-    with pytest.raises(ProtocolError, match="header_too_large|field 'detail'"):
+    assert not issubclass(EncodeError, ProtocolError)
+    with pytest.raises(EncodeError, match="header_too_large|field 'detail'"):
         encode("error", 1, reason="x", detail="y" * MAX_HEADER_BYTES)
 
 

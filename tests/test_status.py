@@ -223,3 +223,63 @@ def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it_quietly(tmp_pat
         os.close(main)
     assert output.count(b"\x1b[H\x1b[2J") >= 2  # each round clears the screen and draws from the top
     assert b"every 0.1 s, Ctrl-C stops" in output
+
+
+# --------------------------------------------------------------------------- what a node says about itself
+
+
+def test_a_loss_beyond_what_the_wire_carries_does_not_silence_the_node(nodes):
+    """w1 reports a finite loss of 1e35 (the wire carries |loss| <= 1e30). Its number is clamped where it
+    is reported, so its replies still encode: w0 averages with it every step, and its status says
+    1e30. (Before: its replies no longer encoded, w0 averaged 0 of 10, status called it unreachable,
+    and the rejections were blamed on the requester.)"""
+    cfg = make_config(2, insecure=True, same_host="off")
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    w1 = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
+    w1.update_send(loss=1e35)
+    w1.update_wait(loss=1e35)
+    w1.update_send(loss=1e35)  # the snapshot peers get carries the loss
+    averaged = 0
+    for _ in range(10):
+        w0.update_send()
+        averaged += w0.update_wait().averaged
+    assert averaged == 10
+    with StatusClient(parse_config(cfg)) as client:
+        rows = {row["name"]: row for row in client.ask(5.0)}
+    assert rows["w1"]["state"] == "training" and rows["w1"]["loss"] == 1e30
+    assert w1.stats().get("replies_unencodable", 0) == 0 and w0.stats().get("fetches_rejected", 0) == 0
+
+
+def test_a_status_reply_fits_its_budget_with_700_peers_of_long_names_and_says_how_many_it_left_out(nodes):
+    """A node whose config lists 700 peers with 64-character names: their table alone would exceed the
+    64 KiB a status reply may hold. The reply keeps the worst-scored peers that fit, and
+    peers_omitted counts the rest; the table says so. (Before: status failed for this node.)"""
+    import zmq
+
+    from dpwa.cluster.status import format_table
+    from dpwa.gossip.status import STATUS, STATUS_BYTES, STATUS_REPORT
+    from dpwa.wire.messages import decode, encode
+
+    cfg = make_config(1, fetch_probability=0)
+    me = cfg["nodes"][0]
+    cfg["nodes"] = [me] + [{"name": f"{k:03d}" + "p" * 61, "host": "127.0.0.1", "port": 1 + k}
+                           for k in range(700)]
+    nodes(cfg, "w0", NumpyParams(filled(0)))  # the 700 are names in its config; nobody is asked
+    parsed = parse_config(cfg)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(parsed.endpoint(parsed.node("w0")))
+        sock.send(encode(STATUS, 1, **{"from": "w0"}))
+        assert sock.poll(10_000)
+        raw = sock.recv()
+        sock.close()
+    finally:
+        ctx.destroy(linger=0)
+    assert len(raw) <= STATUS_BYTES
+    report = dict(decode(raw, {STATUS_REPORT.name: STATUS_REPORT}).fields)
+    shown = len(report["peers"])
+    assert 0 < shown < 700 and shown + report["peers_omitted"] == 700
+    row = {"peers_omitted": 0, **report}
+    assert any(f"and {report['peers_omitted']} more" in line for line in format_table([row], width=200))

@@ -323,15 +323,13 @@ def test_a_server_closing_right_after_its_commit_still_applies_its_half(through_
 # --------------------------------------------------------------------------- chaos at every step
 
 
-@pytest.mark.timeout(300)
-def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
-    """Three symmetric nodes, every link through a ChaosProxy that delays, loses and cuts
-    exchange requests, replies, confirms and decisions. Each node adds a fake gradient step
-    every round, and the steps sum to zero, so the sum of all models must stay what it was.
-    After the links heal and every node is closed (closing settles what is pending), the
-    sum is unchanged to float rounding, and as many halves were applied on requesting sides
-    as on serving sides."""
-    n, attempts, size = 3, 400, 64
+def chaos_round(nodes, seed: int, attempts: int, heal: bool):
+    """Three symmetric nodes, every link through a ChaosProxy that delays, loses and cuts exchange
+    requests, replies, confirms and decisions. Each node adds a fake gradient step every round, and
+    the steps sum to zero, so the sum of all models must stay what it was. After `attempts`
+    exchanges were tried, the links heal (or not) and every node is closed at once, with the
+    default close timeout. Returns (drift of the sum, each node's stats, what the proxies did)."""
+    n, size = 3, 64
     cfg = make_config(n, mode="symmetric", blend="delta", timeout_ms=250, same_host="off", insecure=True)
     rule = Rule(drop=0.08, cut_after=0.04, delay=0.15, max_delay_s=0.35)
     proxies = {}
@@ -342,14 +340,14 @@ def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
             for j, spec in enumerate(cfg["nodes"]):
                 if i != j:
                     proxies[(i, j)] = ChaosProxy(spec["port"], {k: rule for k in ("exchange", "params", "confirm",
-                                                                                  "decision")}, seed=10 * i + j)
+                                                                                  "decision")}, seed=seed + 10 * i + j)
                     spec = dict(spec, port=proxies[(i, j)].port)
                 entries.append(spec)
             configs.append({**cfg, "nodes": entries})
-        rng = np.random.default_rng(11)
+        rng = np.random.default_rng(11 + seed)
         arrays = [(3 * k + rng.standard_normal(size)).astype(np.float32) for k in range(n)]
         start = total(arrays)
-        group = [nodes(configs[k], f"w{k}", NumpyParams(arrays[k]), rng=random.Random(k)) for k in range(n)]
+        group = [nodes(configs[k], f"w{k}", NumpyParams(arrays[k]), rng=random.Random(seed + k)) for k in range(n)]
         steps = [np.float32(0.25), np.float32(-0.5), np.float32(0.25)]  # they sum to zero, exactly
         # Rounds until the nodes have attempted `attempts` exchanges (a node that finds every peer
         # unreachable backs off and asks rarely for a while, so rounds alone do not say how many).
@@ -363,27 +361,51 @@ def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
             sign = -sign  # the steps alternate, so values stay near where they started (float32 rounding stays small)
             for node in group:
                 node.update_wait()
-        for proxy in proxies.values():
-            proxy.heal()
+        if heal:
+            for proxy in proxies.values():
+                proxy.heal()
         close_together(group)
         stats = [node.stats() for node in group]
-        drift = np.abs(total(arrays) - start).max()
-        assert drift < 1e-3, drift  # float32 rounding of values near 10 over a few hundred operations
-        client_halves = sum(s["averaged"] for s in stats)
-        server_halves = sum(s["mirrored"] for s in stats)
-        assert client_halves == server_halves
-        assert sum(s["fetches_started"] for s in stats) >= attempts
-        assert client_halves >= 100  # runs here: 120 to 180 of the 400 attempts committed
-        assert sum(s.get("exchanges_dropped", 0) for s in stats) == 0
-        # the chaos did happen, at every step, and the protocol met it
         seen = sum((proxy.stats for proxy in proxies.values()), collections.Counter())
-        for kind in ("exchange", "params", "confirm", "decision"):
-            assert seen[(kind, "drop")] + seen[(kind, "cut_after")] > 0, (kind, seen)
-        assert sum(s.get("exchanges_in_doubt", 0) for s in stats) > 0
-        assert sum(s.get("exchanges_expired", 0) for s in stats) > 0
+        return np.abs(total(arrays) - start).max(), stats, seen
     finally:
         for proxy in proxies.values():
             proxy.close()
+
+
+@pytest.mark.timeout(300)
+def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
+    """chaos_round with 400 attempts, the links healed before closing: the sum is unchanged to float
+    rounding, as many halves were applied on requesting sides as on serving sides, and nothing was
+    dropped."""
+    attempts = 400
+    drift, stats, seen = chaos_round(nodes, seed=0, attempts=attempts, heal=True)
+    assert drift < 1e-3, drift  # float32 rounding of values near 10 over a few hundred operations
+    client_halves = sum(s["averaged"] for s in stats)
+    server_halves = sum(s["mirrored"] for s in stats)
+    assert client_halves == server_halves
+    assert sum(s["fetches_started"] for s in stats) >= attempts
+    assert client_halves >= 100  # runs here: 120 to 180 of the 400 attempts committed
+    assert sum(s.get("exchanges_dropped", 0) for s in stats) == 0
+    # the chaos did happen, at every step, and the protocol met it
+    for kind in ("exchange", "params", "confirm", "decision"):
+        assert seen[(kind, "drop")] + seen[(kind, "cut_after")] > 0, (kind, seen)
+    assert sum(s.get("exchanges_in_doubt", 0) for s in stats) > 0
+    assert sum(s.get("exchanges_expired", 0) for s in stats) > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nodes, seed):
+    """The links are NOT healed: the three nodes close at once, with the default close timeout, while
+    replies, confirms and decisions are still lost, cut and delayed. A closing server keeps answering
+    its commits until each requester is known to hold it (the requester's ack, or its answer to the
+    server's ``known``), so the sum of the models stays exact. (Before, in one of two seeds the sum
+    moved by 6.9 per element: a server closed while its requester still asked for the decision.)"""
+    drift, stats, _ = chaos_round(nodes, seed=seed, attempts=200, heal=False)
+    assert drift < 1e-3, drift
+    assert sum(s["averaged"] for s in stats) == sum(s["mirrored"] for s in stats)
+    assert sum(s["averaged"] for s in stats) >= 30
 
 
 # --------------------------------------------------------------------------- cheap refusals first

@@ -86,6 +86,26 @@ def test_standalone_workers_meet_through_the_store_and_every_rank_averages_with_
     assert results["rank0"]["joined"] is None and results["rank1"]["joined"] == "rank0"
 
 
+@pytest.mark.timeout(150)
+def test_a_plain_loop_without_barriers_starts_every_rank_together_like_ddp(agents, tmp_path):
+    """torchrun --nproc-per-node 3 with a plain 60-step loop, no barrier of its own. Like DDP's, the
+    constructor returns on every rank once every rank holds rank 0's initial state (a start barrier
+    through torchrun's store), so rank 0 does not train alone: every rank averages from the start,
+    rank 0 included, and all three start from the same parameters. (Before: rank 0 returned at once,
+    trained its 60 steps with every fetch refused not_ready and closed, while ranks 1 and 2 were still
+    joining from it; they timed out and started from their own.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = agents.start(TORCHRUN + ["--standalone", "--nproc-per-node", "3", str(ROOT / "tests" / "helpers" /
+                                    "torchrun_worker.py"), str(out), "60", "plain"], tmp_path / "torchrun.log")
+    assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    results = {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+    assert sorted(results) == ["rank0", "rank1", "rank2"]
+    assert all(sum(r["peers"].values()) > 0 for r in results.values()), results
+    assert results["rank1"]["start"] == results["rank0"]["start"] == results["rank2"]["start"]
+    assert results["rank1"]["joined"] == results["rank2"]["joined"] == "rank0"
+
+
 @pytest.mark.timeout(240)
 def test_a_worker_killed_under_max_restarts_rejoins_and_the_run_finishes(agents, tmp_path):
     """Three workers train the digits example under torchrun --max-restarts 1. Once they train their

@@ -29,6 +29,7 @@ import math
 import os
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from ..config import Config
+from ..gossip.messages import MAX_VALUE
 from ..gossip.node import Node, Update
 from ..mixing import kernels
 from ..params import FlatParams, fingerprint
@@ -182,19 +184,70 @@ _TENSOR_DTYPES = {
 }
 
 
+_SCALAR_DEVICE = "cpu"  # where torch keeps an optimizer's scalar state ("step"), whatever the parameters' device
+EXTRA_MARGIN_BYTES = 64 << 10  # a donor's optimizer state may exceed the size of ours by this much at most
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """What one entry of our optimizer's state holds once it has stepped: a tensor's layout, or a number."""
+
+    kind: str  # "tensor" | "value"
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    on_param_device: bool = True  # a tensor follows its parameter's device (else it lives on the CPU)
+
+
 class OptimizerState:
     """An optimizer's state (momentum buffers, step counts) as msgpack metadata plus raw tensor bytes.
 
     What a joining node takes from its donor besides the parameters (see
     :mod:`dpwa.gossip.join`). Never pickle: the metadata holds only numbers,
-    names and tensor layouts, checked against our own optimizer before use.
+    names and tensor layouts. A donor's state is checked against what our own
+    optimizer's state looks like once it has stepped (learned from a probe of
+    the same class and parameter groups on the ``meta`` device: no memory,
+    no change to ours): the same parameters, the same keys, each tensor of
+    the same shape and dtype, every value finite and within the bounds
+    peers' parameters get (:data:`~dpwa.gossip.messages.MAX_VALUE`), numbers
+    of the same type. Tensors go to the device ours would live on.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
+        self._layout: dict[int, dict[str, _Slot]] | None = None
+        self._probe_error = ""
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def layout(self) -> dict[int, dict[str, _Slot]]:
+        """Our state's layout once stepped (parameter index -> key -> slot); ValueError if it cannot be known."""
+        if self._layout is None and not self._probe_error:
+            try:
+                self._layout = _probe_layout(self.optimizer)
+            except Exception as exc:  # a custom optimizer whose class cannot be rebuilt, or stepped, on meta
+                self._probe_error = f"{type(exc).__name__}: {exc}"[:200]
+        if self._layout is None:
+            raise ValueError(
+                f"cannot tell what a {type(self.optimizer).__name__}'s state looks like ({self._probe_error}), "
+                "so no donor's state can be checked"
+            )
+        return self._layout
+
+    def budget(self) -> int:
+        """The most bytes of optimizer state this node takes from a donor: ours once stepped, plus a margin."""
+        try:
+            layout = self.layout()
+        except ValueError:
+            return 0
+        element = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in _TENSOR_DTYPES.items()}
+        ours = sum(
+            math.prod(slot.shape) * element[slot.dtype]
+            for entry in layout.values()
+            for slot in entry.values()
+            if slot.kind == "tensor"
+        )
+        return ours + EXTRA_MARGIN_BYTES
 
     @torch.no_grad()
     def capture(self) -> tuple[bytes, np.ndarray]:
@@ -223,7 +276,12 @@ class OptimizerState:
         return msgpack.packb({"state": meta, "bytes": offset}, use_bin_type=True), data
 
     @torch.no_grad()
-    def restore(self, meta: bytes, data: np.ndarray) -> None:
+    def check(self, meta: bytes, data: np.ndarray) -> dict[int, dict[str, Any]]:
+        """A donor's state, checked field by field against ours; ValueError naming the field at fault.
+
+        Returns the state as our optimizer's ``state_dict()["state"]`` holds it (tensors still on the
+        CPU, copied out of `data`), for :meth:`load`.
+        """
         try:
             decoded = msgpack.unpackb(meta, raw=False, strict_map_key=False, max_str_len=256, max_array_len=64)
         except Exception as exc:
@@ -234,43 +292,108 @@ class OptimizerState:
             or not isinstance(decoded.get("state"), dict)
         ):
             raise ValueError("the optimizer metadata does not describe the bytes received")
+        layout = self.layout()
         params = self._params()
         state: dict[int, dict[str, Any]] = {}
         for index_text, entry in decoded["state"].items():
             if not (isinstance(index_text, str) and index_text.isdigit() and int(index_text) < len(params)):
-                raise ValueError(f"optimizer state for parameter {index_text!r}, we have {len(params)}")
+                raise ValueError(f"optimizer state for parameter {index_text!r:.40}, we have {len(params)}")
             if not isinstance(entry, dict):
-                raise ValueError("optimizer state entries must be maps")
-            param = params[int(index_text)]
-            restored: dict[str, Any] = {}
-            for key, spec in entry.items():
-                restored[str(key)] = self._value(spec, data, param)
-            state[int(index_text)] = restored
-        ours = self.optimizer.state_dict()
-        self.optimizer.load_state_dict({"state": state, "param_groups": ours["param_groups"]})
+                raise ValueError(f"optimizer state of parameter {index_text}: entries must be maps")
+            index = int(index_text)
+            ours = layout.get(index, {})
+            if set(entry) != set(ours):
+                raise ValueError(
+                    f"optimizer state of parameter {index}: keys {sorted(map(str, entry))[:8]}, ours are {sorted(ours)}"
+                )
+            state[index] = {
+                key: _checked_value(f"parameter {index} {key!r}", spec, ours[key], data) for key, spec in entry.items()
+            }
+        return state
 
-    @staticmethod
-    def _value(spec: Any, data: np.ndarray, param: torch.Tensor) -> Any:
-        is_value = isinstance(spec, list) and len(spec) == 2 and spec[0] == "value"
-        if is_value and (spec[1] is None or isinstance(spec[1], (bool, int, float))):
-            return spec[1]
-        if isinstance(spec, list) and len(spec) == 4 and spec[0] == "tensor":
-            _, offset, shape, dtype = spec
-            if dtype not in _TENSOR_DTYPES or not isinstance(offset, int) or not isinstance(shape, list):
-                raise ValueError(f"a bad tensor description {spec!r:.80}")
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"a bad shape {shape!r:.80}")
-            if shape and list(shape) != list(param.shape):
-                raise ValueError(f"a state of shape {shape} for a parameter of shape {list(param.shape)}")
-            torch_dtype = _TENSOR_DTYPES[dtype]
-            count = math.prod(shape)
-            nbytes = count * torch.empty(0, dtype=torch_dtype).element_size()
-            if not 0 <= offset <= data.nbytes - nbytes:
-                raise ValueError(f"a tensor at {offset} of {nbytes} bytes lies outside the {data.nbytes} received")
-            raw = torch.from_numpy(data[offset : offset + nbytes].copy())
-            tensor = raw.view(torch_dtype).reshape(shape)
-            return tensor.to(param.device) if shape else tensor
-        raise ValueError(f"a bad optimizer state value {spec!r:.80}")
+    @torch.no_grad()
+    def load(self, state: dict[int, dict[str, Any]]) -> None:
+        """Take over a state :meth:`check` returned (tensors go to the device ours would live on)."""
+        params = self._params()
+        layout = self.layout()
+        placed = {
+            index: {
+                key: value.to(params[index].device if layout[index][key].on_param_device else _SCALAR_DEVICE)
+                if torch.is_tensor(value)
+                else value
+                for key, value in entry.items()
+            }
+            for index, entry in state.items()
+        }
+        ours = self.optimizer.state_dict()
+        self.optimizer.load_state_dict({"state": placed, "param_groups": ours["param_groups"]})
+
+    def restore(self, meta: bytes, data: np.ndarray) -> None:
+        """Check a donor's state and take it over; ValueError (and nothing changed) if it does not fit."""
+        self.load(self.check(meta, data))
+
+
+def _probe_layout(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, _Slot]]:
+    """Step a copy of `optimizer` (same class, same groups) once over zero-sized-in-memory ``meta`` tensors."""
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [torch.zeros_like(p, device="meta", requires_grad=True) for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+    probe = type(optimizer)(groups)  # type: ignore[call-arg]  # every torch optimizer takes its groups first
+    for group in probe.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    probe.step()
+    layout: dict[int, dict[str, _Slot]] = {}
+    for index, entry in probe.state_dict()["state"].items():
+        slots = {}
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                dtype = str(value.dtype).replace("torch.", "")
+                slots[key] = _Slot("tensor", tuple(value.shape), dtype, on_param_device=value.device.type == "meta")
+            else:
+                slots[key] = _Slot("value", dtype=type(value).__name__)
+        layout[int(index)] = slots
+    return layout
+
+
+def _checked_value(where: str, spec: Any, slot: _Slot, data: np.ndarray) -> Any:
+    """One state value from its description, checked against our slot."""
+    if not (isinstance(spec, list) and spec and spec[0] in ("tensor", "value")):
+        raise ValueError(f"optimizer state {where}: a bad description {spec!r:.80}")
+    if spec[0] != slot.kind:
+        raise ValueError(f"optimizer state {where}: a {spec[0]}, ours is a {slot.kind}")
+    if slot.kind == "value":
+        value = spec[1] if len(spec) == 2 else None
+        if type(value).__name__ != slot.dtype or (isinstance(value, float) and not math.isfinite(value)):
+            raise ValueError(f"optimizer state {where}: {value!r:.40}, ours is a finite {slot.dtype}")
+        return value
+    if len(spec) != 4:
+        raise ValueError(f"optimizer state {where}: a bad tensor description {spec!r:.80}")
+    _, offset, shape, dtype = spec
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError(f"optimizer state {where}: a bad shape {shape!r:.80}")
+    if tuple(shape) != slot.shape or dtype != slot.dtype:
+        raise ValueError(
+            f"optimizer state {where}: shape {list(shape)} {dtype!r:.20}, ours is {list(slot.shape)} {slot.dtype}"
+        )
+    torch_dtype = _TENSOR_DTYPES[dtype]
+    nbytes = math.prod(shape) * torch.empty(0, dtype=torch_dtype).element_size()
+    if not (isinstance(offset, int) and 0 <= offset <= data.nbytes - nbytes):
+        raise ValueError(
+            f"optimizer state {where}: {nbytes} bytes at {offset!r:.20} lie outside the {data.nbytes} received"
+        )
+    tensor = torch.from_numpy(data[offset : offset + nbytes].copy()).view(torch_dtype).reshape(shape)
+    if tensor.numel() and tensor.is_floating_point():
+        finite = bool(torch.isfinite(tensor).all())
+        if not finite or float(tensor.abs().max()) > MAX_VALUE:
+            raise ValueError(f"optimizer state {where}: values that are NaN, Inf or beyond ±{MAX_VALUE:g}")
+    elif tensor.numel() and int(tensor.abs().max()) > MAX_VALUE:
+        raise ValueError(f"optimizer state {where}: integers beyond ±{MAX_VALUE:g}")
+    return tensor
 
 
 class DpwaPyTorchAdapter:

@@ -16,7 +16,12 @@ naming the file and leaves no partial file and no listing behind: earlier
 checkpoints stay complete and loadable.
 
 An epoch's checkpoint is *complete* when every node's file is listed and
-present; :func:`latest_complete` finds the newest. :func:`load` checks a
+present; :func:`latest_complete` finds the newest. A manifest is checked
+whole before any of it is used (:func:`manifest`): every entry names a node,
+its file is exactly that node's plain file name in the manifest's folder
+(never a path that leads elsewhere), its hash, size and time have their
+types. A manifest that fails is a :class:`CheckpointError` naming it, the
+entry and what was expected, and nothing it lists is read or deleted. :func:`load` checks a
 file's SHA-256 against the manifest before reading it, and reads it with
 ``torch.load(weights_only=True)``: tensors, numbers, strings, lists, tuples
 and dicts only, never arbitrary pickled objects.
@@ -32,6 +37,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -137,8 +143,12 @@ def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: di
     return path
 
 
+_NODE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def manifest(run_dir: str | os.PathLike[str], epoch: int | str) -> dict[str, Any]:
-    """The manifest of `epoch` ({} when there is none yet)."""
+    """The manifest of `epoch` ({} when there is none yet), checked whole (CheckpointError if it is off)."""
     path = checkpoint_dir(run_dir, epoch) / "manifest.json"
     try:
         data = json.loads(path.read_text())
@@ -147,8 +157,31 @@ def manifest(run_dir: str | os.PathLike[str], epoch: int | str) -> dict[str, Any
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable manifest: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("files", {}), dict):
-        raise CheckpointError(f"{path}: not a checkpoint manifest")
+        raise CheckpointError(f"{path}: not a checkpoint manifest (a map with a map of 'files')")
+    for node, entry in data.get("files", {}).items():
+        problem = _entry_problem(node, entry)
+        if problem:
+            raise CheckpointError(f"{path}: files[{node!r:.80}]: {problem}")
     return data
+
+
+def _entry_problem(node: Any, entry: Any) -> str:
+    """What is wrong with one manifest entry ('' if nothing): what save() writes, and nothing else."""
+    if not (isinstance(node, str) and _NODE.fullmatch(node)):
+        return "a node name is 1 to 64 letters, digits, '_', '.' or '-'"
+    if not isinstance(entry, dict):
+        return f"expected a map with file, sha256, bytes and saved, got {type(entry).__name__}"
+    if entry.get("file") != f"{node}.pt":
+        return f"'file' must be {node + '.pt'!r}, the node's own file in this folder, got {entry.get('file')!r:.80}"
+    if not (isinstance(entry.get("sha256"), str) and _SHA256.fullmatch(entry["sha256"])):
+        return "'sha256' must be 64 lowercase hex digits"
+    size = entry.get("bytes")
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+        return f"'bytes' must be an integer >= 0, got {size!r:.40}"
+    saved = entry.get("saved")
+    if not (isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)):
+        return f"'saved' must be a time in seconds, got {saved!r:.40}"
+    return ""
 
 
 def epochs(run_dir: str | os.PathLike[str]) -> list[int]:
@@ -171,7 +204,7 @@ def latest_complete(run_dir: str | os.PathLike[str], nodes: Iterable[str]) -> in
         except CheckpointError:
             continue
         directory = checkpoint_dir(run_dir, epoch)
-        if all(name in files and (directory / files[name]["file"]).is_file() for name in names):
+        if all(name in files and (directory / files[name]["file"]).is_file() for name in names):  # checked names
             return epoch
     return None
 
@@ -187,7 +220,7 @@ def discard(run_dir: str | os.PathLike[str], epoch: int | str, node: str) -> Non
         if entry is None:
             return
         _write_atomically(directory / "manifest.json", (json.dumps(current, indent=2) + "\n").encode())
-    (directory / str(entry.get("file", ""))).unlink(missing_ok=True)
+    (directory / entry["file"]).unlink(missing_ok=True)  # the manifest was checked: NODE.pt in this folder
 
 
 def has(run_dir: str | os.PathLike[str], epoch: int | str, node: str) -> bool:
@@ -196,7 +229,7 @@ def has(run_dir: str | os.PathLike[str], epoch: int | str, node: str) -> bool:
         entry = manifest(run_dir, epoch).get("files", {}).get(node)
     except CheckpointError:
         return False
-    return entry is not None and (checkpoint_dir(run_dir, epoch) / str(entry.get("file", ""))).is_file()
+    return entry is not None and (checkpoint_dir(run_dir, epoch) / entry["file"]).is_file()
 
 
 def load(run_dir: str | os.PathLike[str], epoch: int | str, node: str, map_location: Any = "cpu") -> dict[str, Any]:
@@ -209,11 +242,11 @@ def load(run_dir: str | os.PathLike[str], epoch: int | str, node: str, map_locat
     directory = checkpoint_dir(run_dir, epoch)
     if entry is None:
         raise CheckpointError(f"{directory / 'manifest.json'}: no checkpoint of {node} for epoch {epoch}")
-    path = directory / str(entry.get("file", ""))
-    if path.parent != directory or not path.is_file():
+    path = directory / entry["file"]
+    if not path.is_file():
         raise CheckpointError(f"{path}: the checkpoint file the manifest lists is missing")
     data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CheckpointError(f"{path}: its SHA-256 does not match the manifest (damaged or replaced)")
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)

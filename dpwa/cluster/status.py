@@ -36,7 +36,8 @@ __all__ = ["UNREACHABLE", "StatusClient", "asker", "format_table", "watch"]
 
 UNREACHABLE = "unreachable"
 GRACE_S = 1.0  # how long past the deadline a client thread may take to report a timeout
-FIELDS = tuple(STATUS_REPORT.fields)  # every field of a report, in the order the JSON rows give them
+# every field of a report, in the order the JSON rows give them (peers_omitted: 0 when the table is whole)
+FIELDS = (*STATUS_REPORT.fields, "peers_omitted")
 WIDTH = 120  # the peers section wraps at this many columns
 
 
@@ -129,7 +130,7 @@ class StatusClient:
         if report["name"] != name:  # another cluster's node on this address
             endpoint = self.config.endpoint(self.config.node(name))
             return {"name": name, "state": UNREACHABLE, "reason": f"{endpoint} answered as {report['name']!r}"}
-        return {key: report.get(key) for key in FIELDS}
+        return {key: report.get(key, 0 if key == "peers_omitted" else None) for key in FIELDS}
 
     def close(self) -> None:
         """Stop every client thread (each closes its sockets, linger 0), then end the context."""
@@ -231,6 +232,8 @@ def format_table(rows: Sequence[dict[str, Any]], width: int = WIDTH) -> list[str
         for row in answered:
             peers = row["peers"]
             items = [_peer(name, peers[name]) for name in sorted(peers)] or ["-"]
+            if row.get("peers_omitted"):
+                items.append(f"(and {row['peers_omitted']} more, left out to fit the reply)")
             lines += _wrap(row["name"].ljust(name_width) + "  ", items, width)
     missing = [row for row in rows if row["state"] == UNREACHABLE]
     if missing:

@@ -18,28 +18,53 @@ raises :class:`BarrierTimeout` naming the missing nodes and their last known
 counters, or, with ``missing="proceed"``, logs who was skipped and returns
 their names.
 
-:class:`Counters` is pure bookkeeping; :class:`BarrierServer` answers the
+**What an arrival can claim.** Counts are integers in [0, :data:`MAX_COUNT`]
+on the wire and in memory; a node refuses a call that would count past it.
+What a peer says of its counts is believed only up to one call past this
+node's own count plus :data:`SLACK`: a barrier compares a peer's count with
+this node's own call number, so nothing true is lost, and a forged or buggy
+``2**40`` moves the peer's recorded count by two calls at most, not for ever.
+A request from a name that is not a peer of the config counts for nothing.
+Counts a joining node takes from its donor are bounded by what the cluster
+reports (:func:`plausible`).
+
+:class:`BarrierCounts` is pure bookkeeping; :class:`BarrierServer` answers the
 requests (Rx thread); :class:`BarrierTask` asks one peer (Tx thread).
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..wire.client import Ask
 from ..wire.messages import NAME_PATTERN, Integer, MapOf, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 
-__all__ = ["BARRIER", "BARRIER_STATE", "BarrierServer", "BarrierTask", "BarrierTimeout", "Counters", "MAX_BARRIERS"]
+__all__ = [
+    "BARRIER",
+    "BARRIER_STATE",
+    "COUNTS",
+    "MAX_BARRIERS",
+    "MAX_COUNT",
+    "SLACK",
+    "BarrierCounts",
+    "BarrierServer",
+    "BarrierTask",
+    "BarrierTimeout",
+    "plausible",
+]
 
 MAX_BARRIERS = 16  # barrier names one node may use
+MAX_COUNT = 2**31 - 1  # calls of one barrier name, at most: the wire's bound, and memory's
+SLACK = 1  # a peer's count is believed up to this many calls beyond one past our own
 _NAME = Text(32, NAME_PATTERN)
-_COUNTS = MapOf(_NAME, Integer(0, 1 << 40), max_len=MAX_BARRIERS)
+COUNTS = MapOf(_NAME, Integer(0, MAX_COUNT), max_len=MAX_BARRIERS)  # name -> calls made
 # requester -> server: "these are my counters"; answered with the server's, and what it knows of mine
-BARRIER = message_kind("barrier", {"from": Text(64, NAME_PATTERN), "counters": _COUNTS})
-BARRIER_STATE = message_kind("barrier_state", {"counters": _COUNTS, "yours": _COUNTS})
+BARRIER = message_kind("barrier", {"from": Text(64, NAME_PATTERN), "counters": COUNTS})
+BARRIER_STATE = message_kind("barrier_state", {"counters": COUNTS, "yours": COUNTS})
 
 
 class BarrierTimeout(TimeoutError):
@@ -57,8 +82,12 @@ class BarrierTimeout(TimeoutError):
         self.counters = {m: dict(counters.get(m, {})) for m in missing}
 
 
-class Counters:
-    """A node's barrier counters and what it heard of its peers'. Thread-safe."""
+class BarrierCounts:
+    """A node's barrier counts (name -> calls made) and what it heard of its peers'. Thread-safe.
+
+    Every count stays within [0, MAX_COUNT]; a peer's is capped at one call past
+    ours plus SLACK (see the module docstring).
+    """
 
     def __init__(self, peers: list[str]) -> None:
         self._lock = threading.Lock()
@@ -74,20 +103,36 @@ class Counters:
         with self._lock:
             if name not in self._own and len(self._own) >= MAX_BARRIERS:
                 raise ValueError(f"at most {MAX_BARRIERS} barrier names per node, and {name!r} would be one more")
-            self._own[name] = self._own.get(name, 0) + 1
-            return self._own[name]
+            count = self._own.get(name, 0)
+            if count >= MAX_COUNT:
+                raise ValueError(f"barrier {name!r} has been called {count} times, the most a count can hold")
+            self._own[name] = count + 1
+            return count + 1
 
-    def restore(self, counters: Mapping[str, int]) -> None:
-        """Take counters from a checkpoint or from peers: a count never goes down."""
-        with self._lock:
-            for name, count in counters.items():
-                self._own[name] = max(self._own.get(name, 0), int(count))
+    def restore(self, counts: Mapping[str, int]) -> None:
+        """Take counts from a checkpoint or from peers: a count never goes down.
 
-    def heard(self, peer: str, counters: Mapping[str, int]) -> None:
+        Raises ValueError, and takes nothing, if a name or a count is not one a barrier can have.
+        """
+        checked = _checked(counts)
         with self._lock:
-            known = self._heard.setdefault(peer, {})
-            for name, count in counters.items():
-                known[name] = max(known.get(name, 0), count)
+            names = set(self._own) | set(checked)
+            if len(names) > MAX_BARRIERS:
+                raise ValueError(f"{len(names)} barrier names, at most {MAX_BARRIERS}")
+            for name, count in checked.items():
+                self._own[name] = max(self._own.get(name, 0), count)
+
+    def heard(self, peer: str, counts: Mapping[str, int]) -> None:
+        """Record what `peer` said of its counts (already checked against the wire schema), capped."""
+        with self._lock:
+            known = self._heard.get(peer)
+            if known is None:
+                return  # not a peer of ours: counts for nothing
+            for name, count in counts.items():
+                if name not in known and len(known) >= MAX_BARRIERS:
+                    continue
+                believed = min(int(count), self._own.get(name, 0) + 1 + SLACK, MAX_COUNT)
+                known[name] = max(known.get(name, 0), believed)
 
     def of(self, peer: str) -> dict[str, int]:
         with self._lock:
@@ -103,10 +148,36 @@ class Counters:
             return [peer for peer, counts in self._heard.items() if counts.get(name, 0) < k]
 
 
+def _checked(counts: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(counts, Mapping):
+        raise ValueError(f"barrier counts must be a mapping of name -> count, got {type(counts).__name__}")
+    try:
+        return COUNTS.check(dict(counts))
+    except ValueError as exc:
+        raise ValueError(f"barrier counts {dict(counts)!r:.200}: {exc}") from None
+
+
+def plausible(counts: Mapping[str, int], reports: Iterable[Mapping[str, int]]) -> tuple[dict[str, int], list[str]]:
+    """`counts` a donor offers, bounded by what the cluster reports: (the counts to adopt, names cut).
+
+    For each name the bound is the median of the `reports` (every answering peer's own counts,
+    the donor's included) plus SLACK: one peer alone cannot move a joiner far past the others.
+    """
+    reports = list(reports)
+    adopted: dict[str, int] = {}
+    cut: list[str] = []
+    for name, count in counts.items():
+        bound = int(statistics.median_low([r.get(name, 0) for r in reports] or [0])) + SLACK
+        adopted[name] = min(count, bound, MAX_COUNT)
+        if count > adopted[name]:
+            cut.append(name)
+    return adopted, cut
+
+
 class BarrierServer:
     """Answers ``barrier`` requests: records the asker's counters, tells it ours and what we know of its."""
 
-    def __init__(self, counters: Counters, peers: list[str]) -> None:
+    def __init__(self, counters: BarrierCounts, peers: list[str]) -> None:
         self._counters, self._peers = counters, set(peers)
 
     def routes(self) -> dict[str, Route]:

@@ -23,7 +23,8 @@ can be in::
                                                          never seen/forgotten:  unknown
                  ◄─────────  decision(xid, commit | abort | unknown)
     commit: COMMITTED, applied at the next                COMMITTED: x_j += f (s_i - s_j) at j's
-      update: x_i += f (s_j - s_i) (delta)                  next update_wait (or linger, or close)
+      update: x_i += f (s_j - s_i) (delta);                 next update_wait (or linger, or close)
+      i records that it knows commit xid
     abort / unknown: ABORTED, nothing applied             ABORTED: nothing applied
     no decision by the deadline: stays IN DOUBT;
       confirm(xid) is asked again in the background
@@ -45,13 +46,19 @@ each exchange is applied on both sides exactly once, or on neither:
   cannot pick, reuse or overwrite another exchange;
 * f is computed by the server from the two snapshots' clocks and losses,
   recomputed and checked by the requester, and never above 1/2;
-* ``close()`` settles by the same rule: new exchanges are refused
-  (``closing``); confirms are still answered and in-doubt ones still asked,
-  until nothing of ours is in doubt and no confirm arrived for
-  :data:`SETTLE_QUIET_S` (bounded by the close's deadline). Then committed
-  halves are applied, exchanges still PENDING are aborted (their requesters
-  never hear commit, so they apply nothing), and what is still in doubt is
-  dropped and logged.
+* ``close()`` settles by the same rule, within the close's deadline: new
+  exchanges are refused (``closing``); confirms are still answered and
+  in-doubt ones still asked, until nothing of ours is in doubt and no confirm
+  arrived for :data:`SETTLE_QUIET_S`. Then the server stops committing:
+  a confirm of an exchange still PENDING is answered abort (its requester
+  applies nothing). It keeps answering the commits it made until each
+  requester is known to hold its decision: a closing requester says so
+  (``ack`` of its latest commit with each peer), and the closing server
+  asks the others (``known``: which of these commits do you hold?), so a
+  requester whose decision was lost on the way still learns it, however
+  slow the link, and nothing is sent for it while nobody closes. Then
+  committed halves are applied; only what is still unknown or in doubt
+  when the deadline passes is logged (a commit's may move the mean).
 
 Each published snapshot serves at most one exchange (see
 :mod:`dpwa.mixing.rules`), and a requester starts no exchange with a peer it
@@ -79,18 +86,20 @@ from ..wire.client import Ask, Call, DeadlinePassed, RequestTimeout, Response
 from ..wire.messages import MAX_ID, ProtocolError, encode
 from ..wire.payload import BufferPool
 from ..wire.server import Refused, Reply, Request, Route, TransportError
-from .messages import CONFIRM, DECISION, EXCHANGE, SNAPSHOT_REPLIES
+from .messages import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SNAPSHOT_REPLIES
 from .requesting import Received, ReplyReader
 from .serving import Serving
 from .snapshots import Lease
 from .validation import PeerValues
 
 __all__ = [
+    "AckQueries",
     "ClientHalf",
     "ExchangeClient",
     "ExchangeServer",
     "ExchangeTask",
     "InDoubt",
+    "KnownCommits",
     "ServerHalf",
 ]
 
@@ -102,6 +111,9 @@ RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the 
 DECISION_RETENTION_S = 2 * RESOLVE_LIMIT_S  # a server remembers a decision this long...
 DECISIONS_PER_PEER = 64  # ... and at most this many per peer
 SETTLE_QUIET_S = 1.0  # close() waits until no confirm arrived for this long (two retry intervals)
+ACK_TRIES = 3  # a closing requester sends the ack of a commit at most this many times
+KNOWN_PER_PEER = 8  # commits a requester remembers knowing, per peer (the latest; it is in doubt about one at most)
+QUERY_INTERVAL_S = 0.1  # a closing server asks a requester about its commits at most this often
 FACTOR_TOLERANCE = 1e-9
 
 
@@ -259,6 +271,69 @@ class ResolveTask:
         return str(response.header["outcome"])
 
 
+class AckTask:
+    """Tell a peer we hold its commit of an exchange (a closing peer waits for that). Value: its outcome."""
+
+    def __init__(self, peer: str, deadline: float, name: str, xid: int) -> None:
+        self.peer, self.deadline, self._name, self.xid = peer, deadline, name, xid
+
+    def run(self, ask: Ask) -> str:
+        response = ask(lambda rid: [encode(ACK, rid, **{"from": self._name}, xid=self.xid)], _DECISIONS)
+        return str(response.header["outcome"])
+
+
+class KnownTask:
+    """(A closing server) ask a requester which of our commits it holds. Value: those xids."""
+
+    def __init__(self, peer: str, deadline: float, name: str, xids: list[int]) -> None:
+        self.peer, self.deadline, self._name, self.xids = peer, deadline, name, xids[:8]
+
+    def run(self, ask: Ask) -> list[int]:
+        fields = {"from": self._name, "xids": self.xids}
+        response = ask(lambda rid: [encode(KNOWN, rid, **fields)], {KNOWN_REPLY.name: KNOWN_REPLY})
+        return [xid for xid in response.header["xids"] if xid in self.xids]
+
+
+class KnownCommits:
+    """The commits a requester holds (applied), per server peer: the latest few. Thread-safe.
+
+    The training thread records them; the Rx thread answers a closing server's ``known`` from them.
+    """
+
+    def __init__(self, peers: list[str]) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[str, OrderedDict[int, float]] = {peer: OrderedDict() for peer in peers}
+
+    def record(self, peer: str, xid: int) -> None:
+        with self._lock:
+            table = self._known.get(peer)
+            if table is None:
+                return
+            table[xid] = time.monotonic()
+            while len(table) > KNOWN_PER_PEER:
+                table.popitem(last=False)
+
+    def latest(self, within_s: float) -> dict[str, int]:
+        """Each peer's latest commit we hold, if it is younger than `within_s`."""
+        now = time.monotonic()
+        with self._lock:
+            return {
+                peer: next(reversed(table))
+                for peer, table in self._known.items()
+                if table and now - table[next(reversed(table))] < within_s
+            }
+
+    def routes(self) -> dict[str, Route]:
+        return {KNOWN.name: Route(KNOWN, self.serve)}
+
+    def serve(self, request: Request) -> Reply:
+        peer = request.sender
+        with self._lock:
+            table = self._known.get(peer)
+            held = [xid for xid in request.header["xids"] if table is not None and xid in table]
+        return Reply(encode(KNOWN_REPLY, request.header.id, xids=held))
+
+
 @dataclass(eq=False)
 class _Doubt:
     half: ClientHalf
@@ -273,6 +348,7 @@ class ExchangeClient:
 
     Args:
         name: this node.
+        peers: the nodes we may exchange with.
         timeout_s: the deadline of one resolve request.
         submit: runs a task on the client thread.
         counters: where to count committed, aborted and dropped exchanges.
@@ -281,6 +357,7 @@ class ExchangeClient:
     def __init__(
         self,
         name: str,
+        peers: Sequence[str],
         timeout_s: float,
         submit: Callable[[Any], Call],
         counters: Counters,
@@ -289,6 +366,8 @@ class ExchangeClient:
         self.name, self._timeout_s, self._submit, self._counters = name, timeout_s, submit, counters
         self._heard = heard  # a peer answered (flow control: it is alive)
         self._doubts: dict[tuple[str, int], _Doubt] = {}
+        self.known = KnownCommits(list(peers))
+        self._acks: list[tuple[AckTask, Call, int]] = []  # a closing node's acks on their way (task, call, tries)
 
     def __len__(self) -> int:
         return len(self._doubts)
@@ -307,8 +386,32 @@ class ExchangeClient:
         self._doubts[(half.peer, half.xid)] = _Doubt(half, since=now, next_try=now)
         self._counters.add("exchanges_in_doubt")
 
+    def hold(self, half: ClientHalf) -> None:
+        """We hold (have applied) `half`'s commit: a closing peer that asks learns it."""
+        self.known.record(half.peer, half.xid)
+
+    def send_acks(self) -> None:
+        """Closing: tell each peer we hold its latest commit, so a closing peer need not wait or ask."""
+        for peer, xid in self.known.latest(RESOLVE_LIMIT_S).items():
+            task = AckTask(peer, time.monotonic() + self._timeout_s, self.name, xid)
+            self._acks.append((task, self._submit(task), 1))
+
+    def acks_pending(self) -> int:
+        return len(self._acks)
+
+    def _tend_acks(self) -> None:
+        keep = []
+        for task, call, tries in self._acks:
+            if not call.done.is_set():
+                keep.append((task, call, tries))
+            elif call.outcome in ("timeout", "failed", "expired") and tries < ACK_TRIES:
+                again = AckTask(task.peer, time.monotonic() + self._timeout_s, self.name, task.xid)
+                keep.append((again, self._submit(again), tries + 1))
+        self._acks = keep
+
     def poll(self) -> list[ClientHalf]:
-        """Collect decisions; returns the halves now known committed (the caller applies them)."""
+        """Collect decisions; returns the halves now known committed (the caller applies, then acknowledges them)."""
+        self._tend_acks()
         now = time.monotonic()
         ready = []
         for key, doubt in list(self._doubts.items()):
@@ -355,6 +458,9 @@ class ExchangeClient:
         """Drop whatever is still in doubt (logged): the peer never answered within the settle time."""
         for key in list(self._doubts):
             self._drop(key, "the node closed before the peer answered")
+        for _, call, _ in self._acks:
+            call.abandon()
+        self._acks.clear()
 
 
 # --------------------------------------------------------------------------- server
@@ -395,7 +501,11 @@ class ExchangeServer:
         self._committed: list[ServerHalf] = []
         self._decisions: dict[str, OrderedDict[int, tuple[str, float]]] = {}
         self._uses: dict[int, int] = {}  # snapshot version -> exchanges it served
+        # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
+        # it is in doubt with, so only its latest few can be unknown to it
+        self._unacked: dict[str, OrderedDict[int, float]] = {}
         self._closing = False
+        self._frozen = False  # closing: confirms of pending exchanges are answered abort
         self.last_confirm = 0.0  # time.monotonic() of the last confirm received
         self.committed = threading.Event()  # set when an exchange commits (a lingering node waits on it)
 
@@ -403,6 +513,7 @@ class ExchangeServer:
         return {
             EXCHANGE.name: Route(EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.nbytes, bulk=True),
             CONFIRM.name: Route(CONFIRM, self.serve_confirm),
+            ACK.name: Route(ACK, self.serve_ack),
         }
 
     # ----------------------------------------------------------------- Rx thread
@@ -467,6 +578,8 @@ class ExchangeServer:
         with self._lock:
             self.last_confirm = now
             self._expire(now)
+            if self._frozen:
+                self._expire(now, everything=True)  # closing: what is still pending is aborted, not committed
             known = self._decisions.get(peer, {}).get(xid)
             if known is not None:
                 outcome = known[0]
@@ -478,9 +591,21 @@ class ExchangeServer:
                     outcome = "commit"
                     self._committed.append(half)
                     self._decide(peer, xid, outcome, now)
+                    unacked = self._unacked.setdefault(peer, OrderedDict())
+                    unacked[xid] = now
+                    while len(unacked) > KNOWN_PER_PEER:
+                        unacked.popitem(last=False)
                     self.committed.set()
         self._counters.add(f"exchanges_decided.{outcome}")
         return Reply(encode(DECISION, request.header.id, xid=xid, outcome=outcome))
+
+    def serve_ack(self, request: Request) -> Reply:
+        peer, xid = request.sender, request.header["xid"]
+        with self._lock:
+            if peer in self._unacked:
+                self._unacked[peer].pop(xid, None)
+            known = self._decisions.get(peer, {}).get(xid)
+        return Reply(encode(DECISION, request.header.id, xid=xid, outcome=known[0] if known else "unknown"))
 
     def _decide(self, peer: str, xid: int, outcome: str, now: float) -> None:
         table = self._decisions.setdefault(peer, OrderedDict())
@@ -488,8 +613,13 @@ class ExchangeServer:
         while len(table) > DECISIONS_PER_PEER or (table and now - next(iter(table.values()))[1] > DECISION_RETENTION_S):
             table.popitem(last=False)
 
-    def _expire(self, now: float) -> None:
-        for key in [k for k, half in self._pending.items() if now >= half.expires]:
+    def _expire(self, now: float, everything: bool = False) -> None:
+        """Abort the pending exchanges past their time (`everything`: all of them); forget old acks."""
+        # a requester gives up asking after RESOLVE_LIMIT_S: nobody waits for an ack longer
+        for table in self._unacked.values():
+            for xid in [x for x, t in table.items() if now - t > RESOLVE_LIMIT_S]:
+                del table[xid]
+        for key in [k for k, half in self._pending.items() if everything or now >= half.expires]:
             half = self._pending.pop(key)
             version = half.served.snapshot.version
             if self._uses.get(version):  # never applied: that snapshot may serve another exchange
@@ -538,6 +668,26 @@ class ExchangeServer:
         with self._lock:
             self._closing = True
 
+    def stop_committing(self) -> None:
+        """Commit nothing more: what is pending is aborted now, and so is any later confirm of it."""
+        with self._lock:
+            self._frozen = True
+            self._expire(time.monotonic(), everything=True)
+
+    def unacknowledged(self) -> list[tuple[str, int]]:
+        """Commits whose requester is not yet known to hold them (peer, xid)."""
+        with self._lock:
+            self._expire(time.monotonic())
+            return [(peer, xid) for peer, table in self._unacked.items() for xid in table]
+
+    def acknowledged(self, peer: str, xids: Sequence[int]) -> None:
+        """`peer` holds these commits of ours (it said so when asked)."""
+        with self._lock:
+            table = self._unacked.get(peer)
+            for xid in xids:
+                if table is not None:
+                    table.pop(xid, None)
+
     def close(self) -> None:
         """Abort what is still pending (the Rx thread has stopped: no confirm can come)."""
         with self._lock:
@@ -547,3 +697,33 @@ class ExchangeServer:
             half.release()
         if committed:
             logger.error("dpwa: %d committed exchange halves were not applied before close", len(committed))
+
+
+class AckQueries:
+    """A closing server asks each requester whether it holds the commits it has not acknowledged (training
+    thread): one ``known`` request per peer at a time, at most every :data:`QUERY_INTERVAL_S`."""
+
+    def __init__(self, server: ExchangeServer, submit: Callable[[Any], Call], name: str, timeout_s: float) -> None:
+        self._server, self._submit, self._name, self._timeout_s = server, submit, name, timeout_s
+        self._calls: dict[str, Call] = {}
+        self._next: dict[str, float] = {}
+
+    def tend(self) -> None:
+        now = time.monotonic()
+        for peer, call in list(self._calls.items()):
+            if call.done.is_set():
+                del self._calls[peer]
+                if call.outcome == "ok":
+                    self._server.acknowledged(peer, call.take())
+        asked: dict[str, list[int]] = {}
+        for peer, xid in self._server.unacknowledged():
+            asked.setdefault(peer, []).append(xid)
+        for peer, xids in asked.items():
+            if peer not in self._calls and now >= self._next.get(peer, 0.0):
+                self._next[peer] = now + QUERY_INTERVAL_S
+                self._calls[peer] = self._submit(KnownTask(peer, now + self._timeout_s, self._name, xids))
+
+    def close(self) -> None:
+        for call in self._calls.values():
+            call.abandon()
+        self._calls.clear()

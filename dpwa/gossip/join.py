@@ -18,11 +18,24 @@ A donor never pauses. Its offer's parameters are its latest published
 snapshot (leased: no copy, and no wait for its training thread); its
 optimizer state, which only the training thread may read, is copied at its
 next step (or at once while it waits at a barrier or lingers) and paired
-with the snapshot published then. The joiner reads the offer
-in chunks of :data:`CHUNK_BYTES` and checks a BLAKE2b hash of the whole
-state before using any of it; if the donor dies or lies mid-transfer, it
-tries the next donor. A donor keeps at most :data:`MAX_OFFERS` offers, each
-for :data:`OFFER_TTL_S` after its last use.
+with the snapshot published then. An offer costs the donor one hash of the
+state, so it makes at most one every :data:`OFFER_INTERVAL_S` (a fresh one
+serves every joiner meanwhile), and only a peer of the config may ask. A
+donor keeps at most :data:`MAX_OFFERS` offers, each for :data:`OFFER_TTL_S`
+after its last use.
+
+The joiner takes nothing on faith. Before it allocates anything it checks
+the offer's sizes against its own: the parameters' exactly, the optimizer
+state's at most :meth:`ExtraState.budget` (none when it has no optimizer:
+it asks for parameters only). It reads the offer in chunks of
+:data:`CHUNK_BYTES`, checks a BLAKE2b hash of the whole state, the
+parameters' values, and every field of the optimizer state against its own
+optimizer (:meth:`ExtraState.check`) before using any of it. A donor that
+answers ``busy`` is asked again with back-off; one that fails, dies or lies
+mid-transfer is logged with the field at fault and the next donor is tried;
+when every donor failed, the peers are asked again, within the join's time.
+The donor's barrier counts are adopted only up to what the other peers
+report (:func:`dpwa.gossip.barrier.plausible`).
 
 The optimizer state travels as msgpack metadata (numbers, names, tensor
 layouts) plus raw tensor bytes: never pickle.
@@ -30,6 +43,7 @@ layouts) plus raw tensor bytes: never pickle.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 import threading
@@ -56,8 +70,7 @@ from ..wire.messages import (
     message_kind,
 )
 from ..wire.server import Refused, Reply, Request, Route
-from .barrier import _COUNTS
-from .barrier import Counters as BarrierCounters
+from .barrier import COUNTS, BarrierCounts
 from .messages import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
 from .snapshots import Lease, SnapshotStore
 from .status import STATES
@@ -67,6 +80,7 @@ __all__ = [
     "ExtraState",
     "JoinServer",
     "JoinTask",
+    "JoinTerms",
     "Joined",
     "OfferInfo",
     "OfferTask",
@@ -77,13 +91,18 @@ MAX_OFFERS = 2  # offers a donor keeps at once (each a copy of the model and its
 OFFER_TTL_S = 30.0  # an offer is dropped this long after its last use
 EXTRA_PATIENCE_S = 2.0  # a joiner waits this long for a donor's optimizer state, then takes its parameters alone
 MAX_EXTRA_META = 60_000  # bytes of optimizer-state metadata
+OFFER_INTERVAL_S = 1.0  # a donor makes at most one new offer this often (each hashes the whole state)
+BUSY_RETRY_MAX_S = 1.0  # a donor that answers busy is asked again after 50 ms, doubling up to this
+JOIN_ROUNDS = 3  # times a joiner asks its peers for offers, when every donor of the last round failed
 
 _NAME = Text(64, NAME_PATTERN)
 _SESSION = Integer(1, MAX_ID)
-JOIN_INFO = message_kind("join_info", {"from": _NAME})
+# `offer`: make an offer (absent: do), else only say where we are (clock, barriers, state: cheap);
+# `extra`: the joiner takes an optimizer state too (absent: it does)
+JOIN_INFO = message_kind("join_info", {"from": _NAME}, {"offer": Flag(), "extra": Flag()})
 JOIN_OFFER = message_kind(
     "join_offer",
-    {"clock": CLOCK, "barriers": _COUNTS, "yours": _COUNTS, "state": Choice(STATES), "ready": Flag()},
+    {"clock": CLOCK, "barriers": COUNTS, "yours": COUNTS, "state": Choice(STATES), "ready": Flag()},
     {
         "session": _SESSION,
         "fp": FINGERPRINT,
@@ -105,8 +124,17 @@ class ExtraState(Protocol):
     def capture(self) -> tuple[bytes, np.ndarray]:
         """(metadata, raw bytes as a uint8 array) of the current state; metadata at most MAX_EXTRA_META bytes."""
 
-    def restore(self, meta: bytes, data: np.ndarray) -> None:
-        """Take over a state captured by a peer's capture(); raise ValueError if it does not fit."""
+    def budget(self) -> int:
+        """The most bytes of such state this node takes from a donor (0: none)."""
+
+    def check(self, meta: bytes, data: np.ndarray) -> Any:
+        """A state captured by a peer's capture(), checked against ours (any thread; changes nothing).
+
+        Returns it ready for :meth:`load`; raises ValueError naming the field that does not fit.
+        """
+
+    def load(self, checked: Any) -> None:
+        """Take over a state :meth:`check` returned (the training thread)."""
 
 
 @dataclass(eq=False)
@@ -144,13 +172,15 @@ class JoinServer:
     donor captures it at its next step (or at once while it waits at a
     barrier or lingers), paired with the snapshot published then. A donor that
     makes no step for :data:`EXTRA_PATIENCE_S` (it evaluates, say) offers its
-    parameters without it.
+    parameters without it. A joiner that has no optimizer asks for parameters
+    only. A new offer hashes the whole state, so one is made at most every
+    :data:`OFFER_INTERVAL_S`; meanwhile the newest serves.
 
     Args:
         name: this node, for the log.
         store: our published snapshots.
         fingerprint, wire: our model's layout and wire dtype.
-        barriers: our barrier counters (and what we know of our peers').
+        barriers: our barrier counts (and what we know of our peers').
         state: reads the node's state.
         extra: what else a joiner takes (an optimizer), if anything.
         peers: the names that may ask.
@@ -162,7 +192,7 @@ class JoinServer:
         store: SnapshotStore,
         fingerprint: bytes,
         wire: str,
-        barriers: BarrierCounters,
+        barriers: BarrierCounts,
         state: Callable[[], str],
         extra: ExtraState | None,
         peers: list[str],
@@ -171,6 +201,7 @@ class JoinServer:
         self._barriers, self._state, self._extra, self._peers = barriers, state, extra, set(peers)
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
+        self._made = -float("inf")  # when the newest offer was made
         self._captured: tuple[int, bytes, np.ndarray] | None = None  # (snapshot version, meta, bytes)
         self._asked: dict[str, float] = {}  # joiner -> when it first asked for an offer not yet made
         self.wanted = threading.Event()  # a joiner waits for our extra state
@@ -205,20 +236,23 @@ class JoinServer:
         for joiner in [j for j, t in self._asked.items() if now - t > OFFER_TTL_S]:
             del self._asked[joiner]
 
-    def _offer_for(self, sender: str, now: float) -> _Offer | None:
-        """An offer for `sender`: a current one, or a new one if everything it needs is there."""
+    def _offer_for(self, sender: str, with_extra: bool, now: float) -> _Offer | None:
+        """An offer for `sender`: a current (or fresh) one, or a new one if everything it needs is there."""
         current = self._store.current()
         if current is None:
             return None
         asked = self._asked.get(sender)
         patience_over = asked is not None and now - asked > EXTRA_PATIENCE_S
+        with_extra = with_extra and self._extra is not None
         for offer in sorted(self._offers.values(), key=lambda o: -o.created):
-            version = offer.snapshot.snapshot.version
-            whole = self._extra is None or bool(offer.extra_meta) or patience_over
-            if whole and (version == current.version or (asked is not None and offer.created >= asked)):
+            whole = bool(offer.extra_meta) or patience_over if with_extra else not offer.extra_meta
+            recent = now - offer.created < OFFER_INTERVAL_S or (asked is not None and offer.created >= asked)
+            if whole and (offer.snapshot.snapshot.version == current.version or recent):
                 return offer
-        captured = self._captured
-        if self._extra is not None and (captured is None or captured[0] != current.version):
+        if now - self._made < OFFER_INTERVAL_S:
+            return None  # a new offer hashes the whole state: the joiner asks again in a moment
+        captured = self._captured if with_extra else None
+        if with_extra and (captured is None or captured[0] != current.version):
             if not patience_over:
                 return None
             captured = None  # the donor makes no step: its parameters alone
@@ -230,15 +264,17 @@ class JoinServer:
             return None
         meta, extra = (captured[1], captured[2]) if captured is not None else (b"", np.empty(0, np.uint8))
         hasher = hashlib.blake2b(lease.snapshot.array.view(np.uint8).data, digest_size=32)
+        params_digest = hasher.hexdigest()
         hasher.update(extra.data)
         offer = _Offer(secrets.randbelow(MAX_ID) + 1, lease, extra, meta, hasher.digest(), now, now)
-        logger.info(
-            "%s: offers %s its state: snapshot %d at clock %.0f (parameters sha256 %s), %s, digest %s",
+        self._made = now
+        logger.info(  # at most one a second: offers are made no more often
+            "%s: offers %s its state: snapshot %d at clock %.0f (parameters blake2b %s), %s, digest %s",
             self._name,
             sender,
             lease.snapshot.version,
             lease.snapshot.clock,
-            hashlib.sha256(lease.snapshot.array.data).hexdigest(),
+            params_digest,
             "with its optimizer state" if meta else "parameters only",
             offer.digest.hex(),
         )
@@ -250,22 +286,27 @@ class JoinServer:
 
     def serve_info(self, request: Request) -> Reply:
         sender = request.sender
+        if sender not in self._peers:
+            raise Refused("unknown_node", "only a node of this cluster may join from us")
+        with_extra = request.header.get("extra", True)
         now = time.monotonic()
-        with self._lock:
-            self._expire(now)
-            offer = self._offer_for(sender, now)
-            if offer is not None:
-                offer.used = now
-                self._asked.pop(sender, None)
-            elif sender in self._peers:
-                self._asked.setdefault(sender, now)
-        if offer is None:
-            self.wanted.set()
+        offer = None
+        if request.header.get("offer", True):
+            with self._lock:
+                self._expire(now)
+                offer = self._offer_for(sender, with_extra, now)
+                if offer is not None:
+                    offer.used = now
+                    self._asked.pop(sender, None)
+                else:
+                    self._asked.setdefault(sender, now)
+            if offer is None and with_extra:
+                self.wanted.set()
         current = self._store.current()
         fields: dict[str, Any] = {
             "clock": current.clock if current is not None else 0.0,
             "barriers": self._barriers.own(),
-            "yours": self._barriers.of(sender) if sender in self._peers else {},
+            "yours": self._barriers.of(sender),
             "state": self._state(),
             "ready": offer is not None,
         }
@@ -309,6 +350,21 @@ class JoinServer:
 
 
 @dataclass(frozen=True)
+class JoinTerms:
+    """What a joiner takes: a model like ours, and an optimizer state only if it has one that fits."""
+
+    fingerprint: bytes
+    wire: str
+    params_bytes: int
+    extra_budget: int = 0  # the most bytes of optimizer state we take (0: parameters only)
+    check_extra: Callable[[bytes, np.ndarray], Any] | None = None  # ExtraState.check
+
+    @property
+    def with_extra(self) -> bool:
+        return self.extra_budget > 0 and self.check_extra is not None
+
+
+@dataclass(frozen=True)
 class OfferInfo:
     """What a peer said about its state, and its offer when it had one ready."""
 
@@ -333,30 +389,33 @@ class Joined:
     extra_meta: bytes
     extra: np.ndarray  # uint8
     digest: bytes
+    extra_state: Any = None  # the optimizer state, checked (ExtraState.check), when one came
+    reports: tuple[dict[str, int], ...] = ()  # every answering peer's own barrier counts
 
 
 class OfferTask:
-    """Ask one peer about its state (value: an OfferInfo)."""
+    """Ask one peer about its state, and for an offer if `offer` (value: an OfferInfo)."""
 
-    def __init__(self, peer: str, deadline: float, name: str) -> None:
+    def __init__(self, peer: str, deadline: float, name: str, with_extra: bool = True, offer: bool = True) -> None:
         self.peer, self.deadline, self._name = peer, deadline, name
+        self._with_extra, self._offer = with_extra, offer
 
     def run(self, ask: Ask) -> OfferInfo:
-        response = ask(lambda rid: [encode(JOIN_INFO, rid, **{"from": self._name})], {JOIN_OFFER.name: JOIN_OFFER})
+        fields = {"from": self._name, "offer": self._offer, "extra": self._with_extra}
+        response = ask(lambda rid: [encode(JOIN_INFO, rid, **fields)], {JOIN_OFFER.name: JOIN_OFFER})
         h = response.header
         return OfferInfo(self.peer, h["clock"], dict(h["barriers"]), dict(h["yours"]), h["state"], h["ready"], h.fields)
 
 
 class JoinTask:
-    """Take one peer's state: wait for its offer, read it in chunks, check its hash. Value: a Joined."""
+    """Take one peer's state: wait for its offer, check its sizes, read it in chunks, check it. Value: a Joined."""
 
-    def __init__(
-        self, peer: str, deadline: float, name: str, fingerprint: bytes, wire: str, params_bytes: int, request_s: float
-    ) -> None:
+    def __init__(self, peer: str, deadline: float, name: str, terms: JoinTerms, request_s: float) -> None:
         self.peer, self.deadline, self._name = peer, deadline, name
-        self._fp, self._wire, self._params_bytes, self._request_s = fingerprint, wire, params_bytes, request_s
+        self._terms, self._request_s = terms, request_s
 
     def run(self, ask: Ask) -> Joined:
+        terms = self._terms
         info = None
         pause = 0.01
         while info is None or not info.ready:  # the donor makes its offer at its next step
@@ -365,15 +424,28 @@ class JoinTask:
                     raise Refused("not_ready", "the donor made no offer in time")
                 time.sleep(pause)  # a bounded poll: the donor is training meanwhile
                 pause = min(0.2, 2 * pause)
-            info = OfferTask(self.peer, self.deadline, self._name).run(ask)
+            info = OfferTask(self.peer, self.deadline, self._name, terms.with_extra).run(ask)
         fields = info.fields
-        if fields["fp"] != self._fp:
+        if fields["fp"] != terms.fingerprint:
             raise ProtocolError("bad_fingerprint", "the donor's model has another layout")
-        if fields["dtype"] != self._wire:
-            raise ProtocolError("bad_dtype", f"the donor's snapshot is {fields['dtype']}, ours {self._wire}")
-        if fields["params_bytes"] != self._params_bytes or fields["nbytes"] < self._params_bytes:
+        if fields["dtype"] != terms.wire:
+            raise ProtocolError("bad_dtype", f"the donor's snapshot is {fields['dtype']}, ours {terms.wire}")
+        # Sizes are checked before anything is allocated: ours, exactly, and at most our optimizer's.
+        if fields["params_bytes"] != terms.params_bytes or fields["nbytes"] < terms.params_bytes:
             raise ProtocolError(
-                "bad_size", f"an offer of {fields['params_bytes']} parameter bytes, ours is {self._params_bytes}"
+                "bad_size", f"an offer of {fields['params_bytes']} parameter bytes, ours is {terms.params_bytes}"
+            )
+        extra_bytes = fields["nbytes"] - terms.params_bytes
+        budget = terms.extra_budget if terms.with_extra else 0
+        if extra_bytes > budget:
+            raise ProtocolError(
+                "too_large",
+                f"the offer holds {extra_bytes} bytes of optimizer state; we take at most {budget}"
+                + ("" if terms.with_extra else " (we have no optimizer and asked for parameters only)"),
+            )
+        if bool(extra_bytes) != bool(fields.get("extra")):
+            raise ProtocolError(
+                "bad_size", f"{extra_bytes} bytes of optimizer state and {len(fields.get('extra', b''))} of metadata"
             )
         session, total = fields["session"], fields["nbytes"]
         data = np.empty(total, np.uint8)
@@ -396,19 +468,59 @@ class JoinTask:
             data[offset:end] = np.frombuffer(frame.buffer, np.uint8)
         if hashlib.blake2b(data.data, digest_size=32).digest() != fields["digest"]:
             raise ProtocolError("bad_digest", "the state received does not match the offer's hash")
-        params = data[: self._params_bytes].view(kernels.storage_dtype(self._wire))
-        if not kernels.within(params, MAX_VALUE, self._wire):
+        params = data[: terms.params_bytes].view(kernels.storage_dtype(terms.wire))
+        if not kernels.within(params, MAX_VALUE, terms.wire):
             raise ProtocolError("not_finite", "the donor's parameters hold NaN, Inf or values out of bounds")
+        meta, extra = fields.get("extra", b""), data[terms.params_bytes :]
+        checked = None
+        if meta and terms.check_extra is not None:
+            try:
+                checked = terms.check_extra(meta, extra)
+            except ValueError as exc:
+                raise ProtocolError("bad_extra", str(exc)) from None
         return Joined(
             donor=self.peer,
             clock=info.clock,
             barriers=info.barriers,
             yours=info.yours,
             params=params,
-            extra_meta=fields.get("extra", b""),
-            extra=data[self._params_bytes :],
+            extra_meta=meta,
+            extra=extra,
             digest=fields["digest"],
+            extra_state=checked,
         )
+
+
+def _poll(
+    peers: list[str], submit: Callable[[Any], Any], timeout_s: float, name: str, with_extra: bool
+) -> dict[str, OfferInfo]:
+    """Ask every peer where it is (no offer: cheap) at once; the answers that came within the timeout."""
+    calls = {p: submit(OfferTask(p, time.monotonic() + timeout_s, name, with_extra, offer=False)) for p in peers}
+    infos = {}
+    for peer, call in calls.items():
+        call.wait(timeout_s + 1.0)
+        if call.done.is_set() and call.outcome == "ok":
+            infos[peer] = call.take()
+        else:
+            call.abandon()
+    return infos
+
+
+def _take(donor: str, submit: Callable[[Any], Any], name: str, terms: JoinTerms, timeout_s: float, log) -> Any:
+    """Take `donor`'s state, asking again with back-off while it answers busy. Returns the finished call."""
+    deadline = time.monotonic() + max(60.0, 10 * timeout_s)
+    pause = 0.05
+    while True:
+        call = submit(JoinTask(donor, deadline, name, terms, timeout_s))
+        call.wait(max(0.0, deadline - time.monotonic()) + 5.0)
+        if not call.done.is_set():
+            call.abandon()
+            return call
+        if call.outcome != "refused" or call.refusal != "busy" or time.monotonic() + pause >= deadline:
+            return call
+        log(f"{donor} is busy ({call.reason}); asking again in {pause:.2f} s")
+        time.sleep(pause)  # a bounded back-off within the join's deadline
+        pause = min(BUSY_RETRY_MAX_S, 2 * pause)
 
 
 def join_cluster(
@@ -418,9 +530,7 @@ def join_cluster(
     ranked: Callable[[frozenset[str]], list[str]],
     timeout_s: float,
     wait_s: float,
-    fingerprint: bytes,
-    wire: str,
-    params_bytes: int,
+    terms: JoinTerms,
     log: Callable[[str], None],
     trained_only: bool = False,
 ) -> tuple[Joined | None, bool]:
@@ -431,53 +541,54 @@ def join_cluster(
     by flow-control score; `wait_s` is how long a node waits for the first
     node at a fresh start, or, with `trained_only`, for a peer that has
     trained (a node started again whose peers restart too, and restore their
-    state first). Returns (None, ...) when there is nobody to join from.
+    state first). When every donor fails, the peers are asked again (at most
+    :data:`JOIN_ROUNDS` times in all). Returns (None, ...) when there is
+    nobody to join from.
     """
     peers = [p for p in order if p != name]
     first = order[0]
-    deadline = time.monotonic() + (timeout_s if name == first and not trained_only else wait_s)
-    infos: dict[str, OfferInfo] = {}
-    pause = 0.05
-    while True:
-        calls = {p: submit(OfferTask(p, time.monotonic() + timeout_s, name)) for p in peers}
-        for peer, call in calls.items():
-            call.wait(timeout_s + 1.0)
+    failed: set[str] = set()
+    trained = False
+    for round_ in range(1, JOIN_ROUNDS + 1):
+        deadline = time.monotonic() + (timeout_s if name == first and not trained_only else wait_s)
+        pause = 0.05
+        while True:
+            infos = _poll(peers, submit, timeout_s, name, terms.with_extra)
+            freshest = max((i.clock for i in infos.values()), default=0.0)
+            if freshest > 0:
+                # the freshest (within 10%) in a random order weighted by score, so joiners spread over
+                # donors; then the other trained peers, freshest first, should those fail
+                fresh = {p for p, i in infos.items() if i.clock >= 0.9 * freshest}
+                rest = sorted(
+                    (p for p, i in infos.items() if i.clock > 0 and p not in fresh), key=lambda p: -infos[p].clock
+                )
+                donors = ranked(frozenset(peers) - fresh) + rest
+                trained = True
+                break
+            if name != first and first in infos and not trained_only:
+                donors, trained = [first], False
+                break
+            if time.monotonic() + pause >= deadline:
+                if trained_only:
+                    log(f"no peer had trained within {wait_s:.0f} s; nothing to join")
+                elif name != first and round_ == 1:
+                    log(f"{first} did not answer within {wait_s:.0f} s; starting from our own parameters")
+                elif name != first:
+                    log(f"no donor answered again within {wait_s:.0f} s; starting from our own parameters")
+                return None, trained
+            time.sleep(pause)  # a bounded poll while the others start
+            pause = min(1.0, 2 * pause)
+        # donors that failed in an earlier round go last: they may have recovered, or be the only ones
+        donors = [d for d in donors if d not in failed] + [d for d in donors if d in failed]
+        reports = tuple(info.barriers for info in infos.values())
+        for donor in donors:
+            call = _take(donor, submit, name, terms, timeout_s, log)
             if call.done.is_set() and call.outcome == "ok":
-                infos[peer] = call.take()
-            else:
-                call.abandon()
-        freshest = max((i.clock for i in infos.values()), default=0.0)
-        if freshest > 0:
-            # the freshest (within 10%) in a random order weighted by score, so joiners spread over
-            # donors; then the other trained peers, freshest first, should those fail
-            fresh = {p for p, i in infos.items() if i.clock >= 0.9 * freshest}
-            rest = sorted(
-                (p for p, i in infos.items() if i.clock > 0 and p not in fresh), key=lambda p: -infos[p].clock
-            )
-            donors = ranked(frozenset(peers) - fresh) + rest
-            trained = True
-            break
-        if name != first and first in infos and not trained_only:
-            donors, trained = [first], False
-            break
-        if time.monotonic() + pause >= deadline:
-            if trained_only:
-                log(f"no peer had trained within {wait_s:.0f} s; nothing to join")
-            elif name != first:
-                log(f"{first} did not answer within {wait_s:.0f} s; starting from our own parameters")
-            return None, False
-        time.sleep(pause)  # a bounded poll while the others start
-        pause = min(1.0, 2 * pause)
-    for donor in donors:
-        call = submit(
-            JoinTask(
-                donor, time.monotonic() + max(60.0, 10 * timeout_s), name, fingerprint, wire, params_bytes, timeout_s
-            )
-        )
-        call.wait(max(60.0, 10 * timeout_s) + 5.0)
-        if call.done.is_set() and call.outcome == "ok":
-            return call.take(), trained
-        call.abandon()
-        log(f"joining from {donor} failed ({call.outcome}: {call.reason}); trying the next donor")
-    log(f"no donor of {', '.join(donors)} could give us its state; starting from our own")
+                joined: Joined = call.take()
+                return dataclasses.replace(joined, reports=reports), trained
+            failed.add(donor)
+            log(f"joining from {donor} failed ({call.outcome or 'timeout'}: {call.reason}); trying the next donor")
+        if round_ < JOIN_ROUNDS:
+            log(f"no donor of {', '.join(donors)} could give us its state; asking the peers again")
+    log(f"no donor could give us its state in {JOIN_ROUNDS} rounds; starting from our own")
     return None, trained

@@ -15,6 +15,10 @@ exchange    requester -> server    (mode symmetric) "here is my snapshot, send y
 confirm     requester -> server    "apply exchange `xid`": the server decides
 decision    server -> requester    the server's final word on `xid`: commit, abort,
                                    or unknown (never seen, or forgotten)
+ack         requester -> server    "I know your commit of `xid`" (sent when the requester
+                                   closes; answered with the decision)
+known       server -> requester    (a closing server) "which of these commits of mine
+                                   do you know?"; answered known_reply with that subset
 ==========  =====================  ==================================================
 
 Errors travel as the transport's ``error`` kind. See :mod:`dpwa.gossip.exchange`
@@ -34,6 +38,7 @@ from ..wire.messages import (
     Flag,
     Header,
     Integer,
+    ListOf,
     Number,
     ProtocolError,
     Text,
@@ -41,7 +46,10 @@ from ..wire.messages import (
 )
 
 __all__ = [
+    "ACK",
     "BULK_PARAMS",
+    "KNOWN",
+    "KNOWN_REPLY",
     "CONFIRM",
     "DECISION",
     "EXCHANGE",
@@ -96,6 +104,9 @@ EXCHANGE = message_kind(
 )
 CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})
+ACK = message_kind("ack", {"from": NAME, "xid": XID})
+KNOWN = message_kind("known", {"from": NAME, "xids": ListOf(XID, max_len=8)})
+KNOWN_REPLY = message_kind("known_reply", {"xids": ListOf(XID, max_len=8)})
 
 SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAMS.name: BULK_PARAMS}
 

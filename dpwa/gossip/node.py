@@ -57,16 +57,23 @@ from ..wire.endpoints import is_local_host
 from ..wire.messages import LARGEST_HEADER_BYTES
 from ..wire.server import Server
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
-from .barrier import BarrierServer, BarrierTask, BarrierTimeout
-from .barrier import Counters as BarrierCounters
-from .exchange import SETTLE_QUIET_S, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .barrier import BarrierCounts, BarrierServer, BarrierTask, BarrierTimeout, plausible
+from .exchange import (
+    SETTLE_QUIET_S,
+    AckQueries,
+    ClientHalf,
+    ExchangeClient,
+    ExchangeServer,
+    ExchangeTask,
+    InDoubt,
+)
 from .flow import FlowControl
-from .join import CHUNK_BYTES, ExtraState, Joined, JoinServer, join_cluster
-from .messages import MAX_CLOCK
+from .join import CHUNK_BYTES, ExtraState, Joined, JoinServer, JoinTerms, join_cluster
+from .messages import MAX_CLOCK, MAX_LOSS
 from .requesting import FetchTask, ReplyReader
 from .serving import Serving
 from .snapshots import Lease, SlotAllocator, SnapshotStore
-from .status import StatusServer
+from .status import StatusServer, StatusTask
 from .validation import PeerValues
 
 __all__ = ["Node", "Update", "WAIT_SLACK_S"]
@@ -121,14 +128,14 @@ def _as_config(config: Config | str | os.PathLike[str] | Mapping[str, Any] | lis
 
 
 def _loss_value(loss: Any) -> float | None:
-    """A reported loss as a float, or None if it is unknown (None, NaN, Inf)."""
+    """A reported loss as a float within ±MAX_LOSS (what the wire carries), or None if unknown (None, NaN, Inf)."""
     if loss is None:
         return None
     try:
         value = float(loss.item() if hasattr(loss, "item") else loss)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"loss must be a number, a 0-d tensor or None, got {type(loss).__name__}") from exc
-    return value if math.isfinite(value) else None
+    return min(max(value, -MAX_LOSS), MAX_LOSS) if math.isfinite(value) else None
 
 
 def _clamp_clock(clock: float) -> float:
@@ -157,6 +164,7 @@ class Node:
     ) -> None:
         self.config = _as_config(config)
         keys = None
+        met = None
         if not self.config.resolved:  # nodes: torchrun: meet the other workers through torchrun's store
             met = rendezvous(self.config)
             if name is not None and name != met.name:
@@ -193,7 +201,7 @@ class Node:
         self._last_send = 0.0
         self._outstanding: list[Call] = []  # symmetric: exchange calls whose result is not yet taken
         self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
-        self._barriers = BarrierCounters(list(self.peers))
+        self._barriers = BarrierCounts(list(self.peers))
         self._loss: float | None = None  # the last loss reported
         self._rate = Rate()  # blends per second, for status
         self._started = time.monotonic()
@@ -220,10 +228,18 @@ class Node:
             logger.warning("%s: %s", name, note)
         try:
             self._open(curve)
+            trained = False
             if self.config.join == "auto" and self.peers:
                 self.state = "joining"
-                self._join()
+                trained = self._join()
             self._publish(None)  # our state, for a peer that joins now, and for fetches
+            # Like DDP's constructor, return once every node holds the same initial state: nobody trains
+            # alone because it started first (a late or restarted node joins a cluster that trains).
+            self.state = "at_barrier"
+            if met is not None:
+                met.start_barrier()
+            elif self.config.join == "auto" and self.peers and not trained:
+                self._start_together(max(JOIN_WAIT_MIN_S, 4 * self.config.timeout_s))
         except BaseException:
             self.close()
             raise
@@ -342,8 +358,9 @@ class Node:
             )
             routes.update(self._exchange_server.routes())
             self._exchange_client = ExchangeClient(
-                self.name, self.config.timeout_s, self._client.submit, self.counters, self._flow.heard
+                self.name, list(self.peers), self.config.timeout_s, self._client.submit, self.counters, self._flow.heard
             )
+            routes.update(self._exchange_client.known.routes())
         self._server = Server(
             self._ctx,
             endpoint,
@@ -384,10 +401,21 @@ class Node:
 
         return partner
 
-    def _join(self, trained_only: bool = False, wait_s: float | None = None) -> None:
-        """Take the cluster's state from a peer before training (see dpwa.gossip.join)."""
+    def _join(self, trained_only: bool = False, wait_s: float | None = None) -> bool:
+        """Take the cluster's state from a peer before training (see dpwa.gossip.join).
+
+        Returns whether the cluster has trained already (a peer's clock is above 0).
+        """
         client = self._client
         assert client is not None
+        extra = self._extra
+        terms = JoinTerms(
+            self.params.fingerprint,
+            self.wire,
+            self.nbytes,
+            extra_budget=extra.budget() if extra is not None else 0,
+            check_extra=extra.check if extra is not None else None,
+        )
         joined, trained = join_cluster(
             self.name,
             [spec.name for spec in self.config.nodes],
@@ -395,26 +423,30 @@ class Node:
             self._flow.selector.ranked,
             self.config.timeout_s,
             wait_s if wait_s is not None else max(JOIN_WAIT_MIN_S, 4 * self.config.timeout_s),
-            self.params.fingerprint,
-            self.wire,
-            self.nbytes,
+            terms,
             lambda message: logger.warning("%s: %s", self.name, message),
             trained_only=trained_only,
         )
         if joined is None:
-            return
+            return trained
         self.params.lerp_from(joined.params, 1.0, self.wire)  # f = 1 takes the donor's snapshot exactly
-        if self._extra is not None and joined.extra_meta:
-            try:
-                self._extra.restore(joined.extra_meta, joined.extra)
-            except ValueError as exc:
-                logger.warning(
-                    "%s: %s's optimizer state does not fit ours (%s); keeping our own", self.name, joined.donor, exc
-                )
+        if extra is not None and joined.extra_state is not None:
+            extra.load(joined.extra_state)  # checked on arrival, field by field (ExtraState.check)
         if trained:  # a late or restarted node: it continues where the cluster is
             self._clock = _clamp_clock(joined.clock)
-            self._barriers.restore(joined.barriers)  # where the cluster is ...
-            self._barriers.restore(joined.yours)  # ... or where we were, if the donor knew us further on
+            # where the cluster is, or where we were if the donor knew us further on: never beyond what the peers say
+            for counts, what in ((joined.barriers, "its barrier counts"), (joined.yours, "our barrier counts")):
+                adopted, cut = plausible(counts, joined.reports)
+                if cut:
+                    logger.warning(
+                        "%s: %s gave %s beyond what the other peers report (%s); took %s",
+                        self.name,
+                        joined.donor,
+                        what,
+                        ", ".join(f"{n}={counts[n]}" for n in cut),
+                        ", ".join(f"{n}={adopted[n]}" for n in cut),
+                    )
+                self._barriers.restore(adopted)
         self.joined = joined
         self.counters.add("joined")
         logger.info(
@@ -422,10 +454,43 @@ class Node:
             self.name,
             joined.donor,
             joined.clock,
-            joined.barriers if trained else "not taken at a fresh start",
-            "with its optimizer state" if joined.extra_meta else "parameters only",
+            self._barriers.own() if trained else "not taken at a fresh start",
+            "with its optimizer state" if joined.extra_state is not None else "parameters only",
             joined.digest.hex(),
         )
+        return trained
+
+    def _start_together(self, wait_s: float) -> None:
+        """A fresh start of a node list: wait until every peer has joined (taken the first node's state),
+        or has trained already, or `wait_s` passed (then say who is missing and go on: it joins later)."""
+        client = self._client
+        assert client is not None
+        deadline = time.monotonic() + wait_s
+        waiting = set(self.peers)
+        pause = 0.01
+        while waiting:
+            end = time.monotonic() + self.config.timeout_s
+            calls = {peer: client.submit(StatusTask(peer, end, self.name)) for peer in waiting}
+            for peer, call in calls.items():
+                call.wait(self.config.timeout_s + WAIT_SLACK_S)
+                if not call.done.is_set() or call.outcome != "ok":
+                    call.abandon()
+                    continue
+                report = call.take()
+                if report["state"] not in ("starting", "joining") or report["clock"] > 0:
+                    waiting.discard(peer)
+            if not waiting:
+                return
+            if time.monotonic() + pause >= deadline:
+                logger.warning(
+                    "%s: %s did not start within %.0f s; training without waiting for them (they join later)",
+                    self.name,
+                    ", ".join(sorted(waiting)),
+                    wait_s,
+                )
+                return
+            time.sleep(pause)  # a bounded poll while the others join
+            pause = min(0.2, 2 * pause)
 
     def _same_host_peers(self) -> list[str]:
         """Peers on this machine whose snapshots we read from shared memory (and who read ours)."""
@@ -631,6 +696,8 @@ class Node:
             self._blend.apply(self.params, own.array, theirs.array, half.f, self.wire)
             self._clock = _clamp_clock(self._blend.clock(self._clock, own.clock, theirs.header["clock"], half.f))
         self.counters.add("averaged")
+        assert self._exchange_client is not None
+        self._exchange_client.hold(half)  # a closing peer that asks learns we hold its commit
         return half.f
 
     def _keep_exchanging(self) -> None:
@@ -998,20 +1065,41 @@ class Node:
         logger.info("%s: closed", self.name)
 
     def _settle(self, deadline: float) -> None:
-        """Symmetric: refuse new exchanges, and wait (bounded) until what is pending is decided and applied."""
-        assert self._exchange_server is not None and self._exchange_client is not None
-        self._exchange_server.start_closing()
-        while time.monotonic() < deadline:
-            self._tend()
-            # Our own exchanges must be decided. Those we serve need not be: one whose confirm has
-            # not come within the quiet time is aborted, and its requester, never hearing commit,
-            # applies nothing either.
-            busy = self._outstanding or len(self._exchange_client)
-            quiet = time.monotonic() - self._exchange_server.last_confirm >= SETTLE_QUIET_S
-            if not busy and quiet:
-                return
-            time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
-        logger.warning("%s: closing with exchanges still unsettled after the close deadline", self.name)
+        """Symmetric: refuse new exchanges, and wait (bounded) until what is pending is decided and known.
+
+        Our own exchanges must be decided, and our acks sent. Those we serve: once no confirm has come for
+        the quiet time, we commit no more (a late confirm is answered abort, and its requester applies
+        nothing), and we keep answering the commits we made until each requester has acknowledged it.
+        """
+        server, client, tx = self._exchange_server, self._exchange_client, self._client
+        assert server is not None and client is not None and tx is not None
+        server.start_closing()
+        client.send_acks()
+        queries = AckQueries(server, tx.submit, self.name, self.config.timeout_s)
+        frozen = False
+        try:
+            while time.monotonic() < deadline:
+                self._tend()
+                ours = bool(self._outstanding or len(client) or client.acks_pending())
+                if not frozen and not ours and time.monotonic() - server.last_confirm >= SETTLE_QUIET_S:
+                    server.stop_committing()
+                    frozen = True
+                if frozen:
+                    queries.tend()
+                    if not ours and not server.unacknowledged():
+                        return
+                time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
+        finally:
+            queries.close()
+        unacked = server.unacknowledged()
+        logger.warning(
+            "%s: closing with exchanges unsettled after the close deadline: %d of ours in doubt, "
+            "%d commits of ours not yet known to %s",
+            self.name,
+            len(client),
+            len(unacked),
+            ", ".join(sorted({peer for peer, _ in unacked})) or "anyone",
+        )
 
     def __enter__(self) -> Node:
         return self

@@ -3,21 +3,29 @@
 ``python -m dpwa status CONFIG`` sends one ``status`` request to every node
 of a config and prints their answers as one table (see :mod:`dpwa.cluster.status`).
 Under CURVE only listed keys get past the handshake, so only holders of a
-node's key may ask. The reply carries numbers only, every one bounded.
+node's key may ask. The reply carries numbers only, every one bounded: a
+node's own numbers are clamped into the schema before they are sent, so no
+value it reports about itself (a loss of 1e40, say) can stop it answering.
+The reply fits :data:`STATUS_BYTES`: the peers table is cut, the worst
+scores kept first, and ``peers_omitted`` says how many were left out.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from ..wire.client import Ask
-from ..wire.messages import NAME_PATTERN, Choice, Integer, MapOf, Number, Record, Text, encode, message_kind
+from ..wire.messages import NAME_PATTERN, Choice, Integer, MapOf, Number, Record, Text, clamp, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import MAX_BARRIERS
 
-__all__ = ["STATES", "STATUS", "STATUS_REPORT", "StatusServer", "StatusTask"]
+__all__ = ["STATES", "STATUS", "STATUS_BYTES", "STATUS_REPORT", "StatusServer", "StatusTask"]
+
+STATUS_BYTES = 1 << 16  # the largest status reply
+MAX_PEERS_SHOWN = 1024  # peers one report lists at most (fewer if their names are long)
 
 STATES = ("starting", "joining", "training", "at_barrier", "lingering", "closing", "closed")
 _NAME = Text(64, NAME_PATTERN)
@@ -41,10 +49,11 @@ STATUS_REPORT = message_kind(
         "served": _COUNT,
         "pending": _COUNT,
         "uptime_s": _SECONDS,
-        "peers": MapOf(_NAME, _PEER, max_len=1024),
+        "peers": MapOf(_NAME, _PEER, max_len=MAX_PEERS_SHOWN),
         "barriers": MapOf(Text(32, NAME_PATTERN), _COUNT, max_len=MAX_BARRIERS),
     },
-    max_header_bytes=1 << 16,
+    {"peers_omitted": _COUNT},  # peers left out of `peers` to fit the reply
+    max_header_bytes=STATUS_BYTES,
 )
 
 
@@ -58,15 +67,27 @@ class StatusServer:
         return {STATUS.name: Route(STATUS, self.serve)}
 
     def serve(self, request: Request) -> Reply:
-        report = self._report()
-        peers = report.get("peers", {})
-        report["peers"] = {  # the largest clusters: the worst peers first, as many as fit
-            name: peers[name] for name in sorted(peers, key=lambda p: peers[p]["score"])[:1024]
-        }
-        for key in ("exchanges_per_s", "clock"):
-            if not math.isfinite(report[key]):
-                report[key] = 0.0
-        return Reply(encode(STATUS_REPORT, request.header.id, **report))
+        return Reply(encode(STATUS_REPORT, request.header.id, **fit(self._report())))
+
+
+def fit(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` made to fit STATUS_REPORT: numbers clamped, the peers table cut to the reply's size
+    (worst scores first), with ``peers_omitted`` saying how many were left out."""
+    specs = {**STATUS_REPORT.fields, **STATUS_REPORT.optional}
+    out = {key: clamp(specs[key], value) if key in specs else value for key, value in report.items()}
+    peers = out.pop("peers", {})
+    room = STATUS_BYTES - len(msgpack.packb(out, use_bin_type=True)) - 256  # the envelope, the count, margin
+    kept: dict[str, Any] = {}
+    for name in sorted(peers, key=lambda p: (peers[p]["score"], p)):
+        size = len(msgpack.packb({name: peers[name]}, use_bin_type=True))
+        if len(kept) >= MAX_PEERS_SHOWN or size > room:
+            break
+        kept[name] = peers[name]
+        room -= size
+    out["peers"] = kept
+    if len(kept) < len(peers):
+        out["peers_omitted"] = len(peers) - len(kept)
+    return out
 
 
 class StatusTask:

@@ -39,6 +39,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Blob",
     "Choice",
+    "EncodeError",
     "Field",
     "Flag",
     "Header",
@@ -52,6 +53,7 @@ __all__ = [
     "Text",
     "decode",
     "encode",
+    "clamp",
     "error_header",
     "message_kind",
 ]
@@ -70,6 +72,10 @@ class ProtocolError(ValueError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class EncodeError(ValueError):
+    """A message this side was about to send breaks its kind's schema: a bug here, never the peer's fault."""
 
 
 # --------------------------------------------------------------------------- fields
@@ -284,12 +290,40 @@ class Header:
 
 
 def encode(kind: MessageKind | str, request_id: int, **fields: Any) -> bytes:
-    """A header frame, checked against the schema of its kind first (a bug here is ours, not a peer's)."""
+    """A header frame, checked against the schema of its kind first.
+
+    Raises :class:`EncodeError` (a bug here, not a peer's) when it breaks the schema; fields a node
+    reports about itself are made to fit first (:func:`clamp`), so that its own numbers cannot stop it.
+    """
     spec = KINDS[kind] if isinstance(kind, str) else kind
     header = {"v": PROTOCOL_VERSION, "kind": spec.name, "id": request_id, **fields}
-    data: bytes = msgpack.packb(header, use_bin_type=True)
-    _validate(header, spec, len(data))
+    try:
+        data: bytes = msgpack.packb(header, use_bin_type=True)
+        _validate(header, spec, len(data))
+    except ProtocolError as exc:
+        raise EncodeError(f"cannot send a {spec.name}: {exc}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EncodeError(f"cannot send a {spec.name}: {type(exc).__name__}: {exc}") from None
     return data
+
+
+def clamp(field: Field, value: Any) -> Any:
+    """`value` made to fit `field` where a number can be: clamped into its bounds, a non-finite one
+    dropped (None if optional, else the bound nearest 0); maps and records field by field. Anything
+    else is returned as it is (encode still checks it)."""
+    if isinstance(field, Number) and (_is_int(value) or isinstance(value, float)):
+        number = float(value)
+        if not math.isfinite(number):
+            return None if field.optional else min(max(0.0, field.lo), field.hi)
+        return min(max(number, field.lo), field.hi)
+    if isinstance(field, Integer) and _is_int(value):
+        return min(max(value, field.lo), field.hi)
+    if isinstance(field, MapOf) and isinstance(value, dict):
+        return {k: clamp(field.value, v) for k, v in value.items()}
+    if isinstance(field, Record) and isinstance(value, dict):
+        specs = {**field.fields, **field.optional}
+        return {k: clamp(specs[k], v) if k in specs else v for k, v in value.items()}
+    return value
 
 
 def error_header(request_id: int, reason: str, detail: str) -> bytes:

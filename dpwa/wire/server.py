@@ -55,7 +55,7 @@ from ..logs import RateLimitedLog, logger
 from ..stats import Counters
 from .curve import Curve
 from .endpoints import EndpointInUse, EndpointLock
-from .messages import MAX_HEADER_BYTES, Header, MessageKind, ProtocolError, decode, error_header
+from .messages import MAX_HEADER_BYTES, EncodeError, Header, MessageKind, ProtocolError, decode, error_header
 from .payload import CHUNK_BYTES, Payload, group, send_frames
 
 __all__ = [
@@ -436,6 +436,11 @@ class Server:
             return
         except ProtocolError as exc:
             self._reply_error(sock, client, header, exc.reason, exc.detail, sender=request.sender)
+            return
+        except EncodeError as exc:  # our own reply broke its schema: our bug, not the requester's
+            self.counters.add("replies_unencodable")
+            self._log(40, ("encode", header.kind), "%s: cannot answer a %r request: %s", self.name, header.kind, exc)
+            self._send(sock, client, Reply(error_header(header.id, "internal", "the reply could not be encoded")))
             return
         except Exception as exc:
             logger.exception("%s: handler for %r failed", self.name, header.kind)

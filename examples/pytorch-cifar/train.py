@@ -156,9 +156,10 @@ class Metrics:
                 self._fh.close()
 
 
-def params_sha256(net: torch.nn.Module) -> str:
-    """SHA-256 of the model's floating-point tensors in float32, in order (what a join takes)."""
-    digest = hashlib.sha256()
+def params_blake2b(net: torch.nn.Module) -> str:
+    """BLAKE2b (32 bytes) of the model's floating-point tensors in float32, in order: what a donor logs
+    of the parameters it offers ("parameters blake2b ..."), so a join can be traced to its snapshot."""
+    digest = hashlib.blake2b(digest_size=32)
     for tensor in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                   started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock,
                   joined=None if conn.joined is None else {
                       "donor": conn.joined.donor, "clock": conn.joined.clock, "digest": conn.joined.digest.hex(),
-                      "params_sha256": params_sha256(net)})
+                      "params_blake2b": params_blake2b(net)})
     log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps; %s",
              args.name, data_name, "its shard" if args.shard == "auto" else "all the data", len(data.train_y),
              model_name, f"{models.count_parameters(net):,}", device, epochs, steps, started)

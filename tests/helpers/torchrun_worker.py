@@ -1,6 +1,8 @@
 """A torchrun worker for the tests: a tiny model, `nodes: torchrun`, a few steps; writes OUT/rankN.json.
 
-    torchrun --standalone --nproc-per-node 3 tests/helpers/torchrun_worker.py OUT_DIR [STEPS]
+    torchrun --standalone --nproc-per-node 3 tests/helpers/torchrun_worker.py OUT_DIR [STEPS] [plain]
+
+"plain": a plain training loop, no barrier of its own (the constructor starts every rank together).
 """
 
 import json
@@ -17,13 +19,15 @@ from dpwa import DpwaPyTorchAdapter
 def main() -> int:
     out = Path(sys.argv[1])
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    plain = len(sys.argv) > 3 and sys.argv[3] == "plain"
     rank = int(os.environ["RANK"])
     torch.manual_seed(rank)  # different initial weights: joining at start makes them rank 0's
     net = nn.Linear(4, 2)
     config = {"nodes": "torchrun", "fetch_probability": 1, "timeout_ms": 3000}
     with DpwaPyTorchAdapter(net, None, config) as conn:
         start = [p.detach().clone() for p in net.parameters()]
-        conn.barrier("start", timeout_s=60)  # every worker is up (and has joined) before anyone trains
+        if not plain:
+            conn.barrier("start", timeout_s=60)  # every worker is up (and has joined) before anyone trains
         peers: dict[str, int] = {}
         for _ in range(steps):
             conn.update_send(None)
@@ -33,7 +37,8 @@ def main() -> int:
             update = conn.update_wait(None)
             if update.averaged:
                 peers[update.peer] = peers.get(update.peer, 0) + 1
-        conn.barrier("exit", timeout_s=60)
+        if not plain:
+            conn.barrier("exit", timeout_s=60)
         result = {
             "name": conn.name,
             "peers": peers,
