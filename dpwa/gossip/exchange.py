@@ -407,6 +407,8 @@ class ExchangeClient:
             elif call.outcome in ("timeout", "failed", "expired") and tries < ACK_TRIES:
                 again = AckTask(task.peer, time.monotonic() + self._timeout_s, self.name, task.xid)
                 keep.append((again, self._submit(again), tries + 1))
+            elif call.outcome in ("timeout", "failed", "expired"):
+                self._counters.add("acks_lost")  # that peer may ask us instead (known), or wait out its close
         self._acks = keep
 
     def poll(self) -> list[ClientHalf]:
