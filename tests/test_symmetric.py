@@ -320,6 +320,25 @@ def test_a_server_closing_right_after_its_commit_still_applies_its_half(through_
     assert peer.stats()["mirrored"] == 1
 
 
+def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_the_requester_holds_it(
+        through_chaos):
+    """The server commits; its decision is lost, and so are the requester's next three confirms, so
+    no confirm reaches the server for well over a second while both close together. The closing
+    server keeps answering its commit until the requester is known to hold it (it asks: ``known``):
+    the fourth confirm gets through, and both sides moved, exactly once. (Before: the server closed
+    once no confirm had come for 1 s; the requester gave up on the exchange, and the sum moved.)"""
+    node, peer, proxy, mine, theirs = through_chaos()
+    proxy.plan("decision", "drop")
+    proxy.plan("confirm", "pass", "drop", "drop", "drop")  # the first confirm commits; three re-asks are lost
+    node.update_send()
+    assert node.update_wait().outcome == "in_doubt"
+    close_together([node, peer])
+    assert np.all(mine == 5.0) and np.all(theirs == 5.0)
+    assert node.stats()["averaged"] == 1 and peer.stats()["mirrored"] == 1
+    assert proxy.stats[("confirm", "drop")] == 3
+    assert node.stats().get("exchanges_dropped", 0) == 0
+
+
 # --------------------------------------------------------------------------- chaos at every step
 
 
