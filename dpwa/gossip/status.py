@@ -3,7 +3,9 @@
 ``python -m dpwa status CONFIG`` sends one ``status`` request to every node
 of a config and prints their answers as one table (see :mod:`dpwa.cluster.status`).
 Under CURVE only listed keys get past the handshake, so only holders of a
-node's key may ask. The reply carries numbers only, every one bounded.
+node's key may ask. The reply carries numbers only, every one bounded, and
+fits its header limit: with more peers than fit, the worst-scored are kept.
+``bytes_in``/``bytes_out`` count parameters moved through shared memory too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,18 @@ from collections.abc import Callable
 from typing import Any
 
 from ..wire.client import Ask
-from ..wire.messages import NAME_PATTERN, Choice, Integer, MapOf, Number, Record, Text, encode, message_kind
+from ..wire.messages import (
+    NAME_PATTERN,
+    Choice,
+    Integer,
+    MapOf,
+    Number,
+    ProtocolError,
+    Record,
+    Text,
+    encode,
+    message_kind,
+)
 from ..wire.server import Reply, Request, Route
 from .barrier import MAX_BARRIERS
 
@@ -23,7 +36,8 @@ STATES = ("starting", "joining", "training", "at_barrier", "lingering", "closing
 _NAME = Text(64, NAME_PATTERN)
 _COUNT = Integer(0, 1 << 62)
 _SECONDS = Number(0.0, 1e9, optional=True)
-_PEER = Record({"score": Number(0.0, 1.0), "failures": _COUNT}, {"latency_s": _SECONDS})
+# averaged: how many times the node blended this peer's parameters (optional: older nodes do not say)
+_PEER = Record({"score": Number(0.0, 1.0), "failures": _COUNT}, {"latency_s": _SECONDS, "averaged": _COUNT})
 STATUS = message_kind("status", {"from": _NAME})
 STATUS_REPORT = message_kind(
     "status_report",
@@ -60,13 +74,18 @@ class StatusServer:
     def serve(self, request: Request) -> Reply:
         report = self._report()
         peers = report.get("peers", {})
-        report["peers"] = {  # the largest clusters: the worst peers first, as many as fit
-            name: peers[name] for name in sorted(peers, key=lambda p: peers[p]["score"])[:1024]
-        }
+        ranked = sorted(peers, key=lambda p: peers[p]["score"])[:1024]  # the worst peers first
         for key in ("exchanges_per_s", "clock"):
             if not math.isfinite(report[key]):
                 report[key] = 0.0
-        return Reply(encode(STATUS_REPORT, request.header.id, **report))
+        while True:  # the largest clusters: as many peers as fit the header limit
+            report["peers"] = {name: peers[name] for name in ranked}
+            try:
+                return Reply(encode(STATUS_REPORT, request.header.id, **report))
+            except ProtocolError as exc:
+                if exc.reason != "header_too_large" or not ranked:
+                    raise
+                ranked = ranked[: len(ranked) * 3 // 4]
 
 
 class StatusTask:
