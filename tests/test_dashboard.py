@@ -210,14 +210,17 @@ def test_run_watcher_keeps_only_what_checks_out(tmp_path):
         {"kind": "step", "t": 103.0, "epoch": 1, "step": "many", "loss": 1e400},
         {"kind": "eval", "t": 104.0, "epoch": 1, "test_acc": 0.5},
         {"kind": "checkpoint_failed", "t": 105.0, "error": HOSTILE_SCRIPT + "y" * 1000},
-        {"kind": "barrier", "t": 106.0, "name": "epoch", "waited_s": 3.5, "skipped": [HOSTILE_IMG]},
+        {"kind": "barrier", "t": 106.0, "name": "epoch", "waited_s": 3.5, "skipped": [HOSTILE_IMG, [1], {}]},
+        {"kind": ["step"], "t": 106.5, "node": {"w1": 1}},
         {"t": "yesterday", "kind": "step", "loss": 7.0},
     ]
     text = "".join(json.dumps(line) + "\n" for line in lines)
     (run_dir / "metrics" / "w1.jsonl").write_text(text.replace("1e+400", "1e400"))
     (run_dir / "events.jsonl").write_text(
         json.dumps({"t": 103.5, "kind": "kill", "node": "w1", "pid": 42, "by": "chaos"}) + "\n"
-        + json.dumps({"t": 103.6, "kind": "kill", "node": HOSTILE_IMG, "pid": 43}) + "\n")
+        + json.dumps({"t": 103.6, "kind": "kill", "node": HOSTILE_IMG, "pid": 43}) + "\n"
+        + json.dumps({"t": 103.7, "kind": "exit", "node": ["w1"], "code": "x"}) + "\n"
+        + json.dumps({"t": 103.8, "kind": {"a": 1}, "node": "w2"}) + "\n")
     (run_dir / "logs" / "w1.log").write_text("".join(f"line {i}\n" for i in range(40)) + HOSTILE_SCRIPT + "\n")
     (run_dir / "summary.json").write_text('{"average": {"test_acc": NaN, "models": 2}}')
     board = EventBoard()

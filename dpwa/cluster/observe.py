@@ -100,13 +100,11 @@ class EventBoard:
     def __init__(self, max_events: int = MAX_EVENTS_KEPT) -> None:
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self._lock = threading.Lock()
-        self.version = 0
 
     def add(self, t: float, kind: str, node: str | None, message: str) -> None:
         event = {"t": round(t, 3), "kind": kind, "node": node, "text": text(message) or ""}
         with self._lock:
             self._events.append(event)
-            self.version += 1
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every event kept, in time order."""
@@ -236,10 +234,10 @@ class StatusPoller:
 class _Node:
     """What the metrics file of one node said, checked and bounded."""
 
-    def __init__(self, name: str, names: set[str]) -> None:
+    def __init__(self, name: str, names: set[str], follower: JsonlFollower) -> None:
         self.name = name
-        self.names = names
-        self.follower: JsonlFollower | None = None
+        self.names = names  # every node of the config
+        self.follower = follower
         self.latest: dict[str, Any] = {}  # epochs, epoch, step, loss, test_acc, ...: numbers only
         self.state = "starting"
         self.started = ""  # how it started last, in words
@@ -260,9 +258,7 @@ class RunWatcher:
         self.events = events
         self.every_s = every_s
         known = set(self.names)
-        self.nodes = {name: _Node(name, known) for name in self.names}
-        for name, node in self.nodes.items():
-            node.follower = JsonlFollower(self.run_dir / "metrics" / f"{name}.jsonl")
+        self.nodes = {n: _Node(n, known, JsonlFollower(self.run_dir / "metrics" / f"{n}.jsonl")) for n in self.names}
         self._launcher = JsonlFollower(self.run_dir / EVENTS_FILE)
         self.eval_metric: str | None = None  # test_acc, or val_loss / test_loss when there is no accuracy
         self._epochs: dict[int, dict[str, tuple[float, float]]] = {}  # epoch -> node -> (t, value)
@@ -299,7 +295,6 @@ class RunWatcher:
         for record in self._launcher.poll():
             self._launcher_event(record)
         for node in self.nodes.values():
-            assert node.follower is not None
             for record in node.follower.poll():
                 self._metrics_line(node, record)
             node.log = _log_tail(self.run_dir / "logs" / f"{node.name}.log")
@@ -309,7 +304,7 @@ class RunWatcher:
     def _launcher_event(self, record: dict[str, Any]) -> None:
         t, kind = number(record.get("t")), text(record.get("kind"), 32)
         node = record.get("node")
-        if t is None or kind is None or (node is not None and node not in self.nodes):
+        if t is None or kind is None or (node is not None and not (isinstance(node, str) and node in self.nodes)):
             return
         pid, code = count(record.get("pid")), record.get("code")
         code = code if isinstance(code, int) and not isinstance(code, bool) and abs(code) < 1 << 31 else None
@@ -363,8 +358,7 @@ class RunWatcher:
             if loss is not None:
                 node.loss.add(t, loss)
             node.peers = _peer_counts(record.get("peers"), node.names - {node.name}) or node.peers
-            if node.state not in ("training",):
-                node.state = "training"
+            node.state = "training"
         elif kind == "eval":
             metric = self.eval_metric or next(
                 (m for m in ("test_acc", "val_loss", "test_loss") if number(record.get(m)) is not None), None
@@ -383,7 +377,7 @@ class RunWatcher:
         elif kind == "barrier":
             waited = number(record.get("waited_s"))
             listed = record.get("skipped")
-            skipped = [s for s in listed if s in node.names] if isinstance(listed, list) else []
+            skipped = [s for s in listed if isinstance(s, str) and s in node.names] if isinstance(listed, list) else []
             name = text(record.get("name"), 32) or "?"
             if skipped:
                 self.events.add(t, "barrier", node.name, f"went on from barrier {name!r} without {', '.join(skipped)}")
@@ -455,7 +449,7 @@ def _peer_counts(value: Any, known: set[str]) -> dict[str, int]:
     out = {}
     for peer, n in value.items():
         n = count(n)
-        if peer in known and n is not None:
+        if isinstance(peer, str) and peer in known and n is not None:
             out[peer] = n
     return out
 
