@@ -4,6 +4,7 @@
     python -m dpwa plot runs/latest        # redraw runs/latest/curves.png from its metrics
     python -m dpwa status runs/latest      # the progress table of a (detached) run, once
     python -m dpwa keygen w1 --dir keys    # a CURVE key pair: keys/w1.key and keys/w1.key_secret
+    python -m dpwa dashboard runs/latest   # a live web page of the run (prints its URL)
 
 A subcommand is one function decorated with :func:`subcommand`: its name is
 the command, the first line of its docstring the help, and the decorator's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,60 @@ def status(args: argparse.Namespace) -> int:
     summary = target / "summary.txt"
     if summary.exists() and not alive:
         print("\n" + summary.read_text().rstrip())
+    return 0
+
+
+@subcommand(
+    arg(
+        "target",
+        type=Path,
+        metavar="CONFIG|RUN_DIR",
+        help="a run folder, such as runs/latest (status, curves, mixing graph, events, logs), or a cluster "
+        "config (status and the mixing graph)",
+    ),
+    arg("--port", type=int, default=0, help="TCP port (default: a free one; the URL is printed)"),
+    arg("--host", default="127.0.0.1", help="address to serve on (default: %(default)s: this machine only)"),
+    arg(
+        "--allow-kill",
+        action="store_true",
+        help="RUN_DIR on 127.0.0.1 only: show a kill button per node (SIGKILL by recorded PID, as --chaos does); "
+        "it needs the secret token in the printed URL",
+    ),
+    arg("--every", type=float, default=1.0, metavar="SECONDS", help="seconds between updates (default: 1)"),
+    arg(
+        "--timeout-ms",
+        type=int,
+        metavar="MS",
+        help="how long to wait for each node's status (default: the config's timeout_ms, at most 2000)",
+    ),
+    arg("--key", metavar="NAME", help="under CURVE: ask status as node NAME (as python -m dpwa status --key)"),
+)
+def dashboard(args: argparse.Namespace) -> int:
+    """Serve a live web page of a cluster: per-node status, curves, the mixing graph and events."""
+    from .cluster.dashboard import Dashboard
+
+    if args.every < 0.1:
+        raise ValueError(f"--every takes at least 0.1 seconds, got {args.every:g}")
+    if args.timeout_ms is not None and args.timeout_ms < 1:
+        raise ValueError(f"--timeout-ms must be a positive number of milliseconds, got {args.timeout_ms}")
+    timeout_s = None if args.timeout_ms is None else args.timeout_ms / 1000
+    with Dashboard(
+        args.target,
+        host=args.host,
+        port=args.port,
+        allow_kill=args.allow_kill,
+        key=args.key,
+        timeout_s=timeout_s,
+        every_s=args.every,
+    ) as board:
+        print(f"dpwa dashboard: {board.url}", flush=True)
+        if board.token:
+            print("  the kill button is on: the token in this URL lets its holder SIGKILL nodes; keep it private")
+        print("  Ctrl-C stops it", flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            return 130
     return 0
 
 

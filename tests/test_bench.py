@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "dpwa.bench", "--quick", "--json", str(out)],
+    log = tmp_path / "bench.log"
+    proc = subprocess.run([sys.executable, "-m", "dpwa.bench", "--quick", "--json", str(out), "--log", str(log)],
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -33,3 +34,14 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     assert result["training"][0]["averaged_fraction"] > 0
     assert result["training"][0]["raw_step_ms"] > 0 and result["training"][0]["step_with_raw_ms"] > 0
     assert "x zmq" in proc.stdout and "x tcp" in proc.stdout
+    # Its own nodes' warnings (deliberately odd configurations) go to the log it names, not between the tables.
+    assert proc.stdout.splitlines()[0] == f"dpwa.bench: the benchmark's own nodes log to {log}"
+    logged = log.read_text()
+    assert "insecure: true: serving" in logged and "fetch_probability is 0 with 2 nodes" in logged
+    for noise in ("insecure: true", "fetch_probability is 0", "WARNING"):
+        assert noise not in proc.stdout and noise not in proc.stderr, noise
+    summary = proc.stdout[proc.stdout.index("\nSummary\n"):].splitlines()
+    assert summary[2].startswith("  1,000 parameters (0.0 MB): an exchange over TCP takes ")
+    assert summary[4].startswith("  scale: 2 to 4 nodes, ") and summary[4].endswith(" 0 failed")
+    assert summary[5].startswith("  training, digits, batch 32 (run.sh's default): dpwa adds ")
+    assert summary[6] == f"  the benchmark's own nodes' log: {log} ({len(logged.splitlines())} lines)"

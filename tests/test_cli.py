@@ -80,6 +80,17 @@ def test_help_lists_every_subcommand_with_its_docstring(capsys):
     text = capsys.readouterr().out
     assert "plot" in text and "Draw a run's loss and accuracy curves" in text
     assert "status" in text
+    assert "dashboard" in text and "Serve a live web page of a cluster" in text
+
+
+def test_dashboard_errors_name_what_is_wrong(tmp_path):
+    missing = dpwa("dashboard", tmp_path / "nope")
+    assert missing.returncode == 1
+    assert missing.stderr.strip() == f"dpwa dashboard: {tmp_path / 'nope'}: no such config file or run folder"
+    run_dir = write_run(tmp_path / "run")
+    no_config = dpwa("dashboard", run_dir)
+    assert no_config.returncode == 1 and "not a run folder (no config.yaml in it)" in no_config.stderr
+    assert "--every takes at least 0.1 seconds" in dpwa("dashboard", run_dir, "--every", "0").stderr
 
 
 def test_a_new_subcommand_is_one_decorated_function(capsys):

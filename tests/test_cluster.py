@@ -94,6 +94,7 @@ def test_run_sh_trains_two_nodes_on_digits_that_average_with_each_other(tmp_path
     assert proc.returncode == 0, out
     run_dir = (runs / "latest").resolve()
     assert out.count("embedded handwritten digits") == 1  # said once, in one line
+    assert f"-m dpwa dashboard {run_dir}  (prints its URL)" in out  # how to watch it in a browser
     assert "w1 <- w2" in out and "average  2 nodes" in out
 
     config = load_config(run_dir / "config.yaml")
@@ -146,7 +147,10 @@ def test_stop_sh_stops_a_detached_cluster_and_nothing_else(tmp_path):
         assert bystander.poll() is None  # the reused PID was not signalled
         for name in ("w1", "w2"):
             assert metrics(run_dir, name)[-1]["reason"] == "stopped by SIGTERM"  # a clean stop
-        assert "the run was stopped" in (run_dir / "summary.txt").read_text()  # the launcher finished its job
+        summary = (run_dir / "summary.txt").read_text()
+        assert "the run was stopped; to evaluate it anyway: " in summary  # the launcher finished its job
+        assert f"evaluate.py {run_dir}\n" in summary and "--data-dir" not in summary  # digits: no CIFAR-10 folder
+        assert f"-m dpwa dashboard {run_dir}   (prints its URL)" in out  # how to watch it in a browser
         again = subprocess.run([str(ROOT / "stop.sh"), str(run_dir)], capture_output=True, text=True, timeout=30)
         assert again.returncode == 0 and "nothing to stop" in again.stdout
     finally:

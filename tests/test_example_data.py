@@ -241,3 +241,62 @@ def test_train_py_stopped_while_waiting_at_a_barrier_saves_its_state_and_exits_a
     assert records[-1]["kind"] == "end" and records[-1]["reason"] == "stopped by SIGTERM"
     state = checkpoints.load(run_dir, checkpoints.LAST, "w0")
     assert state["progress"]["epoch"] == 0 and state["dpwa"]["barriers"] == {"start": 1}
+
+
+# --------------------------------------------------------------------------- many nodes: schedule.py
+
+def test_the_learning_rate_grows_with_the_nodes_after_a_warm_up():
+    import schedule as training_schedule
+
+    assert training_schedule.learning_rate("digits", 2) == (0.05, 1.0)
+    assert training_schedule.learning_rate("digits", 1) == (0.05, 1.0)
+    assert training_schedule.learning_rate("digits", 8) == (0.2, 4.0)
+    assert training_schedule.learning_rate("digits", 64) == (0.4, 8.0)  # at most 8 times
+    assert training_schedule.learning_rate("digits", 8, lr=0.01) == (0.01, 1.0)  # --lr is used as given
+    assert training_schedule.learning_rate("cifar10", 8) == (0.1, 1.0)  # not measured there: off
+    assert training_schedule.warmup_steps(1.0, 22, 440) == 0
+    assert training_schedule.warmup_steps(4.0, 5, 100) == 5 and training_schedule.warmup_steps(4.0, 50, 100) == 10
+    factors = [training_schedule.lr_factor(s, 100, 5) for s in range(100)]
+    assert factors[:5] == pytest.approx([k / 5 * 0.5 * (1 + np.cos(np.pi * (k - 1) / 100)) for k in range(1, 6)])
+    assert factors[5] == pytest.approx(0.5 * (1 + np.cos(np.pi * 5 / 100)))
+    assert max(factors) == factors[4] and factors[-1] < 0.001  # up, then the cosine down to 0
+    assert training_schedule.lr_factor(0, 440, 0) == 1.0
+    # each node takes at least 100 steps: more epochs when the shards are tiny
+    assert [training_schedule.default_epochs("digits", s) for s in (22, 5, 2)] == [20, 20, 50]
+
+
+def test_too_few_steps_for_the_epochs_asked_are_named(capsys):
+    import cluster
+    import schedule as training_schedule
+
+    warning = training_schedule.few_steps_warning("digits", 8, 179, 32, 5, 5)
+    assert warning == ("5 epochs of 5 steps (a shard of 179 digits images in batches of 32, 8 nodes) give each "
+                       "node 25 steps, and digits needs at least 100 to train well: expect a low accuracy. Give "
+                       "--epochs 20 or more, leave --epochs out, or use fewer nodes")
+    assert training_schedule.few_steps_warning("digits", 8, 179, 32, 5, 20) is None
+    assert training_schedule.few_steps_warning("cifar10", 8, 6250, 128, 48, 1) is None
+    cluster.warn_few_steps(cluster.parse_args(["--nodes", "8", "--epochs", "5"]), "digits", 8)
+    assert capsys.readouterr().out == f"dpwa: warning: {warning}\n"  # 1,437 // 8 = 179 images, 5 batches of 32
+    cluster.warn_few_steps(cluster.parse_args(["--nodes", "8"]), "digits", 8)
+    assert capsys.readouterr().out == ""  # the default epochs are enough
+
+
+def test_resume_changes_only_the_epochs_and_only_upwards_of_what_was_trained(tmp_path, capsys):
+    import cluster
+
+    from dpwa.cluster.launch import LaunchSpec
+
+    with pytest.raises(SystemExit):
+        cluster.parse_args(["--resume", str(tmp_path), "--lr", "0.1", "--batch-size", "8"])
+    assert "only --epochs may change (got --batch-size, --lr)" in capsys.readouterr().err
+    spec = LaunchSpec(run_dir=str(tmp_path), config=make_config(2), command=["py", "train.py", "--epochs", "6"])
+    command = spec.command + ["--resume"]
+    assert cluster.with_epochs(tmp_path, spec, command, 4, 10) == ["py", "train.py", "--resume", "--epochs", "10"]
+    assert cluster.with_epochs(tmp_path, spec, command, 4, 5)[-2:] == ["--epochs", "5"]  # fewer than 6, more than 4
+    assert "the run trains 5 epochs in all (it was started with 6)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"has trained 4 epochs; --epochs 4 must be more than that to train on "
+                                         r"\(leave --epochs out to train to 6\)"):
+        cluster.with_epochs(tmp_path, spec, command, 4, 4)
+    default = LaunchSpec(run_dir=str(tmp_path), config=make_config(2), command=["py", "train.py", "--resume"])
+    with pytest.raises(ValueError, match="to train to its default"):
+        cluster.with_epochs(tmp_path, default, default.command, 3, 2)

@@ -123,6 +123,14 @@ def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
     for name in ("w1", "w2", "launcher"):
         pid, start = processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{name}.pid"))
         assert name == "launcher" or processes.process_start(pid) != start
+    events = [json.loads(line) for line in open(os.path.join(spec.run_dir, "events.jsonl"))]
+    kinds = [(e["kind"], e.get("node")) for e in events]
+    assert kinds[:3] == [("run_start", None), ("node_start", "w1"), ("node_start", "w2")]
+    assert sorted(kinds[3:5]) == [("exit", "w1"), ("exit", "w2")] and kinds[5:] == [("run_end", None)]
+    assert events[0]["pid"] == os.getpid() and events[-1]["code"] == 0
+    assert {e["node"]: e["pid"] for e in events if e["kind"] == "node_start"} == {
+        n: processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{n}.pid"))[0] for n in ("w1", "w2")}
+    assert all(e["code"] == 0 for e in events if e["kind"] == "exit")
 
 
 @pytest.mark.slow
@@ -170,6 +178,9 @@ def test_a_signal_to_the_launcher_stops_every_node_and_still_summarizes(tmp_path
     assert code == 128 + signal.SIGTERM
     text = out.getvalue()
     assert "SIGTERM: stopping 2 nodes" in text
+    events = [json.loads(line) for line in open(os.path.join(spec.run_dir, "events.jsonl"))]
+    assert [e for e in events if e["kind"] == "stop"][0]["signal"] == "SIGTERM"
+    assert events[-1] == {**events[-1], "kind": "run_end", "code": 128 + signal.SIGTERM}
     assert "SIGKILL to" not in text  # both ended within the grace period
     summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
     assert [r["state"] for r in summary["nodes"]] == ["stopped", "stopped"]

@@ -116,13 +116,25 @@ def test_chaos_mode_kills_nodes_now_and_then_and_they_rejoin(tmp_path):
     assert summary["rejoins"] == summary["kills"]
     assert out.count("dpwa: chaos: SIGKILL to") == summary["kills"]
     assert f"chaos and restarts: {summary['kills']} killed" in (run_dir / "summary.txt").read_text()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kills = [e for e in events if e["kind"] == "kill"]
+    assert len(kills) == summary["kills"] and all(e["by"] == "chaos" for e in kills)
+    assert [e["kind"] for e in events if e["kind"] == "restart"] == ["restart"] * summary["restarts"]
+    # what the dashboard marks on its curves: each kill, and each node back in the cluster
+    from dpwa.cluster.observe import EventBoard, RunWatcher
+
+    board = EventBoard()
+    RunWatcher(run_dir, ["w1", "w2", "w3"], board).poll()
+    marks = [e["kind"] for e in board.snapshot() if e["kind"] in ("kill", "rejoin")]
+    assert marks.count("kill") == summary["kills"] and marks.count("rejoin") == summary["rejoins"]
 
 
 @pytest.mark.timeout(200)
 def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
-    """A 2-node run is stopped (stop.sh: SIGTERM) after its checkpoint of epoch 2; each node saves its
-    state as it stops. ./run.sh --resume continues every node from that state (the freshest complete
-    one): its clock, barrier counters, epoch and step, and it trains the remaining epochs to the end."""
+    """A 2-node run of 6 epochs is stopped (stop.sh: SIGTERM) after its checkpoint of epoch 2; each node
+    saves its state as it stops. ./run.sh --resume --epochs 8 continues every node from that state (the
+    freshest complete one): its clock, barrier counters, epoch and step, and it trains on to epoch 8, as
+    asked. --epochs no more than the run has trained is refused, saying why."""
     runs = tmp_path / "runs"
     proc = None
     try:
@@ -142,21 +154,28 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
         saved = {node: checkpoints.load(run_dir, checkpoints.LAST, node) for node in ("w1", "w2")}
         first_epoch = saved["w1"]["progress"]["epoch"] + 1
         assert 3 <= first_epoch <= 6, "the run ended before it could be stopped"
-        resumed = Foreground(runs, "--resume", str(run_dir), "--print-every", "5")
+        done = first_epoch - 1
+        refused = subprocess.run([str(ROOT / "run.sh"), "--resume", str(run_dir), "--epochs", str(done)],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and alive(runs) == []
+        assert (f"{run_dir} has trained {done} epochs; --epochs {done} must be more than that to train on "
+                "(leave --epochs out to train to 6)") in refused.stderr
+        resumed = Foreground(runs, "--resume", str(run_dir), "--epochs", "8", "--print-every", "5")
         out = resumed.wait(150)
         proc = resumed.proc
     finally:
         reap(proc, runs)
     assert proc.returncode == 0, out
     assert f"resuming {run_dir} from the state every node saved when it was stopped" in out
+    assert "--epochs 8: the run trains 8 epochs in all (it was started with 6)" in out
     check_finished(run_dir, ["w1", "w2"])
     for node in ("w1", "w2"):
         records = metrics(run_dir, node)
         start = [r for r in records if r["kind"] == "start"][-1]
         assert start["started"] == "resumed from the state saved when it was stopped"
         assert start["first_epoch"] == saved[node]["progress"]["epoch"] + 1
-        assert start["clock"] == saved[node]["dpwa"]["clock"]
+        assert start["clock"] == saved[node]["dpwa"]["clock"] and start["epochs"] == 8
         after = records[records.index(start):]
-        assert [r["epoch"] for r in after if r["kind"] == "eval"] == list(range(start["first_epoch"], 7))
+        assert [r["epoch"] for r in after if r["kind"] == "eval"] == list(range(start["first_epoch"], 9))
         assert not checkpoints.has(run_dir, checkpoints.LAST, node)  # taken up: it will not be used twice
     assert alive(runs) == []

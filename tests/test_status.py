@@ -19,11 +19,14 @@ import yaml
 
 from dpwa import NumpyParams, parse_config
 from dpwa.cluster.status import FIELDS, StatusClient
+from dpwa.gossip.status import STATUS, STATUS_REPORT, StatusServer
+from dpwa.wire.messages import decode, encode
+from dpwa.wire.server import Request
 
-from conftest import ROOT, filled, make_config, wait_until
+from conftest import ROOT, filled, make_config, step_until_averaged, wait_until
 from test_security import secure_config
 
-IDLE_PEER = {"score": 1.0, "failures": 0, "latency_s": None}  # a peer never fetched from
+IDLE_PEER = {"score": 1.0, "failures": 0, "latency_s": None, "averaged": 0}  # a peer never fetched from
 
 
 def dpwa_status(config_path, *args):
@@ -93,6 +96,49 @@ def test_a_node_that_does_not_answer_is_unreachable_and_the_exit_status_says_so(
     assert "w0    w1 1.00/-  w2 1.00/-" in lines  # the peers section: score/last latency
     assert any(line.startswith("w2: unreachable: timeout: ") for line in lines)
     assert lines[-1].startswith("2 of 3 nodes answered at ") and lines[-1].endswith("(asked as w0)")
+
+
+def test_bytes_through_shared_memory_count_and_so_do_each_peers_averages(tmp_path, nodes):
+    """A loopback cluster moves parameters through shared memory: status counts those bytes too, on both
+    sides, and each peer's number of averages (the dashboard's mixing graph)."""
+    cfg = make_config(3)  # loopback, no keys: ipc sockets, parameters through shared memory
+    w1 = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
+    w2 = nodes({**cfg, "fetch_probability": 0}, "w2", NumpyParams(filled(2)))
+    for node in (w1, w2):
+        node.update_send()
+        node.update_wait()
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    averaged = {"w1": 0, "w2": 0}
+    for _ in range(6):
+        update = step_until_averaged(w0)
+        assert update is not None
+        averaged[update.peer] += 1
+    assert w0.stats()["same_host_fetches"] == 6 and w0.stats()["bytes_in"] == 0  # no socket carried them
+    rows = by_name(dpwa_status(write(tmp_path, cfg), "--json"))
+    nbytes = filled(0).nbytes
+    assert rows["w0"]["bytes_in"] == 6 * nbytes
+    assert rows["w1"]["bytes_out"] == averaged["w1"] * nbytes and rows["w2"]["bytes_out"] == averaged["w2"] * nbytes
+    assert {p: rows["w0"]["peers"][p]["averaged"] for p in ("w1", "w2")} == averaged
+    assert rows["w1"]["peers"]["w0"]["averaged"] == 0  # w1 never blended w0's parameters
+    table = dpwa_status(write(tmp_path, cfg)).stdout.splitlines()
+    assert table[1].split()[7] == f"{6 * nbytes / 1000:.1f}kB"  # w0's "in"
+
+
+def test_a_report_with_more_peers_than_fit_keeps_the_worst_ones():
+    """1,024 peers with 64-character names do not fit a status reply's 64 kB: the worst-scored are kept."""
+    peers = {f"{i:04d}" + "p" * 60: {"score": 1.0 - i / 2048, "failures": i, "latency_s": 0.001, "averaged": i}
+             for i in range(1024)}
+    report = {"name": "w0", "state": "training", "epoch": 1, "clock": 1.0, "loss": None, "exchanges_per_s": 1.0,
+              "averaged": 1, "failures": 0, "bytes_in": 0, "bytes_out": 0, "served": 0, "pending": 0,
+              "uptime_s": 1.0, "peers": peers, "barriers": {}}
+    server = StatusServer(lambda: dict(report))
+    request = Request(decode(encode(STATUS, 7, **{"from": "w1"})), (), b"", None)
+    header = server.serve(request).header
+    assert len(header) <= STATUS_REPORT.max_header_bytes
+    kept = decode(header, {STATUS_REPORT.name: STATUS_REPORT})["peers"]
+    assert 100 < len(kept) < 1024
+    worst = sorted(peers, key=lambda p: peers[p]["score"])[: len(kept)]
+    assert set(kept) == set(worst)
 
 
 def test_every_node_is_asked_at_once(nodes):

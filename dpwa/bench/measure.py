@@ -5,6 +5,14 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench                         # the full table (about two minutes on 2 cores)
     python -m dpwa.bench --json bench.json       # the same, also written as JSON
     python -m dpwa.bench --quick                 # small sizes, few repetitions: a smoke test
+    python -m dpwa.bench --log bench.log         # the benchmark's own nodes' log lines go here
+
+The benchmark's own nodes log what any node logs (its configurations are
+deliberately odd: ``fetch_probability: 0`` for a node that only serves, plain
+TCP with ``insecure: true`` on 127.0.0.1). Those lines, and the helper
+processes' error output, go to a log file that the benchmark names at its
+start and in its summary (default: ``dpwa-bench-PID.log`` in the temporary
+folder), so that standard output holds only the tables and a short summary.
 
 For each model size it measures, in the same run and on the same machine:
 
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import random
@@ -83,22 +92,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOG_ENV = "DPWA_BENCH_LOG"  # the log file, handed to the helper processes
+
+
 class Child:
-    """A helper process of this module; stopped by PID, never by name."""
+    """A helper process of this module; stopped by PID, never by name. Its stderr goes to the bench's log."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dpwa.bench", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
+        log_path = os.environ.get(LOG_ENV)
+        log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed below; the child keeps a copy)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dpwa.bench", *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env={**os.environ, **(env or {})},
+            )
+        finally:
+            if log is not None:
+                log.close()
         assert self.proc.stdout is not None and self.proc.stdin is not None
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.stop()
-            raise RuntimeError(f"benchmark helper {args} failed to start (said {line!r})")
+            where = f"; see {log_path}" if log_path else ""
+            raise RuntimeError(f"benchmark helper {args} failed to start (said {line!r}){where}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -734,9 +754,60 @@ def format_scale(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_summary(results: dict[str, Any], log_path: Path) -> str:
+    """A few lines: what an exchange costs against its floors, how it scales, what it adds to training."""
+    lines = ["\nSummary"]
+    for row in results["sizes"]:
+        tcp, zmq_ms = row["tcp"]["exchange"], row["zmq_ms"]
+        text = (
+            f"  {row['parameters']:,} parameters ({row['mbytes']:.1f} MB): an exchange over TCP takes "
+            f"{tcp:.2f} ms, {tcp / zmq_ms:.2f}x a raw ZeroMQ round trip; same-host {row['same_host']['exchange']:.2f} ms"
+        )
+        if "curve" in row:
+            text += f"; CURVE {row['curve']['exchange'] / tcp:.2f}x TCP"
+        lines.append(text)
+    if results["scale"]:
+        scale = results["scale"]
+        cpu = [r["cpu_ms_per_exchange"] for r in scale]
+        lines.append(
+            f"  scale: {scale[0]['nodes']} to {scale[-1]['nodes']} nodes, {min(cpu):.2f} to {max(cpu):.2f} CPU ms "
+            f"per exchange, {sum(r['failed'] for r in scale)} failed"
+        )
+    for r in results["training"]:
+        lines.append(
+            f"  training, {r['workload']}: dpwa adds {100 * r['overhead']:.1f}% to a step "
+            f"(the raw floor: {100 * r['raw_overhead']:.1f}%), averaging in {100 * r['averaged_fraction']:.0f}% of steps"
+        )
+    lines.append(f"  the benchmark's own nodes' log: {log_path} ({_count_lines(log_path)} lines)")
+    return "\n".join(lines)
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def log_to(path: Path) -> None:
+    """Send every log record and Python warning of this process to `path` instead of the terminal."""
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dpwa.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument(
+        "--log",
+        metavar="FILE",
+        type=Path,
+        help="where the benchmark's own nodes log (default: dpwa-bench-PID.log in the temporary folder)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions for large models (default 30)")
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
@@ -745,6 +816,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-training", nargs=3, metavar=("CONFIG", "SHAPE", "BATCH"), help=argparse.SUPPRESS)
     parser.add_argument("--raw", metavar="SERVE_AT,FETCH_FROM", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    helper = args.serve_raw or args.serve_raw_tcp or args.serve_node or args.serve_training
+    if helper and os.environ.get(LOG_ENV):
+        log_to(Path(os.environ[LOG_ENV]))
+    if not helper:
+        log_path = (args.log or Path(tempfile.gettempdir()) / f"dpwa-bench-{os.getpid()}.log").resolve()
+        log_to(log_path)
+        os.environ[LOG_ENV] = str(log_path)  # the helper processes log there too
+        print(f"dpwa.bench: the benchmark's own nodes log to {log_path}", flush=True)
     if args.serve_raw:
         serve_raw(int(args.serve_raw[0]), int(args.serve_raw[1]))
         return 0
@@ -764,6 +843,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_scale(results["scale"]))
     if results["training"]:
         print(format_training(results["training"]))
+    print(format_summary(results, log_path))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"\nwrote {args.json}")

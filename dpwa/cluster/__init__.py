@@ -3,5 +3,9 @@
 * :mod:`.launch`: start, watch and stop one process per node (what ``./run.sh`` runs);
 * :mod:`.processes`: free ports, PID files, node processes;
 * :mod:`.monitor`: the live table and the summary, from the nodes' metrics files;
-* :mod:`.plot`: a run's curves.
+* :mod:`.events`: the launcher's event log (events.jsonl), and a bounded reader of JSON-lines files;
+* :mod:`.plot`: a run's curves;
+* :mod:`.status`: every node's status over the wire (``python -m dpwa status``);
+* :mod:`.observe` and :mod:`.dashboard`: the live web page (``python -m dpwa dashboard``);
+* :mod:`.checkpoints`, :mod:`.keys`: checkpoints of a run; CURVE keys for a config.
 """

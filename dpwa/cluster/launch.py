@@ -17,6 +17,8 @@ The run folder::
                               process is never signalled (see stop.sh)
         logs/<node>.log       each node's stdout and stderr (launcher.log: detached launcher)
         metrics/<node>.jsonl  written by the nodes (fields: see dpwa.monitor)
+        events.jsonl          what the launcher did and saw: starts, kills, exits, restarts (dpwa.cluster.events)
+        dashboard.json        with --dashboard: its URL (mode 0600: with the kill button it holds the token)
         models/<node>.pt      written by the nodes
         summary.json, summary.txt, curves.png   written at the end
 
@@ -26,6 +28,7 @@ The processes themselves (pinning, PID files, SIGTERM then SIGKILL) are
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,6 +48,7 @@ from typing import Any, TextIO
 import yaml
 
 from ..config import ConfigError, parse_config
+from .events import EventLog
 from .monitor import LiveView, MetricsTail, format_summary, summarize
 from .processes import Cluster, tail, write_pid_file
 
@@ -66,6 +71,9 @@ class LaunchSpec:
     restarts: int = 0  # times a node that dies (a failure, or chaos) is started again
     chaos_s: float = 0.0  # chaos mode: kill a random training node every this many seconds on average; 0: off
     chaos_seed: int | None = None  # randomness of chaos mode
+    dashboard: bool = False  # serve the live web page (dpwa.cluster.dashboard) while the cluster runs
+    dashboard_port: int = 0  # its port on 127.0.0.1; 0: a free one
+    dashboard_kill: bool = False  # and its kill button, behind a per-run token
 
     @property
     def names(self) -> list[str]:
@@ -168,9 +176,10 @@ class _Signals:
 def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) -> int:
     """Run the cluster until every node exits or a signal stops it; then the summary and curves.png.
 
-    Returns 0 when every node exited with 0, 1 when one failed, 128 + the
-    signal number when stopped by a signal. Every started process is stopped
-    before this returns, whatever happens.
+    Returns 0 when every node exited with 0, 1 when one failed, 2 when the
+    dashboard asked for cannot start, 128 + the signal number when stopped by
+    a signal. Every started process is stopped before this returns, whatever
+    happens, and the dashboard with them.
     """
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
@@ -186,30 +195,72 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     )
     metrics = MetricsTail(run_dir, spec.local_names)
     view = LiveView(out, tty=tty, every_s=spec.print_every_s)
-    signals = _Signals()
-    try:
-        view.message(
-            f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
-            f"{cluster.pinning()}; run folder {run_dir}"
-        )
-        view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
-        cluster.start()
-        _watch(spec, cluster, metrics, view, signals)
-        _conclude(spec, list(metrics.poll().values()), view, signals, out)
-    finally:
-        if cluster.alive():  # the launcher itself failed: never leave a node behind
-            cluster.stop()
-        signals.restore()
-    if signals.first:
-        return 128 + signals.first
-    return 0 if all(code == 0 for code in cluster.exited().values()) else 1
+    with contextlib.ExitStack() as stack:
+        events = stack.enter_context(EventLog(run_dir))
+        if spec.dashboard:
+            try:
+                board = stack.enter_context(_start_dashboard(spec))
+            except (OSError, ValueError) as exc:
+                view.message(f"dpwa: the dashboard cannot start: {exc}")
+                return 2
+            view.message(f"dpwa: dashboard: {board.url}  (it stops with the cluster)")
+        else:
+            view.message(f"dpwa: to watch it in a browser: {_python()} -m dpwa dashboard {run_dir}  (prints its URL)")
+        signals = _Signals()
+        stack.callback(signals.restore)
+        try:
+            events.write("run_start", nodes=spec.local_names, pid=os.getpid())
+            view.message(
+                f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
+                f"{cluster.pinning()}; run folder {run_dir}"
+            )
+            view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
+            cluster.start()
+            for name, proc in cluster.procs.items():
+                events.write("node_start", name, pid=proc.pid, restart=0)
+            _watch(spec, cluster, metrics, view, signals, events)
+            _conclude(spec, list(metrics.poll().values()), view, signals, out)
+        finally:
+            if cluster.alive():  # the launcher itself failed: never leave a node behind
+                cluster.stop()
+        if signals.first:
+            code = 128 + signals.first
+        else:
+            code = 0 if all(c == 0 for c in cluster.exited().values()) else 1
+        events.write("run_end", code=code)
+    return code
+
+
+@contextlib.contextmanager
+def _start_dashboard(spec: LaunchSpec) -> Iterator[Any]:
+    """The run's dashboard, serving until the block ends; its URL in RUN_DIR/dashboard.json (mode 0600)."""
+    from .dashboard import Dashboard
+
+    run_dir = Path(spec.run_dir)
+    record = run_dir / "dashboard.json"
+    with Dashboard(run_dir, port=spec.dashboard_port, allow_kill=spec.dashboard_kill) as board:
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"url": board.url, "pid": os.getpid()}, fh)
+        try:
+            yield board
+        finally:
+            record.unlink(missing_ok=True)
+
+
+def _python() -> str:
+    """This interpreter, as a user would type it from the current folder."""
+    python = os.path.relpath(sys.executable)
+    return sys.executable if python.startswith("..") else python
 
 
 class _Supervisor:
     """Restarts nodes that die (up to spec.restarts each) and, in chaos mode, kills one now and then."""
 
-    def __init__(self, spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView) -> None:
-        self.spec, self.cluster, self.metrics, self.view = spec, cluster, metrics, view
+    def __init__(
+        self, spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView, events: EventLog
+    ) -> None:
+        self.spec, self.cluster, self.metrics, self.view, self.events = spec, cluster, metrics, view, events
         self.rng = random.Random(spec.chaos_seed)
         self.restarts: dict[str, int] = dict.fromkeys(cluster.commands, 0)
         self.next_kill = self._next_kill(first=True)
@@ -238,6 +289,7 @@ class _Supervisor:
                 victim = self.rng.choice(victims)
                 if self.cluster.kill(victim):
                     nodes[victim].kills += 1
+                    self.events.write("kill", victim, pid=self.cluster.procs[victim].pid, by="chaos")
                     self.view.message(f"dpwa: chaos: SIGKILL to {victim}")
             self.next_kill = self._next_kill()
         for name, code in self.cluster.exited().items():
@@ -253,22 +305,27 @@ class _Supervisor:
                 f"(restart {self.restarts[name]} of {self.spec.restarts}): it rejoins from its peers"
             )
             self.cluster.restart(name)
+            self.events.write("restart", name, restart=self.restarts[name], of=self.spec.restarts)
+            self.events.write("node_start", name, pid=self.cluster.procs[name].pid, restart=self.restarts[name])
             restarted.add(name)
         return restarted
 
 
-def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView, signals: _Signals) -> None:
+def _watch(
+    spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveView, signals: _Signals, events: EventLog
+) -> None:
     """Show progress until every node has exited; on a signal, SIGTERM them all, SIGKILL after the grace period."""
     stopping_since: float | None = None
     killed: list[str] = []
     reported: set[str] = set()
-    supervisor = _Supervisor(spec, cluster, metrics, view)
+    supervisor = _Supervisor(spec, cluster, metrics, view, events)
     while cluster.alive() or supervisor.tend(stopping=stopping_since is not None):
         if signals.first and stopping_since is None:
             view.message(
                 f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
                 f"(SIGTERM; SIGKILL after {spec.grace_s:g} s or at a second Ctrl-C)"
             )
+            events.write("stop", signal=signal.Signals(signals.first).name)
             cluster.signal(signal.SIGTERM)
             stopping_since = time.monotonic()
         if stopping_since is not None and not killed:
@@ -279,11 +336,11 @@ def _watch(spec: LaunchSpec, cluster: Cluster, metrics: MetricsTail, view: LiveV
             if killed:
                 view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
                 cluster.signal(signal.SIGKILL)
-        _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+        _report_exits(cluster, metrics, view, reported, Path(spec.run_dir), events)
         reported -= supervisor.tend(stopping=stopping_since is not None)
         view.update(list(metrics.poll().values()))
         time.sleep(0.25)
-    _report_exits(cluster, metrics, view, reported, Path(spec.run_dir))
+    _report_exits(cluster, metrics, view, reported, Path(spec.run_dir), events)
     view.update(list(metrics.poll().values()), force=True, final=True)
     view.close()
 
@@ -311,11 +368,14 @@ def _conclude(spec: LaunchSpec, nodes: list, view: LiveView, signals: _Signals, 
     out.flush()
 
 
-def _report_exits(cluster: Cluster, metrics: MetricsTail, view: LiveView, reported: set[str], run_dir: Path) -> None:
+def _report_exits(
+    cluster: Cluster, metrics: MetricsTail, view: LiveView, reported: set[str], run_dir: Path, events: EventLog
+) -> None:
     for name, code in cluster.exited().items():
         if name in reported:
             continue
         reported.add(name)
+        events.write("exit", name, code=code)
         metrics.nodes[name].exit_code = code
         if code != 0 and code != -signal.SIGTERM:
             log = run_dir / "logs" / f"{name}.log"
@@ -386,9 +446,10 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
+    waiting_for = pid_files + ([run_dir / "dashboard.json"] if spec.dashboard else [])
     deadline = time.monotonic() + timeout_s
     try:
-        while not all(p.exists() for p in pid_files):
+        while not all(p.exists() for p in waiting_for):
             if supervisor.poll() is not None or time.monotonic() > deadline:
                 log_path = run_dir / "logs" / "launcher.log"
                 out.write(
@@ -401,12 +462,19 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
     except KeyboardInterrupt:
         out.write(f"\ndpwa: the cluster goes on starting in the background; ./stop.sh {run_dir} stops it\n")
         return 130
-    python = os.path.relpath(sys.executable)
-    python = sys.executable if python.startswith("..") else python
+    python = _python()
+    if spec.dashboard:
+        try:
+            dashboard = "  dashboard: " + json.loads((run_dir / "dashboard.json").read_text())["url"]
+        except (OSError, ValueError, KeyError, TypeError):  # it stopped already: the run ended at once
+            dashboard = f"  dashboard: see {run_dir / 'logs' / 'launcher.log'}"
+    else:
+        dashboard = f"  dashboard: {python} -m dpwa dashboard {run_dir}   (prints its URL)"
     out.write(
         f"dpwa: {len(pid_files)} nodes started in the background (launcher pid {supervisor.pid}); "
         f"run folder {run_dir}\n"
         f"  progress:  {python} -m dpwa status {run_dir}   (or: tail -f {run_dir / 'logs' / 'launcher.log'})\n"
+        f"{dashboard}\n"
         f"  stop:      ./stop.sh {run_dir}\n"
     )
     out.flush()

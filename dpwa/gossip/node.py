@@ -649,6 +649,7 @@ class Node:
             self._blend.apply(self.params, own.array if own else None, received.array, f, self.wire)
         self._clock = _clamp_clock(self._blend.clock(self._clock, own.clock if own else 0.0, peer_clock, f))
         self.counters.add("averaged")
+        self.counters.add(f"peer.{call.peer}.averaged")
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=self._clock)
 
     def _finish_exchange(self, step: _Step) -> Update:
@@ -696,6 +697,7 @@ class Node:
             self._blend.apply(self.params, own.array, theirs.array, half.f, self.wire)
             self._clock = _clamp_clock(self._blend.clock(self._clock, own.clock, theirs.header["clock"], half.f))
         self.counters.add("averaged")
+        self.counters.add(f"peer.{half.peer}.averaged")
         assert self._exchange_client is not None
         self._exchange_client.hold(half)  # a closing peer that asks learns we hold its commit
         return half.f
@@ -723,6 +725,7 @@ class Node:
                 their_clock = half.theirs.header["clock"]
                 self._clock = _clamp_clock(rules.mirror_clock(self._clock, served.clock, their_clock, half.f))
             self.counters.add("mirrored")
+            self.counters.add(f"peer.{half.peer}.averaged")
             applied += 1
         for call in [c for c in self._outstanding if c.done.is_set()]:
             self._outstanding.remove(call)
@@ -934,8 +937,8 @@ class Node:
             "exchanges_per_s": self._rate.per_second(now, blends),
             "averaged": blends,
             "failures": sum(stats.get(f"peer.{p}.failures", 0) for p in self.peers),
-            "bytes_in": stats.get("bytes_in", 0),
-            "bytes_out": stats.get("bytes_out", 0),
+            "bytes_in": stats.get("bytes_in", 0) + stats.get("shm_bytes_in", 0),  # sockets and shared memory
+            "bytes_out": stats.get("bytes_out", 0) + stats.get("shm_bytes_out", 0),
             "served": stats.get("requests_served", 0),
             "pending": pending,
             "uptime_s": now - self._started,
@@ -944,6 +947,7 @@ class Node:
                     "score": scores[peer],
                     "failures": stats.get(f"peer.{peer}.failures", 0),
                     "latency_s": stats.get(f"peer.{peer}.latency_s"),
+                    "averaged": stats.get(f"peer.{peer}.averaged", 0),
                 }
                 for peer in self.peers
             },
@@ -974,6 +978,8 @@ class Node:
             "requests_rejected",
             "requests_refused",
             "same_host_fetches",
+            "shm_bytes_in",
+            "shm_bytes_out",
         ):
             out.setdefault(key, 0)
         out.setdefault("last_fetch_latency_s", None)
@@ -983,6 +989,7 @@ class Node:
                 "score": scores[peer],
                 "failures": out.pop(f"peer.{peer}.failures", 0),
                 "latency_s": out.pop(f"peer.{peer}.latency_s", None),
+                "averaged": out.pop(f"peer.{peer}.averaged", 0),
             }
             for peer in self.peers
         }

@@ -154,6 +154,7 @@ class ReplyReader:
                 self._log(f"{exc.detail}: falling back to TCP for {peer}")
             raise
         self._counters.add("same_host_fetches")
+        self._counters.add("shm_bytes_in", self.nbytes)
         return Received(header, view.array, view.release)
 
     def close(self) -> None:

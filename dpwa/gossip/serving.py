@@ -107,6 +107,7 @@ class Serving:
             # asks again; once it holds the lock, we cannot rewrite it.
             lease.release()
             self._counters.add("same_host_served")
+            self._counters.add("shm_bytes_out", self.nbytes)
             return Reply(encode(SHM_PARAMS, header.id, **fields, shm_slot=snap.slot, shm_id=self.shm_id))
         return Reply(encode(PARAMS, header.id, **fields), payload=[snap.array], hold=lease)
 

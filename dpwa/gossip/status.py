@@ -8,6 +8,7 @@ node's own numbers are clamped into the schema before they are sent, so no
 value it reports about itself (a loss of 1e40, say) can stop it answering.
 The reply fits :data:`STATUS_BYTES`: the peers table is cut, the worst
 scores kept first, and ``peers_omitted`` says how many were left out.
+``bytes_in``/``bytes_out`` count parameters moved through shared memory too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ STATES = ("starting", "joining", "training", "at_barrier", "lingering", "closing
 _NAME = Text(64, NAME_PATTERN)
 _COUNT = Integer(0, 1 << 62)
 _SECONDS = Number(0.0, 1e9, optional=True)
-_PEER = Record({"score": Number(0.0, 1.0), "failures": _COUNT}, {"latency_s": _SECONDS})
+# averaged: how many times the node blended this peer's parameters (optional: older nodes do not say)
+_PEER = Record({"score": Number(0.0, 1.0), "failures": _COUNT}, {"latency_s": _SECONDS, "averaged": _COUNT})
 STATUS = message_kind("status", {"from": _NAME})
 STATUS_REPORT = message_kind(
     "status_report",

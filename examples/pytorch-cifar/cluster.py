@@ -3,6 +3,7 @@
     ./run.sh                                  # one node per core (at least 2), until done
     ./run.sh --nodes 3 --epochs 5             # three nodes, five epochs
     ./run.sh --detach                         # in the background; ./stop.sh stops it
+    ./run.sh --dashboard                      # and a live web page of it (prints its URL)
     ./run.sh --config samples/local-2.yaml    # a config of your own (here: two nodes, fixed ports)
     ./run.sh --help
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(HERE))
 
 import data as datasets  # noqa: E402
 import models  # noqa: E402
+import schedule as training_schedule  # noqa: E402
 
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
@@ -83,6 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--chaos-seed", type=int, help="the randomness of --chaos (default: a new one each run)")
     g.add_argument("--barrier-timeout-s", type=float,
                    help="how long nodes wait for missing ones at a barrier (default: 300)")
+    g = p.add_argument_group("dashboard")
+    g.add_argument("--dashboard", action="store_true",
+                   help="serve a live web page of the cluster on 127.0.0.1 while it runs (prints its URL; "
+                        "it stops with the cluster)")
+    g.add_argument("--dashboard-port", type=int, default=0,
+                   help="the dashboard's port (default: a free one)")
+    g.add_argument("--allow-kill", action="store_true",
+                   help="with --dashboard: a kill button per node (SIGKILL, as --chaos does), behind a secret "
+                        "token in the printed URL")
     g = p.add_argument_group("processes")
     g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
     g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
@@ -97,13 +108,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
                    help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)")
     g.add_argument("--epochs", type=int,
-                   help="default: 20 on digits (more if needed for 400 steps per node), 30 on cifar10")
+                   help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10")
     g.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
     g.add_argument("--model", choices=("auto",) + models.MODELS,
                    help="auto (default): resnet18 on a GPU, small on a CPU")
     g.add_argument("--width", type=int, help="channels of the small model's first stage (default: 16)")
     g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
-    g.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 on digits, 0.1 on cifar10)")
+    g.add_argument("--lr", type=float,
+                   help="peak learning rate of every node (default: 0.1 on cifar10; on digits 0.05 x nodes / 2, "
+                        "at most 0.4, after a warm-up: examples/pytorch-cifar/schedule.py)")
     g.add_argument("--shard", choices=("auto", "none"),
                    help="auto (default): a disjoint part of the data per node; none: all of it")
     g.add_argument("--device", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
@@ -130,6 +143,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--restarts must be >= 0, got {args.restarts}")
     if args.resume is not None and (args.config or args.nodes or args.base_port):
         p.error("--resume continues a run with its own config: leave out --config, --nodes and --base-port")
+    if args.resume is not None:
+        changed = [f"--{o.replace('_', '-')}" for o in TRAIN_OPTIONS if o != "epochs" and getattr(args, o) is not None]
+        if changed:
+            p.error(f"--resume continues a run with its own training options; only --epochs may change "
+                    f"(got {', '.join(changed)})")
+    if (args.allow_kill or args.dashboard_port) and not args.dashboard:
+        p.error("--allow-kill and --dashboard-port go with --dashboard")
+    if not 0 <= args.dashboard_port <= 65535:
+        p.error(f"--dashboard-port must be in 0..65535, got {args.dashboard_port}")
     return args
 
 
@@ -159,7 +181,11 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
 
 
 def resume(args: argparse.Namespace) -> int:
-    """Run RUN_DIR again, every node continuing from the run's latest complete checkpoint."""
+    """Run RUN_DIR again, every node continuing from the run's latest complete checkpoint.
+
+    ``--epochs N`` changes how many epochs the run trains in all (more, or fewer than it was started
+    with, but more than it has trained); the learning rate's cosine then spans the N epochs.
+    """
     try:
         spec = launch.LaunchSpec.load(args.resume)
         names = spec.local_names
@@ -167,16 +193,59 @@ def resume(args: argparse.Namespace) -> int:
         if epoch is None:
             raise ConfigError(f"{args.resume}: no complete checkpoint of every node ({', '.join(names)}) to resume from")
         command = spec.command if "--resume" in spec.command else spec.command + ["--resume"]
+        if args.epochs is not None:
+            command = with_epochs(args.resume, spec, command, epoch, args.epochs)
         spec = launch.prepare(dataclasses.replace(
             spec, command=command, restarts=args.restarts, chaos_s=args.chaos or 0.0, chaos_seed=args.chaos_seed,
-            grace_s=args.grace, print_every_s=args.print_every))
-    except (ConfigError, OSError, ValueError) as exc:
+            grace_s=args.grace, print_every_s=args.print_every, dashboard=args.dashboard,
+            dashboard_port=args.dashboard_port, dashboard_kill=args.allow_kill))
+    except (ConfigError, OSError, ValueError, checkpoints.CheckpointError) as exc:
         print(f"./run.sh: {exc}", file=sys.stderr)
         return 2
     what = "the state every node saved when it was stopped" if epoch == checkpoints.LAST else (
         f"the checkpoint of epoch {epoch}")
     print(f"dpwa: resuming {args.resume} from {what}", flush=True)
     return launch.detach(spec) if args.detach else launch.run(spec)
+
+
+def with_epochs(run_dir: Path, spec: launch.LaunchSpec, command: list[str], epoch: int | str, epochs: int) -> list[str]:
+    """The node command with --epochs `epochs`; a ValueError unless that is more than the run has trained."""
+    if epoch == checkpoints.LAST:  # each node saved how far it got when it was stopped
+        done = max(int(checkpoints.load(run_dir, epoch, name)["progress"]["epoch"]) for name in spec.local_names)
+    else:
+        done = int(epoch)
+    before = command[command.index("--epochs") + 1] if "--epochs" in command[:-1] else "its default"
+    if epochs <= done:
+        raise ValueError(f"{run_dir} has trained {done} epochs; --epochs {epochs} must be more than that to train on "
+                         f"(leave --epochs out to train to {before})")
+    kept = []
+    skip = False
+    for i, word in enumerate(command):  # drop the old --epochs N
+        if skip:
+            skip = False
+        elif word == "--epochs" and i + 1 < len(command):
+            skip = True
+        else:
+            kept.append(word)
+    print(f"dpwa: --epochs {epochs}: the run trains {epochs} epochs in all (it was started with {before}); "
+          f"the learning rate's cosine now spans the {epochs} epochs", flush=True)
+    return kept + ["--epochs", str(epochs)]
+
+
+def warn_few_steps(args: argparse.Namespace, data: str, nodes: int) -> None:
+    """Say so when --epochs gives each node fewer steps than the data needs (schedule.py), naming the numbers."""
+    if args.epochs is None:
+        return
+    try:
+        train_images = len(datasets.load(data, args.data_dir).train_y)
+    except (FileNotFoundError, ValueError):
+        return  # the nodes will say what is wrong with the data
+    shard = train_images // nodes if args.shard != "none" else train_images  # the smallest shard
+    batch_size = args.batch_size or training_schedule.DEFAULTS[data]["batch_size"]
+    steps = min(shard // batch_size, args.steps_per_epoch or shard // batch_size)
+    warning = training_schedule.few_steps_warning(data, nodes, shard, batch_size, steps, args.epochs)
+    if warning:
+        print(f"dpwa: warning: {warning}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,24 +258,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.data == "auto" and data == "digits":
             print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
                   "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
+        warn_few_steps(args, data, len(config["nodes"]))
         run_dir = launch.new_run_dir(args.runs_dir)
         if args.config is None and not is_loopback(args.host):
             # Other machines can reach these nodes: they authenticate and encrypt with keys made for this run.
             key_nodes(config["nodes"], run_dir / "keys")
             print(f"dpwa: {args.host} can be reached from other machines: CURVE keys for every node are in "
                   f"{run_dir / 'keys'}", flush=True)
+        # The CIFAR-10 folder only where the nodes read it: hints built from these commands name the data used.
+        data_dir = ["--data-dir", str(args.data_dir.resolve())] if data == "cifar10" else []
         command = [sys.executable, str(HERE / "train.py"), "--config", "{config}", "--name", "{name}",
-                   "--run-dir", "{run_dir}", "--data", data, "--data-dir", str(args.data_dir.resolve())]
+                   "--run-dir", "{run_dir}", "--data", data, *data_dir]
         for option in TRAIN_OPTIONS:
             value = getattr(args, option)
             if value is not None:
                 command += [f"--{option.replace('_', '-')}", str(value)]
         spec = launch.prepare(launch.LaunchSpec(
             run_dir=str(run_dir), config=config, command=command, local=local,
-            finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}",
-                            "--data-dir", str(args.data_dir.resolve())],
+            finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}", *data_dir],
             pin=not args.no_pin, grace_s=args.grace, print_every_s=args.print_every,
             restarts=args.restarts, chaos_s=args.chaos or 0.0, chaos_seed=args.chaos_seed,
+            dashboard=args.dashboard, dashboard_port=args.dashboard_port, dashboard_kill=args.allow_kill,
         ))
     except (ConfigError, OSError) as exc:
         print(f"./run.sh: {exc}", file=sys.stderr)

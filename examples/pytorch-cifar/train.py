@@ -28,7 +28,6 @@ import hashlib
 import io
 import json
 import logging
-import math
 import os
 import random
 import signal
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 
 import data as datasets
 import models
+import schedule as training_schedule
 from evaluate import checkpoint, evaluate
 
 import dpwa
@@ -50,12 +50,9 @@ from dpwa import DpwaPyTorchAdapter
 from dpwa import TransportError
 from dpwa.cluster import checkpoints
 
-# Defaults per dataset. On digits, 2 nodes reach about 99% in 20 epochs of 22 steps; with more
-# nodes the shards shrink, so the default epochs grow until each node takes at least min_steps.
-DEFAULTS = {
-    "digits": {"epochs": 20, "min_steps": 400, "batch_size": 32, "lr": 0.05},
-    "cifar10": {"epochs": 30, "min_steps": 0, "batch_size": 128, "lr": 0.1},
-}
+# Defaults per dataset, and how they change with the number of nodes: schedule.py (on digits the
+# learning rate grows with the nodes, with a warm-up; the warning when --epochs gives too few steps).
+DEFAULTS = training_schedule.DEFAULTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,10 +72,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=16,
                    help="channels of the small model's first stage (default: %(default)s)")
     p.add_argument("--epochs", type=int,
-                   help="default: 20 on digits (more if needed for 400 steps per node), 30 on cifar10")
+                   help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10")
     p.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
     p.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
-    p.add_argument("--lr", type=float, help="peak learning rate, cosine decay to 0 (default: 0.05 digits, 0.1 cifar10)")
+    p.add_argument("--lr", type=float, help="peak learning rate, cosine decay to 0, on every node (default: 0.1 on "
+                                            "cifar10; on digits 0.05 x nodes / 2, at most 0.4, after a warm-up)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum (default: %(default)s)")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0,
@@ -282,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     data_name = datasets.resolve(args.data, args.data_dir)
     defaults = DEFAULTS[data_name]
     batch_size = args.batch_size or defaults["batch_size"]
-    lr = args.lr if args.lr is not None else defaults["lr"]
+    lr, lr_scale = training_schedule.learning_rate(data_name, count, args.lr)  # grows with the nodes (schedule.py)
     device = pick_device(args.device, index)
     model_name = args.model if args.model != "auto" else ("resnet18" if device.type == "cuda" else "small")
 
@@ -298,15 +296,19 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %d training images are fewer than one batch of %d", args.name, len(data.train_y), batch_size)
         return 2
     steps = min(full_epoch, args.steps_per_epoch or full_epoch)
-    epochs = args.epochs or max(defaults["epochs"], math.ceil(defaults["min_steps"] / full_epoch))
+    epochs = args.epochs or training_schedule.default_epochs(data_name, full_epoch)
+    too_few = training_schedule.few_steps_warning(data_name, count, len(data.train_y), batch_size, steps, epochs)
+    if too_few:
+        log.warning("%s: %s", args.name, too_few)
 
     torch.manual_seed(args.seed)  # same initial weights on every node (and joining makes sure of it)
     net = models.build(model_name, data.in_channels, data.num_classes, args.width).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, nesterov=True)
     total_steps = epochs * steps
+    warmup = training_schedule.warmup_steps(lr_scale, steps, total_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+        optimizer, lambda s: training_schedule.lr_factor(s, total_steps, warmup))
     order = torch.Generator().manual_seed(args.seed * 1000 + index + 1)  # each node its own batch order
 
     try:  # with join: auto (the default) a node that starts late or restarts takes a peer's state here
@@ -326,13 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     metrics.write("start", pid=os.getpid(), data=data_name, model=model_name, device=str(device),
                   parameters=models.count_parameters(net), train_images=len(data.train_y),
                   test_images=len(data.test_y), epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr,
+                  warmup_steps=warmup,
                   started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock,
                   joined=None if conn.joined is None else {
                       "donor": conn.joined.donor, "clock": conn.joined.clock, "digest": conn.joined.digest.hex(),
                       "params_blake2b": params_blake2b(net)})
-    log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps; %s",
-             args.name, data_name, "its shard" if args.shard == "auto" else "all the data", len(data.train_y),
-             model_name, f"{models.count_parameters(net):,}", device, epochs, steps, started)
+    log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps, learning rate "
+             "%g%s; %s", args.name, data_name, "its shard" if args.shard == "auto" else "all the data",
+             len(data.train_y), model_name, f"{models.count_parameters(net):,}", device, epochs, steps, lr,
+             f" ({lr_scale:g} x the 2-node rate, warm-up {warmup} steps)" if lr_scale > 1 else "", started)
 
     step, loss_value = progress["step"], None
     averaged, failed, averaged_with = progress["averaged"], progress["failed"], collections.Counter()
