@@ -22,14 +22,16 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000]
+    assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000, 1 << 20]
     for row in result["sizes"]:
         assert row["copy_ms"] > 0 and row["zmq_ms"] > 0 and row["raw_tcp_ms"] > 0 and row["node_served_ms"] > 0
-        for path in ("tcp", "curve", "same_host", "tcp_float16"):
+        streamed = ("tcp_zmq", "curve_zmq") if row["parameters"] == 1 << 20 else ()  # bulk: off beside the stream
+        assert {"tcp_zmq", "curve_zmq"} & set(row) == set(streamed)
+        for path in ("tcp", "curve", "same_host", "tcp_float16", *streamed):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
     assert all(r["failed"] == 0 for r in result["scale"])
     assert [r["workload"] for r in result["training"]] == ["digits, batch 32 (run.sh's default)"]
     assert result["training"][0]["averaged_fraction"] > 0
     assert result["training"][0]["raw_step_ms"] > 0 and result["training"][0]["step_with_raw_ms"] > 0
-    assert "x zmq" in proc.stdout and "x tcp" in proc.stdout
+    assert "x zmq" in proc.stdout and "x tcp" in proc.stdout and "tcp, CURVE, bulk: off" in proc.stdout

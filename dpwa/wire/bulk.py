@@ -485,7 +485,7 @@ class BulkServer:
 
 def _release(transfer: _Transfer) -> None:
     hold, transfer.hold = transfer.hold, None
-    transfer.views = []
+    transfer.views, transfer.cipher = [], None
     if hold is not None:
         hold.release()
 
