@@ -485,7 +485,8 @@ class DpwaPair:
         from dpwa.gossip.node import BULK_MIN_BYTES
 
         self.same_host = same_host
-        self.streams = not same_host and bulk == "auto" and size * 4 >= BULK_MIN_BYTES  # by dpwa.wire.bulk
+        nbytes = size * (4 if wire_dtype == "float32" else 2)  # float16 and bfloat16: 2 bytes
+        self.streams = not same_host and bulk == "auto" and nbytes >= BULK_MIN_BYTES  # by dpwa.wire.bulk
         path = write_pair_config(directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve)
         self.child = Child("--serve-node", path, str(size))
         try:
