@@ -17,13 +17,13 @@ import time
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from dpwa import NumpyParams
 from dpwa.gossip.node import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.bulk import (
     BLOCK_BYTES,
+    Cipher,
     KEY_BYTES,
     TAG_BYTES,
     TOKEN_BYTES,
@@ -44,7 +44,7 @@ DATA = np.random.default_rng(7).integers(0, 256, 3 * BLOCK_BYTES + 1000, dtype=n
 
 def seal(key: bytes, token: bytes, data: bytes) -> list[bytes]:
     """`data` as an honest sealed stream's blocks."""
-    cipher, total = AESGCM(key), len(data)
+    cipher, total = Cipher(key), len(data)
     return [
         cipher.encrypt(nonce(i), data[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES], associated_data(token, i, total))
         for i in range(block_count(total))
@@ -196,7 +196,7 @@ def test_a_sealed_server_sends_only_ciphertext_of_the_announced_length():
             wire += chunk
         assert hold.released.wait(5) and len(wire) == sealed_bytes(data.nbytes)
         assert data[:64].tobytes() not in wire
-        cipher, plain, offset = AESGCM(ticket.key), bytearray(), 0
+        cipher, plain, offset = Cipher(ticket.key), bytearray(), 0
         for i in range(block_count(data.nbytes)):
             size = min(BLOCK_BYTES, data.nbytes - i * BLOCK_BYTES) + TAG_BYTES
             plain += cipher.decrypt(nonce(i), bytes(wire[offset : offset + size]),

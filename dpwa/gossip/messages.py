@@ -8,7 +8,7 @@ params      server -> requester    a snapshot: header + one payload frame of `nb
 shm_params  server -> requester    a snapshot in a same-host shared-memory slot
 bulk_params server -> requester    a snapshot waiting at the server's bulk port for
                                    the holder of `token` (asked with ``bulk``), with
-                                   `key`, the transfer's own AES-256-GCM key, in a
+                                   `key`, the transfer's own AES-256 key, in a
                                    cluster with CURVE keys (dpwa.wire.bulk)
 exchange    requester -> server    (mode symmetric) "here is my snapshot, send yours";
                                    one payload frame; answered params / shm_params
