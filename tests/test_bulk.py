@@ -355,7 +355,7 @@ def test_a_flood_on_the_bulk_port_cannot_keep_a_new_peer_from_averaging(nodes, t
             averaged += node.update_wait().averaged
             steps += 1
     assert steps >= 10 and averaged >= 0.9 * steps, (averaged, steps)
-    assert node.stats()["bulk_fetches"] >= 0.9 * steps
+    assert node.stats()["bulk_fetches"] >= 0.5 * steps  # by stream: fair accepting lets them through
     assert peer.stats()["bulk_evicted"] > 0
     assert np.all(mine == mine[0]) and 0 < mine[0] <= 4.0
 
