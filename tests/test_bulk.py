@@ -502,3 +502,18 @@ def test_bind_to_an_interface_this_machine_lacks_is_refused_before_anything_star
     with pytest.raises(ConfigError, match=r"nodes\[0\]\.bind is 'nosuchif0'.*interface of this machine"):
         nodes(cfg, "w0", NumpyParams(np.zeros(BULK_MIN_BYTES // 4, np.float32)))
     assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("key", [b"k" * 31, b"k" * 33, "k" * 32])
+def test_a_bulk_reply_whose_key_is_not_32_bytes_is_refused_by_its_schema(key):
+    import msgpack
+
+    from dpwa.gossip.messages import BULK_PARAMS
+    from dpwa.wire.messages import decode, encode
+
+    fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,
+              "version": 1, "port": 1, "token": b"t" * TOKEN_BYTES}
+    good = msgpack.unpackb(encode(BULK_PARAMS, 7, **fields, key=b"k" * 32))
+    assert decode(msgpack.packb({**good})).get("key") == b"k" * 32
+    with pytest.raises(ProtocolError, match="key"):
+        decode(msgpack.packb({**good, "key": key}))
