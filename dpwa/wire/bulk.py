@@ -20,10 +20,9 @@ requester may ask for a large snapshot by stream:
 snapshot goes in blocks of :data:`BLOCK_BYTES`, each encrypted and
 authenticated with AES-256 in OCB3 mode (RFC 7253; :data:`Cipher`) under
 the transfer's own key, which only ever travelled inside the CURVE-encrypted
-reply. Block ``k`` is sealed with
-the nonce ``k`` (never reused: a key serves one transfer) and associated
-data that bind the token, ``k``, the total size and whether it is the last
-block (:func:`associated_data`). A block that was forged, flipped, replayed
+reply. Block ``k`` is sealed with the nonce ``k`` (never reused: a key
+serves one transfer) and associated data that bind the token, ``k``, the
+total size and whether it is the last block (:func:`associated_data`). A block that was forged, flipped, replayed
 (from this transfer or another), reordered or cut fails authentication, and
 a stream that ends early fails its length: either way the transfer fails
 (:class:`BulkError`), and no byte of a block is used before that block is
