@@ -34,7 +34,7 @@ import yaml
 
 from .mixing.kernels import WIRE_STORAGE
 from .wire.curve import valid_public_key
-from .wire.endpoints import ipc_endpoint, is_loopback
+from .wire.endpoints import BindError, bind_address, ipc_endpoint, is_loopback
 
 __all__ = [
     "Config",
@@ -69,7 +69,7 @@ class NodeSpec:
     name: str  # unique; used in logs, metrics and file names
     host: str  # where peers connect to this node
     port: int  # TCP port the node's Rx thread listens on
-    bind: str | None = None  # address to bind; None binds `host` ("*" binds every interface)
+    bind: str | None = None  # address, interface name or host name to bind; None binds `host`; "*" every interface
     public_key: str | None = None  # Z85 CURVE public key; set on every node or on none
     secret_key_file: str | None = None  # where this node finds its secret key (absolute path)
 
@@ -113,7 +113,7 @@ class Config:
     blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
     pairing: str = "random"  # random: a peer drawn by score; hypercube: i pairs with i XOR 2^(t mod log2 n)
     insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
-    bulk: str = "auto"  # auto: without keys, large snapshots stream over raw TCP (dpwa.wire.bulk); off: never
+    bulk: str = "auto"  # auto: over TCP, snapshots of 4 MiB or more stream over raw TCP (sealed with keys); off: never
     join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
     torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.rendezvous)
     interface: str = "auto"  # with torchrun: the address (or interface name) peers reach this node at
@@ -142,9 +142,29 @@ class Config:
         """Where peers connect to node `spec`."""
         return ipc_endpoint(spec.port) if self.transport == "ipc" else spec.tcp_endpoint
 
-    def bind_endpoint(self, spec: NodeSpec) -> str:
-        """Where node `spec` listens."""
-        return ipc_endpoint(spec.port) if self.transport == "ipc" else spec.tcp_bind_endpoint
+    def bind_endpoint(self, spec: NodeSpec, address: str | None = None) -> str:
+        """Where node `spec` listens (over TCP: at `address`, else at :meth:`bind_address`)."""
+        if self.transport == "ipc":
+            return ipc_endpoint(spec.port)
+        return f"tcp://{_bracket(address or self.bind_address(spec))}:{spec.port}"
+
+    def bind_address(self, spec: NodeSpec) -> str:
+        """The numeric address node `spec` binds over TCP, with every listener it has (ZeroMQ, bulk).
+
+        Its ``bind`` (else its ``host``), resolved on this machine, where the node runs: an interface
+        name becomes its IPv4 address, a host name its address. The config is shared by every machine,
+        so this is never done at load time for other nodes. ConfigError if it cannot be bound here.
+        """
+        key = "bind" if spec.bind is not None else "host"
+        value = spec.bind if spec.bind is not None else spec.host
+        try:
+            return bind_address(value)
+        except BindError as exc:
+            index = next((i for i, other in enumerate(self.nodes) if other.name == spec.name), "?")
+            raise ConfigError(
+                f"{self.source}: nodes[{index}].{key} is {value!r}: {exc}. Expected an address of this machine, "
+                "'*', an interface name with an IPv4 address, or a host name"
+            ) from None
 
     @property
     def timeout_s(self) -> float:

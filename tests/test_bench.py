@@ -23,25 +23,29 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000]
+    assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000, 1 << 20]
     for row in result["sizes"]:
         assert row["copy_ms"] > 0 and row["zmq_ms"] > 0 and row["raw_tcp_ms"] > 0 and row["node_served_ms"] > 0
-        for path in ("tcp", "curve", "same_host", "tcp_float16"):
+        streamed = ("tcp_zmq", "curve_zmq") if row["parameters"] == 1 << 20 else ()  # bulk: off beside the stream
+        assert {"tcp_zmq", "curve_zmq"} & set(row) == set(streamed)
+        for path in ("tcp", "curve", "same_host", "tcp_float16", *streamed):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
     assert all(r["failed"] == 0 for r in result["scale"])
     assert [r["workload"] for r in result["training"]] == ["digits, batch 32 (run.sh's default)"]
     assert result["training"][0]["averaged_fraction"] > 0
     assert result["training"][0]["raw_step_ms"] > 0 and result["training"][0]["step_with_raw_ms"] > 0
-    assert "x zmq" in proc.stdout and "x tcp" in proc.stdout
+    assert "x zmq" in proc.stdout and "x tcp" in proc.stdout and "tcp, CURVE, bulk: off" in proc.stdout
     # Its own nodes' warnings (deliberately odd configurations) go to the log it names, not between the tables.
     assert proc.stdout.splitlines()[0] == f"dpwa.bench: the benchmark's own nodes log to {log}"
     logged = log.read_text()
     assert "insecure: true: serving" in logged and "fetch_probability is 0 with 2 nodes" in logged
     for noise in ("insecure: true", "fetch_probability is 0", "WARNING"):
         assert noise not in proc.stdout and noise not in proc.stderr, noise
-    summary = proc.stdout[proc.stdout.index("\nSummary\n"):].splitlines()
-    assert summary[2].startswith("  1,000 parameters (0.0 MB): an exchange over TCP takes ")
-    assert summary[4].startswith("  scale: 2 to 4 nodes, ") and summary[4].endswith(" 0 failed")
-    assert summary[5].startswith("  training, digits, batch 32 (run.sh's default): dpwa adds ")
-    assert summary[6] == f"  the benchmark's own nodes' log: {log} ({len(logged.splitlines())} lines)"
+    summary = proc.stdout[proc.stdout.index("\nSummary\n"):].splitlines()[2:]
+    sizes = [line for line in summary if " parameters (" in line]
+    assert [line.split(" parameters")[0].strip() for line in sizes] == ["1,000", "100,000", "1,048,576"]
+    assert all(": an exchange over TCP takes " in line for line in sizes)
+    assert summary[len(sizes)].startswith("  scale: 2 to 4 nodes, ") and summary[len(sizes)].endswith(" 0 failed")
+    assert summary[len(sizes) + 1].startswith("  training, digits, batch 32 (run.sh's default): dpwa adds ")
+    assert summary[len(sizes) + 2] == f"  the benchmark's own nodes' log: {log} ({len(logged.splitlines())} lines)"

@@ -72,6 +72,34 @@ def test_ipv6_host_and_bind_address():
     assert config.bind_endpoint(config.nodes[0]) == "tcp://*:5"
 
 
+@pytest.mark.parametrize("value, expected", [
+    ("*", "*"), ("0.0.0.0", "0.0.0.0"), ("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("[::1]", "::1"),
+    ("lo", "127.0.0.1"),  # an interface name: its IPv4 address
+    ("localhost", "127.0.0.1"),  # a host name: IPv4 first, as ZeroMQ resolves it
+])
+def test_bind_resolves_to_one_address_every_listener_can_bind(value, expected):
+    from dpwa.wire.endpoints import bind_address
+
+    assert bind_address(value) == expected
+    config = parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 5, "bind": value}],
+                           "insecure": True})
+    assert config.bind_address(config.nodes[0]) == expected
+    assert config.bind_endpoint(config.nodes[0]) == f"tcp://{'[::1]' if ':' in expected else expected}:5"
+
+
+def test_bind_to_an_interface_this_machine_lacks_is_refused_naming_the_file_key_and_value(tmp_path):
+    """The config loads (it is shared by every machine: `bind` names an interface of its node's own
+    machine); the node that would bind it is told exactly what is wrong, before it binds anything."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text("nodes:\n  - {name: a, host: 127.0.0.1, port: 5}\n  - {name: b, host: 127.0.0.1, port: 6, "
+                    "bind: nosuchif0}\ninsecure: true\n")
+    config = load_config(path)
+    assert config.bind_address(config.nodes[0]) == "127.0.0.1"
+    with pytest.raises(ConfigError, match=rf"{path}: nodes\[1\]\.bind is 'nosuchif0': .*neither an address, '\*', "
+                                          r"an interface of this machine \(here: .*lo.*\).*Expected an address"):
+        config.bind_address(config.nodes[1])
+
+
 @pytest.mark.parametrize("node", [
     {"name": "a", "host": "10.1.2.3", "port": 5},
     {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "*"},

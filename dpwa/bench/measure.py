@@ -4,7 +4,7 @@ Commands (they run as written from the repository root)::
 
     python -m dpwa.bench                         # the full table (about two minutes on 2 cores)
     python -m dpwa.bench --json bench.json       # the same, also written as JSON
-    python -m dpwa.bench --quick                 # small sizes, few repetitions: a smoke test
+    python -m dpwa.bench --quick                 # small sizes and one that streams, few repetitions: a smoke test
     python -m dpwa.bench --log bench.log         # the benchmark's own nodes' log lines go here
 
 The benchmark's own nodes log what any node logs (its configurations are
@@ -27,7 +27,9 @@ For each model size it measures, in the same run and on the same machine:
     (what it adds to (b)); the rest of (c) is the requesting side's;
 (c) dpwa between two processes: ``update_send`` alone, ``update_wait`` alone
     and the full exchange, over TCP (large models by stream, dpwa.wire.bulk;
-    and all over ZeroMQ, ``bulk: off``), under CURVE, and over the same-host path.
+    and all over ZeroMQ, ``bulk: off``), under CURVE keys (large models by a
+    stream sealed per transfer; and all over ZeroMQ, ``bulk: off``), and over
+    the same-host path.
 
 It also times a training step of the example (``examples/pytorch-cifar``,
 the small ResNet, one torch thread per process as ``run.sh`` runs it) with
@@ -63,6 +65,7 @@ from typing import Any
 import numpy as np
 
 SMALL = 100_000  # parameters of the small model
+STREAMED = 1 << 20  # parameters of the smallest model that streams (4 MiB in float32: BULK_MIN_BYTES), for --quick
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pytorch-cifar"
 # (label, input shape, batch size, steps) of the training-overhead workloads
@@ -499,8 +502,11 @@ class DpwaPair:
         curve: bool = False,
     ) -> None:
         from dpwa import Node, NumpyParams
+        from dpwa.gossip.node import BULK_MIN_BYTES
 
         self.same_host = same_host
+        nbytes = size * (4 if wire_dtype == "float32" else 2)  # float16 and bfloat16: 2 bytes
+        self.streams = not same_host and bulk == "auto" and nbytes >= BULK_MIN_BYTES  # by dpwa.wire.bulk
         path = write_pair_config(directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve)
         self.child = Child("--serve-node", path, str(size))
         try:
@@ -520,11 +526,15 @@ class DpwaPair:
         return {"update_send": t1 - t0, "update_wait": t2 - t1, "exchange": t2 - t0}
 
     def close(self) -> None:
-        used_same_host = self.node.stats().get("same_host_fetches", 0) > 0
+        stats = self.node.stats()
+        used_same_host = stats.get("same_host_fetches", 0) > 0
+        streamed = stats.get("bulk_fetches", 0) > 0 and not stats.get("bulk_fallbacks", 0)
         self.node.close()
         self.child.stop()
         if used_same_host != self.same_host:
             raise RuntimeError(f"expected the {'same-host' if self.same_host else 'TCP'} path; the node used the other")
+        if streamed != self.streams:
+            raise RuntimeError(f"expected {'every' if self.streams else 'no'} fetch by stream; stats: {stats}")
 
 
 class RawClientOfNode:
@@ -584,6 +594,8 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
             if size * 4 >= BULK_MIN_BYTES:  # smaller models never stream: tcp is already all ZeroMQ
                 subjects["tcp_zmq"] = DpwaPair(size, tmp, same_host=False, bulk="off")
             subjects["curve"] = DpwaPair(size, tmp, same_host=False, curve=True)
+            if size * 4 >= BULK_MIN_BYTES:  # with keys: the sealed stream above, and all over ZeroMQ here
+                subjects["curve_zmq"] = DpwaPair(size, tmp, same_host=False, curve=True, bulk="off")
             subjects["same_host"] = DpwaPair(size, tmp, same_host=True)
             for dtype in wire_dtypes:
                 subjects[f"tcp_{dtype}"] = DpwaPair(size, tmp, same_host=False, wire_dtype=dtype)
@@ -719,8 +731,14 @@ def format_size_row(row: dict[str, Any]) -> str:
     ]
     s = row["node_served_ms"]
     lines.append(f"  {'(s) raw REQ client <- dpwa node, tcp':<42}{s:>9.2f}{s / a:>9.2f}{s / b:>9.2f}{s / t:>9.2f}")
-    labels = {"tcp": "tcp", "tcp_zmq": "tcp, bulk: off", "curve": "tcp, CURVE", "same_host": "same-host"}
-    for path in [k for k in row if k in labels or k.startswith("tcp_")]:
+    labels = {
+        "tcp": "tcp",
+        "tcp_zmq": "tcp, bulk: off",
+        "curve": "tcp, CURVE",
+        "curve_zmq": "tcp, CURVE, bulk: off",
+        "same_host": "same-host",
+    }
+    for path in [k for k in row if k in labels or k.startswith("tcp_") or k.startswith("curve_")]:
         label = labels.get(path, path.replace("tcp_", "tcp, wire "))
         for key in ("update_send", "update_wait", "exchange"):
             v = row[path][key]
@@ -836,8 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_training:
         serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]), args.raw)
         return 0
-    if args.quick:
-        results = run([1_000, SMALL], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:1])
+    if args.quick:  # STREAMED runs the bulk rows (plain and sealed), with few repetitions
+        results = run(
+            [1_000, SMALL, STREAMED], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:1]
+        )
     else:
         results = run([SMALL, RESNET18], 200, args.reps or 30, [2, 4, 8, 16], 200, ["float16", "bfloat16"])
     print(format_scale(results["scale"]))

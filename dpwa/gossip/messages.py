@@ -7,8 +7,9 @@ fetch       requester -> server    "send me your latest snapshot"
 params      server -> requester    a snapshot: header + one payload frame of `nbytes`
 shm_params  server -> requester    a snapshot in a same-host shared-memory slot
 bulk_params server -> requester    a snapshot waiting at the server's bulk port for
-                                   the holder of `token` (asked with ``bulk``; only
-                                   unencrypted clusters: dpwa.wire.bulk)
+                                   the holder of `token` (asked with ``bulk``), with
+                                   `key`, the transfer's own AES-256 key, in a
+                                   cluster with CURVE keys (dpwa.wire.bulk)
 exchange    requester -> server    (mode symmetric) "here is my snapshot, send yours";
                                    one payload frame; answered params / shm_params
                                    with the server-assigned exchange id `xid` and `f`
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from ..mixing.kernels import WIRE_STORAGE
 from ..mixing.rules import MAX_SYMMETRIC_FACTOR
-from ..wire.bulk import TOKEN_BYTES
+from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
 from ..wire.messages import (
     MAX_ID,
     NAME_PATTERN,
@@ -94,7 +95,9 @@ SHM_PARAMS = message_kind(
     _EXCHANGE_REPLY,
 )
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
-    "bulk_params", {**_SNAPSHOT, "port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}
+    "bulk_params",
+    {**_SNAPSHOT, "port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)},
+    {"key": Blob(length=KEY_BYTES)},  # a sealed stream's key: only ever sent inside a CURVE-encrypted reply
 )
 EXCHANGE = message_kind(
     "exchange",

@@ -85,7 +85,8 @@ EXCHANGE_CAPACITY = 4  # symmetric: requester snapshots a server holds at most
 # (DirectClient): two thread wake-ups cost more than checking a small reply; larger ones are received
 # and checked on the Tx thread, in parallel with training.
 DIRECT_MAX_BYTES = 1 << 20
-# Without keys, snapshots of at least this size stream over raw TCP (dpwa.wire.bulk, config key `bulk`).
+# Over TCP, snapshots of at least this size stream over raw TCP, sealed per transfer in keyed clusters
+# (dpwa.wire.bulk, config key `bulk`).
 BULK_MIN_BYTES = 4 << 20
 UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
 BUSY_RETRY_MAX_S = 0.02  # symmetric: how long an exchange may keep asking busy peers again
@@ -213,7 +214,7 @@ class Node:
         self._ctx: zmq.Context | None = None
         self._client: ClientThread | None = None
         self._direct: DirectClient | None = None  # pull-mode fetches of a small model (training thread)
-        self._bulk: BulkServer | None = None  # streams large snapshots to peers (unencrypted clusters)
+        self._bulk: BulkServer | None = None  # streams large snapshots to peers (sealed in keyed clusters)
         self._server: Server | None = None
         self._reader: ReplyReader | None = None
         self._exchange_server: ExchangeServer | None = None
@@ -271,7 +272,8 @@ class Node:
         return Curve(public=pair.public, secret=pair.secret, allowed=allowed)
 
     def _open(self, curve: Curve | None) -> None:
-        endpoint = self.config.bind_endpoint(self.spec)
+        address = self.config.bind_address(self.spec) if self.config.transport == "tcp" else ""
+        endpoint = self.config.bind_endpoint(self.spec, address)  # every listener binds the same address
         local = self._same_host_peers()
         unsent = UNSENT_PER_CLIENT * (len(self.peers) + 1)  # each sender its own budget
         self._store = store = SnapshotStore(
@@ -299,9 +301,10 @@ class Node:
         readers = {peer: PeerSlots(peer, self.peers[peer].port) for peer in local}
         bulk_hosts: dict[str, str] = {}
         config = self.config
-        if config.bulk == "auto" and config.transport == "tcp" and not config.secure and self.nbytes >= BULK_MIN_BYTES:
+        if config.bulk == "auto" and config.transport == "tcp" and self.nbytes >= BULK_MIN_BYTES:
             self._bulk = BulkServer(
-                self.spec.bind or self.spec.host,
+                address,
+                sealed=config.secure,  # with keys, every stream is sealed with a key of its own
                 name=self.name,
                 counters=self.counters,
                 max_per_sender=UNSENT_PER_CLIENT,
@@ -320,6 +323,8 @@ class Node:
             self.counters,
             lambda message: logger.info("%s: %s", self.name, message),
             bulk_hosts=bulk_hosts,
+            sealed=config.secure,
+            name=self.name,
         )
         serving = Serving(
             self.name,

@@ -9,19 +9,30 @@ a received frame, a pooled buffer its chunks were copied into, or, from a
 same-host peer, its shared-memory slot locked for reading. Whoever holds a
 ``Received`` owns that memory until it lets go (a ``with`` block): the frame
 is dropped, the buffer goes back to its pool, the slot's lock is released.
+
+A large snapshot may come by stream (:mod:`dpwa.wire.bulk`; sealed with a key
+of its own where the cluster has CURVE keys). When the stream fails (no
+connection, cut, stalled, a block that fails authentication), the fetch asks
+the same peer again over ZeroMQ within the same deadline (counted
+``bulk_fallbacks``, logged rate-limited), and the reader stops asking that
+peer for streams for a while: from :data:`BULK_PAUSE_S`, doubling with each
+failure in a row, up to :data:`BULK_PAUSE_MAX_S`. So a peer or an attacker
+that spoils streams costs a delay, never a fetch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from ..logs import RateLimitedLog
 from ..stats import Counters
-from ..wire.bulk import BulkReceiver
+from ..wire.bulk import BulkError, BulkReceiver
 from ..wire.client import Ask, Response
 from ..wire.messages import Header, MessageKind, ProtocolError, encode
 from ..wire.payload import BufferPool
@@ -29,9 +40,13 @@ from ..wire.shm import PeerSlots
 from .messages import BULK_PARAMS, FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
-__all__ = ["FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]
+__all__ = ["BULK_PAUSE_MAX_S", "BULK_PAUSE_S", "FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]
 
 SAME_HOST_ATTEMPTS = 4  # asks when a same-host slot was rewritten before we locked it
+BULK_PAUSE_S = 1.0  # after a failed stream, a peer is not asked for one for this long (doubling in a row) ...
+BULK_PAUSE_MAX_S = 60.0  # ... up to this
+BULK_FIRST_BYTE_SHARE = 0.5  # a stream's first byte must come within this share of the time left, so the
+# fetch can still go over ZeroMQ when a flood or a dead port holds it up
 _RETRY = ("shm_stale", "shm_busy")
 
 
@@ -68,6 +83,8 @@ class ReplyReader:
             is dropped from it, and asked over TCP, once its slots cannot be opened).
         counters: where to count bytes and same-host reads.
         bulk_hosts: peers we ask for bulk transfers (dpwa.wire.bulk), and the host each is reached at.
+        sealed: the cluster has CURVE keys: a stream must be sealed (a plain one would bypass the encryption).
+        name: this node, for log lines.
     """
 
     def __init__(
@@ -81,12 +98,19 @@ class ReplyReader:
         counters: Counters,
         log: Callable[[str], None],
         bulk_hosts: dict[str, str] | None = None,
+        *,
+        sealed: bool = False,
+        name: str = "dpwa",
     ) -> None:
         self.fingerprint, self.wire, self.nbytes, self.storage = fingerprint, wire, nbytes, storage
         self.values = values
         self.readers = readers
         self.bulk_hosts = dict(bulk_hosts or {})
-        self._bulk = BulkReceiver()
+        self._bulk = BulkReceiver(name)
+        self._sealed = sealed
+        self._bulk_paused: dict[str, tuple[int, float]] = {}  # peer -> (streams failed in a row, no stream until)
+        self.name = name
+        self._limited = RateLimitedLog()
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
         self._buffers = BufferPool(nbytes)
         self._counters = counters
@@ -96,7 +120,30 @@ class ReplyReader:
         return peer in self.readers
 
     def wants_bulk(self, peer: str) -> bool:
-        return peer in self.bulk_hosts
+        """Ask `peer` for a stream now? (It is a bulk peer, and no failed stream paused it.)"""
+        if peer not in self.bulk_hosts:
+            return False
+        paused = self._bulk_paused.get(peer)
+        return paused is None or time.monotonic() >= paused[1]
+
+    def bulk_failed(self, peer: str, exc: BulkError) -> None:
+        """A stream from `peer` failed, and the fetch goes over ZeroMQ: count it, say so, pause streams."""
+        failures = self._bulk_paused.get(peer, (0, 0.0))[0] + 1
+        pause = min(BULK_PAUSE_MAX_S, BULK_PAUSE_S * 2.0 ** min(failures - 1, 16))
+        self._bulk_paused[peer] = (failures, time.monotonic() + pause)
+        self._counters.add("bulk_fallbacks")
+        self._limited(
+            30,
+            ("bulk_fallback", peer),
+            "%s: the bulk stream from %s failed (%s); fetching over ZeroMQ instead, and asking %s for no stream "
+            "for %.1f s (%d failed in a row)",
+            self.name,
+            peer,
+            exc,
+            peer,
+            pause,
+            failures,
+        )
 
     def read(self, response: Response, peer: str, deadline: float = math.inf) -> Received:
         """The parameters of a snapshot reply, checked; ProtocolError if unusable (TransportError if a
@@ -125,6 +172,11 @@ class ReplyReader:
         host = self.bulk_hosts.get(peer)
         if host is None:
             raise ProtocolError("bad_reply", "a bulk transfer that was not asked for")
+        key = header.get("key")
+        if self._sealed and key is None:
+            raise ProtocolError("bad_reply", "a plain bulk stream in a cluster with keys (it would bypass CURVE)")
+        now = time.monotonic()
+        first_byte_by = now + BULK_FIRST_BYTE_SHARE * max(0.0, deadline - now)
         buffer, give_back = self._buffers.take()
         with contextlib.ExitStack() as keep:
             keep.callback(give_back)  # given back if anything fails
@@ -134,9 +186,12 @@ class ReplyReader:
             def check(start: int, end: int) -> None:
                 self.values.check_values(array[start // size : end // size])
 
-            self._bulk.receive(host, header["port"], header["token"], buffer, deadline, check)
+            self._bulk.receive(
+                host, header["port"], header["token"], buffer, deadline, check, key=key, first_byte_by=first_byte_by
+            )
             self.values.check_distance(array)
             keep.pop_all()
+        self._bulk_paused.pop(peer, None)
         self._counters.add("bytes_in", self.nbytes)
         self._counters.add("bulk_fetches")
         return Received(header, array, give_back)
@@ -173,24 +228,35 @@ class FetchTask:
         self._fields: dict[str, Any] = {"from": name, "fp": reader.fingerprint, "dtype": reader.wire}
         if reader.wants_shm(peer):
             self._fields["shm"] = True
-        elif reader.wants_bulk(peer):
-            self._fields["bulk"] = True
+        self._bulk: bool | None = None  # ask for a stream? Decided by the reader's thread, at the first request
         self.retries = 0
+        self.fallbacks = 0  # streams that failed, and were replaced by a fetch over ZeroMQ
 
     def first_request(self, request_id: int) -> tuple[list[bytes], dict[str, MessageKind]]:
         """The request run() makes first (so a DirectClient can send it early)."""
-        return [encode(FETCH, request_id, **self._fields)], SNAPSHOT_REPLIES
+        if self._bulk is None:
+            self._bulk = "shm" not in self._fields and self._reader.wants_bulk(self.peer)
+        fields = {**self._fields, "bulk": True} if self._bulk else self._fields
+        return [encode(FETCH, request_id, **fields)], SNAPSHOT_REPLIES
 
     def run(self, ask: Ask) -> Received:
-        for attempts_left in range(SAME_HOST_ATTEMPTS - 1, -1, -1):
+        attempts_left = SAME_HOST_ATTEMPTS
+        while True:  # bounded: at most SAME_HOST_ATTEMPTS asks for a slot, and one more after a failed stream
+            attempts_left -= 1
             response = ask(lambda rid: self.first_request(rid)[0], SNAPSHOT_REPLIES)
             try:
                 return self._reader.read(response, self.peer, self.deadline)
+            except BulkError as exc:
+                if not self._bulk:
+                    raise
+                self._reader.bulk_failed(self.peer, exc)
+                self._bulk = False  # ask again over ZeroMQ, within the same deadline
+                self.fallbacks += 1
+                attempts_left += 1
             except ProtocolError as exc:
                 if exc.reason not in _RETRY or not attempts_left:
                     raise
                 self.retries += 1  # the slot was rewritten between the reply and our lock: ask again
-        raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager

@@ -4,8 +4,11 @@ A reply carries the snapshot as zero-copy frames leased until ZeroMQ has
 sent them; or, to a same-host peer that asked for it and when the snapshot's
 slot is in shared memory, only the slot's name and version: the peer locks
 and reads the slot itself (see :mod:`dpwa.wire.shm`); or, to a peer that
-asked for a ``bulk`` transfer in an unencrypted cluster, a token and the
-port where the leased snapshot waits for it (see :mod:`dpwa.wire.bulk`). The symmetric
+asked for a ``bulk`` transfer, a token (and, with CURVE keys, the transfer's
+own key) and the port where the leased snapshot waits for it (see
+:mod:`dpwa.wire.bulk`). When the bulk server refuses the transfer (its
+budget is spent, or it is closing), the snapshot goes over ZeroMQ instead
+if the requester's budget of unsent replies allows it. The symmetric
 exchange's server half (:mod:`dpwa.gossip.exchange`) answers with the same
 replies.
 """
@@ -33,7 +36,7 @@ class Serving:
         fingerprint, wire, nbytes: what our model looks like on the wire.
         shm_id: the id of our shared-memory slot directory, if same-host peers may read it.
         counters: where to count same-host replies.
-        bulk: streams snapshots to peers that ask for a bulk transfer (unencrypted clusters only).
+        bulk: streams snapshots to peers that ask for a bulk transfer (sealed in clusters with keys).
         bulk_ttl_s: how long a bulk transfer waits for its requester.
     """
 
@@ -73,17 +76,25 @@ class Serving:
         return self.snapshot_reply(request.header, lease)
 
     def _bulk_reply(self, request: Request, lease: Lease) -> Reply:
-        """The snapshot's header, and a token to claim the snapshot at our bulk port (the lease goes with it)."""
+        """The snapshot's header, and the ticket that claims it at our bulk port (the lease goes with it).
+
+        When the bulk server refuses, the snapshot goes over ZeroMQ if the sender's unsent budget allows.
+        """
         assert self._bulk is not None
         snap = lease.snapshot
         try:
-            token = self._bulk.offer(request.sender, [snap.array], lease, self._bulk_ttl_s)
+            ticket = self._bulk.offer(request.sender, [snap.array], lease, self._bulk_ttl_s)
         except Refused:
+            if request.may_send_payload:
+                self._counters.add("bulk_declined")
+                return self.snapshot_reply(request.header, lease)
             lease.release()
             raise
         self._counters.add("bulk_served")
         fields = self._fields(lease)
-        return Reply(encode(BULK_PARAMS, request.header.id, **fields, port=self._bulk.port, token=token))
+        if ticket.key is not None:
+            fields["key"] = ticket.key
+        return Reply(encode(BULK_PARAMS, request.header.id, **fields, port=self._bulk.port, token=ticket.token))
 
     def check_budget(self, request: Request) -> None:
         """Refuse "busy" when the reply would carry our snapshot and the sender's unsent budget is spent."""

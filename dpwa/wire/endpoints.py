@@ -22,9 +22,11 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
+    "BindError",
     "EndpointLock",
     "EndpointInUse",
     "PrivateDirError",
+    "bind_address",
     "ipc_endpoint",
     "is_local_host",
     "is_loopback",
@@ -39,6 +41,10 @@ class PrivateDirError(RuntimeError):
 
 class EndpointInUse(RuntimeError):
     """Another live process holds the endpoint."""
+
+
+class BindError(ValueError):
+    """A bind address that no listener can bind on this machine (the message says why)."""
 
 
 def _root() -> Path:
@@ -214,3 +220,48 @@ def is_local_host(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def bind_address(value: str) -> str:
+    """The numeric address that every listener of a node binds for `value`, resolved once.
+
+    ``*`` (every interface) and numeric addresses stay as they are. An
+    interface name (``lo``, ``eth0``: ZeroMQ binds those, Python's sockets do
+    not) becomes its IPv4 address, read from the kernel. Anything else is a
+    host name, resolved like ZeroMQ resolves it (IPv4 first). So the node's
+    ZeroMQ socket and its bulk listener bind exactly the same address.
+    Raises :class:`BindError` naming what was expected.
+    """
+    text = value.strip()
+    if text in ("*", "0.0.0.0", "::"):
+        return text
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        pass
+    names = {name for _, name in socket.if_nameindex()}
+    if text in names:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", text.encode()[:15]))
+            except OSError as exc:
+                raise BindError(
+                    f"interface {text!r} has no IPv4 address ({exc.strerror}); give the address to bind instead"
+                ) from None
+        return socket.inet_ntoa(packed[20:24])
+    try:
+        infos = socket.getaddrinfo(text, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        known = ", ".join(sorted(names)) or "none"
+        raise BindError(
+            f"{text!r} is neither an address, '*', an interface of this machine (here: {known}) "
+            f"nor a host name that resolves ({exc})"
+        ) from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, as ZeroMQ without ZMQ_IPV6
+    return str(infos[0][4][0])

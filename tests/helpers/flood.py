@@ -1,0 +1,73 @@
+"""A flood of silent TCP connections, for tests: each one reopened as soon as the server closes it.
+
+The attack of issue 16 on a node's bulk port: `count` connections that never
+send a byte, on one thread, each replaced the moment the server closes it (or
+refuses it), for as long as the flood runs. Bounded in time: it stops by
+itself after `limit_s`, and ``close()`` stops it at once.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+import time
+
+
+class Flood:
+    def __init__(self, port: int, count: int = 30, *, host: str = "127.0.0.1", limit_s: float = 60.0) -> None:
+        self.address = (host, port)
+        self.count = count
+        self.opened = 0  # connections opened, the first ones included
+        self.closed_by_server = 0
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + limit_s
+        self._thread = threading.Thread(target=self._run, name="test-flood", daemon=True)
+        self._thread.start()
+
+    def _open(self, selector: selectors.BaseSelector) -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.connect(self.address)
+        except BlockingIOError:
+            pass
+        except OSError:  # refused: count it as closed, and try again on the next turn
+            sock.close()
+            self.closed_by_server += 1
+            return
+        selector.register(sock, selectors.EVENT_READ)
+        self.opened += 1
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        try:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                for _ in range(self.count - len(selector.get_map())):
+                    self._open(selector)
+                for key, _ in selector.select(0.01):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        data = sock.recv(1)
+                    except OSError:
+                        data = b""
+                    if not data:  # closed by the server: open another at once
+                        selector.unregister(sock)
+                        sock.close()
+                        self.closed_by_server += 1
+        finally:
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            selector.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the flood thread did not stop"
+
+    def __enter__(self) -> Flood:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
