@@ -25,7 +25,7 @@ from .config import Config, ConfigError, load_config, parse_config
 from .gossip.barrier import BarrierTimeout
 from .gossip.node import Node, Update
 from .params import FlatParams, NumpyParams
-from .wire.server import TransportError
+from .wire.errors import TransportError
 
 __version__ = "0.2.0"
 

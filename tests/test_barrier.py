@@ -172,7 +172,7 @@ def test_a_forged_arrival_moves_a_peers_count_two_calls_at_most_and_a_stranger_c
     import zmq
 
     from dpwa.gossip.barrier import BARRIER, BARRIER_STATE, MAX_COUNT, SLACK
-    from dpwa.wire.messages import decode, encode
+    from dpwa.wire.schema import decode, encode
 
     cfg = make_config(3, insecure=True, same_host="off")
     w0 = nodes(cfg, "w0", NumpyParams(filled(0)))

@@ -17,8 +17,8 @@ from dpwa.gossip.node import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.curve import generate
 from dpwa.wire.bulk import BLOCK_BYTES, HELLO_TIMEOUT_S, TOKEN_BYTES, BulkError, BulkReceiver, BulkServer
-from dpwa.wire.messages import ProtocolError
-from dpwa.wire.server import Refused
+from dpwa.wire.errors import ProtocolError
+from dpwa.wire.errors import Refused
 
 from conftest import make_config, wait_until
 from helpers.flood import Flood
@@ -432,7 +432,7 @@ def test_a_bulk_server_out_of_budget_answers_over_zeromq(nodes):
     import zmq
 
     from dpwa.gossip.messages import FETCH
-    from dpwa.wire.messages import decode, encode
+    from dpwa.wire.schema import decode, encode
 
     size = BULK_MIN_BYTES // 4
     cfg = make_config(2, insecure=True, same_host="off", fetch_probability=0)
@@ -462,8 +462,8 @@ def test_a_keyed_requester_refuses_a_plain_stream():
     from dpwa.gossip.messages import BULK_PARAMS
     from dpwa.gossip.requesting import ReplyReader
     from dpwa.gossip.validation import PeerValues
-    from dpwa.wire.client import Response
-    from dpwa.wire.messages import decode, encode
+    from dpwa.wire.calls import Response
+    from dpwa.wire.schema import decode, encode
 
     fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,
               "version": 1, "port": 1, "token": b"t" * TOKEN_BYTES}
@@ -509,7 +509,7 @@ def test_a_bulk_reply_whose_key_is_not_32_bytes_is_refused_by_its_schema(key):
     import msgpack
 
     from dpwa.gossip.messages import BULK_PARAMS
-    from dpwa.wire.messages import decode, encode
+    from dpwa.wire.schema import decode, encode
 
     fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,
               "version": 1, "port": 1, "token": b"t" * TOKEN_BYTES}

@@ -44,7 +44,7 @@ import zmq
 from dpwa import NumpyParams
 from dpwa.gossip import exchange as exchange_rules
 from dpwa.gossip.messages import MAX_CLOCK, MAX_LOSS, MAX_VALUE
-from dpwa.wire.messages import MAX_HEADER_BYTES, MAX_ID, PROTOCOL_VERSION, decode, encode
+from dpwa.wire.schema import MAX_HEADER_BYTES, MAX_ID, PROTOCOL_VERSION, decode, encode
 
 from conftest import make_config, step_until_averaged, wait_until
 from helpers.raw_peer import FakePeer

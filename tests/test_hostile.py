@@ -25,7 +25,7 @@ from dpwa import NumpyParams
 from dpwa.gossip.node import EXCHANGE_CAPACITY, MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
 from dpwa.gossip.messages import CONFIRM, EXCHANGE, FETCH, PARAMS
 from dpwa.wire.curve import generate
-from dpwa.wire.messages import PROTOCOL_VERSION, decode, encode
+from dpwa.wire.schema import PROTOCOL_VERSION, decode, encode
 
 from conftest import filled, make_config, step_until_averaged, wait_until
 from helpers.raw_peer import FakePeer

@@ -362,7 +362,7 @@ def test_a_join_info_flood_costs_the_donor_one_offer_a_second_at_most(nodes, zct
     import zmq
 
     from dpwa.gossip.join import JOIN_INFO, JOIN_OFFER, OFFER_INTERVAL_S
-    from dpwa.wire.messages import decode, encode
+    from dpwa.wire.schema import decode, encode
 
     cfg = make_config(3, fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
     donor = nodes(cfg, "w0", NumpyParams(filled(1, 250_000)))

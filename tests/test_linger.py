@@ -11,7 +11,7 @@ import zmq
 
 from dpwa import NumpyParams, parse_config
 from dpwa.gossip.messages import FETCH
-from dpwa.wire.messages import encode
+from dpwa.wire.schema import encode
 
 from conftest import filled, make_config
 

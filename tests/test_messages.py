@@ -8,22 +8,8 @@ import pytest
 
 from dpwa.gossip.messages import CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, MAX_LOSS, PARAMS, check_payload
 from dpwa.params import fingerprint
-from dpwa.wire.messages import (
-    KINDS,
-    MAX_HEADER_BYTES,
-    PROTOCOL_VERSION,
-    EncodeError,
-    Integer,
-    ListOf,
-    MapOf,
-    Number,
-    ProtocolError,
-    Record,
-    Text,
-    decode,
-    encode,
-    message_kind,
-)
+from dpwa.wire.errors import EncodeError, ProtocolError
+from dpwa.wire.schema import KINDS, MAX_HEADER_BYTES, PROTOCOL_VERSION, Integer, ListOf, MapOf, Number, Record, Text, decode, encode, message_kind
 
 FP = fingerprint([("layer.weight", (3, 4), "float32"), ("layer.bias", (3,), "float32")])
 

@@ -11,7 +11,7 @@ import pytest
 
 from dpwa import Node, NumpyParams
 from dpwa.gossip.node import WAIT_SLACK_S
-from dpwa.wire.server import TransportError
+from dpwa.wire.errors import TransportError
 
 from conftest import endpoint_is_free, filled, free_port, make_config, port_is_free, step_until_averaged, wait_until
 

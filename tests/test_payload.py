@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 import zmq
 
-from dpwa.wire.client import Channel
-from dpwa.wire.messages import KINDS, Integer, ProtocolError, Text, decode, encode, message_kind
+from dpwa.wire.channel import Channel
+from dpwa.wire.errors import ProtocolError
+from dpwa.wire.schema import KINDS, Integer, Text, decode, encode, message_kind
 from dpwa.wire.payload import CHUNK_BYTES, BufferPool, Payload, chunks, group, send_frames
-from dpwa.wire.server import FRAME_ALLOWANCE, Reply, Request, Route, Server
+from dpwa.wire.server import Reply, Request, Route, Server
+from dpwa.wire.sockets import FRAME_ALLOWANCE
 
 from conftest import free_port
 

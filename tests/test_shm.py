@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dpwa import NumpyParams
-from dpwa.wire.messages import ProtocolError
+from dpwa.wire.errors import ProtocolError
 from dpwa.wire.endpoints import PrivateDirError
 from dpwa.wire.endpoints import private_dir as user_dir
 from dpwa.wire.shm import PeerSlots, SharedMemoryError, SharedSlots

@@ -14,7 +14,7 @@ import zmq
 
 from dpwa import NumpyParams
 from dpwa.gossip.messages import CONFIRM, EXCHANGE
-from dpwa.wire.messages import decode, encode
+from dpwa.wire.schema import decode, encode
 
 from conftest import filled, make_config, step_until_averaged, wait_until
 from helpers.chaos import ChaosProxy, Rule

@@ -24,9 +24,9 @@ from dpwa.systems.ps.blocks import BlockApplier, Update
 from dpwa.systems.ps.server import ParameterServer
 from dpwa.systems.ps.sharding import make_plan
 from dpwa.systems.ps.trainer import PSTrainer
-from dpwa.wire.client import Channel
+from dpwa.wire.channel import Channel
 from dpwa.wire.endpoints import private_dir
-from dpwa.wire.messages import encode
+from dpwa.wire.schema import encode
 
 PLAIN_SGD = SGDSettings(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0)
 

@@ -35,8 +35,8 @@ from dpwa.systems.sync.service import MasterService
 from dpwa.systems.sync.worker import SyncWorker
 from dpwa.wire.curve import Curve
 from dpwa.wire.endpoints import private_dir
-from dpwa.wire.messages import encode
-from dpwa.wire.server import TransportError
+from dpwa.wire.schema import encode
+from dpwa.wire.errors import TransportError
 
 G = np.ones(4, np.float32)  # a gradient
 D = np.zeros(0, np.float32)  # no buffers

@@ -13,8 +13,9 @@ import zmq
 from dpwa.logs import RateLimitedLog
 from dpwa.stats import Counters
 from dpwa.wire.client import ClientThread, DirectClient
-from dpwa.wire.messages import KINDS, Integer, Text, encode, message_kind
-from dpwa.wire.server import Refused, Reply, Request, Route, Server
+from dpwa.wire.schema import KINDS, Integer, Text, encode, message_kind
+from dpwa.wire.errors import Refused
+from dpwa.wire.server import Reply, Request, Route, Server
 
 from conftest import free_port, wait_until
 
@@ -127,7 +128,7 @@ def test_payload_frames_are_counted_and_sized_before_the_handler_runs(ctx):
             assert sock.poll(5000)
             return [f for f in sock.recv_multipart()]
 
-        from dpwa.wire.messages import decode
+        from dpwa.wire.schema import decode
 
         header = encode(BLOB, 1, **{"from": "a"})
         assert decode(ask([header, b"x" * 50])[0])["n"] == 50

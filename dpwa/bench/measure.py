@@ -548,7 +548,7 @@ class RawClientOfNode:
         import zmq
 
         from dpwa.gossip.messages import FETCH
-        from dpwa.wire.messages import decode, encode
+        from dpwa.wire.schema import decode, encode
 
         config = pair.node.config
         self._encode = lambda rid: encode(

@@ -29,7 +29,8 @@ import zmq
 
 from ..config import Config, ConfigError, NodeSpec
 from ..gossip.status import STATUS_REPORT, StatusTask
-from ..wire.client import Call, ClientThread
+from ..wire.calls import Call
+from ..wire.client import ClientThread
 from ..wire.curve import Curve, KeyFileError, load_secret
 
 __all__ = ["UNREACHABLE", "StatusClient", "asker", "format_table", "watch"]

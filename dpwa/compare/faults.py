@@ -23,7 +23,7 @@ from typing import Any
 from ..systems.layout import ModelLayout
 from ..systems.sync.client import MasterClient
 from ..systems.sync.master import Refusal
-from ..wire.server import TransportError
+from ..wire.errors import TransportError
 from .roles.sync import OBSERVER
 from .runner import LiveRun
 

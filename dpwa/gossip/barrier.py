@@ -39,8 +39,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..wire.client import Ask
-from ..wire.messages import NAME_PATTERN, Integer, MapOf, Text, encode, message_kind
+from ..wire.calls import Ask
+from ..wire.schema import NAME_PATTERN, Integer, MapOf, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 
 __all__ = [

@@ -82,10 +82,11 @@ from ..logs import logger
 from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..stats import Counters
-from ..wire.client import Ask, Call, DeadlinePassed, RequestTimeout, Response
-from ..wire.messages import MAX_ID, ProtocolError, encode
+from ..wire.calls import Ask, Call, Response
+from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError
 from ..wire.payload import BufferPool
-from ..wire.server import Refused, Reply, Request, Route, TransportError
+from ..wire.schema import MAX_ID, encode
+from ..wire.server import Reply, Request, Route
 from .messages import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SNAPSHOT_REPLIES
 from .requesting import Received, ReplyReader
 from .serving import Serving

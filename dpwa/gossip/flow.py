@@ -210,7 +210,7 @@ class FlowControl:
             logger.warning("%s: %s answered: averaging again", self.name, peer)
 
     def record(self, peer: str, outcome: str, refusal: str = "") -> None:
-        """Learn from one request's outcome (see dpwa.wire.client for the outcomes)."""
+        """Learn from one request's outcome (see dpwa.wire.calls for the outcomes)."""
         if outcome in ("cancelled", "expired"):  # nothing was learned about the peer
             return
         if outcome in ("timeout", "failed"):

@@ -56,20 +56,10 @@ import numpy as np
 
 from ..logs import logger
 from ..mixing import kernels
-from ..wire.client import Ask
-from ..wire.messages import (
-    MAX_ID,
-    NAME_PATTERN,
-    Blob,
-    Choice,
-    Flag,
-    Integer,
-    ProtocolError,
-    Text,
-    encode,
-    message_kind,
-)
-from ..wire.server import Refused, Reply, Request, Route
+from ..wire.calls import Ask
+from ..wire.errors import ProtocolError, Refused
+from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
+from ..wire.server import Reply, Request, Route
 from .barrier import COUNTS, BarrierCounts
 from .messages import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
 from .snapshots import Lease, SnapshotStore

@@ -31,20 +31,8 @@ from __future__ import annotations
 from ..mixing.kernels import WIRE_STORAGE
 from ..mixing.rules import MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
-from ..wire.messages import (
-    MAX_ID,
-    NAME_PATTERN,
-    Blob,
-    Choice,
-    Flag,
-    Header,
-    Integer,
-    ListOf,
-    Number,
-    ProtocolError,
-    Text,
-    message_kind,
-)
+from ..wire.errors import ProtocolError
+from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Header, Integer, ListOf, Number, Text, message_kind
 
 __all__ = [
     "ACK",

@@ -51,10 +51,11 @@ from ..params import FlatParams
 from ..rendezvous import rendezvous
 from ..stats import Counters, Rate
 from ..wire.bulk import BulkServer
-from ..wire.client import Call, ClientThread, DirectClient
+from ..wire.calls import Call
+from ..wire.client import ClientThread, DirectClient
 from ..wire.curve import Curve, KeyFileError, KeyPair, load_secret
 from ..wire.endpoints import is_local_host
-from ..wire.messages import LARGEST_HEADER_BYTES
+from ..wire.schema import LARGEST_HEADER_BYTES
 from ..wire.server import Server
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 from .barrier import BarrierCounts, BarrierServer, BarrierTask, BarrierTimeout, plausible

@@ -33,9 +33,10 @@ import numpy as np
 from ..logs import RateLimitedLog
 from ..stats import Counters
 from ..wire.bulk import BulkError, BulkReceiver
-from ..wire.client import Ask, Response
-from ..wire.messages import Header, MessageKind, ProtocolError, encode
+from ..wire.calls import Ask, Response
+from ..wire.errors import ProtocolError
 from ..wire.payload import BufferPool
+from ..wire.schema import Header, MessageKind, encode
 from ..wire.shm import PeerSlots
 from .messages import BULK_PARAMS, FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues

@@ -19,8 +19,9 @@ from typing import Any
 
 from ..stats import Counters
 from ..wire.bulk import BulkServer
-from ..wire.messages import Header, encode
-from ..wire.server import Refused, Reply, Request, Route
+from ..wire.errors import Refused
+from ..wire.schema import Header, encode
+from ..wire.server import Reply, Request, Route
 from .messages import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
 from .snapshots import Lease, SnapshotStore
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import msgpack
 
-from ..wire.client import Ask
-from ..wire.messages import NAME_PATTERN, Choice, Integer, MapOf, Number, Record, Text, clamp, encode, message_kind
+from ..wire.calls import Ask
+from ..wire.schema import NAME_PATTERN, Choice, Integer, MapOf, Number, Record, Text, clamp, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import MAX_BARRIERS
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..mixing import kernels
-from ..wire.messages import ProtocolError
+from ..wire.errors import ProtocolError
 from .messages import MAX_VALUE
 from .snapshots import Lease
 

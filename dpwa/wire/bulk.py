@@ -63,9 +63,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESOCB3
 
 from ..logs import RateLimitedLog, logger
 from ..stats import Counters
-from .client import RequestCancelled, RequestTimeout
-from .messages import ProtocolError
-from .server import POLL_SLICE_S, Hold, Refused, TransportError
+from .errors import ProtocolError, Refused, RequestCancelled, RequestTimeout, TransportError
+from .payload import Hold
+from .sockets import POLL_SLICE_S
 
 __all__ = [
     "BLOCK_BYTES",

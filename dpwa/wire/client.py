@@ -1,32 +1,14 @@
-"""The requesting half of the transport: Lazy-Pirate channels, run by one client thread.
+"""The clients: threads (or the caller's own thread) that run tasks on Lazy-Pirate channels.
 
-* :class:`Channel` is the "Lazy Pirate" client of the ZeroMQ guide: a REQ
-  socket to one endpoint, polled with a deadline. After a timeout it is
-  closed with linger 0 and replaced, because a REQ socket whose reply was
-  lost can never send again, and a late reply must never be taken for the
-  next one. Every reply's request id is checked, and nothing is sent once
-  the deadline has passed.
-
-* :class:`ClientThread` owns every channel and runs :class:`Task` s one at a
-  time. A task is one conversation with one peer (a fetch; an exchange and
-  its confirm; a barrier poll): its ``run(ask)`` sends requests through
-  ``ask`` and returns a value, or raises. The submitter gets a :class:`Call`
-  and reads its outcome once ``done`` is set. The thread never touches the
-  submitter's state: results travel back in the call, so the submitter's
-  state keeps one owner. Outcomes:
-
-  * ``ok``: ``run`` returned; ``call.value`` holds what it returned;
-  * ``timeout``: no reply by the deadline (the socket was replaced);
-  * ``refused``: the peer answered ``error`` (busy, not ready, ...);
-  * ``rejected``: the reply broke the protocol or failed validation;
-  * ``failed``: the transport failed otherwise (cannot connect, cannot send);
-  * ``expired``: the deadline passed before anything was sent (not the peer's fault);
-  * ``cancelled``: the submitter gave up first, or the thread is closing.
+* :class:`ClientThread` owns every channel and runs tasks (:mod:`dpwa.wire.calls`)
+  one at a time. A task is one conversation with one peer (a fetch; an exchange
+  and its confirm; a barrier poll).
 
 * :class:`DirectClient` runs tasks that can name their first request
-  (:class:`FirstRequest`) on the caller's own thread instead: the request
-  goes out at ``start``, ZeroMQ's I/O thread receives the reply meanwhile,
-  and the call's ``wait`` runs the rest of the task, with the same outcomes.
+  (:class:`~dpwa.wire.calls.FirstRequest`) on the caller's own thread instead:
+  the request goes out at ``start``, ZeroMQ's I/O thread receives the reply
+  meanwhile, and the call's ``wait`` runs the rest of the task, with the same
+  outcomes.
 
 Nothing a peer sends can raise out of these threads.
 """
@@ -39,274 +21,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 
 from ..logs import logger
-from .messages import KINDS, MAX_HEADER_BYTES, Header, MessageKind, ProtocolError, decode
-from .payload import CHUNK_BYTES, Payload, group, send_frames
-from .server import FRAME_ALLOWANCE, POLL_SLICE_S, Refused, TransportError, base_options
+from .calls import Call, FirstRequest, Response, Task
+from .channel import Channel
+from .errors import DeadlinePassed, ProtocolError, Refused, RequestCancelled, RequestTimeout, TransportError
+from .schema import MessageKind
+from .sockets import POLL_SLICE_S
 
-__all__ = [
-    "OUTCOMES",
-    "Ask",
-    "Call",
-    "Channel",
-    "ClientThread",
-    "DeadlinePassed",
-    "DirectCall",
-    "DirectClient",
-    "FirstRequest",
-    "RequestCancelled",
-    "RequestTimeout",
-    "Response",
-    "Task",
-    "release",
-]
-
-OUTCOMES = ("ok", "timeout", "refused", "rejected", "failed", "expired", "cancelled")
-
-
-class RequestTimeout(TransportError):
-    """No reply came before the deadline."""
-
-
-class RequestCancelled(TransportError):
-    """The caller gave up on the request before it completed."""
-
-
-class DeadlinePassed(TransportError):
-    """The deadline passed before the request was sent; nothing went out."""
-
-
-@dataclass
-class Response:
-    """A reply: its validated header and its payloads (as many as its kind declares)."""
-
-    header: Header
-    frames: list[Payload]
-
-
-class Channel:
-    """A Lazy-Pirate REQ client for one endpoint. Use it from one thread only.
-
-    Args:
-        context: the ZeroMQ context to create sockets from.
-        endpoint: the server to talk to.
-        name: used in error messages ("w1 -> w2").
-        max_reply_bytes: the largest frame accepted; ZeroMQ drops a connection
-            that sends more, before allocating it.
-        socket_options: extra options set on every new socket (CURVE keys, say).
-    """
-
-    def __init__(
-        self,
-        context: zmq.Context,
-        endpoint: str,
-        *,
-        name: str = "dpwa",
-        max_reply_bytes: int = MAX_HEADER_BYTES,
-        socket_options: Mapping[int, Any] | None = None,
-        heartbeat_ms: int = 1000,
-    ) -> None:
-        self._ctx = context
-        self.endpoint = endpoint
-        self.name = name
-        self._max_reply_bytes = max_reply_bytes
-        self._socket_options = dict(socket_options or {})
-        self._heartbeat_ms = heartbeat_ms
-        self._sock: zmq.Socket | None = None
-
-    def request(
-        self,
-        frames: Sequence[Any],
-        request_id: int,
-        deadline: float,
-        *,
-        accept: Mapping[str, MessageKind] | None = None,
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> Response:
-        """Send `frames` and wait until `deadline` for the reply with the same request id.
-
-        `deadline` is a ``time.monotonic()`` value; nothing is sent once it has
-        passed (DeadlinePassed). `accept` names the reply kinds expected
-        (``error`` always is). Raises RequestTimeout, RequestCancelled,
-        DeadlinePassed, ProtocolError (a malformed or unexpected reply) or
-        TransportError.
-        """
-        self.send(frames, request_id, deadline)
-        return self.receive(request_id, deadline, accept=accept, cancelled=cancelled)
-
-    def send(self, frames: Sequence[Any], request_id: int, deadline: float) -> None:
-        """The first half of :meth:`request`: send `frames` (a request whose id is `request_id`) at once."""
-        if time.monotonic() >= deadline:
-            raise DeadlinePassed(f"{self.name}: the deadline passed before request {request_id} was sent")
-        sock = self._socket()
-        try:
-            send_frames(sock, frames, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            self.reset()
-            raise TransportError(f"{self.name}: cannot send to {self.endpoint}: {exc}") from exc
-
-    def receive(
-        self,
-        request_id: int,
-        deadline: float,
-        *,
-        accept: Mapping[str, MessageKind] | None = None,
-        cancelled: Callable[[], bool] = lambda: False,
-    ) -> Response:
-        """The second half of :meth:`request`: the reply to the request just sent, waiting until `deadline`.
-
-        A reply that has already arrived is taken even when the deadline has passed (it came in time).
-        """
-        sock = self._sock
-        if sock is None:
-            raise TransportError(f"{self.name}: no request to {self.endpoint} is waiting for its reply")
-        ready = sock.poll(0)
-        while not ready:
-            if cancelled():
-                self.reset()
-                raise RequestCancelled(f"{self.name}: request {request_id} to {self.endpoint} cancelled")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.reset()
-                raise RequestTimeout(f"{self.name}: no reply from {self.endpoint} for request {request_id}")
-            ready = sock.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000)))
-        try:
-            reply = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            self.reset()
-            raise TransportError(f"{self.name}: receive from {self.endpoint} failed: {exc}") from exc
-        if not reply:
-            raise ProtocolError("bad_reply", f"from {self.endpoint}: an empty message")
-        try:
-            header = decode(reply[0].buffer, accept)
-        except ProtocolError as exc:
-            raise ProtocolError(exc.reason, f"from {self.endpoint}: {exc.detail}") from None
-        if header.id != request_id and not (header.kind == "error" and header.id == 0):
-            self.reset()
-            raise ProtocolError("bad_id", f"from {self.endpoint}: reply to request {header.id}, expected {request_id}")
-        try:
-            payloads = group(reply[1:], KINDS[header.kind].payload)
-        except ProtocolError as exc:
-            raise ProtocolError("bad_reply", f"from {self.endpoint}: a {header.kind} reply: {exc.detail}") from None
-        return Response(header, payloads)
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.REQ)
-            try:
-                base_options(sock, self._heartbeat_ms)
-                # every frame is a header or one chunk of a payload (dpwa.wire.payload)
-                sock.setsockopt(zmq.MAXMSGSIZE, min(self._max_reply_bytes, CHUNK_BYTES) + FRAME_ALLOWANCE)
-                sock.setsockopt(zmq.RECONNECT_IVL, 100)
-                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-                if "[" in self.endpoint:
-                    sock.setsockopt(zmq.IPV6, 1)
-                for option, value in self._socket_options.items():
-                    sock.setsockopt(option, value)
-                sock.connect(self.endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
-                raise TransportError(f"{self.name}: cannot connect to {self.endpoint}: {exc}") from exc
-            self._sock = sock
-        return self._sock
-
-    def reset(self) -> None:
-        """Discard the socket (linger 0); the next request opens a fresh one."""
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-
-    def close(self) -> None:
-        self.reset()
-
-
-class Ask(Protocol):
-    """How a task sends one request on its peer's channel and waits for the reply.
-
-    ``make_frames(request_id)`` builds the request, header first. The wait ends
-    at `deadline` (at most the task's). An ``error`` reply raises
-    :class:`~dpwa.wire.server.Refused`; a reply of a kind not in `accept`
-    raises ProtocolError.
-    """
-
-    def __call__(
-        self,
-        make_frames: Callable[[int], Sequence[Any]],
-        accept: Mapping[str, MessageKind],
-        deadline: float | None = None,
-    ) -> Response: ...
-
-
-class Task(Protocol):
-    """One conversation with one peer, run on the client thread."""
-
-    peer: str  # which channel `ask` uses; a task may change it between requests
-    deadline: float  # time.monotonic() after which it has failed
-
-    def run(self, ask: Ask) -> Any:
-        """Talk to the peer through `ask` and return the value (owned by the call), or raise."""
-
-
-def release(value: Any) -> None:
-    """Let go of a value that holds memory (a received frame, a locked slot): call its ``release()``."""
-    method = getattr(value, "release", None)
-    if method is not None:
-        method()
-
-
-class Call:
-    """A submitted task and, once ``done`` is set, its outcome."""
-
-    def __init__(self, task: Task) -> None:
-        self.task = task
-        self.done = threading.Event()
-        self.started = time.monotonic()
-        self.outcome = ""
-        self.reason = ""
-        self.refusal = ""  # the peer's reason, when the outcome is "refused"
-        self.latency_s: float | None = None
-        self._value: Any = None
-        self._cancelled = False
-        self._lock = threading.Lock()
-
-    @property
-    def peer(self) -> str:
-        """The peer the task talks to (a task may move on to another one while it runs)."""
-        return self.task.peer
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def wait(self, timeout_s: float | None) -> bool:
-        return self.done.wait(timeout_s)
-
-    def take(self) -> Any:
-        """The value, now owned by the caller."""
-        with self._lock:
-            value, self._value = self._value, None
-        return value
-
-    def abandon(self) -> None:
-        """The submitter will not read the value: cancel the task; the value is released when it comes."""
-        with self._lock:
-            self._cancelled = True
-            value, self._value = self._value, None
-        release(value)
-
-    def finish(self, outcome: str, reason: str = "", value: Any = None, refusal: str = "") -> None:
-        with self._lock:
-            keep = not self._cancelled
-            self.outcome, self.reason, self.refusal = outcome, reason, refusal
-            self._value = value if keep else None
-            self.latency_s = time.monotonic() - self.started
-        if not keep:
-            release(value)
-        self.done.set()
+__all__ = ["ClientThread", "DirectCall", "DirectClient"]
 
 
 class _Discard:
@@ -515,13 +241,6 @@ class _Sent:
     channel: Channel
     request_id: int
     accept: Mapping[str, MessageKind]
-
-
-class FirstRequest(Task, Protocol):
-    """A task that can say what its first request is before it runs, so it can be sent early."""
-
-    def first_request(self, request_id: int) -> tuple[Sequence[Any], Mapping[str, MessageKind]]:
-        """The frames and accepted reply kinds of the first request ``run`` makes."""
 
 
 class DirectCall(Call):

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
 
-from .messages import ProtocolError
+from .errors import ProtocolError
 
-__all__ = ["CHUNK_BYTES", "BufferPool", "Payload", "chunks", "group", "send_frames"]
+__all__ = ["Hold", "CHUNK_BYTES", "BufferPool", "Payload", "chunks", "group", "send_frames"]
 
 CHUNK_BYTES = 1 << 20  # measured fastest among 256 KiB .. 4 MiB (dpwa.wire.payload's docstring)
 
@@ -81,6 +81,14 @@ def send_frames(
     if len(trackers) == 1:
         return trackers[0]
     return zmq.MessageTracker(*trackers)
+
+
+class Hold(Protocol):
+    """Memory a reply's payload lives in, held until the payload has left."""
+
+    def release(self) -> None: ...
+
+    def release_when(self, tracker: zmq.MessageTracker) -> None: ...
 
 
 class Payload:

@@ -45,7 +45,7 @@ import errno
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 import zmq.utils.monitor
@@ -55,50 +55,14 @@ from ..logs import RateLimitedLog, logger
 from ..stats import Counters
 from .curve import Curve
 from .endpoints import EndpointInUse, EndpointLock
-from .messages import MAX_HEADER_BYTES, EncodeError, Header, MessageKind, ProtocolError, decode, error_header
-from .payload import CHUNK_BYTES, Payload, group, send_frames
+from .errors import EncodeError, ProtocolError, Refused, TransportError
+from .payload import CHUNK_BYTES, Hold, Payload, group, send_frames
+from .schema import MAX_HEADER_BYTES, Header, MessageKind, decode, error_header
+from .sockets import BULK_RCVHWM, FRAME_ALLOWANCE, POLL_SLICE_S, SNDHWM, base_options
 
-__all__ = [
-    "FRAME_ALLOWANCE",
-    "POLL_SLICE_S",
-    "Hold",
-    "Refused",
-    "Reply",
-    "Request",
-    "Route",
-    "Server",
-    "TransportError",
-    "base_options",
-]
+__all__ = ["Reply", "Request", "Route", "Server"]
 
-POLL_SLICE_S = 0.05  # how often blocked loops look at their stop flags
-# ZMQ_MAXMSGSIZE applies to a frame as it arrives, and a CURVE-encrypted frame is
-# longer than its plaintext (command name, nonce, MAC): limits get this allowance.
-FRAME_ALLOWANCE = 256
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks for authentication (RFC 27)
-BULK_RCVHWM = 4  # queued requests per connection when requests may carry a model
-SNDHWM = 8  # queued replies per connection (small ones: payload replies are budgeted per client)
-
-
-class TransportError(RuntimeError):
-    """A transport operation failed; the message names the endpoint."""
-
-
-class Refused(Exception):
-    """A handler's ordinary refusal (busy, not ready): answered as an error, not counted as a bad request."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-class Hold(Protocol):
-    """Memory a reply's payload lives in, held until the payload has left."""
-
-    def release(self) -> None: ...
-
-    def release_when(self, tracker: zmq.MessageTracker) -> None: ...
 
 
 @dataclass
@@ -136,15 +100,6 @@ class Route:
     handler: Callable[[Request], Reply]
     max_payload_bytes: int = 0  # the most payload bytes a request of this kind may carry
     bulk: bool = False  # replies carry a payload: subject to the unsent-reply budget
-
-
-def base_options(sock: zmq.Socket, heartbeat_ms: int) -> None:
-    sock.setsockopt(zmq.LINGER, 0)
-    # Detect dead or stalled connections: without a PONG within the timeout the
-    # connection is dropped, and payloads queued for it are released.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * heartbeat_ms)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from .endpoints import PrivateDirError, private_dir
-from .messages import ProtocolError
+from .errors import ProtocolError
 
 __all__ = ["SharedMemoryError", "SharedSlots", "SlotFile", "PeerSlots", "SharedView"]
 

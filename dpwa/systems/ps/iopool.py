@@ -17,7 +17,8 @@ from typing import Any
 
 import zmq
 
-from ...wire.client import Call, ClientThread, Task
+from ...wire.calls import Call, Task
+from ...wire.client import ClientThread
 
 __all__ = ["IOPool"]
 

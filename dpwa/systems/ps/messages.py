@@ -25,7 +25,7 @@ plan or another server is refused before any value is read. Refusals:
 
 from __future__ import annotations
 
-from ...wire.messages import NAME_PATTERN, Blob, Integer, ListOf, MapOf, Number, Text, message_kind
+from ...wire.schema import NAME_PATTERN, Blob, Integer, ListOf, MapOf, Number, Text, message_kind
 
 __all__ = ["PARAMS", "PULL", "PUSH", "QUEUED", "STATUS", "STATUS_REPLY"]
 

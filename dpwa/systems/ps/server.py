@@ -26,8 +26,9 @@ import numpy as np
 import zmq
 
 from ...wire.curve import Curve
-from ...wire.messages import ProtocolError, encode
-from ...wire.server import Refused, Reply, Request, Route, Server
+from ...wire.errors import ProtocolError, Refused
+from ...wire.schema import encode
+from ...wire.server import Reply, Request, Route, Server
 from ..layout import check_values
 from ..optim import SGDSettings
 from . import messages as m

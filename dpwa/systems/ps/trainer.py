@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ...wire.client import Ask, Call
-from ...wire.messages import ProtocolError, encode
+from ...wire.calls import Ask, Call
+from ...wire.errors import ProtocolError
+from ...wire.schema import encode
 from ..layout import ModuleView, check_values
 from . import messages as m
 from .iopool import IOPool

@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ...wire.client import Channel, Response
-from ...wire.messages import MessageKind, ProtocolError, encode
-from ...wire.server import TransportError
+from ...wire.calls import Response
+from ...wire.channel import Channel
+from ...wire.errors import ProtocolError, TransportError
+from ...wire.schema import MessageKind, encode
 from ..layout import ModelLayout
 from . import messages as m
 from .master import Accepted, Assignment, NoMoreTask, Refusal, Task, Wait

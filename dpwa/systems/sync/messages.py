@@ -28,18 +28,7 @@ no honest worker would send).
 
 from __future__ import annotations
 
-from ...wire.messages import (
-    MAX_ID,
-    NAME_PATTERN,
-    Blob,
-    Choice,
-    Flag,
-    Integer,
-    ListOf,
-    MapOf,
-    Text,
-    message_kind,
-)
+from ...wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, ListOf, MapOf, Text, message_kind
 
 __all__ = [
     "ACCEPTED",

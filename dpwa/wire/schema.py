@@ -30,6 +30,8 @@ from typing import Any
 
 import msgpack
 
+from .errors import EncodeError, ProtocolError
+
 __all__ = [
     "ERROR",
     "KINDS",
@@ -39,7 +41,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Blob",
     "Choice",
-    "EncodeError",
     "Field",
     "Flag",
     "Header",
@@ -48,7 +49,6 @@ __all__ = [
     "MapOf",
     "MessageKind",
     "Number",
-    "ProtocolError",
     "Record",
     "Text",
     "decode",
@@ -63,19 +63,6 @@ MAX_HEADER_BYTES = 4096  # the default limit of one header frame
 LARGEST_HEADER_BYTES = 1 << 16  # no kind may declare more (status replies are the largest)
 MAX_ID = 2**64 - 1
 NAME_PATTERN = r"[A-Za-z0-9_.-]{1,64}"  # node names, reasons: what may appear in logs and file names
-
-
-class ProtocolError(ValueError):
-    """A message that does not follow the protocol. `reason` is a short code for counters."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-class EncodeError(ValueError):
-    """A message this side was about to send breaks its kind's schema: a bug here, never the peer's fault."""
 
 
 # --------------------------------------------------------------------------- fields
