@@ -431,7 +431,7 @@ def test_a_bulk_server_out_of_budget_answers_over_zeromq(nodes):
     it (3), the snapshot comes in the reply itself, as long as its ZeroMQ budget allows."""
     import zmq
 
-    from dpwa.gossip.messages import FETCH
+    from dpwa.gossip.protocol import FETCH
     from dpwa.wire.schema import decode, encode
 
     size = BULK_MIN_BYTES // 4
@@ -459,7 +459,7 @@ def test_a_bulk_server_out_of_budget_answers_over_zeromq(nodes):
 
 def test_a_keyed_requester_refuses_a_plain_stream():
     """With keys, a bulk reply without a key would stream the snapshot in the clear: refused."""
-    from dpwa.gossip.messages import BULK_PARAMS
+    from dpwa.gossip.protocol import BULK_PARAMS
     from dpwa.gossip.requesting import ReplyReader
     from dpwa.gossip.validation import PeerValues
     from dpwa.wire.calls import Response
@@ -508,7 +508,7 @@ def test_bind_to_an_interface_this_machine_lacks_is_refused_before_anything_star
 def test_a_bulk_reply_whose_key_is_not_32_bytes_is_refused_by_its_schema(key):
     import msgpack
 
-    from dpwa.gossip.messages import BULK_PARAMS
+    from dpwa.gossip.protocol import BULK_PARAMS
     from dpwa.wire.schema import decode, encode
 
     fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,

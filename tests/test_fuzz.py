@@ -43,7 +43,7 @@ import zmq
 
 from dpwa import NumpyParams
 from dpwa.gossip import exchange as exchange_rules
-from dpwa.gossip.messages import MAX_CLOCK, MAX_LOSS, MAX_VALUE
+from dpwa.gossip.protocol import MAX_CLOCK, MAX_LOSS, MAX_VALUE
 from dpwa.wire.schema import MAX_HEADER_BYTES, MAX_ID, PROTOCOL_VERSION, decode, encode
 
 from conftest import make_config, step_until_averaged, wait_until

@@ -23,7 +23,7 @@ import zmq
 
 from dpwa import NumpyParams
 from dpwa.gossip.node import EXCHANGE_CAPACITY, MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
-from dpwa.gossip.messages import CONFIRM, EXCHANGE, FETCH, PARAMS
+from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, PARAMS
 from dpwa.wire.curve import generate
 from dpwa.wire.schema import PROTOCOL_VERSION, decode, encode
 

@@ -10,7 +10,7 @@ import numpy as np
 import zmq
 
 from dpwa import NumpyParams, parse_config
-from dpwa.gossip.messages import FETCH
+from dpwa.gossip.protocol import FETCH
 from dpwa.wire.schema import encode
 
 from conftest import filled, make_config

@@ -11,7 +11,7 @@ import zmq
 
 from dpwa import ConfigError, Node, NumpyParams, parse_config
 from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
-from dpwa.gossip.messages import FETCH
+from dpwa.gossip.protocol import FETCH
 from dpwa.wire.schema import decode, encode
 
 from conftest import filled, make_config, port_is_free, wait_until

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from dpwa import NumpyParams
-from dpwa.gossip.messages import CONFIRM, EXCHANGE
+from dpwa.gossip.protocol import CONFIRM, EXCHANGE
 from dpwa.wire.schema import decode, encode
 
 from conftest import filled, make_config, step_until_averaged, wait_until

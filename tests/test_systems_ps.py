@@ -19,8 +19,8 @@ from conftest import wait_until
 
 from dpwa.systems.layout import ModelLayout, ModuleView
 from dpwa.systems.optim import SGDSettings
-from dpwa.systems.ps import messages as m
-from dpwa.systems.ps.blocks import BlockApplier, Update
+from dpwa.systems.ps import protocol as m
+from dpwa.systems.ps.blocks import BlockApplier, BlockUpdate
 from dpwa.systems.ps.server import ParameterServer
 from dpwa.systems.ps.sharding import make_plan
 from dpwa.systems.ps.trainer import PSTrainer
@@ -79,7 +79,7 @@ def block_of(size: int, kind: str = "param", depth: int = 8) -> tuple[BlockAppli
 def test_a_block_applies_updates_one_at_a_time_in_order_and_records_staleness():
     applier, values = block_of(3)
     for k in (1.0, 2.0, 3.0):  # three trainers all computed on version 0
-        applier.offer(Update(np.full(3, k, np.float32), 0, 16, time.monotonic()))
+        applier.offer(BlockUpdate(np.full(3, k, np.float32), 0, 16, time.monotonic()))
     applier.start()
     try:
         assert wait_until(lambda: applier.version == 3, 5.0)
@@ -96,7 +96,7 @@ def test_a_buffer_block_adds_scaled_deltas():
     values = np.ones(2, np.float32)
     applier = BlockApplier(block, values, PLAIN_SGD, None, scale=0.25).start()
     try:
-        applier.offer(Update(np.full(2, 4.0, np.float32), 0, 8, time.monotonic()))
+        applier.offer(BlockUpdate(np.full(2, 4.0, np.float32), 0, 8, time.monotonic()))
         assert wait_until(lambda: applier.version == 1, 5.0)
     finally:
         applier.close()
@@ -107,7 +107,7 @@ def test_a_full_queue_has_no_room():
     applier, _ = block_of(2, depth=2)  # not started: nothing is taken from the queue
     for _ in range(2):
         assert applier.has_room()
-        applier.offer(Update(np.zeros(2, np.float32), 0, 1, 0.0))
+        applier.offer(BlockUpdate(np.zeros(2, np.float32), 0, 1, 0.0))
     assert not applier.has_room() and applier.queued == 2
 
 
@@ -194,20 +194,20 @@ def test_bad_pushes_are_rejected_and_the_server_serves_on(servers, change, reaso
 def test_curve_keys_admit_the_listed_trainer_only(servers):
     import zmq
 
-    from dpwa.wire.curve import Curve
+    from dpwa.wire.curve import CurveKeys
 
     server_pub, server_sec = zmq.curve_keypair()
     trainer_pub, trainer_sec = zmq.curve_keypair()
     view = ModuleView(torch.nn.Linear(4, 2))
     plan = make_plan(view.layout, 1)
     server = servers(
-        plan, 0, view.state(), curve=Curve(server_pub, server_sec, {zmq.utils.z85.decode(trainer_pub): "w1"})
+        plan, 0, view.state(), curve=CurveKeys(server_pub, server_sec, {zmq.utils.z85.decode(trainer_pub): "w1"})
     )
-    good = {0: Curve(trainer_pub, trainer_sec).client_options(server_pub)}
+    good = {0: CurveKeys(trainer_pub, trainer_sec).client_options(server_pub)}
     with PSTrainer(view, plan, [server.endpoint], "w1", socket_options=good, timeout_s=2.0) as trainer:
         assert trainer.fetch() == 1
     stranger_pub, stranger_sec = zmq.curve_keypair()
-    bad = {0: Curve(stranger_pub, stranger_sec).client_options(server_pub)}
+    bad = {0: CurveKeys(stranger_pub, stranger_sec).client_options(server_pub)}
     with PSTrainer(view, plan, [server.endpoint], "w1", socket_options=bad, timeout_s=0.3) as trainer:
         assert trainer.fetch() == 0 and trainer.stats.pulls_failed == 1
     assert server.server.counters.get("auth_denied") >= 1

@@ -17,7 +17,7 @@ import zmq
 
 from dpwa.systems.layout import ModuleView
 from dpwa.systems.optim import SGDSettings
-from dpwa.systems.sync import messages as m
+from dpwa.systems.sync import protocol as m
 from dpwa.systems.sync.client import MasterClient, MasterUnreachable
 from dpwa.systems.sync.master import (
     Assignment,
@@ -25,7 +25,7 @@ from dpwa.systems.sync.master import (
     Master,
     NoMoreTask,
     Refusal,
-    Task,
+    Segment,
     TaskBoard,
     Wait,
     make_tasks,
@@ -33,7 +33,7 @@ from dpwa.systems.sync.master import (
 from dpwa.systems.sync.model import GlobalModel
 from dpwa.systems.sync.service import MasterService
 from dpwa.systems.sync.worker import SyncWorker
-from dpwa.wire.curve import Curve
+from dpwa.wire.curve import CurveKeys
 from dpwa.wire.endpoints import private_dir
 from dpwa.wire.schema import encode
 from dpwa.wire.errors import TransportError
@@ -71,7 +71,7 @@ def test_tasks_flow_from_todo_to_doing_to_done_once():
     board = TaskBoard(make_tasks(2, 2), lease_s=5.0)
     assert [t.id for t in board.tasks.values()] == [0, 1, 2, 3]
     task, lease = board.take("w1", now=0.0)
-    assert task == Task(0, 0, 0) and lease.worker == "w1" and lease.expires_at == 5.0
+    assert task == Segment(0, 0, 0) and lease.worker == "w1" and lease.expires_at == 5.0
     assert board.finish(0, "w1", lease.token, "done", now=1.0) is True
     assert board.done == {0: ("w1", lease.token)} and board.done_twice == 0
     assert board.finish(0, "w1", lease.token, "done", now=1.1) is False  # a resent report: answered, not counted
@@ -358,12 +358,12 @@ def test_curve_keys_admit_the_listed_worker_only(service):
     server_pub, server_sec = zmq.curve_keypair()
     worker_pub, worker_sec = zmq.curve_keypair()
     allowed = {zmq.utils.z85.decode(worker_pub): "w1"}
-    svc, layout = service(curve=Curve(server_pub, server_sec, allowed), workers=("w1",))
-    good = Curve(worker_pub, worker_sec).client_options(server_pub)
+    svc, layout = service(curve=CurveKeys(server_pub, server_sec, allowed), workers=("w1",))
+    good = CurveKeys(worker_pub, worker_sec).client_options(server_pub)
     with MasterClient(svc.endpoint, "w1", layout, socket_options=good) as client:
         assert isinstance(client.get_task(), Assignment)
     stranger_pub, stranger_sec = zmq.curve_keypair()
-    bad = Curve(stranger_pub, stranger_sec).client_options(server_pub)
+    bad = CurveKeys(stranger_pub, stranger_sec).client_options(server_pub)
     stranger = MasterClient(svc.endpoint, "w1", layout, socket_options=bad, timeout_s=0.2, unreachable_s=0.5)
     with stranger, pytest.raises(MasterUnreachable):
         stranger.get_task()

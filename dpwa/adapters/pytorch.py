@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..gossip.messages import MAX_VALUE
 from ..gossip.node import Node, Update
+from ..gossip.protocol import MAX_VALUE
 from ..mixing import kernels
 from ..params import FlatParams, fingerprint
 
@@ -208,7 +208,7 @@ class OptimizerState:
     the same class and parameter groups on the ``meta`` device: no memory,
     no change to ours): the same parameters, the same keys, each tensor of
     the same shape and dtype, every value finite and within the bounds
-    peers' parameters get (:data:`~dpwa.gossip.messages.MAX_VALUE`), numbers
+    peers' parameters get (:data:`~dpwa.gossip.protocol.MAX_VALUE`), numbers
     of the same type. Tensors go to the device ours would live on.
     """
 

@@ -547,7 +547,7 @@ class RawClientOfNode:
     def __init__(self, pair: DpwaPair) -> None:
         import zmq
 
-        from dpwa.gossip.messages import FETCH
+        from dpwa.gossip.protocol import FETCH
         from dpwa.wire.schema import decode, encode
 
         config = pair.node.config

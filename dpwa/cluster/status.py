@@ -31,7 +31,7 @@ from ..config import Config, ConfigError, NodeSpec
 from ..gossip.status import STATUS_REPORT, StatusTask
 from ..wire.calls import Call
 from ..wire.client import ClientThread
-from ..wire.curve import Curve, KeyFileError, load_secret
+from ..wire.curve import CurveKeys, KeyFileError, load_secret
 
 __all__ = ["UNREACHABLE", "StatusClient", "asker", "format_table", "watch"]
 
@@ -42,7 +42,7 @@ FIELDS = (*STATUS_REPORT.fields, "peers_omitted")
 WIDTH = 120  # the peers section wraps at this many columns
 
 
-def asker(config: Config, key: str | None = None) -> tuple[str, Curve | None]:
+def asker(config: Config, key: str | None = None) -> tuple[str, CurveKeys | None]:
     """Who asks: a node's name and, under CURVE, that node's key pair (as client keys).
 
     Under CURVE `key` names the node whose key pair to use; None takes the
@@ -72,11 +72,11 @@ def asker(config: Config, key: str | None = None) -> tuple[str, Curve | None]:
     )
 
 
-def _key_pair(spec: NodeSpec) -> Curve:
+def _key_pair(spec: NodeSpec) -> CurveKeys:
     if spec.secret_key_file is None:
         raise KeyFileError(f"node {spec.name!r} lists no secret_key_file")
     pair = load_secret(spec.secret_key_file, spec.public_key or "")
-    return Curve(public=pair.public, secret=pair.secret)
+    return CurveKeys(public=pair.public, secret=pair.secret)
 
 
 class StatusClient:

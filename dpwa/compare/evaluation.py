@@ -35,7 +35,7 @@ import numpy as np
 
 from .runner import SystemRun
 
-__all__ = ["Curve", "Point", "build_curve", "summarize"]
+__all__ = ["LearningCurve", "Point", "build_curve", "summarize"]
 
 Evaluate = Callable[[np.ndarray], tuple[float, float]]
 
@@ -49,7 +49,7 @@ class Point:
 
 
 @dataclass
-class Curve:
+class LearningCurve:
     points: list[Point] = field(default_factory=list)
 
     def first_reaching(self, target: float) -> Point | None:
@@ -181,9 +181,9 @@ def states(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np
     raise ValueError(f"unknown system {run.system!r}")
 
 
-def build_curve(run: SystemRun, every: int, evaluate: Evaluate, initial: Point | None = None) -> Curve:
+def build_curve(run: SystemRun, every: int, evaluate: Evaluate, initial: Point | None = None) -> LearningCurve:
     """Evaluate every point of `run` (the initial model's point first, if given)."""
-    curve = Curve([initial] if initial is not None else [])
+    curve = LearningCurve([initial] if initial is not None else [])
     for t, samples, load in states(run, every):
         acc, loss = evaluate(load())
         curve.points.append(Point(max(0.0, t - run.go), samples, acc, loss))
@@ -195,7 +195,7 @@ def _finite(value: float) -> float | None:
     return round(value, 5) if math.isfinite(value) else None
 
 
-def summarize(run: SystemRun, curve: Curve, target: float) -> dict[str, Any]:
+def summarize(run: SystemRun, curve: LearningCurve, target: float) -> dict[str, Any]:
     """The comparison's numbers for one run: accuracy, time and samples to target, bytes, idle time."""
     workers = [run.results[n] for n in run.workers if n in run.results]
     hit = curve.first_reaching(target)

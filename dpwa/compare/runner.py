@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from ..cluster.processes import free_ports
 from ..wire.endpoints import private_dir
-from .processes import Processes
 from .recorder import open_gate
+from .spawning import Processes
 from .workload import WorkloadSpec
 
 __all__ = ["SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]

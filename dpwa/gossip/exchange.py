@@ -87,7 +87,7 @@ from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout
 from ..wire.payload import BufferPool
 from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
-from .messages import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SNAPSHOT_REPLIES
+from .protocol import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SNAPSHOT_REPLIES
 from .requesting import Received, ReplyReader
 from .serving import Serving
 from .snapshots import Lease

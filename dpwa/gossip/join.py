@@ -61,7 +61,7 @@ from ..wire.errors import ProtocolError, Refused
 from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import COUNTS, BarrierCounts
-from .messages import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
+from .protocol import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
 from .snapshots import Lease, SnapshotStore
 from .status import STATES
 

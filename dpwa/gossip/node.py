@@ -53,7 +53,7 @@ from ..stats import Counters, Rate
 from ..wire.bulk import BulkServer
 from ..wire.calls import Call
 from ..wire.client import ClientThread, DirectClient
-from ..wire.curve import Curve, KeyFileError, KeyPair, load_secret
+from ..wire.curve import CurveKeys, KeyFileError, KeyPair, load_secret
 from ..wire.endpoints import is_local_host
 from ..wire.schema import LARGEST_HEADER_BYTES
 from ..wire.server import Server
@@ -70,7 +70,7 @@ from .exchange import (
 )
 from .flow import FlowControl
 from .join import CHUNK_BYTES, ExtraState, Joined, JoinServer, JoinTerms, join_cluster
-from .messages import MAX_CLOCK, MAX_LOSS
+from .protocol import MAX_CLOCK, MAX_LOSS
 from .requesting import FetchTask, ReplyReader
 from .serving import Serving
 from .snapshots import Lease, SlotAllocator, SnapshotStore
@@ -247,11 +247,11 @@ class Node:
             raise
         self.state = "training"
 
-    def _load_curve(self, keys: KeyPair | None) -> Curve | None:
+    def _load_curve(self, keys: KeyPair | None) -> CurveKeys | None:
         """Our CURVE keys: made at the rendezvous (`keys`), or read from our secret key file."""
         allowed = {z85.decode(spec.public_key.encode()): spec.name for spec in self.config.nodes if spec.public_key}
         if keys is not None:
-            return Curve(public=keys.public, secret=keys.secret, allowed=allowed)
+            return CurveKeys(public=keys.public, secret=keys.secret, allowed=allowed)
         if not self.config.secure:
             if self.config.insecure:
                 logger.warning(
@@ -270,9 +270,9 @@ class Node:
             pair = load_secret(self.spec.secret_key_file, self.spec.public_key or "")
         except KeyFileError as exc:
             raise ConfigError(f"{self.config.source}: node {self.name!r}: {exc}") from None
-        return Curve(public=pair.public, secret=pair.secret, allowed=allowed)
+        return CurveKeys(public=pair.public, secret=pair.secret, allowed=allowed)
 
-    def _open(self, curve: Curve | None) -> None:
+    def _open(self, curve: CurveKeys | None) -> None:
         address = self.config.bind_address(self.spec) if self.config.transport == "tcp" else ""
         endpoint = self.config.bind_endpoint(self.spec, address)  # every listener binds the same address
         local = self._same_host_peers()

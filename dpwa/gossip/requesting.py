@@ -38,7 +38,7 @@ from ..wire.errors import ProtocolError
 from ..wire.payload import BufferPool
 from ..wire.schema import Header, MessageKind, encode
 from ..wire.shm import PeerSlots
-from .messages import BULK_PARAMS, FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
+from .protocol import BULK_PARAMS, FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
 __all__ = ["BULK_PAUSE_MAX_S", "BULK_PAUSE_S", "FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]

@@ -22,7 +22,7 @@ from ..wire.bulk import BulkServer
 from ..wire.errors import Refused
 from ..wire.schema import Header, encode
 from ..wire.server import Reply, Request, Route
-from .messages import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
+from .protocol import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
 from .snapshots import Lease, SnapshotStore
 
 __all__ = ["Serving"]

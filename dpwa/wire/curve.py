@@ -26,7 +26,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-__all__ = ["Curve", "KeyPair", "KeyFileError", "generate", "load_secret", "valid_public_key"]
+__all__ = ["CurveKeys", "KeyPair", "KeyFileError", "generate", "load_secret", "valid_public_key"]
 
 
 class KeyFileError(ValueError):
@@ -34,7 +34,7 @@ class KeyFileError(ValueError):
 
 
 @dataclass(frozen=True)
-class Curve:
+class CurveKeys:
     """CURVE keys of one endpoint: its own pair, and who may talk to it."""
 
     public: bytes  # this endpoint's public key, Z85

@@ -53,7 +53,7 @@ import zmq.utils.z85
 
 from ..logs import RateLimitedLog, logger
 from ..stats import Counters
-from .curve import Curve
+from .curve import CurveKeys
 from .endpoints import EndpointInUse, EndpointLock
 from .errors import EncodeError, ProtocolError, Refused, TransportError
 from .payload import CHUNK_BYTES, Hold, Payload, group, send_frames
@@ -146,7 +146,7 @@ class Server:
         *,
         name: str = "dpwa",
         counters: Counters | None = None,
-        curve: Curve | None = None,
+        curve: CurveKeys | None = None,
         senders: Collection[str] | None = None,
         max_unsent_per_client: int = 2,
         max_unsent: int = 8,

@@ -13,7 +13,7 @@ import time
 
 from ...systems.layout import ModuleView
 from ...systems.sync.client import MasterClient, MasterUnreachable
-from ...systems.sync.master import Master, Task, make_tasks
+from ...systems.sync.master import Master, Segment, make_tasks
 from ...systems.sync.model import GlobalModel
 from ...systems.sync.service import MasterService
 from ...systems.sync.worker import SyncWorker
@@ -83,7 +83,7 @@ def run_worker(role: Role) -> None:
         timer.computed(time.perf_counter() - t0)
         return loss.item(), len(batch[1])
 
-    def batches(task: Task) -> list:
+    def batches(task: Segment) -> list:
         t0 = time.perf_counter()
         out = w.segment_batches(task.epoch, task.segment)
         timer.compute_s += time.perf_counter() - t0

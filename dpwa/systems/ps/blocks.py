@@ -32,14 +32,14 @@ from ...logs import logger
 from ..optim import FlatSGD, SGDSettings
 from .sharding import Block
 
-__all__ = ["BlockApplier", "Update"]
+__all__ = ["BlockApplier", "BlockUpdate"]
 
 _STOP = object()
 MAX_STALENESS_KEY = 4095  # staleness beyond this is counted under this key
 
 
 @dataclass
-class Update:
+class BlockUpdate:
     """One trainer's update to one block."""
 
     values: np.ndarray  # gradient or delta (a view into the received frame, which it keeps alive)
@@ -114,7 +114,7 @@ class BlockApplier:
         """Whether one more update fits (only the server's thread adds, so a True stays true until it does)."""
         return self._queue.qsize() < self._depth
 
-    def offer(self, update: Update) -> None:
+    def offer(self, update: BlockUpdate) -> None:
         self._queue.put_nowait(update)
 
     @property
@@ -147,7 +147,7 @@ class BlockApplier:
             except Exception:  # a bug must be loud, and must not stop the block
                 logger.exception("%s: failed to apply an update", self._thread.name)
 
-    def _apply(self, update: Update) -> None:
+    def _apply(self, update: BlockUpdate) -> None:
         with self._lock:
             stale = max(0, self.version - update.version)
             self.staleness[min(stale, MAX_STALENESS_KEY)] += 1

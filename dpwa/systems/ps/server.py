@@ -25,14 +25,14 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ...wire.curve import Curve
+from ...wire.curve import CurveKeys
 from ...wire.errors import ProtocolError, Refused
 from ...wire.schema import encode
 from ...wire.server import Reply, Request, Route, Server
 from ..layout import check_values
 from ..optim import SGDSettings
-from . import messages as m
-from .blocks import BlockApplier, Update
+from . import protocol as m
+from .blocks import BlockApplier, BlockUpdate
 from .sharding import ShardPlan
 
 __all__ = ["ParameterServer"]
@@ -67,7 +67,7 @@ class ParameterServer:
         scale: float = 1.0,
         queue_depth: int = 8,
         context: zmq.Context | None = None,
-        curve: Curve | None = None,
+        curve: CurveKeys | None = None,
         trainers: Collection[str] | None = None,
         name: str | None = None,
     ) -> None:
@@ -222,7 +222,7 @@ class ParameterServer:
         now = time.monotonic()
         for block, version in zip(self.blocks, versions, strict=True):
             b = block.block
-            block.offer(Update(updates[b.offset : b.offset + b.size], version, h["batch"], now))
+            block.offer(BlockUpdate(updates[b.offset : b.offset + b.size], version, h["batch"], now))
         self.pushes += 1
         return Reply(encode(m.QUEUED, h.id, depth=max(block.queued for block in self.blocks)))
 

@@ -33,7 +33,7 @@ from ...wire.calls import Ask, Call
 from ...wire.errors import ProtocolError
 from ...wire.schema import encode
 from ..layout import ModuleView, check_values
-from . import messages as m
+from . import protocol as m
 from .iopool import IOPool
 from .sharding import ShardPlan
 

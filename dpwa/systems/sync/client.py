@@ -23,8 +23,8 @@ from ...wire.channel import Channel
 from ...wire.errors import ProtocolError, TransportError
 from ...wire.schema import MessageKind, encode
 from ..layout import ModelLayout
-from . import messages as m
-from .master import Accepted, Assignment, NoMoreTask, Refusal, Task, Wait
+from . import protocol as m
+from .master import Accepted, Assignment, NoMoreTask, Refusal, Segment, Wait
 
 __all__ = ["MasterClient", "MasterUnreachable"]
 
@@ -124,7 +124,7 @@ class MasterClient:
         )
         h = reply.header
         if h.kind == m.TASK.name:
-            return Assignment(Task(h["task"], h["epoch"], h["segment"]), h["token"], h["version"])
+            return Assignment(Segment(h["task"], h["epoch"], h["segment"]), h["token"], h["version"])
         if h.kind == m.WAIT.name:
             return Wait(h["retry_ms"] / 1000)
         return NoMoreTask()

@@ -53,11 +53,11 @@ __all__ = [
     "Aggregator",
     "Assignment",
     "BadRequest",
-    "Lease",
+    "Holding",
     "Master",
     "NoMoreTask",
     "Refusal",
-    "Task",
+    "Segment",
     "TaskBoard",
     "Wait",
     "make_tasks",
@@ -81,7 +81,7 @@ class BadRequest(Refusal):
 
 
 @dataclass(frozen=True)
-class Task:
+class Segment:
     """A data segment: segment `segment` of epoch `epoch`."""
 
     id: int
@@ -89,15 +89,15 @@ class Task:
     segment: int
 
 
-def make_tasks(epochs: int, segments: int) -> list[Task]:
+def make_tasks(epochs: int, segments: int) -> list[Segment]:
     """Every segment of every epoch, epoch by epoch; ids count from 0."""
     if epochs < 1 or segments < 1:
         raise ValueError(f"epochs and segments must be at least 1, got {epochs} and {segments}")
-    return [Task(e * segments + s, e, s) for e in range(epochs) for s in range(segments)]
+    return [Segment(e * segments + s, e, s) for e in range(epochs) for s in range(segments)]
 
 
 @dataclass
-class Lease:
+class Holding:
     """Who holds a task in `doing`, and until when."""
 
     worker: str
@@ -108,7 +108,7 @@ class Lease:
 
 @dataclass(frozen=True)
 class Assignment:
-    task: Task
+    task: Segment
     token: int  # proves the lease in every later call about the task
     version: int  # the model version when the task was handed out
 
@@ -152,7 +152,7 @@ class TaskBoard:
         token: where lease tokens come from (unguessable by default).
     """
 
-    def __init__(self, tasks: Sequence[Task], lease_s: float, token: Callable[[], int] | None = None) -> None:
+    def __init__(self, tasks: Sequence[Segment], lease_s: float, token: Callable[[], int] | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self.tasks = {t.id: t for t in tasks}
@@ -160,7 +160,7 @@ class TaskBoard:
             raise ValueError("task ids must be unique")
         self.lease_s = lease_s
         self.todo: deque[int] = deque(t.id for t in tasks)
-        self.doing: dict[int, Lease] = {}
+        self.doing: dict[int, Holding] = {}
         self.done: dict[int, tuple[str, int]] = {}  # task id -> the worker and token that completed it
         self.completions: Counter[int] = Counter()  # times each task was recorded done (never more than once)
         self.retried = 0  # times a task went back to todo (failed or lease expired)
@@ -192,15 +192,15 @@ class TaskBoard:
             if lease.worker == worker:
                 lease.expires_at = now + self.lease_s
 
-    def take(self, worker: str, now: float) -> tuple[Task, Lease] | None:
+    def take(self, worker: str, now: float) -> tuple[Segment, Holding] | None:
         """Move the next task from todo to doing, leased to `worker`; None if todo is empty."""
         if not self.todo:
             return None
         tid = self.todo.popleft()
-        lease = self.doing[tid] = Lease(worker, self._token(), now + self.lease_s)
+        lease = self.doing[tid] = Holding(worker, self._token(), now + self.lease_s)
         return self.tasks[tid], lease
 
-    def holding(self, task_id: int, worker: str, token: int, now: float) -> Lease:
+    def holding(self, task_id: int, worker: str, token: int, now: float) -> Holding:
         """The lease of `task_id` if `worker` holds it with `token` (renewed); else refuse."""
         if task_id not in self.tasks:
             raise BadRequest("unknown_task", f"task {task_id} is not a task of this run (0..{len(self.tasks) - 1})")
@@ -246,7 +246,7 @@ class Master:
 
     def __init__(
         self,
-        tasks: Sequence[Task],
+        tasks: Sequence[Segment],
         aggregator: Aggregator,
         *,
         lease_s: float = 10.0,

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ...wire.curve import Curve
+from ...wire.curve import CurveKeys
 from ...wire.errors import ProtocolError, Refused
 from ...wire.schema import encode
 from ...wire.server import Reply, Request, Route, Server
-from . import messages as m
+from . import protocol as m
 from .master import Assignment, BadRequest, Master, NoMoreTask, Refusal, Wait
 from .model import GlobalModel
 
@@ -60,7 +60,7 @@ class MasterService:
         endpoint: str,
         *,
         context: zmq.Context | None = None,
-        curve: Curve | None = None,
+        curve: CurveKeys | None = None,
         workers: Collection[str] | None = None,
         on_step: StepHook | None = None,
         name: str = "sync-master",

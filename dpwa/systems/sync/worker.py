@@ -29,7 +29,7 @@ import numpy as np
 
 from ..layout import ModuleView
 from .client import MasterClient
-from .master import Assignment, NoMoreTask, Refusal, Task, Wait
+from .master import Assignment, NoMoreTask, Refusal, Segment, Wait
 
 __all__ = ["SyncWorker", "WorkerStats"]
 
@@ -75,7 +75,7 @@ class SyncWorker:
         client: MasterClient,
         view: ModuleView,
         compute: Compute,
-        batches: Callable[[Task], Iterable[Any]],
+        batches: Callable[[Segment], Iterable[Any]],
         *,
         max_retries: int = 3,
         stop: Callable[[], bool] = lambda: False,
