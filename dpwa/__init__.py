@@ -7,11 +7,10 @@ The package, by layer:
 
 * ``dpwa.wire``: the transport (wire format, chunked payloads, server, clients, bulk streams, CURVE,
   endpoints, shared memory);
-* ``dpwa.mixing``: pure math (kernels, interpolation, mixing rules, pairing schedules);
+* ``dpwa.mixing``: pure math (the model as a flat vector, kernels, interpolation, mixing rules, pairing schedules);
 * ``dpwa.gossip``: the gossip node, split by concern;
 * ``dpwa.adapters``: framework adapters (PyTorch);
 * ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot, checkpoints, status);
-* ``dpwa.rendezvous``: the node list and keys from torchrun's store;
 * ``dpwa.systems``: the other training systems on the same transport (a sync master, parameter servers,
   all-reduce);
 * ``dpwa.compare``, ``dpwa.bench``, ``dpwa.sim``: the comparison, the benchmark and the simulator.
@@ -24,7 +23,7 @@ from typing import Any
 from .config import Config, ConfigError, load_config, parse_config
 from .gossip.barrier import BarrierTimeout
 from .gossip.node import Node, Update
-from .params import FlatParams, NumpyParams
+from .mixing.params import FlatParams, NumpyParams
 from .wire.errors import TransportError
 
 __version__ = "0.2.0"

@@ -115,7 +115,7 @@ class Config:
     insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
     bulk: str = "auto"  # auto: over TCP, snapshots of 4 MiB or more stream over raw TCP (sealed with keys); off: never
     join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
-    torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.rendezvous)
+    torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.gossip.rendezvous)
     interface: str = "auto"  # with torchrun: the address (or interface name) peers reach this node at
     source: str = "<config>"  # where this configuration came from, for messages
 

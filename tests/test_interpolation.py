@@ -7,8 +7,8 @@ import math
 import pytest
 
 from dpwa.config import parse_config
-from dpwa.mixing.interpolation import (ClockWeighted, Constant, LossWeighted, blend_clock, damp_by_divergence,
-                                from_config)
+from dpwa.gossip.settings import interpolation_of
+from dpwa.mixing.interpolation import ClockWeighted, Constant, LossWeighted, blend_clock, damp_by_divergence
 
 
 def test_constant_ignores_everything():
@@ -73,7 +73,7 @@ def test_factors_always_lie_in_the_unit_interval():
 
 def test_from_config_picks_the_named_strategy():
     nodes = [{"name": "a", "host": "127.0.0.1", "port": 1}]
-    assert isinstance(from_config(parse_config({"nodes": nodes, "interpolation": "clock"})), ClockWeighted)
-    assert isinstance(from_config(parse_config({"nodes": nodes, "interpolation": "loss"})), LossWeighted)
-    constant = from_config(parse_config({"nodes": nodes, "constant": {"value": 0.3}}))
+    assert isinstance(interpolation_of(parse_config({"nodes": nodes, "interpolation": "clock"})), ClockWeighted)
+    assert isinstance(interpolation_of(parse_config({"nodes": nodes, "interpolation": "loss"})), LossWeighted)
+    constant = interpolation_of(parse_config({"nodes": nodes, "constant": {"value": 0.3}}))
     assert isinstance(constant, Constant) and constant.value == 0.3

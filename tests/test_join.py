@@ -337,7 +337,7 @@ def test_a_busy_donor_is_asked_again_within_the_joins_deadline(nodes, zctx):
     from its own parameters at clock 0.)"""
     cfg = make_config(2, join="auto", fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
     params = np.arange(1000, dtype=np.float32)
-    from dpwa.params import NumpyParams as _NP
+    from dpwa.mixing.params import NumpyParams as _NP
 
     fp = _NP(filled(0, 1000)).fingerprint
     donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), Offer(fp=fp, params_bytes=params.nbytes,

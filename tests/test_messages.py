@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, MAX_LOSS, PARAMS, check_payload
-from dpwa.params import fingerprint
+from dpwa.mixing.params import fingerprint
 from dpwa.wire.errors import EncodeError, ProtocolError
 from dpwa.wire.schema import KINDS, MAX_HEADER_BYTES, PROTOCOL_VERSION, Integer, ListOf, MapOf, Number, Record, Text, decode, encode, message_kind
 

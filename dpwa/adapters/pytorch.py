@@ -41,7 +41,7 @@ from ..config import Config
 from ..gossip.node import Node, Update
 from ..gossip.protocol import MAX_VALUE
 from ..mixing import kernels
-from ..params import FlatParams, fingerprint
+from ..mixing.params import FlatParams, fingerprint
 
 __all__ = ["DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
 

@@ -183,7 +183,9 @@ def serve_node(config_path: str, size: int) -> None:
     """A dpwa node that publishes `size` float32s and serves them until stdin closes."""
     import dataclasses
 
-    from dpwa import Node, NumpyParams, load_config
+    from dpwa.config import load_config
+    from dpwa.gossip.node import Node
+    from dpwa.mixing.params import NumpyParams
 
     config = dataclasses.replace(load_config(config_path), fetch_probability=0)  # it only serves
     with Node(config, "server", NumpyParams(np.ones(size, np.float32))) as node:
@@ -271,7 +273,7 @@ def serve_training(config_path: str, shape: str, batch: int, raw: str | None = N
     through dpwa, or (`raw` = "SERVE_AT,FETCH_FROM") over :class:`RawExchange`."""
     import torch
 
-    from dpwa import DpwaPyTorchAdapter
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
     torch.set_num_threads(1)
     net, step = training_setup(tuple(int(d) for d in shape.split("x")), batch, seed=1)
@@ -323,7 +325,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
         return None  # an installed package without the repository's examples
     import torch
 
-    from dpwa import DpwaPyTorchAdapter
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as run.sh runs a node: one core each
@@ -501,8 +503,8 @@ class DpwaPair:
         bulk: str = "auto",
         curve: bool = False,
     ) -> None:
-        from dpwa import Node, NumpyParams
-        from dpwa.gossip.node import BULK_MIN_BYTES
+        from dpwa.gossip.node import BULK_MIN_BYTES, Node
+        from dpwa.mixing.params import NumpyParams
 
         self.same_host = same_host
         nbytes = size * (4 if wire_dtype == "float32" else 2)  # float16 and bfloat16: 2 bytes
@@ -617,7 +619,9 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
 
 def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
     """n nodes as threads in one process, each running `steps` exchanges as fast as it can."""
-    from dpwa import Node, NumpyParams, parse_config
+    from dpwa.config import parse_config
+    from dpwa.gossip.node import Node
+    from dpwa.mixing.params import NumpyParams
 
     ports: set[int] = set()
     while len(ports) < n:

@@ -44,11 +44,11 @@ import zmq
 from zmq.utils import z85
 
 from ..config import Config, ConfigError, load_config, parse_config, pointless_settings
+from ..gossip.rendezvous import rendezvous
 from ..logs import RateLimitedLog, logger
 from ..mixing import interpolation as interp
 from ..mixing import kernels, pairing, rules
-from ..params import FlatParams
-from ..rendezvous import rendezvous
+from ..mixing.params import FlatParams
 from ..stats import Counters, Rate
 from ..wire.bulk import BulkServer
 from ..wire.calls import Call
@@ -73,6 +73,7 @@ from .join import CHUNK_BYTES, ExtraState, Joined, JoinServer, JoinTerms, join_c
 from .protocol import MAX_CLOCK, MAX_LOSS
 from .requesting import FetchTask, ReplyReader
 from .serving import Serving
+from .settings import blend_of, interpolation_of
 from .snapshots import Lease, SlotAllocator, SnapshotStore
 from .status import StatusServer, StatusTask
 from .validation import PeerValues
@@ -150,7 +151,7 @@ class Node:
     Args:
         config: a :class:`Config`, a path to a YAML file, or parsed YAML data.
         name: which node of the config this process is (None with ``nodes: torchrun``: ``rank<RANK>``).
-        params: the model as a :class:`~dpwa.params.FlatParams`.
+        params: the model as a :class:`~dpwa.mixing.params.FlatParams`.
         rng: randomness for fetch decisions and peer choice (seed it for tests).
         extra: state a joining peer takes too, besides the parameters (an optimizer's).
     """
@@ -184,8 +185,8 @@ class Node:
         self._storage = kernels.storage_dtype(self.wire)
         self.nbytes = params.size * self._storage.itemsize  # bytes of one snapshot on the wire
         self._rng = rng or random.Random()
-        self._interpolation = interp.from_config(self.config)
-        self._blend = rules.from_config(self.config)
+        self._interpolation = interpolation_of(self.config)
+        self._blend = blend_of(self.config)
         self._symmetric = self.config.mode == "symmetric"
         self.counters = Counters()
         self._log = RateLimitedLog()

@@ -21,8 +21,6 @@ import math
 from abc import ABC, abstractmethod
 from typing import TypeGuard
 
-from ..config import Config
-
 __all__ = [
     "ClockWeighted",
     "Constant",
@@ -30,7 +28,6 @@ __all__ = [
     "LossWeighted",
     "blend_clock",
     "damp_by_divergence",
-    "from_config",
 ]
 
 
@@ -109,14 +106,3 @@ def damp_by_divergence(f: float, loss: float | None, threshold: float) -> float:
 def blend_clock(f: float, clock: float, peer_clock: float) -> float:
     """The clock after a blend: the same interpolation as the parameters."""
     return f * peer_clock + (1.0 - f) * clock
-
-
-def from_config(config: Config) -> Interpolation:
-    """The strategy named by ``config.interpolation``."""
-    if config.interpolation == "constant":
-        return Constant(config.constant.value)
-    if config.interpolation == "clock":
-        return ClockWeighted()
-    if config.interpolation == "loss":
-        return LossWeighted()
-    raise ValueError(f"unknown interpolation {config.interpolation!r}")

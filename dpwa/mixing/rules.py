@@ -38,9 +38,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ..config import Config
-from ..params import FlatParams
 from . import interpolation as interp
+from .params import FlatParams
 
 __all__ = [
     "Blend",
@@ -48,7 +47,6 @@ __all__ = [
     "EXCHANGES_PER_SNAPSHOT",
     "MAX_SYMMETRIC_FACTOR",
     "StateBlend",
-    "from_config",
     "mirror",
     "mirror_clock",
     "symmetric_factor",
@@ -122,7 +120,3 @@ def symmetric_factor(
     f = interpolation.factor(requester[0], server[0], requester[1], server[1])
     f = interp.damp_by_divergence(f, requester[1], divergence_threshold)
     return min(max(f, 0.0), MAX_SYMMETRIC_FACTOR)
-
-
-def from_config(config: Config) -> Blend:
-    return DeltaBlend() if config.blend == "delta" else StateBlend()

@@ -8,7 +8,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.sim study --seeds 2 --json study.json
     python -m dpwa.sim rounds --nodes 8      # random against hypercube pairing, round by round
 
-:class:`Gossip` holds n flat models as :class:`~dpwa.params.NumpyParams` and
+:class:`Gossip` holds n flat models as :class:`~dpwa.mixing.params.NumpyParams` and
 applies exchanges exactly as :class:`~dpwa.node.Node` does: the requester's
 half through :mod:`dpwa.mixing`'s blend rule, the server's mirror image (mode
 symmetric) through :func:`dpwa.mixing.mirror`, and the peer chosen by the same
@@ -39,7 +39,7 @@ import numpy as np
 from ..gossip.flow import PeerSelector
 from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
-from ..params import NumpyParams
+from ..mixing.params import NumpyParams
 
 __all__ = ["Gossip", "disagreement", "symmetric_decay", "study"]
 

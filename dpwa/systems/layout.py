@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..params import fingerprint
+from ..mixing.params import fingerprint
 
 if TYPE_CHECKING:  # torch is imported by those who use a ModuleView
     import torch

@@ -179,7 +179,7 @@ def node_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule:
 def position(config: dpwa.Config, args: argparse.Namespace) -> tuple[int, int]:
     """(this node's index, the number of nodes): from the config's node list, or from torchrun's RANK."""
     if config.torchrun:
-        from dpwa.rendezvous import TorchrunEnv
+        from dpwa.gossip.rendezvous import TorchrunEnv
 
         env = TorchrunEnv.from_environ(source=config.source)
         if args.name not in (None, env.name):

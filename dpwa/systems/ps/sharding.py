@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...params import fingerprint
+from ...mixing.params import fingerprint
 from ..layout import ModelLayout, Variable
 
 __all__ = ["Block", "ShardPlan", "make_plan"]

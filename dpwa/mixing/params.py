@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import msgpack
 import numpy as np
 
-from .mixing import kernels
+from . import kernels
 
 __all__ = ["FlatParams", "NumpyParams", "fingerprint"]
 
