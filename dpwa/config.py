@@ -26,13 +26,14 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from .mixing.kernels import WIRE_STORAGE
+from .mixing.pairing import PAIRINGS
 from .wire.curve import valid_public_key
 from .wire.endpoints import BindError, bind_address, ipc_endpoint, is_loopback
 
@@ -54,12 +55,107 @@ BULK_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 BLENDS = ("state", "delta")
 JOINS = ("auto", "never")
-PAIRINGS = ("random", "hypercube")
+
+BULK_HELP = (
+    "`auto`: over TCP, snapshots of 4 MiB or more stream over raw TCP from an extra port each node picks free: "
+    "plain with `insecure: true`, sealed per transfer with CURVE keys ([the bulk path](design.md#large-snapshots-"
+    "over-raw-tcp-the-bulk-path)); `off`: everything over the node's one port"
+)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 class ConfigError(ValueError):
     """A configuration file or value is invalid. The message says where and why."""
+
+
+# --------------------------------------------------------------------------- the key table
+#
+# Every key is declared once, as a field of Config below: its default, how it is checked and what it means.
+# Parsing, to_mapping, describe and the table in docs/configuration.md (key_table) are all derived from it.
+
+
+Check = Callable[[Any, str, str], Any]  # (value as written, key, source) -> the value to keep; ConfigError if bad
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one top-level key is checked and documented."""
+
+    check: Check
+    help: str  # one markdown cell: what the key does (docs/configuration.md)
+    shown: str | None = None  # the default as the docs show it (None: from the field's default)
+
+
+def setting(default: Any, check: Check, help: str, *, shown: str | None = None) -> Any:
+    """A Config field that is a top-level key of the file."""
+    meta = {"setting": Setting(check, help, shown)}
+    if isinstance(default, (str, int, float, bool)):
+        return field(default=default, metadata=meta)
+    return field(default_factory=default, metadata=meta)
+
+
+def _expected_number(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f"a number in [{lo:g}, {hi:g}]"
+    if lo is not None:
+        return f"a number >= {lo:g}"
+    return "a number"
+
+
+def number(lo: float | None = None, hi: float | None = None) -> Check:
+    def check(value: Any, key: str, source: str) -> float:
+        if not (_is_number(value) and (lo is None or value >= lo) and (hi is None or value <= hi)):
+            raise ConfigError(f"{source}: {key} must be {_expected_number(lo, hi)}, got {value!r}")
+        return float(value)
+
+    return check
+
+
+def positive_int() -> Check:
+    def check(value: Any, key: str, source: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+        return value
+
+    return check
+
+
+def flag() -> Check:
+    def check(value: Any, key: str, source: str) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+        return value
+
+    return check
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+    def check(value: Any, key: str, source: str) -> str:
+        if value is False and "off" in choices:  # YAML reads a bare `off` as false
+            return "off"
+        if value not in choices:
+            raise ConfigError(
+                f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}" + _suggest(str(value), choices)
+            )
+        return str(value)
+
+    return check
+
+
+def _constant_options(value: Any, key: str, source: str) -> ConstantOptions:
+    if value == 0:
+        return ConstantOptions()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: constant must be a map like {{value: 0.5}}, got {value!r}")
+    _reject_unknown(value, _CONSTANT_KEYS, source, where="constant.")
+    raw = value.get("value")
+    return ConstantOptions() if raw is None else ConstantOptions(value=number(0.0, 1.0)(raw, "constant.value", source))
+
+
+def _interface(value: Any, key: str, source: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{source}: interface must be auto, an address or an interface name, got {value!r}")
+    return value.strip()
 
 
 @dataclass(frozen=True)
@@ -100,23 +196,89 @@ class ConstantOptions:
 class Config:
     """A validated cluster configuration. Build it with :func:`load_config`."""
 
-    nodes: tuple[NodeSpec, ...]  # every node of the cluster, this one included
-    fetch_probability: float = 1.0  # chance that update_send starts a fetch
-    timeout_ms: int = 2500  # deadline of one fetch; also drives flow control
-    interpolation: str = "constant"  # constant | clock | loss
-    divergence_threshold: float = 0.0  # below this loss, pull less; 0 disables
-    constant: ConstantOptions = field(default_factory=ConstantOptions)
-    wire_dtype: str = "float32"  # dtype of parameters on the wire; blending is always float32
-    same_host: str = "auto"  # auto: shared memory with peers on this machine; off: TCP only
-    max_peer_distance: float = 0.0  # reject a peer with ||peer - ours|| / ||ours|| above this; 0 disables
-    mode: str = "pull"  # pull: only the requester moves; symmetric: both move, the mean is kept
-    blend: str = "state"  # state: x += f (peer - x); delta: x += f (peer - own snapshot)
-    pairing: str = "random"  # random: a peer drawn by score; hypercube: i pairs with i XOR 2^(t mod log2 n)
-    insecure: bool = False  # serve TCP without CURVE keys (anyone who reaches the port can talk to the node)
-    bulk: str = "auto"  # auto: over TCP, snapshots of 4 MiB or more stream over raw TCP (sealed with keys); off: never
-    join: str = "auto"  # auto: a starting node takes the cluster's state from a peer; never: keep its own
+    nodes: tuple[NodeSpec, ...]  # every node of the cluster, this one included (its own parser: _parse_nodes)
+    fetch_probability: float = setting(
+        1.0, number(0.0, 1.0), "chance, in [0, 1], that an `update_send` starts a fetch", shown="1"
+    )
+    timeout_ms: int = setting(
+        2500, positive_int(), "deadline of one fetch, in ms (positive integer); a timeout lowers the peer's score"
+    )
+    interpolation: str = setting(
+        "constant",
+        one_of(INTERPOLATIONS),
+        "how `f` is chosen: `constant`, `clock` or `loss` ([Interpolation](#interpolation))",
+    )
+    divergence_threshold: float = setting(
+        0.0,
+        number(0.0),
+        "when > 0 and this node's loss is below it, `f` is scaled by `loss / threshold`; 0 disables",
+        shown="0",
+    )
+    constant: ConstantOptions = setting(
+        ConstantOptions, _constant_options, "`value` in [0, 1]: `f` for constant interpolation", shown="{value: 0.5}"
+    )
+    mode: str = setting(
+        "pull",
+        one_of(MODES),
+        "`pull`: only the requester moves (the original); `symmetric`: both sides move, the mean of all nodes is "
+        "kept ([Mixing modes](design.md#mixing-modes))",
+    )
+    blend: str = setting(
+        "state",
+        one_of(BLENDS),
+        "`state`: `x += f (peer - x)` (the original); `delta`: `x += f (peer - own snapshot)`, which keeps the "
+        "local step whole",
+    )
+    wire_dtype: str = setting(
+        "float32",
+        one_of(WIRE_DTYPES),
+        "`float32`, `float16` or `bfloat16`: parameters travel (and snapshots are kept) in this dtype; blending is "
+        "always float32",
+    )
+    same_host: str = setting(
+        "auto",
+        one_of(SAME_HOST_MODES),
+        "`auto`: peers on this machine exchange parameters through shared memory; `off`: over the socket for everyone",
+    )
+    max_peer_distance: float = setting(
+        0.0,
+        number(0.0),
+        "when > 0, reject a peer whose parameters are farther than this from ours, as `‖peer − ours‖ / ‖ours‖`; "
+        "0 disables",
+        shown="0",
+    )
+    insecure: bool = setting(
+        False,
+        flag(),
+        "`true`: serve plain TCP without keys, so anyone who reaches a port can talk to the node "
+        "([Security](security.md)); logged at start",
+    )
+    pairing: str = setting(
+        "random",
+        one_of(PAIRINGS),
+        "whom an exchange goes to: `random`, a peer drawn by flow-control score; `hypercube`, node i (in config "
+        "order) pairs with i XOR 2^(t mod log2 n) at its t-th step, for a power of two of nodes "
+        "([Pairing](design.md#pairing))",
+    )
+    bulk: str = setting(
+        "auto",
+        one_of(BULK_MODES),
+        BULK_HELP,
+    )
+    join: str = setting(
+        "auto",
+        one_of(JOINS),
+        "`auto`: a node that starts late or again takes the cluster's state from a peer before its constructor "
+        "returns, and at a fresh start every node takes the first node's initial parameters; `never`: keep the "
+        "state given ([Joining and rejoining](operations.md#joining-and-rejoining))",
+    )
+    interface: str = setting(
+        "auto",
+        _interface,
+        "with `nodes: torchrun`: the address peers reach a worker at (`auto`: the route to torchrun's store; an "
+        "address; or an interface name)",
+    )
     torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.gossip.rendezvous)
-    interface: str = "auto"  # with torchrun: the address (or interface name) peers reach this node at
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property
@@ -195,64 +357,63 @@ class Config:
         nodes: Any = [
             {key: value for key, value in dataclasses.asdict(node).items() if value is not None} for node in self.nodes
         ]
-        extra: dict[str, Any] = {}
         if self.torchrun and not self.resolved:
-            nodes, extra = "torchrun", {"interface": self.interface}
-        return {
-            "nodes": nodes,
-            **extra,
-            "fetch_probability": self.fetch_probability,
-            "timeout_ms": self.timeout_ms,
-            "interpolation": self.interpolation,
-            "divergence_threshold": self.divergence_threshold,
-            "constant": {"value": self.constant.value},
-            "wire_dtype": self.wire_dtype,
-            "same_host": self.same_host,
-            "max_peer_distance": self.max_peer_distance,
-            "mode": self.mode,
-            "blend": self.blend,
-            "pairing": self.pairing,
-            "insecure": self.insecure,
-            "bulk": self.bulk,
-            "join": self.join,
-        }
+            nodes = "torchrun"
+        out: dict[str, Any] = {"nodes": nodes}
+        for name, _ in settings():
+            if name == "interface" and not (self.torchrun and not self.resolved):
+                continue  # a key of torchrun configs only
+            value = getattr(self, name)
+            out[name] = {"value": value.value} if isinstance(value, ConstantOptions) else value
+        return out
 
     def describe(self) -> str:
         """One line with every resolved setting, for the start-up log."""
         nodes = ", ".join(f"{n.name}@{n.host}:{n.port}" for n in self.nodes) or "torchrun"
-        return (
-            f"nodes=[{nodes}] fetch_probability={self.fetch_probability} "
-            f"timeout_ms={self.timeout_ms} interpolation={self.interpolation} "
-            f"constant.value={self.constant.value} "
-            f"divergence_threshold={self.divergence_threshold} wire_dtype={self.wire_dtype} "
-            f"same_host={self.same_host} max_peer_distance={self.max_peer_distance} "
-            f"mode={self.mode} blend={self.blend} pairing={self.pairing} "
-            f"join={self.join} bulk={self.bulk} transport={self.transport} curve={'on' if self.secure else 'off'}"
-        )
+        values = []
+        for name, _ in settings():
+            value = getattr(self, name)
+            values.append(f"constant.value={value.value}" if isinstance(value, ConstantOptions) else f"{name}={value}")
+        return f"nodes=[{nodes}] {' '.join(values)} transport={self.transport} curve={'on' if self.secure else 'off'}"
+
+
+def settings() -> Iterator[tuple[str, Setting]]:
+    """Every top-level key but `nodes`, in the order Config declares them, with how it is checked."""
+    for spec in dataclasses.fields(Config):
+        if "setting" in spec.metadata:
+            yield spec.name, spec.metadata["setting"]
+
+
+def _shown(spec: dataclasses.Field[Any], meta: Setting) -> str:
+    if meta.shown is not None:
+        return meta.shown
+    default = spec.default
+    return str(default).lower() if isinstance(default, bool) else str(default)
+
+
+def key_table() -> str:
+    """The table of every key for docs/configuration.md, made from Config's fields (a test checks the page has it)."""
+    rows = [
+        "| Key | Default | Meaning |",
+        "|---|---|---|",
+        "| `nodes` | required | list of `{name, host, port}`; optional `bind` (address to listen on, default `host`; "
+        '`"*"` for every interface; an interface name such as `eth0` is resolved to its address when the node starts). '
+        "Names and `host:port` pairs must be unique. Or the string `torchrun`: the list comes from torchrun's "
+        "rendezvous ([Multi-machine use](operations.md#with-torchrun)) |",
+        "| `nodes[].public_key`, `nodes[].secret_key_file` | none | CURVE authentication and encryption: every node's "
+        "public key, and where that node finds its secret key ([Security](security.md)); on every node or on none |",
+    ]
+    by_name = {spec.name: spec for spec in dataclasses.fields(Config)}
+    for name, meta in settings():
+        rows.append(f"| `{name}` | `{_shown(by_name[name], meta)}` | {meta.help} |")
+        if name == "constant":
+            rows.append("| `clock`, `loss` | `0` | these methods take no options; `0` (or nothing) says so |")
+    return "\n".join(rows) + "\n"
 
 
 # --------------------------------------------------------------------------- loading
 
-_TOP_KEYS = (
-    "nodes",
-    "fetch_probability",
-    "timeout_ms",
-    "interpolation",
-    "divergence_threshold",
-    "constant",
-    "clock",
-    "loss",
-    "wire_dtype",
-    "same_host",
-    "max_peer_distance",
-    "mode",
-    "blend",
-    "insecure",
-    "join",
-    "interface",
-    "pairing",
-    "bulk",
-)
+_PLACEHOLDERS = ("clock", "loss")  # interpolations without options: accepted, checked, not kept
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
 
@@ -284,38 +445,24 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     if isinstance(data, str):
         data = _parse_yaml(data, source)
     raw = _flatten(data, source)
-    _reject_unknown(raw, _TOP_KEYS, source, where="")
+    known = ("nodes", *(name for name, _ in settings()), *_PLACEHOLDERS)
+    _reject_unknown(raw, known, source, where="")
 
     torchrun = raw.get("nodes") == "torchrun"
     nodes = () if torchrun else _parse_nodes(raw.get("nodes"), source, base_dir=_base_dir(source))
-    interface = raw.get("interface", "auto")
     if "interface" in raw and not torchrun:
         raise ConfigError(f"{source}: interface is for 'nodes: torchrun'; here each node's host says where it is")
-    if not isinstance(interface, str) or not interface.strip():
-        raise ConfigError(f"{source}: interface must be auto, an address or an interface name, got {interface!r}")
-    fetch_probability = _number(raw, "fetch_probability", 1.0, source, lo=0.0, hi=1.0)
-    timeout_ms = _positive_int(raw, "timeout_ms", 2500, source)
-    interpolation = _choice(raw, "interpolation", INTERPOLATIONS, source)
-    divergence = _number(raw, "divergence_threshold", 0.0, source, lo=0.0)
-    constant = _parse_constant(raw.get("constant"), source)
-    for key in ("clock", "loss"):
+    values = {name: meta.check(raw[name], name, source) for name, meta in settings() if raw.get(name) is not None}
+    for key in _PLACEHOLDERS:
         _parse_no_options(raw, key, source)
-    wire_dtype = _choice(raw, "wire_dtype", WIRE_DTYPES, source)
-    same_host = _choice(raw, "same_host", SAME_HOST_MODES, source)
-    max_peer_distance = _number(raw, "max_peer_distance", 0.0, source, lo=0.0)
-    mode = _choice(raw, "mode", MODES, source)
-    blend = _choice(raw, "blend", BLENDS, source)
-    insecure = _flag(raw, "insecure", source)
-    bulk = _choice(raw, "bulk", BULK_MODES, source)
-    join = _choice(raw, "join", JOINS, source)
-    pairing = _choice(raw, "pairing", PAIRINGS, source)
-    if pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
+    config = Config(nodes=nodes, torchrun=torchrun, source=source, **values)
+    if config.pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
         raise ConfigError(
             f"{source}: pairing: hypercube needs a power of two of nodes (2, 4, 8, ...), got {len(nodes)}"
         )
-    if insecure and torchrun:
+    if config.insecure and torchrun:
         raise ConfigError(f"{source}: insecure cannot be used with nodes: torchrun, whose nodes make and swap keys")
-    if not insecure and nodes and nodes[0].public_key is None:
+    if not config.insecure and nodes and nodes[0].public_key is None:
         exposed = [spec for spec in nodes if not spec.loopback]
         if exposed:
             spec = exposed[0]
@@ -325,27 +472,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
                 "the model. Add keys (python -m dpwa keygen --config FILE), or set 'insecure: true' on a "
                 "network you trust"
             )
-
-    return Config(
-        nodes=nodes,
-        fetch_probability=fetch_probability,
-        timeout_ms=timeout_ms,
-        interpolation=interpolation,
-        divergence_threshold=divergence,
-        constant=constant,
-        wire_dtype=wire_dtype,
-        same_host=same_host,
-        max_peer_distance=max_peer_distance,
-        mode=mode,
-        blend=blend,
-        insecure=insecure,
-        bulk=bulk,
-        join=join,
-        pairing=pairing,
-        torchrun=torchrun,
-        interface=interface.strip(),
-        source=source,
-    )
+    return config
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -497,71 +624,6 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _number(
-    raw: Mapping[str, Any],
-    key: str,
-    default: float,
-    source: str,
-    lo: float | None = None,
-    hi: float | None = None,
-    where: str = "",
-) -> float:
-    if key not in raw or raw[key] is None:
-        return default
-    value = raw[key]
-    ok = _is_number(value) and (lo is None or value >= lo) and (hi is None or value <= hi)
-    if not ok:
-        if lo is not None and hi is not None:
-            expected = f"a number in [{lo:g}, {hi:g}]"
-        elif lo is not None:
-            expected = f"a number >= {lo:g}"
-        else:
-            expected = "a number"
-        raise ConfigError(f"{source}: {where}{key} must be {expected}, got {value!r}")
-    return float(value)
-
-
-def _positive_int(raw: Mapping[str, Any], key: str, default: int, source: str) -> int:
-    if key not in raw or raw[key] is None:
-        return default
-    value = raw[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
-    return value
-
-
-def _flag(raw: Mapping[str, Any], key: str, source: str) -> bool:
-    value = raw.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
-    return value
-
-
-def _choice(raw: Mapping[str, Any], key: str, choices: tuple[str, ...], source: str) -> str:
-    """A value that must be one of `choices`; the first choice is the default."""
-    value = raw.get(key)
-    if value is None:
-        return choices[0]
-    if value is False and "off" in choices:  # YAML reads a bare `off` as false
-        return "off"
-    if value not in choices:
-        raise ConfigError(
-            f"{source}: {key} must be one of {', '.join(choices)}, got {value!r}" + _suggest(str(value), choices)
-        )
-    return value
-
-
-def _parse_constant(value: Any, source: str) -> ConstantOptions:
-    if value is None or value == 0:
-        return ConstantOptions()
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{source}: constant must be a map like {{value: 0.5}}, got {value!r}")
-    _reject_unknown(value, _CONSTANT_KEYS, source, where="constant.")
-    return ConstantOptions(value=_number(value, "value", 0.5, source, lo=0.0, hi=1.0, where="constant."))
 
 
 def _parse_no_options(raw: Mapping[str, Any], key: str, source: str) -> None:
