@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dpwa import NumpyParams
-from dpwa.gossip.node import BULK_MIN_BYTES
+from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.curve import generate
 from dpwa.wire.bulk import BLOCK_BYTES, HELLO_TIMEOUT_S, TOKEN_BYTES, BulkError, BulkReceiver, BulkServer
@@ -214,7 +214,7 @@ def test_nodes_with_keys_stream_sealed(nodes, tmp_path):
     cfg = keyed(make_config(2, same_host="off"), tmp_path / "keys")
     node, peer, update, mine = _fetch_a_bulk_sized_model(nodes, cfg)
     assert update.averaged and np.all(mine == 2.0)
-    assert node.stats()["bulk_fetches"] == 1 and peer._bulk is not None and peer._bulk.sealed
+    assert node.stats()["bulk_fetches"] == 1 and peer.parts.bulk is not None and peer.parts.bulk.sealed
 
 
 SERVE = """
@@ -345,7 +345,7 @@ def test_a_flood_on_the_bulk_port_cannot_keep_a_new_peer_from_averaging(nodes, t
     theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
-    with Flood(peer._bulk.port, 30) as flood:
+    with Flood(peer.parts.bulk.port, 30) as flood:
         assert wait_until(lambda: flood.closed_by_server > 30, 10)
         node = nodes(cfg, "w0", NumpyParams(mine))
         steps = averaged = 0
@@ -396,10 +396,10 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
     node = nodes(cfg, "w0", NumpyParams(mine))
-    real_port = peer._bulk.port
+    real_port = peer.parts.bulk.port
     silent = SilentListener() if failure == "silent" else None
     try:
-        peer._bulk.port = silent.port if silent else free_port()  # what the peer's replies will name
+        peer.parts.bulk.port = silent.port if silent else free_port()  # what the peer's replies will name
         node.update_send()
         started = time.monotonic()
         update = node.update_wait()
@@ -411,7 +411,7 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
         assert node.update_wait().averaged and np.all(mine == 3.0)
         assert peer.stats()["bulk_served"] == 1 and node.stats()["bulk_fallbacks"] == 1
     finally:
-        peer._bulk.port = real_port
+        peer.parts.bulk.port = real_port
         if silent:
             silent.close()
     averaged = []
@@ -462,13 +462,14 @@ def test_a_keyed_requester_refuses_a_plain_stream():
     from dpwa.gossip.protocol import BULK_PARAMS
     from dpwa.gossip.requesting import ReplyReader
     from dpwa.gossip.validation import PeerValues
+    from dpwa.mixing.model import WireModel
     from dpwa.wire.calls import Response
     from dpwa.wire.schema import decode, encode
 
     fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,
               "version": 1, "port": 1, "token": b"t" * TOKEN_BYTES}
     header = decode(encode(BULK_PARAMS, 7, **fields))
-    reader = ReplyReader(b"f" * 16, "float32", 4096, np.dtype(np.float32), PeerValues("float32", 0.0, lambda: None),
+    reader = ReplyReader(WireModel(b"f" * 16, "float32", 1024), PeerValues("float32", 0.0, lambda: None),
                          {}, Counters(), lambda message: None, {"w1": "127.0.0.1"}, sealed=True)
     try:
         with pytest.raises(ProtocolError, match="plain bulk stream"):
@@ -488,7 +489,7 @@ def test_bind_to_an_interface_name_serves_a_bulk_sized_model(nodes):
         spec["bind"] = "lo"
     node, peer, update, mine = _fetch_a_bulk_sized_model(nodes, cfg)
     assert update.averaged and np.all(mine == 2.0) and node.stats()["bulk_fetches"] == 1
-    assert peer._bulk._listener.getsockname()[0] == "127.0.0.1"
+    assert peer.parts.bulk._listener.getsockname()[0] == "127.0.0.1"
 
 
 def test_bind_to_an_interface_this_machine_lacks_is_refused_before_anything_starts(nodes):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from dpwa import NumpyParams
-from dpwa.gossip.node import BULK_MIN_BYTES
+from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.bulk import (
     BLOCK_BYTES,
@@ -231,7 +231,7 @@ def test_a_tampered_sealed_stream_makes_the_node_fetch_over_zeromq(nodes, tmp_pa
     theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
-    server = peer._bulk
+    server = peer.parts.bulk
     original = server._seal
     first_block: list[bytes] = []
 

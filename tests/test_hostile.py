@@ -22,7 +22,8 @@ import pytest
 import zmq
 
 from dpwa import NumpyParams
-from dpwa.gossip.node import EXCHANGE_CAPACITY, MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
+from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
+from dpwa.gossip.symmetric import EXCHANGE_CAPACITY
 from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, PARAMS
 from dpwa.wire.curve import generate
 from dpwa.wire.schema import PROTOCOL_VERSION, decode, encode

@@ -96,7 +96,7 @@ def test_at_a_fresh_start_every_node_takes_the_first_nodes_initial_parameters(no
 
 
 def test_without_the_first_node_a_node_starts_from_its_own_and_says_so(nodes, caplog, monkeypatch):
-    monkeypatch.setattr("dpwa.gossip.node.JOIN_WAIT_MIN_S", 1.0)
+    monkeypatch.setattr("dpwa.gossip.start.JOIN_WAIT_MIN_S", 1.0)
     cfg = make_config(2, join="auto", timeout_ms=200)
     mine = filled(5)
     caplog.set_level(logging.WARNING, logger="dpwa")

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, MAX_LOSS, PARAMS, check_payload
+from dpwa.mixing.model import WireModel
 from dpwa.mixing.params import fingerprint
 from dpwa.wire.errors import EncodeError, ProtocolError
 from dpwa.wire.schema import KINDS, MAX_HEADER_BYTES, PROTOCOL_VERSION, Integer, ListOf, MapOf, Number, Record, Text, decode, encode, message_kind
@@ -138,12 +139,12 @@ def test_kinds_are_declared_once_with_bounded_nested_fields():
 def test_payload_checks(override, reason):
     header = decode(encode(PARAMS, 1, **params_fields(**override)))
     with pytest.raises(ProtocolError) as info:
-        check_payload(header, fp=FP, dtype="float32", nbytes=60)
+        check_payload(header, WireModel(FP, "float32", 15))
     assert info.value.reason == reason
 
 
 def test_payload_check_accepts_the_right_message():
-    check_payload(decode(encode(PARAMS, 1, **params_fields())), fp=FP, dtype="float32", nbytes=60)
+    check_payload(decode(encode(PARAMS, 1, **params_fields())), WireModel(FP, "float32", 15))
 
 
 @pytest.mark.parametrize("kind", [[1, 2], {"a": 1}, b"fetch", 3, None])

@@ -169,7 +169,7 @@ def test_a_churning_peer_is_never_read_torn(nodes, children, same_host):
 def test_same_host_off_creates_no_shared_memory(nodes):
     cfg = make_config(2, same_host="off")
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
-    assert node._shared is None
+    assert node.parts.shared is None
     assert not list(user_dir().glob(f"w0-{cfg['nodes'][0]['port']}-*"))
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from dpwa import NumpyParams, parse_config
 from dpwa.cluster.status import FIELDS, StatusClient
-from dpwa.gossip.status import STATUS, STATUS_REPORT, StatusServer
+from dpwa.gossip.reporting import STATUS, STATUS_REPORT, StatusServer
 from dpwa.wire.schema import decode, encode
 from dpwa.wire.server import Request
 
@@ -303,7 +303,7 @@ def test_a_status_reply_fits_its_budget_with_700_peers_of_long_names_and_says_ho
     import zmq
 
     from dpwa.cluster.status import format_table
-    from dpwa.gossip.status import STATUS, STATUS_BYTES, STATUS_REPORT
+    from dpwa.gossip.reporting import STATUS, STATUS_BYTES, STATUS_REPORT
     from dpwa.wire.schema import decode, encode
 
     cfg = make_config(1, fetch_probability=0)

@@ -503,7 +503,8 @@ class DpwaPair:
         bulk: str = "auto",
         curve: bool = False,
     ) -> None:
-        from dpwa.gossip.node import BULK_MIN_BYTES, Node
+        from dpwa.gossip.node import Node
+        from dpwa.gossip.parts import BULK_MIN_BYTES
         from dpwa.mixing.params import NumpyParams
 
         self.same_host = same_host
@@ -583,7 +584,7 @@ class RawClientOfNode:
 
 def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
     """Every measurement for one model size, interleaved: one sample of each per repetition."""
-    from dpwa.gossip.node import BULK_MIN_BYTES
+    from dpwa.gossip.parts import BULK_MIN_BYTES
 
     with tempfile.TemporaryDirectory() as tmp:
         subjects: dict[str, Any] = {}

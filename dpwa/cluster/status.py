@@ -5,7 +5,7 @@
     python -m dpwa status cluster.yaml --watch          # redraw every 2 s until Ctrl-C
     python -m dpwa status cluster.yaml --key w3         # under CURVE: ask with w3's key pair
 
-Each node is sent one ``status`` request (:mod:`dpwa.gossip.status`), all at
+Each node is sent one ``status`` request (:mod:`dpwa.gossip.reporting`), all at
 once, each on its own client thread, so dead nodes cost one ``timeout_ms``
 in all, not one each. A node that does not answer in time is shown as
 ``unreachable``, with the reason under the table.
@@ -27,11 +27,12 @@ from typing import Any, TextIO
 
 import zmq
 
-from ..config import Config, ConfigError, NodeSpec
-from ..gossip.status import STATUS_REPORT, StatusTask
+from ..config import Config, ConfigError
+from ..gossip.reporting import STATUS_REPORT, StatusTask
+from ..gossip.setup import key_pair
 from ..wire.calls import Call
 from ..wire.client import ClientThread
-from ..wire.curve import CurveKeys, KeyFileError, load_secret
+from ..wire.curve import CurveKeys, KeyFileError
 
 __all__ = ["UNREACHABLE", "StatusClient", "asker", "format_table", "watch"]
 
@@ -54,7 +55,7 @@ def asker(config: Config, key: str | None = None) -> tuple[str, CurveKeys | None
         if not config.secure:
             return spec.name, None
         try:
-            return spec.name, _key_pair(spec)
+            return spec.name, key_pair(spec)
         except KeyFileError as exc:
             raise ConfigError(f"{config.source}: --key {spec.name}: {exc}") from None
     if not config.secure:
@@ -62,7 +63,7 @@ def asker(config: Config, key: str | None = None) -> tuple[str, CurveKeys | None
     tried = []
     for spec in config.nodes:
         try:
-            return spec.name, _key_pair(spec)
+            return spec.name, key_pair(spec)
         except KeyFileError as exc:
             tried.append(f"  {spec.name}: {exc}")
     raise ConfigError(
@@ -70,13 +71,6 @@ def asker(config: Config, key: str | None = None) -> tuple[str, CurveKeys | None
         "secret key file is usable here. Tried:\n" + "\n".join(tried) + "\nCopy one node's NAME.key_secret "
         "to the path this config gives for it (mode 0600), and run status again"
     )
-
-
-def _key_pair(spec: NodeSpec) -> CurveKeys:
-    if spec.secret_key_file is None:
-        raise KeyFileError(f"node {spec.name!r} lists no secret_key_file")
-    pair = load_secret(spec.secret_key_file, spec.public_key or "")
-    return CurveKeys(public=pair.public, secret=pair.secret)
 
 
 class StatusClient:

@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..wire.calls import Ask
+from ..logs import logger
+from ..wire.calls import Ask, Call
 from ..wire.schema import NAME_PATTERN, Integer, MapOf, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 
@@ -54,6 +56,7 @@ __all__ = [
     "BarrierServer",
     "BarrierTask",
     "BarrierTimeout",
+    "BarrierWaiter",
     "plausible",
 ]
 
@@ -201,3 +204,98 @@ class BarrierTask:
         fields: dict[str, Any] = {"from": self._name, "counters": self._counters}
         response = ask(lambda rid: [encode(BARRIER, rid, **fields)], {BARRIER_STATE.name: BARRIER_STATE})
         return dict(response.header["counters"]), dict(response.header["yours"])
+
+
+BARRIER_POLL_MAX_S = 1.0  # a peer not yet at a barrier is asked again at most this long after the last time
+
+
+class BarrierWaiter:
+    """Waits at barriers on the training thread: asks peers (on the Tx thread) until every one has arrived.
+
+    Owns the requests it leaves behind: after a barrier, a peer that has not heard of our arrival is told,
+    and nobody waits for that answer; those calls are dropped as they finish (:meth:`tidy`).
+
+    Args:
+        name: this node.
+        peers: every other node of the cluster.
+        counts: our barrier counts and what we heard of our peers'.
+        submit: runs a task on the Tx thread.
+        timeout_s: the deadline of one request.
+    """
+
+    def __init__(
+        self, name: str, peers: list[str], counts: BarrierCounts, submit: Callable[[Any], Call], timeout_s: float
+    ) -> None:
+        self._name, self._peers, self._counts, self._submit, self._timeout_s = name, peers, counts, submit, timeout_s
+        self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
+
+    def tidy(self) -> None:
+        """Drop the finished calls nobody waits for."""
+        self._stray = [call for call in self._stray if not call.done.is_set()]
+
+    def wait(
+        self,
+        name: str,
+        k: int,
+        deadline: float,
+        missing: str,
+        stop: Callable[[], bool],
+        idle: Callable[[], None],
+    ) -> list[str]:
+        """Wait until every peer has made its k-th call of `name` (see Node.barrier); `idle` keeps exchanging."""
+        calls: dict[str, Call] = {}
+        told: set[str] = set()  # peers that have heard of this arrival
+        next_try = dict.fromkeys(self._peers, 0.0)
+        pause = dict.fromkeys(self._peers, 0.01)
+        while True:
+            for peer, call in list(calls.items()):
+                if not call.done.is_set():
+                    continue
+                del calls[peer]
+                if call.outcome == "ok":
+                    theirs, _ = call.take()
+                    self._counts.heard(peer, theirs)
+                    told.add(peer)
+                pause[peer] = min(BARRIER_POLL_MAX_S, 2 * pause[peer])
+                next_try[peer] = time.monotonic() + pause[peer]
+            behind = self._counts.behind(name, k)
+            now = time.monotonic()
+            if not behind:
+                self._tell([p for p in self._peers if p not in told], calls)
+                return []
+            stopped = stop()
+            if now >= deadline or stopped:
+                heard = self._counts.all_heard()
+                for call in calls.values():
+                    call.abandon()
+                if stopped:
+                    logger.info(
+                        "%s: stopped at barrier %r (call %d) before %s arrived", self._name, name, k, ", ".join(behind)
+                    )
+                    return behind
+                if missing == "raise":
+                    raise BarrierTimeout(name, k, behind, heard)
+                logger.warning(
+                    "%s: barrier %r (call %d): proceeding without %s", self._name, name, k, ", ".join(behind)
+                )
+                return behind
+            for peer in self._peers:
+                if (peer in behind or peer not in told) and peer not in calls and now >= next_try[peer]:
+                    end = min(deadline, now + self._timeout_s)
+                    calls[peer] = self._submit(BarrierTask(peer, end, self._name, self._counts.own()))
+            idle()
+            wake = min([next_try[p] for p in self._peers if p not in calls] + [now + 0.02])
+            time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
+
+    def _tell(self, peers: list[str], calls: dict[str, Call]) -> None:
+        """Best effort: let peers that have not heard of our arrival hear of it (nobody waits for the answers)."""
+        self._stray.extend(calls.values())
+        for peer in peers:
+            if peer not in calls:
+                task = BarrierTask(peer, time.monotonic() + self._timeout_s, self._name, self._counts.own())
+                self._stray.append(self._submit(task))
+
+    def close(self) -> None:
+        for call in self._stray:
+            call.abandon()
+        self._stray.clear()

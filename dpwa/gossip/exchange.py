@@ -497,7 +497,7 @@ class ExchangeServer:
         self.ttl_s = timeout_s + TTL_MARGIN_S
         self.capacity = capacity
         # requester snapshots that came in chunks are copied into these (at most `capacity` held at once)
-        self._buffers = BufferPool(serving.nbytes)
+        self._buffers = BufferPool(serving.model.nbytes)
         self._counters = counters
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], ServerHalf] = {}
@@ -514,7 +514,9 @@ class ExchangeServer:
 
     def routes(self) -> dict[str, Route]:
         return {
-            EXCHANGE.name: Route(EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.nbytes, bulk=True),
+            EXCHANGE.name: Route(
+                EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.model.nbytes, bulk=True
+            ),
             CONFIRM.name: Route(CONFIRM, self.serve_confirm),
             ACK.name: Route(ACK, self.serve_ack),
         }
@@ -530,9 +532,9 @@ class ExchangeServer:
             undo.push(served)
             undo.callback(self._unreserve, served.snapshot.version)
             payload = request.payload[0]
-            if len(payload) != self._serving.nbytes:
+            if len(payload) != self._serving.model.nbytes:
                 raise ProtocolError(
-                    "bad_size", f"the payload holds {len(payload)} bytes, expected {self._serving.nbytes}"
+                    "bad_size", f"the payload holds {len(payload)} bytes, expected {self._serving.model.nbytes}"
                 )
             theirs = Received(header, *payload.array(self._store.dtype, self._buffers))
             undo.push(theirs)

@@ -56,14 +56,15 @@ import numpy as np
 
 from ..logs import logger
 from ..mixing import kernels
+from ..mixing.model import WireModel
 from ..wire.calls import Ask
 from ..wire.errors import ProtocolError, Refused
 from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import COUNTS, BarrierCounts
 from .protocol import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
+from .reporting import STATES
 from .snapshots import Lease, SnapshotStore
-from .status import STATES
 
 __all__ = [
     "CHUNK_BYTES",
@@ -169,7 +170,7 @@ class JoinServer:
     Args:
         name: this node, for the log.
         store: our published snapshots.
-        fingerprint, wire: our model's layout and wire dtype.
+        model: what our model looks like on the wire.
         barriers: our barrier counts (and what we know of our peers').
         state: reads the node's state.
         extra: what else a joiner takes (an optimizer), if anything.
@@ -180,14 +181,13 @@ class JoinServer:
         self,
         name: str,
         store: SnapshotStore,
-        fingerprint: bytes,
-        wire: str,
+        model: WireModel,
         barriers: BarrierCounts,
         state: Callable[[], str],
         extra: ExtraState | None,
         peers: list[str],
     ) -> None:
-        self._name, self._store, self._fp, self._wire = name, store, fingerprint, wire
+        self._name, self._store, self._model = name, store, model
         self._barriers, self._state, self._extra, self._peers = barriers, state, extra, set(peers)
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
@@ -304,8 +304,8 @@ class JoinServer:
             snap = offer.snapshot.snapshot
             fields.update(
                 session=offer.session,
-                fp=self._fp,
-                dtype=self._wire,
+                fp=self._model.fingerprint,
+                dtype=self._model.dtype,
                 params_bytes=int(snap.array.nbytes),
                 nbytes=offer.nbytes,
                 digest=offer.digest,
@@ -343,11 +343,13 @@ class JoinServer:
 class JoinTerms:
     """What a joiner takes: a model like ours, and an optimizer state only if it has one that fits."""
 
-    fingerprint: bytes
-    wire: str
-    params_bytes: int
+    model: WireModel
     extra_budget: int = 0  # the most bytes of optimizer state we take (0: parameters only)
     check_extra: Callable[[bytes, np.ndarray], Any] | None = None  # ExtraState.check
+
+    @property
+    def params_bytes(self) -> int:
+        return self.model.nbytes
 
     @property
     def with_extra(self) -> bool:
@@ -416,10 +418,10 @@ class JoinTask:
                 pause = min(0.2, 2 * pause)
             info = OfferTask(self.peer, self.deadline, self._name, terms.with_extra).run(ask)
         fields = info.fields
-        if fields["fp"] != terms.fingerprint:
+        if fields["fp"] != terms.model.fingerprint:
             raise ProtocolError("bad_fingerprint", "the donor's model has another layout")
-        if fields["dtype"] != terms.wire:
-            raise ProtocolError("bad_dtype", f"the donor's snapshot is {fields['dtype']}, ours {terms.wire}")
+        if fields["dtype"] != terms.model.dtype:
+            raise ProtocolError("bad_dtype", f"the donor's snapshot is {fields['dtype']}, ours {terms.model.dtype}")
         # Sizes are checked before anything is allocated: ours, exactly, and at most our optimizer's.
         if fields["params_bytes"] != terms.params_bytes or fields["nbytes"] < terms.params_bytes:
             raise ProtocolError(
@@ -458,8 +460,8 @@ class JoinTask:
             data[offset:end] = np.frombuffer(frame.buffer, np.uint8)
         if hashlib.blake2b(data.data, digest_size=32).digest() != fields["digest"]:
             raise ProtocolError("bad_digest", "the state received does not match the offer's hash")
-        params = data[: terms.params_bytes].view(kernels.storage_dtype(terms.wire))
-        if not kernels.within(params, MAX_VALUE, terms.wire):
+        params = data[: terms.params_bytes].view(terms.model.storage)
+        if not kernels.within(params, MAX_VALUE, terms.model.dtype):
             raise ProtocolError("not_finite", "the donor's parameters hold NaN, Inf or values out of bounds")
         meta, extra = fields.get("extra", b""), data[terms.params_bytes :]
         checked = None

@@ -29,6 +29,7 @@ for the exchange's state machine.
 from __future__ import annotations
 
 from ..mixing.kernels import WIRE_STORAGE
+from ..mixing.model import WireModel
 from ..mixing.rules import MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
 from ..wire.errors import ProtocolError
@@ -102,17 +103,17 @@ KNOWN_REPLY = message_kind("known_reply", {"xids": ListOf(XID, max_len=8)})
 SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAMS.name: BULK_PARAMS}
 
 
-def check_payload(header: Header, *, fp: bytes, dtype: str, nbytes: int) -> None:
+def check_payload(header: Header, model: WireModel) -> None:
     """Check that a snapshot-carrying header describes a model like ours: fingerprint, dtype, size."""
-    if header["fp"] != fp:
+    if header["fp"] != model.fingerprint:
         raise ProtocolError(
             "bad_fingerprint",
-            f"model fingerprint {header['fp'].hex()} differs from ours {fp.hex()} "
+            f"model fingerprint {header['fp'].hex()} differs from ours {model.fingerprint.hex()} "
             "(different layer names, shapes or dtypes)",
         )
-    if header["dtype"] != dtype:
+    if header["dtype"] != model.dtype:
         raise ProtocolError(
-            "bad_dtype", f"dtype {header['dtype']!r}, this node uses {dtype!r} (do the nodes share one config?)"
+            "bad_dtype", f"dtype {header['dtype']!r}, this node uses {model.dtype!r} (do the nodes share one config?)"
         )
-    if header.get("nbytes", nbytes) != nbytes:
-        raise ProtocolError("bad_size", f"the header announces {header['nbytes']} bytes, expected {nbytes}")
+    if header.get("nbytes", model.nbytes) != model.nbytes:
+        raise ProtocolError("bad_size", f"the header announces {header['nbytes']} bytes, expected {model.nbytes}")

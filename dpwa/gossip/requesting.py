@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..logs import RateLimitedLog
+from ..mixing.model import WireModel
 from ..stats import Counters
 from ..wire.bulk import BulkError, BulkReceiver
 from ..wire.calls import Ask, Response
@@ -78,7 +79,7 @@ class ReplyReader:
     or the training thread when a small model's fetches run there).
 
     Args:
-        fingerprint, wire, nbytes: what our model looks like on the wire.
+        model: what our model looks like on the wire.
         values: the checks every peer's parameters must pass.
         readers: same-host peers whose shared-memory slots we may read (a peer
             is dropped from it, and asked over TCP, once its slots cannot be opened).
@@ -90,10 +91,7 @@ class ReplyReader:
 
     def __init__(
         self,
-        fingerprint: bytes,
-        wire: str,
-        nbytes: int,
-        storage: np.dtype,
+        model: WireModel,
         values: PeerValues,
         readers: dict[str, PeerSlots],
         counters: Counters,
@@ -103,7 +101,7 @@ class ReplyReader:
         sealed: bool = False,
         name: str = "dpwa",
     ) -> None:
-        self.fingerprint, self.wire, self.nbytes, self.storage = fingerprint, wire, nbytes, storage
+        self.model = model
         self.values = values
         self.readers = readers
         self.bulk_hosts = dict(bulk_hosts or {})
@@ -113,7 +111,7 @@ class ReplyReader:
         self.name = name
         self._limited = RateLimitedLog()
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
-        self._buffers = BufferPool(nbytes)
+        self._buffers = BufferPool(model.nbytes)
         self._counters = counters
         self._log = log
 
@@ -150,17 +148,19 @@ class ReplyReader:
         """The parameters of a snapshot reply, checked; ProtocolError if unusable (TransportError if a
         bulk transfer fails). A bulk transfer must be in by `deadline`."""
         header = response.header
-        check_payload(header, fp=self.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+        check_payload(header, self.model)
         if header.kind == SHM_PARAMS.name:
             received = self._read_slot(header, peer)
         elif header.kind == BULK_PARAMS.name:
             return self._read_bulk(header, peer, deadline)
         else:
             payload = response.frames[0]
-            if len(payload) != self.nbytes:
-                raise ProtocolError("bad_size", f"the payload holds {len(payload)} bytes, the header {self.nbytes}")
-            array, release = payload.array(self.storage, self._buffers)
-            self._counters.add("bytes_in", self.nbytes)
+            if len(payload) != self.model.nbytes:
+                raise ProtocolError(
+                    "bad_size", f"the payload holds {len(payload)} bytes, the header {self.model.nbytes}"
+                )
+            array, release = payload.array(self.model.storage, self._buffers)
+            self._counters.add("bytes_in", self.model.nbytes)
             received = Received(header, array, release)
         with contextlib.ExitStack() as keep:
             keep.push(received)  # released if the check fails
@@ -181,7 +181,7 @@ class ReplyReader:
         buffer, give_back = self._buffers.take()
         with contextlib.ExitStack() as keep:
             keep.callback(give_back)  # given back if anything fails
-            array = buffer.view(self.storage)
+            array = buffer.view(self.model.storage)
             size = array.itemsize
 
             def check(start: int, end: int) -> None:
@@ -193,7 +193,7 @@ class ReplyReader:
             self.values.check_distance(array)
             keep.pop_all()
         self._bulk_paused.pop(peer, None)
-        self._counters.add("bytes_in", self.nbytes)
+        self._counters.add("bytes_in", self.model.nbytes)
         self._counters.add("bulk_fetches")
         return Received(header, array, give_back)
 
@@ -202,7 +202,9 @@ class ReplyReader:
         if reader is None:
             raise ProtocolError("bad_reply", "a shared-memory reply that was not asked for")
         try:
-            view = reader.acquire(header["shm_id"], header["shm_slot"], header["version"], self.nbytes, self.storage)
+            view = reader.acquire(
+                header["shm_id"], header["shm_slot"], header["version"], self.model.nbytes, self.model.storage
+            )
         except ProtocolError as exc:
             if exc.reason == "shm_unavailable":  # e.g. the peer runs as another user: use TCP from now on
                 self.readers.pop(peer, None)
@@ -210,7 +212,7 @@ class ReplyReader:
                 self._log(f"{exc.detail}: falling back to TCP for {peer}")
             raise
         self._counters.add("same_host_fetches")
-        self._counters.add("shm_bytes_in", self.nbytes)
+        self._counters.add("shm_bytes_in", self.model.nbytes)
         return Received(header, view.array, view.release)
 
     def close(self) -> None:
@@ -226,7 +228,7 @@ class FetchTask:
     def __init__(self, peer: str, deadline: float, name: str, reader: ReplyReader) -> None:
         self.peer, self.deadline = peer, deadline
         self._reader = reader
-        self._fields: dict[str, Any] = {"from": name, "fp": reader.fingerprint, "dtype": reader.wire}
+        self._fields: dict[str, Any] = {"from": name, "fp": reader.model.fingerprint, "dtype": reader.model.dtype}
         if reader.wants_shm(peer):
             self._fields["shm"] = True
         self._bulk: bool | None = None  # ask for a stream? Decided by the reader's thread, at the first request

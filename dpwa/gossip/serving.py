@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..mixing.model import WireModel
 from ..stats import Counters
 from ..wire.bulk import BulkServer
 from ..wire.errors import Refused
@@ -34,7 +35,7 @@ class Serving:
     Args:
         name: this node.
         store: the published snapshots.
-        fingerprint, wire, nbytes: what our model looks like on the wire.
+        model: what our model looks like on the wire.
         shm_id: the id of our shared-memory slot directory, if same-host peers may read it.
         counters: where to count same-host replies.
         bulk: streams snapshots to peers that ask for a bulk transfer (sealed in clusters with keys).
@@ -45,16 +46,14 @@ class Serving:
         self,
         name: str,
         store: SnapshotStore,
-        fingerprint: bytes,
-        wire: str,
-        nbytes: int,
+        model: WireModel,
         shm_id: str | None,
         counters: Counters,
         bulk: BulkServer | None = None,
         bulk_ttl_s: float = 0.0,
     ) -> None:
         self.name, self.store = name, store
-        self.fingerprint, self.wire, self.nbytes = fingerprint, wire, nbytes
+        self.model = model
         self.shm_id = shm_id
         self._counters = counters
         self._bulk, self._bulk_ttl_s = bulk, bulk_ttl_s
@@ -64,7 +63,7 @@ class Serving:
 
     def check_request(self, header: Header) -> None:
         """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange)."""
-        check_payload(header, fp=self.fingerprint, dtype=self.wire, nbytes=self.nbytes)
+        check_payload(header, self.model)
 
     def serve_fetch(self, request: Request) -> Reply:
         self.check_request(request.header)
@@ -119,7 +118,7 @@ class Serving:
             # asks again; once it holds the lock, we cannot rewrite it.
             lease.release()
             self._counters.add("same_host_served")
-            self._counters.add("shm_bytes_out", self.nbytes)
+            self._counters.add("shm_bytes_out", self.model.nbytes)
             return Reply(encode(SHM_PARAMS, header.id, **fields, shm_slot=snap.slot, shm_id=self.shm_id))
         return Reply(encode(PARAMS, header.id, **fields), payload=[snap.array], hold=lease)
 
@@ -127,9 +126,9 @@ class Serving:
         snap = lease.snapshot
         return {
             "from": self.name,
-            "fp": self.fingerprint,
-            "dtype": self.wire,
-            "nbytes": self.nbytes,
+            "fp": self.model.fingerprint,
+            "dtype": self.model.dtype,
+            "nbytes": self.model.nbytes,
             "clock": snap.clock,
             "loss": snap.loss,
             "version": snap.version,

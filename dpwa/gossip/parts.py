@@ -1,0 +1,231 @@
+"""Everything a node runs, built in order and closed in reverse on every path (an ``ExitStack``).
+
+In order: the ZeroMQ context, shared-memory slots (when peers share this
+machine), the snapshot store, the reader of peers' replies, the Tx thread
+(and, for a small model in mode pull, the direct client), the bulk server
+(for large models over TCP), what serves our snapshots, and the join server.
+The mode's own parts (symmetric exchanges) are added by their owner
+(:meth:`Parts.own`), and the Rx thread starts last (:meth:`Parts.serve`),
+once every route exists. :meth:`Parts.close` releases them in reverse: the
+Rx thread stops first, the context is terminated last, and only if every
+thread stopped in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+
+import zmq
+
+from ..config import Config, NodeSpec
+from ..logs import RateLimitedLog, logger
+from ..mixing.model import WireModel
+from ..mixing.params import FlatParams
+from ..stats import Counters
+from ..wire.bulk import BulkServer
+from ..wire.client import ClientThread, DirectClient
+from ..wire.curve import CurveKeys
+from ..wire.endpoints import is_local_host
+from ..wire.schema import LARGEST_HEADER_BYTES
+from ..wire.server import Route, Server
+from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
+from .barrier import BarrierCounts
+from .join import CHUNK_BYTES, ExtraState, JoinServer
+from .requesting import ReplyReader
+from .serving import Serving
+from .snapshots import SlotAllocator, SnapshotStore
+from .validation import PeerValues
+
+__all__ = ["BULK_MIN_BYTES", "DIRECT_MAX_BYTES", "MAX_SNAPSHOT_SLOTS", "UNSENT_PER_CLIENT", "Parts"]
+
+MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none stale), publishing is skipped
+UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
+# Pull-mode fetches of models up to this size from peers on other machines run on the training thread
+# (DirectClient): two thread wake-ups cost more than checking a small reply; larger ones are received
+# and checked on the Tx thread, in parallel with training.
+DIRECT_MAX_BYTES = 1 << 20
+# Over TCP, snapshots of at least this size stream over raw TCP (dpwa.wire.bulk, config key `bulk`).
+BULK_MIN_BYTES = 4 << 20
+
+
+class Parts:
+    """The parts of one node. Every attribute exists once the constructor returns; ``shared``, ``direct``
+    and ``bulk`` are None when this node does not use them.
+
+    Args:
+        name, config, spec: this node, its cluster, its entry.
+        params, model: the model, and how it looks on the wire.
+        curve: our CURVE keys, or None without them.
+        counters: the node's counters.
+        barriers: our barrier counts (the join server reads them).
+        state: reads the node's state (the join server reports it).
+        extra: what a joiner takes besides the parameters (an optimizer's state).
+        direct: use a direct client (mode pull).
+        stream_to_peers: ask peers for streams (mode pull; a symmetric exchange carries its payload).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        config: Config,
+        spec: NodeSpec,
+        params: FlatParams,
+        model: WireModel,
+        curve: CurveKeys | None,
+        counters: Counters,
+        barriers: BarrierCounts,
+        state: Callable[[], str],
+        extra: ExtraState | None,
+        direct: bool,
+        stream_to_peers: bool,
+    ) -> None:
+        self.name, self.config, self.spec, self.curve = name, config, spec, curve
+        self.peers = {s.name: s for s in config.peers_of(name)}
+        self._counters = counters
+        self._stopped = True  # every thread stopped in time (else the context is left open)
+        self._timeout_s = 5.0  # how long each thread is given to stop (close() says)
+        self._log = RateLimitedLog()
+        self._params, self._model = params, model
+        with contextlib.ExitStack() as stack:
+            self.context = zmq.Context()
+            stack.callback(self._term)
+            # every listener (ZeroMQ and bulk) binds the same address, resolved once
+            self.address = config.bind_address(spec) if config.transport == "tcp" else ""
+            local = self._same_host_peers()
+            unsent = UNSENT_PER_CLIENT * (len(self.peers) + 1)  # each sender its own budget
+            self.store = SnapshotStore(
+                params.size,
+                model.storage,
+                max_slots=MAX_SNAPSHOT_SLOTS,
+                memory=SlotAllocator(params.size, model.storage, params.allocate, self.shared, name),
+                hold_limit_s=config.timeout_s + 1.0,
+                max_retired=unsent,
+            )
+            self.values = PeerValues(model.dtype, config.max_peer_distance, self.store.lease)
+            self.bulk: BulkServer | None = None
+            if config.bulk == "auto" and config.transport == "tcp" and model.nbytes >= BULK_MIN_BYTES:
+                self.bulk = BulkServer(
+                    self.address,
+                    sealed=config.secure,  # with keys, every stream is sealed with a key of its own
+                    name=name,
+                    counters=counters,
+                    max_per_sender=UNSENT_PER_CLIENT,
+                    max_pending=unsent,
+                    max_connections=4 * (len(self.peers) + 1),
+                )
+                stack.callback(self._stop, self.bulk.close)  # after the Rx thread: nothing offers transfers any more
+            streams = self.bulk is not None and stream_to_peers
+            self.reader = ReplyReader(
+                model,
+                self.values,
+                {peer: PeerSlots(peer, self.peers[peer].port) for peer in local},
+                counters,
+                lambda message: logger.info("%s: %s", name, message),
+                bulk_hosts={p: s.host for p, s in self.peers.items() if p not in local} if streams else {},
+                sealed=config.secure,
+                name=name,
+            )
+            stack.callback(self.reader.close)  # after the threads that read with it have stopped
+            options = None
+            if curve is not None:
+                options = {
+                    p: curve.client_options(s.public_key.encode()) for p, s in self.peers.items() if s.public_key
+                }
+            endpoints = {peer: config.endpoint(s) for peer, s in self.peers.items()}
+            max_reply = max(model.nbytes, LARGEST_HEADER_BYTES, CHUNK_BYTES)
+            self.client = ClientThread(
+                self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options
+            )
+            self.client.start()
+            stack.callback(self._stop, self.client.close)
+            self.direct: DirectClient | None = None
+            if direct and model.nbytes <= DIRECT_MAX_BYTES:
+                self.direct = DirectClient(
+                    self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options
+                )
+                stack.callback(self.direct.close)
+            self.serving = Serving(
+                name,
+                self.store,
+                model,
+                self.shared.id if self.shared else None,
+                counters,
+                bulk=self.bulk,
+                bulk_ttl_s=config.timeout_s + 1.0,
+            )
+            self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))
+            stack.callback(self.joins.close)
+            self._stack = stack.pop_all()
+
+    def _same_host_peers(self) -> list[str]:
+        """Peers on this machine whose snapshots we read from shared memory (and who read ours)."""
+        self.shared: SharedSlots | None = None
+        if self.config.same_host == "off":
+            return []
+        local = [peer for peer, spec in self.peers.items() if is_local_host(spec.host)]
+        if not local:
+            return []
+        try:
+            self.shared = SharedSlots(self.name, self.spec.port, self._model.nbytes, self._model.storage)
+        except (SharedMemoryError, OSError) as exc:
+            logger.warning("%s: same-host peers will use TCP: shared memory is unavailable: %s", self.name, exc)
+            return []
+        logger.info("%s: same-host path (shared memory) for %s", self.name, ", ".join(local))
+        return local
+
+    # ----------------------------------------------------------------- adding the last parts
+
+    def own(self, close: Callable[[], object]) -> None:
+        """Release something at close, before what was built so far (after the Rx thread is stopped)."""
+        self._stack.callback(close)
+
+    def serve(self, routes: Mapping[str, Route]) -> None:
+        """Start the Rx thread with every route: the last part, and the first to stop."""
+        self.server = Server(
+            self.context,
+            self.config.bind_endpoint(self.spec, self.address),
+            routes,
+            name=self.name,
+            counters=self._counters,
+            curve=self.curve,
+            senders=[spec.name for spec in self.config.nodes],
+            max_unsent_per_client=UNSENT_PER_CLIENT,
+            max_unsent=UNSENT_PER_CLIENT * (len(self.peers) + 1),
+        ).start()
+        self._stack.callback(self._stop, self.server.close)
+
+    # ----------------------------------------------------------------- the training thread
+
+    def publish(self, clock: float, loss: float | None) -> None:
+        """Copy the model into a snapshot peers are served; capture the extra state if a joiner waits."""
+        fill = functools.partial(self._params.copy_to, wire=self._model.dtype)
+        if not self.store.publish(fill, clock, loss):
+            self._log(
+                30,
+                "publish_skipped",
+                "%s: every snapshot slot is held by readers; peers get the previous snapshot",
+                self.name,
+            )
+        self.joins.capture_if_wanted()  # a peer is joining: our optimizer state, paired with this snapshot
+
+    # ----------------------------------------------------------------- closing
+
+    def _stop(self, close: Callable[[float], bool], timeout_s: float | None = None) -> None:
+        if not close(self._timeout_s if timeout_s is None else timeout_s):
+            self._stopped = False
+
+    def _term(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
+        if self._stopped:
+            self.context.term()  # every socket is closed, so this returns at once
+        else:
+            logger.error("%s: leaving the ZeroMQ context open because a thread did not stop", self.name)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Release every part, the Rx thread first; each thread is given `timeout_s` to stop."""
+        self._timeout_s = timeout_s
+        self._stack.close()

@@ -1,0 +1,103 @@
+"""Mode pull (the original): a node fetches a peer's snapshot at update_send and blends it at update_wait.
+
+Only the requester moves; the peer serves its snapshot and goes on. The
+fetch starts before our own snapshot is copied, so the two overlap. A small
+model's fetch from a peer on another machine runs on the training thread
+itself (:class:`~dpwa.wire.client.DirectClient`); the rest on the Tx thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ..mixing import interpolation as interp
+from ..mixing.rules import DeltaBlend
+from ..wire.server import Route
+from .requesting import FetchTask
+from .steps import Crew, Step, Update
+
+__all__ = ["PullSteps"]
+
+
+class PullSteps:
+    """Fetch, then blend: :class:`~dpwa.gossip.steps.Steps` for mode pull."""
+
+    def __init__(self, crew: Crew) -> None:
+        self._crew = crew
+        self.wakeup = threading.Event()  # nothing settles in the background in mode pull: never set
+
+    def routes(self) -> dict[str, Route]:
+        return {}
+
+    def start(self, step: Step) -> bool:
+        crew = self._crew
+        parts, reader = crew.parts, crew.parts.reader
+        candidates = crew.flow.candidates()
+        peer = candidates[0] if candidates else None
+        if peer is not None:
+            step.deadline = time.monotonic() + crew.config.timeout_s
+            task = FetchTask(peer, step.deadline, crew.name, reader)
+            # A same-host reply names a slot the peer may rewrite before update_wait: the Tx thread locks it
+            # at once. Other small replies wait in ZeroMQ's queue, and the training thread takes them.
+            direct = parts.direct if parts.direct is not None and not reader.wants_shm(peer) else None
+            step.call = direct.start(task) if direct is not None else parts.client.submit(task)
+            crew.counters.add("fetches_started")
+        crew.publish(step.send_loss)  # after the fetch started: the copy overlaps with the request
+        if step.call is not None and isinstance(crew.blend, DeltaBlend):
+            step.own = parts.store.lease()  # the snapshot the delta is taken from
+        return step.call is not None
+
+    def finish(self, step: Step, own_loss: float | None) -> Update:
+        crew = self._crew
+        progress = crew.progress
+        call = step.call
+        if call is None:
+            return Update(False, "no_fetch", reason="no fetch was started this step", clock=progress.clock)
+        if not call.done.is_set():
+            call.abandon()
+            crew.outcomes.timed_out(call.peer)
+            return Update(
+                False, "timeout", call.peer, reason="the Tx thread did not finish in time", clock=progress.clock
+            )
+        crew.outcomes.record(call)
+        if call.outcome != "ok":
+            return Update(
+                False,
+                call.outcome or "failed",
+                call.peer,
+                reason=call.reason,
+                latency_s=call.latency_s,
+                clock=progress.clock,
+            )
+        own = step.own.snapshot if step.own is not None else None
+        with call.take() as received:
+            peer_clock, peer_loss = received.header["clock"], received.header["loss"]
+            f = crew.interpolation.factor(progress.clock, peer_clock, own_loss, peer_loss)
+            f = interp.damp_by_divergence(f, own_loss, crew.config.divergence_threshold)
+            crew.blend.apply(crew.params, own.array if own else None, received.array, f, crew.model.dtype)
+        progress.set_clock(crew.blend.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
+        crew.counters.add("averaged")
+        crew.counters.add(f"peer.{call.peer}.averaged")
+        return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=progress.clock)
+
+    def abandon(self, step: Step) -> None:
+        if step.call is not None:
+            step.call.abandon()
+            self._crew.counters.add("fetches_abandoned")
+
+    def tend(self) -> int:
+        return 0
+
+    def idle(self) -> None:
+        pass
+
+    def settle(self, deadline: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def report(self) -> dict[str, Any]:
+        return {"pending": 0}

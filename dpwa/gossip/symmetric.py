@@ -1,0 +1,228 @@
+"""Mode symmetric: both sides of an exchange move, and the mean of all nodes is kept.
+
+At update_send a node publishes its snapshot and sends it with an exchange
+request; the server answers with its own and both apply their halves, or
+neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange`).
+This module runs that protocol on the node's training thread: it owns the
+exchange server (Rx side) and client (exchanges in doubt), applies committed
+halves as they settle, and settles what is pending before the node closes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from ..logs import logger
+from ..mixing import rules
+from ..wire.calls import Call
+from ..wire.server import Route
+from .exchange import SETTLE_QUIET_S, AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .steps import Crew, Step, Update
+
+__all__ = ["BUSY_RETRY_MAX_S", "EXCHANGE_CAPACITY", "SymmetricSteps"]
+
+EXCHANGE_CAPACITY = 4  # requester snapshots a server holds at most
+BUSY_RETRY_MAX_S = 0.02  # how long an exchange may keep asking busy peers again
+
+
+class SymmetricSteps:
+    """Exchange, then both apply: :class:`~dpwa.gossip.steps.Steps` for mode symmetric."""
+
+    def __init__(self, crew: Crew) -> None:
+        self._crew = crew
+        config, parts = crew.config, crew.parts
+        self.server = ExchangeServer(
+            parts.serving,
+            parts.values,
+            crew.interpolation,
+            config.divergence_threshold,
+            config.timeout_s,
+            EXCHANGE_CAPACITY,
+            crew.counters,
+        )
+        self.client = ExchangeClient(
+            crew.name, list(parts.peers), config.timeout_s, parts.client.submit, crew.counters, crew.flow.heard
+        )
+        self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
+        self.wakeup = self.server.committed  # set when an exchange commits (a lingering node waits on it)
+
+    def routes(self) -> dict[str, Route]:
+        return {**self.server.routes(), **self.client.known.routes()}
+
+    # ----------------------------------------------------------------- a step
+
+    def start(self, step: Step) -> bool:
+        crew = self._crew
+        crew.publish(step.send_loss)  # the request carries our snapshot: publish it first
+        exchanges, reader = self.client, crew.parts.reader
+        if not exchanges.can_start():
+            return False
+        peers = crew.flow.candidates(exclude=exchanges.blocked_peers())
+        if not peers:
+            return False
+        own = crew.parts.store.lease()
+        if own is None:  # nothing published (every slot held at our first publish): nothing to offer
+            return False
+        snap = own.snapshot
+        common = {
+            "from": crew.name,
+            "fp": crew.model.fingerprint,
+            "dtype": crew.model.dtype,
+            "nbytes": crew.model.nbytes,
+            "clock": snap.clock,
+            "loss": snap.loss,
+        }
+
+        def fields(peer: str) -> dict[str, Any]:
+            return {**common, "shm": True} if reader.wants_shm(peer) else common
+
+        factor = functools.partial(rules.symmetric_factor, crew.interpolation, crew.config.divergence_threshold)
+        step.deadline = time.monotonic() + crew.config.timeout_s
+        # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
+        busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * crew.progress.step_s)
+        task = ExchangeTask(peers, step.deadline, own, fields, reader, factor, crew.config.timeout_s / 10, busy_budget)
+        step.call = crew.parts.client.submit(task)
+        self._outstanding.append(step.call)
+        crew.counters.add("fetches_started")
+        return True
+
+    def finish(self, step: Step, own_loss: float | None) -> Update:
+        clock = self._crew.progress
+        call = step.call
+        result = None
+        if call is not None and call.done.is_set():
+            self._outstanding.remove(call)
+            result = self._harvest(call)
+        self.tend()
+        if call is None:
+            return Update(False, "no_fetch", reason="no exchange was started this step", clock=clock.clock)
+        if result is None:
+            return Update(
+                False, "timeout", call.peer, reason="no outcome yet; it is settled in a later step", clock=clock.clock
+            )
+        return result
+
+    def abandon(self, step: Step) -> None:
+        pass  # an exchange call stays outstanding: its outcome still matters
+
+    def _harvest(self, call: Call) -> Update:
+        """Take an exchange call's result: apply a committed half, keep one in doubt."""
+        crew = self._crew
+        clock = crew.progress.clock
+        if call.outcome != "ok":
+            crew.outcomes.record(call)
+            return Update(
+                False, call.outcome or "failed", call.peer, reason=call.reason, latency_s=call.latency_s, clock=clock
+            )
+        value = call.take()
+        if isinstance(value, InDoubt):
+            crew.flow.record(call.peer, "rejected" if value.answered else "timeout")
+            self.client.add(value)
+            return Update(
+                False,
+                "in_doubt",
+                call.peer,
+                reason="the peer's decision did not arrive; it is asked again in the background",
+                latency_s=call.latency_s,
+                clock=clock,
+            )
+        crew.outcomes.record(call)
+        f = self._apply_client_half(value)
+        return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=crew.progress.clock)
+
+    def _apply_client_half(self, half: ClientHalf) -> float:
+        crew = self._crew
+        with half:
+            own, theirs = half.own.snapshot, half.theirs
+            crew.blend.apply(crew.params, own.array, theirs.array, half.f, crew.model.dtype)
+            crew.progress.set_clock(crew.blend.clock(crew.progress.clock, own.clock, theirs.header["clock"], half.f))
+        crew.counters.add("averaged")
+        crew.counters.add(f"peer.{half.peer}.averaged")
+        self.client.hold(half)  # a closing peer that asks learns we hold its commit
+        return half.f
+
+    # ----------------------------------------------------------------- in the background
+
+    def tend(self) -> int:
+        """Apply what symmetric exchanges have settled since the last call: both sides' halves."""
+        crew = self._crew
+        applied = 0
+        for half in self.server.take_committed():
+            with half:
+                served = half.served.snapshot
+                rules.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.dtype)
+                their_clock = half.theirs.header["clock"]
+                crew.progress.set_clock(rules.mirror_clock(crew.progress.clock, served.clock, their_clock, half.f))
+            crew.counters.add("mirrored")
+            crew.counters.add(f"peer.{half.peer}.averaged")
+            applied += 1
+        for call in [c for c in self._outstanding if c.done.is_set()]:
+            self._outstanding.remove(call)
+            applied += self._harvest(call).averaged
+        for client_half in self.client.poll():
+            self._apply_client_half(client_half)
+            applied += 1
+        return applied
+
+    def idle(self) -> None:
+        """Apply settled exchanges, and publish a fresh snapshot once the current one is spent, so that
+        peers still training are not refused busy."""
+        applied = self.tend()
+        if applied or self.server.spent():
+            self._crew.publish(self._crew.progress.loss)
+
+    # ----------------------------------------------------------------- closing
+
+    def settle(self, deadline: float) -> None:
+        """Refuse new exchanges, and wait (bounded) until what is pending is decided and known.
+
+        Our own exchanges must be decided, and our acks sent. Those we serve: once no confirm has come for
+        the quiet time, we commit no more (a late confirm is answered abort, and its requester applies
+        nothing), and we keep answering the commits we made until each requester is known to hold it.
+        """
+        crew, server, client = self._crew, self.server, self.client
+        server.start_closing()
+        client.send_acks()
+        queries = AckQueries(server, crew.parts.client.submit, crew.name, crew.config.timeout_s)
+        frozen = False
+        try:
+            while time.monotonic() < deadline:
+                self.tend()
+                ours = bool(self._outstanding or len(client) or client.acks_pending())
+                if not frozen and not ours and time.monotonic() - server.last_confirm >= SETTLE_QUIET_S:
+                    server.stop_committing()
+                    frozen = True
+                if frozen:
+                    queries.tend()
+                    if not ours and not server.unacknowledged():
+                        return
+                time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
+        finally:
+            queries.close()
+        unacked = server.unacknowledged()
+        logger.warning(
+            "%s: closing with exchanges unsettled after the close deadline: %d of ours in doubt, "
+            "%d commits of ours not yet known to %s",
+            crew.name,
+            len(client),
+            len(unacked),
+            ", ".join(sorted({peer for peer, _ in unacked})) or "anyone",
+        )
+
+    def close(self) -> None:
+        """After the Rx thread stopped: apply the last decisions it made, let go of everything else."""
+        self.tend()
+        for call in self._outstanding:
+            call.abandon()
+        self._outstanding.clear()
+        self.client.close()
+        self.server.close()
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "pending": self.server.held() + len(self.client),
+            "exchanges_pending": self.server.held(),
+            "exchanges_unsettled": len(self.client),
+        }
