@@ -83,7 +83,7 @@ from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..stats import Counters
 from ..wire.calls import Ask, Call, Response
-from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError
+from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError, refused
 from ..wire.payload import BufferPool
 from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
@@ -230,7 +230,7 @@ class ExchangeTask:
         if outcome == "commit":
             return half
         half.release()
-        raise Refused("aborted", f"the peer decided {outcome} for exchange {xid}")
+        raise refused("aborted", f"the peer decided {outcome} for exchange {xid}")
 
     def _find_partner(self, ask: Ask, payload: Any) -> Response:
         """Send the exchange to the first candidate that is not busy."""
@@ -251,7 +251,7 @@ class ExchangeTask:
                         raise
                     self.busy += 1
             if time.monotonic() + pause >= give_up:
-                raise Refused("busy", f"every peer asked is busy ({', '.join(self._peers)})")
+                raise refused("busy", f"every peer asked is busy ({', '.join(self._peers)})")
             time.sleep(pause)  # a bounded retry: a busy peer publishes a fresh snapshot at its next step
             pause = min(2 * pause, 0.008)
 
@@ -555,20 +555,20 @@ class ExchangeServer:
         with self._lock:
             self._expire(time.monotonic())
             if self._closing:
-                raise Refused("closing", "this node is closing")
+                raise refused("closing", "this node is closing")
             mine = sum(1 for p, _ in self._pending if p == peer)
             if mine >= PENDING_PER_PEER:
-                raise Refused("busy", f"{mine} exchanges with you are waiting for their confirm")
+                raise refused("busy", f"{mine} exchanges with you are waiting for their confirm")
             if len(self._pending) + len(self._committed) >= self.capacity:
-                raise Refused("busy", f"{self.capacity} exchanges are waiting to be applied")
+                raise refused("busy", f"{self.capacity} exchanges are waiting to be applied")
             served = self._store.lease()
             if served is None:
-                raise Refused("not_ready", "no snapshot published yet")
+                raise refused("not_ready", "no snapshot published yet")
             version = served.snapshot.version
             self._uses = {version: self._uses.get(version, 0)}  # forget older snapshots
             if self._uses[version] >= rules.EXCHANGES_PER_SNAPSHOT:
                 served.release()  # see dpwa.mixing.rules: more exchanges on one snapshot would overshoot
-                raise Refused("busy", "this snapshot already serves an exchange; ask another peer")
+                raise refused("busy", "this snapshot already serves an exchange; ask another peer")
             self._uses[version] += 1
             return served
 

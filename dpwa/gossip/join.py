@@ -58,12 +58,12 @@ from ..logs import logger
 from ..mixing import kernels
 from ..mixing.model import WireModel
 from ..wire.calls import Ask
-from ..wire.errors import ProtocolError, Refused
+from ..wire.errors import ProtocolError, refused
 from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import COUNTS, BarrierCounts
 from .protocol import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
-from .reporting import STATES
+from .reporting import STATES, NodeState
 from .snapshots import Lease, SnapshotStore
 
 __all__ = [
@@ -183,7 +183,7 @@ class JoinServer:
         store: SnapshotStore,
         model: WireModel,
         barriers: BarrierCounts,
-        state: Callable[[], str],
+        state: Callable[[], NodeState],
         extra: ExtraState | None,
         peers: list[str],
     ) -> None:
@@ -277,7 +277,7 @@ class JoinServer:
     def serve_info(self, request: Request) -> Reply:
         sender = request.sender
         if sender not in self._peers:
-            raise Refused("unknown_node", "only a node of this cluster may join from us")
+            raise refused("unknown_node", "only a node of this cluster may join from us")
         with_extra = request.header.get("extra", True)
         now = time.monotonic()
         offer = None
@@ -317,13 +317,13 @@ class JoinServer:
     def serve_chunk(self, request: Request) -> Reply:
         header = request.header
         if not request.may_send_payload:
-            raise Refused("busy", "earlier replies to you are still unsent")
+            raise refused("busy", "earlier replies to you are still unsent")
         with self._lock:
             offer = self._offers.get(header["session"])
             if offer is not None:
                 offer.used = time.monotonic()
         if offer is None:
-            raise Refused("unknown_session", "no such join offer (expired, or never made)")
+            raise refused("unknown_session", "no such join offer (expired, or never made)")
         offset = header["offset"]
         if offset >= offer.nbytes or offset % CHUNK_BYTES:
             raise ProtocolError("bad_offset", f"offset {offset} is not a chunk of the {offer.nbytes}-byte offer")
@@ -364,7 +364,7 @@ class OfferInfo:
     clock: float
     barriers: dict[str, int]
     yours: dict[str, int]
-    state: str
+    state: NodeState
     ready: bool
     fields: Mapping[str, Any]
 
@@ -413,7 +413,7 @@ class JoinTask:
         while info is None or not info.ready:  # the donor makes its offer at its next step
             if info is not None:
                 if time.monotonic() + pause >= self.deadline:
-                    raise Refused("not_ready", "the donor made no offer in time")
+                    raise refused("not_ready", "the donor made no offer in time")
                 time.sleep(pause)  # a bounded poll: the donor is training meanwhile
                 pause = min(0.2, 2 * pause)
             info = OfferTask(self.peer, self.deadline, self._name, terms.with_extra).run(ask)

@@ -50,7 +50,7 @@ from .parts import Parts
 from .progress import Progress, loss_value
 from .protocol import MAX_CLOCK
 from .pull import PullSteps
-from .reporting import Reporter, StatusServer
+from .reporting import NodeState, Reporter, StatusServer
 from .settings import blend_of, interpolation_of, pairing_of
 from .setup import ConfigSource, identify, node_keys
 from .start import join_wait_s, start_together, take_state
@@ -87,7 +87,7 @@ class Node:
         self.model = WireModel(params.fingerprint, self.config.wire_dtype, params.size)
         self.wire, self.nbytes = self.model.dtype, self.model.nbytes
         self.counters = Counters()
-        self.state = "starting"  # starting | joining | training | at_barrier | lingering | closing | closed
+        self.state: NodeState = "starting"
         self.joined: Joined | None = None  # the state this node took from a peer at start, if it did
         self._extra = extra
         self._progress = Progress()

@@ -33,6 +33,7 @@ from ..wire.server import Route, Server
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 from .barrier import BarrierCounts
 from .join import CHUNK_BYTES, ExtraState, JoinServer
+from .reporting import NodeState
 from .requesting import ReplyReader
 from .serving import Serving
 from .snapshots import SlotAllocator, SnapshotStore
@@ -77,7 +78,7 @@ class Parts:
         curve: CurveKeys | None,
         counters: Counters,
         barriers: BarrierCounts,
-        state: Callable[[], str],
+        state: Callable[[], NodeState],
         extra: ExtraState | None,
         direct: bool,
         stream_to_peers: bool,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgpack
 
@@ -30,12 +30,13 @@ from .barrier import MAX_BARRIERS, BarrierCounts
 from .flow import FlowControl
 from .progress import Progress
 
-__all__ = ["STATES", "STATUS", "STATUS_BYTES", "STATUS_REPORT", "Reporter", "StatusServer", "StatusTask"]
+__all__ = ["NodeState", "STATES", "STATUS", "STATUS_BYTES", "STATUS_REPORT", "Reporter", "StatusServer", "StatusTask"]
 
 STATUS_BYTES = 1 << 16  # the largest status reply
 MAX_PEERS_SHOWN = 1024  # peers one report lists at most (fewer if their names are long)
 
-STATES = ("starting", "joining", "training", "at_barrier", "lingering", "closing", "closed")
+NodeState = Literal["starting", "joining", "training", "at_barrier", "lingering", "closing", "closed"]
+STATES: tuple[NodeState, ...] = get_args(NodeState)
 _NAME = Text(64, NAME_PATTERN)
 _COUNT = Integer(0, 1 << 62)
 _SECONDS = Number(0.0, 1e9, optional=True)
@@ -150,7 +151,7 @@ class Reporter:
         flow: FlowControl,
         progress: Progress,
         barriers: BarrierCounts,
-        state: Callable[[], str],
+        state: Callable[[], NodeState],
         parts: Callable[[], dict[str, Any]],
         pending: Callable[[], dict[str, Any]],
     ) -> None:

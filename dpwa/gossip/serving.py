@@ -20,7 +20,7 @@ from typing import Any
 from ..mixing.model import WireModel
 from ..stats import Counters
 from ..wire.bulk import BulkServer
-from ..wire.errors import Refused
+from ..wire.errors import Refused, refused
 from ..wire.schema import Header, encode
 from ..wire.server import Reply, Request, Route
 from .protocol import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
@@ -70,7 +70,7 @@ class Serving:
         self.check_budget(request)
         lease = self.store.lease()
         if lease is None:
-            raise Refused("not_ready", "no snapshot published yet")
+            raise refused("not_ready", "no snapshot published yet")
         if request.header.get("bulk") and self._bulk is not None:
             return self._bulk_reply(request, lease)
         return self.snapshot_reply(request.header, lease)
@@ -103,7 +103,7 @@ class Serving:
         current = self.store.current()
         if request.header.get("shm") and self.shm_id is not None and current is not None and current.shared:
             return  # the reply only names a shared-memory slot
-        raise Refused("busy", "earlier replies to you are still unsent")
+        raise refused("busy", "earlier replies to you are still unsent")
 
     def snapshot_reply(self, header: Header, lease: Lease, **extra: Any) -> Reply:
         """Our snapshot for a requester: a zero-copy frame, or the name of a shared-memory slot.

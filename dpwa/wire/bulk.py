@@ -63,7 +63,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESOCB3
 
 from ..logs import RateLimitedLog, logger
 from ..stats import Counters
-from .errors import ProtocolError, Refused, RequestCancelled, RequestTimeout, TransportError
+from .errors import ProtocolError, RequestCancelled, RequestTimeout, TransportError, refused
 from .payload import Hold
 from .sockets import POLL_SLICE_S
 
@@ -226,11 +226,11 @@ class BulkServer:
         views = [memoryview(b).cast("B") for b in buffers]
         with self._lock:
             if self._stop.is_set():
-                raise Refused("closing", "this node is closing")
+                raise refused("closing", "this node is closing")
             self._expire(time.monotonic())
             mine = sum(1 for t in self._transfers.values() if t.sender == sender)
             if mine >= self._max_per_sender or len(self._transfers) >= self._max_pending:
-                raise Refused("busy", f"{mine} bulk transfers to you are still waiting")
+                raise refused("busy", f"{mine} bulk transfers to you are still waiting")
             self._transfers[token] = _Transfer(
                 token,
                 sender,

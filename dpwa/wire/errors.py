@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 __all__ = [
+    "Refusal",
     "DeadlinePassed",
     "EncodeError",
     "ProtocolError",
@@ -10,6 +13,7 @@ __all__ = [
     "RequestCancelled",
     "RequestTimeout",
     "TransportError",
+    "refused",
 ]
 
 
@@ -24,6 +28,11 @@ class ProtocolError(ValueError):
 
 class EncodeError(ValueError):
     """A message this side was about to send breaks its kind's schema: a bug here, never the peer's fault."""
+
+
+# Why a request was refused ("not now", never "bad"): what dpwa's own services answer. A peer may send any
+# short reason; these are the ones a node gives, and `refused` makes mypy check each use.
+Refusal = Literal["busy", "not_ready", "closing", "aborted", "unknown_session", "unknown_node"]
 
 
 class TransportError(RuntimeError):
@@ -49,3 +58,8 @@ class RequestCancelled(TransportError):
 
 class DeadlinePassed(TransportError):
     """The deadline passed before the request was sent; nothing went out."""
+
+
+def refused(reason: Refusal, detail: str) -> Refused:
+    """A refusal with one of the reasons dpwa's services give (checked by mypy)."""
+    return Refused(reason, detail)

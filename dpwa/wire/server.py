@@ -55,7 +55,7 @@ from ..logs import RateLimitedLog, logger
 from ..stats import Counters
 from .curve import CurveKeys
 from .endpoints import EndpointInUse, EndpointLock
-from .errors import EncodeError, ProtocolError, Refused, TransportError
+from .errors import EncodeError, ProtocolError, Refused, TransportError, refused
 from .payload import CHUNK_BYTES, Hold, Payload, group, send_frames
 from .schema import MAX_HEADER_BYTES, Header, MessageKind, decode, error_header
 from .sockets import BULK_RCVHWM, FRAME_ALLOWANCE, POLL_SLICE_S, SNDHWM, base_options
@@ -383,7 +383,7 @@ class Server:
             if reply.payload and not request.may_send_payload:
                 if reply.hold is not None:
                     reply.hold.release()
-                raise Refused("busy", f"{self._max_unsent_per_client} replies to you are still unsent")
+                raise refused("busy", f"{self._max_unsent_per_client} replies to you are still unsent")
         except Refused as exc:
             self.counters.add("requests_refused")
             self.counters.add(f"refused.{exc.reason}")
