@@ -15,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,6 +93,31 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     return config
 
 
+def serving_only(config: dict[str, Any]) -> dict[str, Any]:
+    """The same cluster, seen by a node that never fetches (it only serves)."""
+    return {**config, "fetch_probability": 0}
+
+
+def secure_config(tmp_path: Path, n: int, **settings: Any) -> dict[str, Any]:
+    """make_config plus a fresh CURVE key pair per node (keys in tmp_path/keys)."""
+    from dpwa.wire.curve import generate
+
+    config = make_config(n, **settings)
+    for spec in config["nodes"]:
+        _, secret, pair = generate(spec["name"], tmp_path / "keys")
+        spec["public_key"] = pair.public.decode()
+        spec["secret_key_file"] = str(secret)
+    return config
+
+
+def tcp_endpoint(config: dict[str, Any], name: str) -> str:
+    """Where node `name` of `config` is reached."""
+    from dpwa import parse_config
+
+    parsed = parse_config(config)
+    return parsed.endpoint(parsed.node(name))
+
+
 def endpoint_is_free(config: dict[str, Any], name: str) -> bool:
     """True if node `name` of `config` could listen now: its TCP port, or its ipc endpoint's lock."""
     from dpwa import parse_config
@@ -151,6 +177,16 @@ def step_until_averaged(node, timeout_s: float = 30.0, peer: str | None = None, 
 
     wait_until(one_step, timeout_s, interval_s=0.005)
     return found[0] if found else None
+
+
+@pytest.fixture
+def zctx():
+    """A ZeroMQ context for the test's own sockets, destroyed with linger 0 afterwards."""
+    import zmq
+
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 # --------------------------------------------------------------------------- nodes in this process

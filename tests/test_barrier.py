@@ -9,9 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from dpwa import BarrierTimeout, NumpyParams
-
 from conftest import filled, make_config, wait_until
+from dpwa import BarrierTimeout, NumpyParams
 
 
 class Arrivals:

@@ -12,15 +12,13 @@ import time
 import numpy as np
 import pytest
 
+from conftest import make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
-from dpwa.wire.curve import generate
 from dpwa.wire.bulk import BLOCK_BYTES, HELLO_TIMEOUT_S, TOKEN_BYTES, BulkError, BulkReceiver, BulkServer
-from dpwa.wire.errors import ProtocolError
-from dpwa.wire.errors import Refused
-
-from conftest import make_config, wait_until
+from dpwa.wire.curve import generate
+from dpwa.wire.errors import ProtocolError, Refused
 from helpers.flood import Flood
 
 
@@ -54,14 +52,14 @@ def test_bytes_arrive_exactly_checked_block_by_block_over_one_reused_connection(
     data = np.random.default_rng(0).integers(0, 256, 3 * BLOCK_BYTES + 123, dtype=np.uint8)
     receiver = BulkReceiver("r")
     try:
-        for round_ in range(2):
+        for _ in range(2):
             hold = FakeHold()
             ticket = bulk.offer("w0", [data], hold, ttl_s=10)
             assert (ticket.key is not None) == sealed
             out = np.zeros_like(data)
             blocks = []
             receiver.receive("127.0.0.1", bulk.port, ticket.token, out, time.monotonic() + 10,
-                             check=lambda start, end: blocks.append((start, end)), key=ticket.key)
+                             check=lambda start, end, blocks=blocks: blocks.append((start, end)), key=ticket.key)
             assert np.array_equal(out, data)
             assert blocks == [(0, BLOCK_BYTES), (BLOCK_BYTES, 2 * BLOCK_BYTES), (2 * BLOCK_BYTES, 3 * BLOCK_BYTES),
                               (3 * BLOCK_BYTES, data.size)]
@@ -383,8 +381,8 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
     """The peer's bulk port refuses connections (nobody listens), or accepts and never sends: the
     fetch asks again over ZeroMQ within its deadline and averages exactly; the failure is counted,
     the next fetch from that peer does not ask for a stream, and once the pause is over it does."""
-    from dpwa.gossip import requesting
     from conftest import free_port
+    from dpwa.gossip import requesting
 
     monkeypatch.setattr(requesting, "BULK_PAUSE_S", 0.5)
     size = BULK_MIN_BYTES // 4

@@ -17,27 +17,26 @@ import time
 
 import numpy as np
 import pytest
+from test_bulk import FakeHold, keyed
 
+from conftest import make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.bulk import (
     BLOCK_BYTES,
-    Cipher,
     KEY_BYTES,
     TAG_BYTES,
     TOKEN_BYTES,
     BulkError,
     BulkReceiver,
     BulkServer,
+    Cipher,
     associated_data,
     block_count,
     nonce,
     sealed_bytes,
 )
-
-from conftest import make_config, wait_until
-from test_bulk import FakeHold, _fetch_a_bulk_sized_model, keyed
 
 DATA = np.random.default_rng(7).integers(0, 256, 3 * BLOCK_BYTES + 1000, dtype=np.uint8)
 

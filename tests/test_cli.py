@@ -9,10 +9,9 @@ import sys
 
 import pytest
 
+from conftest import ROOT
 from dpwa import cli
 from dpwa.cluster.plot import draw, load_metrics
-
-from conftest import ROOT
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -123,7 +122,7 @@ def test_keygen_writes_keys_that_a_config_accepts(tmp_path):
 
     proc = dpwa("keygen", "w1", "--dir", tmp_path / "keys")
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if "public_key:" in l)
+    line = next(text for text in proc.stdout.splitlines() if "public_key:" in text)
     public = line.split('"')[1]
     secret = tmp_path / "keys" / "w1.key_secret"
     assert f"secret_key_file: {secret}" in proc.stdout

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT, port_is_free, wait_until
 from dpwa import load_config
 from dpwa.cluster.processes import process_start, read_pid_file
-
-from conftest import ROOT, port_is_free, wait_until
 
 pytestmark = pytest.mark.slow
 

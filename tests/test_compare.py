@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT
 
+from conftest import ROOT
 from dpwa.cluster.processes import process_start, read_pid_file
 from dpwa.compare.__main__ import main
 from dpwa.compare.evaluation import states

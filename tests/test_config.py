@@ -7,9 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from dpwa.config import ConfigError, NodeSpec, load_config, parse_config, pointless_settings
-
 from conftest import ROOT, make_config
+from dpwa.config import ConfigError, NodeSpec, load_config, parse_config, pointless_settings
 
 ORIGINAL = (ROOT / "samples" / "config.yaml").read_text()
 
@@ -178,8 +177,9 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 def test_config_errors_come_before_any_socket(nodes):
     # The name is checked before the node binds anything, so a wrong name leaves no port or thread behind.
-    from dpwa import NumpyParams
     import numpy as np
+
+    from dpwa import NumpyParams
 
     with pytest.raises(ConfigError, match="no node named 'nope'"):
         nodes(parse_config(ORIGINAL), "nope", NumpyParams(np.zeros(4, np.float32)))

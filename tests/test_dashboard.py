@@ -25,13 +25,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import ROOT, filled, make_config, port_is_free, wait_until
 from dpwa import NumpyParams
 from dpwa.cluster.dashboard import Dashboard
 from dpwa.cluster.events import EventLog, JsonlFollower
 from dpwa.cluster.observe import MAX_TEXT, EventBoard, RunWatcher, Series
 from dpwa.cluster.processes import process_start, read_pid_file, write_pid_file
-
-from conftest import ROOT, filled, make_config, port_is_free, wait_until
 
 PAGE = ROOT / "dpwa" / "cluster" / "dashboard.html"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -64,7 +63,7 @@ def write_run(tmp_path: Path, names=("w1", "w2"), **settings) -> Path:
     for sub in ("metrics", "pids", "logs"):
         (run_dir / sub).mkdir(parents=True)
     config = make_config(len(names), **settings)
-    for node, name in zip(config["nodes"], names):
+    for node, name in zip(config["nodes"], names, strict=True):
         node["name"] = name
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     return run_dir
@@ -194,7 +193,7 @@ def test_series_keeps_an_even_sample_of_a_long_curve():
         series.add(float(i), float(i))
     times = [t for t, _ in series.points]
     assert 5 <= len(times) <= 10 and times[0] == 0.0 and times[-1] >= 800
-    steps = {b - a for a, b in zip(times, times[1:])}
+    steps = {b - a for a, b in zip(times, times[1:], strict=False)}
     assert len(steps) == 1  # evenly spaced
 
 

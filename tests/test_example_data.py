@@ -13,14 +13,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from example_helpers import EXAMPLE, ROOT, cifar_pixel, write_cifar_batch, write_cifar_dir  # noqa: E402
+# isort: off
+from example_helpers import EXAMPLE, ROOT, cifar_pixel, write_cifar_batch, write_cifar_dir  # noqa: E402 - puts the example on sys.path
 
 import data as datasets  # noqa: E402
 import evaluate  # noqa: E402
 import models  # noqa: E402
+# isort: on
 
 from conftest import make_config, wait_until  # noqa: E402
-
 
 # --------------------------------------------------------------------------- CIFAR-10 python batches
 
@@ -114,7 +115,7 @@ def test_flip_mirrors_some_images_and_leaves_the_others():
     out = datasets.augment(x, padding=0, flip=True, generator=g)
     mirrored = [torch.equal(out[i], x[i].flip(2)) for i in range(64)]
     kept = [torch.equal(out[i], x[i]) for i in range(64)]
-    assert all(m or k for m, k in zip(mirrored, kept))
+    assert all(m or k for m, k in zip(mirrored, kept, strict=True))
     assert any(mirrored) and any(kept)
 
 
@@ -150,7 +151,7 @@ def _filled_checkpoint(path, value, width=4):
     with torch.no_grad():
         for t in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
             t.fill_(value)
-        for name, b in net.named_buffers():
+        for _, b in net.named_buffers():
             if not b.is_floating_point():
                 b.fill_(int(value) * 10)
     torch.save(evaluate.checkpoint(net, "small", width, data), path)

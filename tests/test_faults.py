@@ -15,14 +15,13 @@ import time
 
 import numpy as np
 import pytest
+from test_node import disagreement
 
+from conftest import endpoint_is_free, filled, make_config, port_is_free, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.node import WAIT_SLACK_S
 from dpwa.wire.endpoints import private_dir as user_dir
-
-from conftest import endpoint_is_free, filled, make_config, port_is_free, step_until_averaged, wait_until
 from helpers.proxy import Proxy
-from test_node import disagreement
 
 pytestmark = pytest.mark.slow
 MARGIN_S = 0.5  # scheduling margin on a busy 2-core machine

@@ -41,12 +41,11 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import make_config, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip import exchange as exchange_rules
 from dpwa.gossip.protocol import MAX_CLOCK, MAX_LOSS, MAX_VALUE
 from dpwa.wire.schema import MAX_HEADER_BYTES, MAX_ID, PROTOCOL_VERSION, decode, encode
-
-from conftest import make_config, step_until_averaged, wait_until
 from helpers.raw_peer import FakePeer
 
 pytestmark = pytest.mark.slow
@@ -556,10 +555,14 @@ def account_dropped(case: Case, node, fuzzer: RequestFuzzer, tally: Tally) -> No
 
             assert wait_until(expired, 10)
             fuzzer.decision(request["from"], object(), "abort")  # it takes a place in the sender's memory
-    elif request is not None and request.kind == "confirm" and case.expect.what == "decision":
-        if case.expect.outcome == "commit":
-            tally.commits += 1
-            fuzzer.decision(request["from"], request["xid"], "commit")
+    elif (
+        request is not None
+        and request.kind == "confirm"
+        and case.expect.what == "decision"
+        and case.expect.outcome == "commit"
+    ):
+        tally.commits += 1
+        fuzzer.decision(request["from"], request["xid"], "commit")
     node.update_send()  # a fresh snapshot: the oracle assumes the current one serves no exchange yet
     node.update_wait()
 
@@ -621,7 +624,9 @@ def test_ten_thousand_requests_get_the_answer_the_protocol_prescribes(nodes, tmp
                 dealer = open_dealer(ctx, endpoint)
         dealer.close(linger=0)
         # Every request is counted exactly once (the silent ones too).
-        counted = lambda: sum(node.stats()[k] for k in ("requests_served", "requests_rejected", "requests_refused"))
+        def counted() -> int:
+            return sum(node.stats()[k] for k in ("requests_served", "requests_rejected", "requests_refused"))
+
         assert wait_until(lambda: counted() >= sent, 10), (counted(), sent)
     finally:
         ctx.destroy(linger=0)
@@ -837,7 +842,9 @@ def exchange_cases(rng: random.Random, fp: bytes, good: bytes):
     def decision(request, xid, outcome):
         return [reply_header("decision", request.id, xid=xid, outcome=outcome)]
 
-    ok = lambda r, x: [params(r, x), good]
+    def ok(r, x):
+        return [params(r, x), good]
+
     return [
         # the exchange's reply is bad: no confirm is sent, nothing is applied on either side
         ("reply without xid and f", "rejected:bad_reply", lambda r, x: [params(r, x, xid=DROP, f=DROP), good], None),

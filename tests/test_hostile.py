@@ -21,14 +21,12 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import filled, make_config, secure_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
-from dpwa.gossip.symmetric import EXCHANGE_CAPACITY
 from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, PARAMS
-from dpwa.wire.curve import generate
+from dpwa.gossip.symmetric import EXCHANGE_CAPACITY
 from dpwa.wire.schema import PROTOCOL_VERSION, decode, encode
-
-from conftest import filled, make_config, step_until_averaged, wait_until
 from helpers.raw_peer import FakePeer
 from helpers.raw_zmtp import RawZmtp, ZmtpError, frames_blob, greeting
 
@@ -38,15 +36,10 @@ MB = 1 << 20
 NOBODY = 65534
 
 
-def serving_only(cfg):
-    return {**cfg, "fetch_probability": 0}
 
 
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
+
+
 
 
 def endpoint_of(node) -> str:
@@ -407,7 +400,7 @@ def test_clients_that_never_read_do_not_starve_an_honest_peer(nodes, transport):
             mine.fill(value)
             theirs.fill(0)
 
-            def fresh() -> bool:
+            def fresh(value=value) -> bool:
                 node.update_send()  # the publisher keeps training (and publishing the same value)
                 node.update_wait()
                 theirs.fill(0)
@@ -476,14 +469,7 @@ def test_another_user_cannot_connect_to_the_ipc_endpoint(nodes):
     assert node.stats()["requests_served"] == 0 and node.alive
 
 
-def secure_config(tmp_path, n, **settings):
-    """make_config plus a fresh key pair per node (as in test_security)."""
-    cfg = make_config(n, **settings)
-    for spec in cfg["nodes"]:
-        _, secret, pair = generate(spec["name"], tmp_path / "keys")
-        spec["public_key"] = pair.public.decode()
-        spec["secret_key_file"] = str(secret)
-    return cfg
+
 
 
 def child_stats(child) -> dict:

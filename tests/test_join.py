@@ -12,9 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from dpwa import Node, NumpyParams
-
-from conftest import filled, make_config, wait_until
+from conftest import filled, make_config, tcp_endpoint, wait_until
+from dpwa import NumpyParams
 from helpers.chaos import ChaosProxy
 from helpers.hostile_donor import HostileDonor, Offer, state_bytes
 
@@ -157,20 +156,10 @@ def test_a_donor_killed_during_the_transfer_is_replaced_by_another(children, nod
 # --------------------------------------------------------------------------- a joiner takes nothing on faith
 
 
-@pytest.fixture
-def zctx():
-    import zmq
-
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
-def tcp_endpoint(cfg, name):
-    from dpwa import parse_config
 
-    parsed = parse_config(cfg)
-    return parsed.endpoint(parsed.node(name))
+
 
 
 class Trainer(Training):
@@ -395,8 +384,8 @@ def test_at_a_fresh_start_no_node_trains_before_every_node_holds_the_first_nodes
     and w2 start and take it, every constructor returns, all holding w0's initial parameters, and
     w0 averages with them from its first steps. (Before: w0 returned at once and trained alone, every
     fetch refused not_ready, while the others were still joining.)"""
-    from dpwa.cluster.status import StatusClient
     from dpwa import parse_config
+    from dpwa.cluster.status import StatusClient
 
     cfg = make_config(3, join="auto", timeout_ms=500)
     values = [np.full(1000, float(k + 1), np.float32) for k in range(3)]

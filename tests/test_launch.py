@@ -10,14 +10,14 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
+from conftest import HELPERS, make_config, wait_until
 from dpwa import ConfigError, load_config
 from dpwa.cluster import launch, processes
 from dpwa.cluster.monitor import LiveView, MetricsTail
-
-from conftest import HELPERS, make_config, wait_until
 
 FAKE = [sys.executable, str(HELPERS / "fake_node.py"), "{run_dir}", "{name}"]
 AVERAGE = [sys.executable, "-c",  # some output, then the JSON line the launcher reads
@@ -112,18 +112,18 @@ def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
     spec = make_spec(tmp_path, ["finish", "finish"], finish_command=AVERAGE)
     out = io.StringIO()
     assert launch.run(spec, out=out, tty=False) == 0
-    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    summary = json.loads(Path(os.path.join(spec.run_dir, "summary.json")).read_text())
     rows = [(r["node"], r["state"], r["test_acc"], r["averaged"], r["failed"], r["served"]) for r in summary["nodes"]]
     assert rows == [("w1", "done", 0.5, 2, 1, 3), ("w2", "done", 0.75, 2, 1, 3)]
     assert summary["exchanges"] == 4 and summary["failed"] == 2
     assert summary["average"] == {"models": 2, "test_acc": 0.875, "test_loss": 0.5}
     text = out.getvalue()
     assert "average  2 nodes  87.50%" in text and "w1 <- w2 2; w2 <- w1 2" in text
-    assert open(os.path.join(spec.run_dir, "curves.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert Path(os.path.join(spec.run_dir, "curves.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for name in ("w1", "w2", "launcher"):
         pid, start = processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{name}.pid"))
         assert name == "launcher" or processes.process_start(pid) != start
-    events = [json.loads(line) for line in open(os.path.join(spec.run_dir, "events.jsonl"))]
+    events = [json.loads(line) for line in Path(os.path.join(spec.run_dir, "events.jsonl")).read_text().splitlines()]
     kinds = [(e["kind"], e.get("node")) for e in events]
     assert kinds[:3] == [("run_start", None), ("node_start", "w1"), ("node_start", "w2")]
     assert sorted(kinds[3:5]) == [("exit", "w1"), ("exit", "w2")] and kinds[5:] == [("run_end", None)]
@@ -141,7 +141,7 @@ def test_a_failing_node_is_reported_with_the_end_of_its_log(tmp_path):
     text = out.getvalue()
     assert "w2 exited with code 3" in text and "w2: something went wrong" in text
     assert "no final weights from w2" in text  # the average is not evaluated without every node's weights
-    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    summary = json.loads(Path(os.path.join(spec.run_dir, "summary.json")).read_text())
     assert summary["nodes"][1]["state"] == "failed (3)"
 
 
@@ -156,7 +156,7 @@ def test_stop_sends_sigterm_then_sigkill_to_a_node_that_ignores_it(tmp_path):
     finally:
         cluster.signal(signal.SIGKILL)
     assert cluster.exited() == {"w1": 0, "w2": -signal.SIGKILL}
-    end = open(os.path.join(spec.run_dir, "metrics", "w1.jsonl")).read().splitlines()[-1]
+    end = Path(os.path.join(spec.run_dir, "metrics", "w1.jsonl")).read_text().splitlines()[-1]
     assert json.loads(end)["reason"] == "stopped by SIGTERM"
 
 
@@ -178,11 +178,11 @@ def test_a_signal_to_the_launcher_stops_every_node_and_still_summarizes(tmp_path
     assert code == 128 + signal.SIGTERM
     text = out.getvalue()
     assert "SIGTERM: stopping 2 nodes" in text
-    events = [json.loads(line) for line in open(os.path.join(spec.run_dir, "events.jsonl"))]
+    events = [json.loads(line) for line in Path(os.path.join(spec.run_dir, "events.jsonl")).read_text().splitlines()]
     assert [e for e in events if e["kind"] == "stop"][0]["signal"] == "SIGTERM"
     assert events[-1] == {**events[-1], "kind": "run_end", "code": 128 + signal.SIGTERM}
     assert "SIGKILL to" not in text  # both ended within the grace period
-    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    summary = json.loads(Path(os.path.join(spec.run_dir, "summary.json")).read_text())
     assert [r["state"] for r in summary["nodes"]] == ["stopped", "stopped"]
     assert "the run was stopped" in summary["average"]["error"]
 
@@ -241,7 +241,7 @@ def test_a_signal_during_the_average_evaluation_stops_that_too(tmp_path):
     finally:
         sender.join()
     assert code == 128 + signal.SIGTERM
-    summary = json.loads(open(os.path.join(spec.run_dir, "summary.json")).read())
+    summary = json.loads(Path(os.path.join(spec.run_dir, "summary.json")).read_text())
     assert summary["average"] == {"error": "stopped during the evaluation"}
     pid, start = processes.read_pid_file(finish_pid)
     assert processes.process_start(pid) != start  # the evaluation process is gone too

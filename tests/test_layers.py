@@ -8,7 +8,6 @@ test, so a new one is placed on purpose.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from conftest import ROOT
 

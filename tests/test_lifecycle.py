@@ -16,11 +16,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from dpwa.cluster.processes import read_pid_file
+from test_cluster import ACCURACY_FLOOR, alive, metrics, reap, run_sh
 
 from conftest import ROOT, wait_until
-from test_cluster import ACCURACY_FLOOR, alive, metrics, reap, run_sh
+from dpwa.cluster.processes import read_pid_file
 
 pytestmark = pytest.mark.slow
 

@@ -9,11 +9,10 @@ import time
 import numpy as np
 import zmq
 
+from conftest import filled, make_config
 from dpwa import NumpyParams, parse_config
 from dpwa.gossip.protocol import FETCH
 from dpwa.wire.schema import encode
-
-from conftest import filled, make_config
 
 
 class Lingering:

@@ -10,7 +10,20 @@ from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, MAX_LOSS, 
 from dpwa.mixing.model import WireModel
 from dpwa.mixing.params import fingerprint
 from dpwa.wire.errors import EncodeError, ProtocolError
-from dpwa.wire.schema import KINDS, MAX_HEADER_BYTES, PROTOCOL_VERSION, Integer, ListOf, MapOf, Number, Record, Text, decode, encode, message_kind
+from dpwa.wire.schema import (
+    KINDS,
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Integer,
+    ListOf,
+    MapOf,
+    Number,
+    Record,
+    Text,
+    decode,
+    encode,
+    message_kind,
+)
 
 FP = fingerprint([("layer.weight", (3, 4), "float32"), ("layer.bias", (3,), "float32")])
 

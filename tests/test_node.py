@@ -9,11 +9,19 @@ import time
 import numpy as np
 import pytest
 
+from conftest import (
+    endpoint_is_free,
+    filled,
+    free_port,
+    make_config,
+    port_is_free,
+    serving_only,
+    step_until_averaged,
+    wait_until,
+)
 from dpwa import Node, NumpyParams
 from dpwa.gossip.node import WAIT_SLACK_S
 from dpwa.wire.errors import TransportError
-
-from conftest import endpoint_is_free, filled, free_port, make_config, port_is_free, step_until_averaged, wait_until
 
 
 class RecordingParams(NumpyParams):
@@ -28,9 +36,7 @@ class RecordingParams(NumpyParams):
         super().lerp_from(peer, f, wire)
 
 
-def serving_only(config: dict) -> dict:
-    """The same cluster, seen by a node that never fetches (it only serves)."""
-    return {**config, "fetch_probability": 0}
+
 
 
 def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:

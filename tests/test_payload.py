@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import free_port
 from dpwa.wire.channel import Channel
 from dpwa.wire.errors import ProtocolError
-from dpwa.wire.schema import KINDS, Integer, Text, decode, encode, message_kind
 from dpwa.wire.payload import CHUNK_BYTES, BufferPool, Payload, chunks, group, send_frames
+from dpwa.wire.schema import KINDS, Integer, Text, decode, encode, message_kind
 from dpwa.wire.server import Reply, Request, Route, Server
 from dpwa.wire.sockets import FRAME_ALLOWANCE
-
-from conftest import free_port
 
 C = 16  # a small chunk size for the pure tests
 TWO = KINDS.get("test_two") or message_kind("test_two", {"from": Text(16)}, payload=2)
@@ -90,14 +89,10 @@ def test_a_single_frame_is_read_in_place_and_chunks_are_copied_into_the_pool():
     assert np.array_equal(third, data)
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
-def test_large_payloads_travel_in_chunks_both_ways_and_no_frame_exceeds_a_chunk(ctx):
+
+def test_large_payloads_travel_in_chunks_both_ways_and_no_frame_exceeds_a_chunk(zctx):
     """A request with two payloads of 2.5 and exactly 2 chunks, answered with both swapped:
     every byte arrives, and the server's frame limit is one chunk, not the model."""
     limit = 5 * CHUNK_BYTES
@@ -107,9 +102,9 @@ def test_large_payloads_travel_in_chunks_both_ways_and_no_frame_exceeds_a_chunk(
         return Reply(encode(SUMS, request.header.id, a=int(a.sum()), b=int(b.sum())), payload=[b.copy(), a.copy()])
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = Server(ctx, endpoint, {TWO.name: Route(TWO, swap, max_payload_bytes=limit, bulk=True)}, name="s",
+    server = Server(zctx, endpoint, {TWO.name: Route(TWO, swap, max_payload_bytes=limit, bulk=True)}, name="s",
                     senders=["a"]).start()
-    channel = Channel(ctx, endpoint, max_reply_bytes=limit)
+    channel = Channel(zctx, endpoint, max_reply_bytes=limit)
     try:
         assert server.max_frame_bytes == CHUNK_BYTES
         rng = np.random.default_rng(0)
@@ -127,7 +122,7 @@ def test_large_payloads_travel_in_chunks_both_ways_and_no_frame_exceeds_a_chunk(
         server.close()
 
 
-def test_a_frame_larger_than_a_chunk_never_reaches_the_handler_and_the_server_serves_on(ctx):
+def test_a_frame_larger_than_a_chunk_never_reaches_the_handler_and_the_server_serves_on(zctx):
     """Past the CURVE allowance ZeroMQ drops the connection before allocating the frame;
     within it, the server refuses the message (bad_frames)."""
     seen = []
@@ -137,12 +132,12 @@ def test_a_frame_larger_than_a_chunk_never_reaches_the_handler_and_the_server_se
         seen.append([len(p) for p in request.payload])
         return Reply(encode(SEEN, request.header.id, n=len(seen)))
 
-    server = Server(ctx, endpoint, {TWO.name: Route(TWO, handler, max_payload_bytes=8 * CHUNK_BYTES)}, name="s",
+    server = Server(zctx, endpoint, {TWO.name: Route(TWO, handler, max_payload_bytes=8 * CHUNK_BYTES)}, name="s",
                     senders=["a"]).start()
-    raw = ctx.socket(zmq.REQ)
+    raw = zctx.socket(zmq.REQ)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(endpoint)
-    channel = Channel(ctx, endpoint)
+    channel = Channel(zctx, endpoint)
     try:
         raw.send_multipart([encode(TWO, 1, **{"from": "a"}), b"x" * (CHUNK_BYTES + 1), b""])
         assert raw.poll(5000)
@@ -159,8 +154,8 @@ def test_a_frame_larger_than_a_chunk_never_reaches_the_handler_and_the_server_se
         server.close()
 
 
-def test_send_frames_tracks_every_chunk(ctx):
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+def test_send_frames_tracks_every_chunk(zctx):
+    a, b = zctx.socket(zmq.PAIR), zctx.socket(zmq.PAIR)
     port = a.bind_to_random_port("tcp://127.0.0.1")
     b.connect(f"tcp://127.0.0.1:{port}")
     try:

@@ -38,7 +38,7 @@ def test_choice_frequencies_match_score_shares(failures):
     """
     names = ["a", "b", "c"]
     sel = PeerSelector(names, rng=random.Random(1234))
-    for name, count in zip(names, failures):
+    for name, count in zip(names, failures, strict=True):
         for _ in range(count):
             sel.failure(name)
     expected = sel.probabilities()

@@ -8,12 +8,11 @@ import time
 
 import numpy as np
 import pytest
-
-from dpwa import NumpyParams
-from dpwa.gossip.node import WAIT_SLACK_S
+from test_node import RecordingParams, disagreement
 
 from conftest import filled, port_is_free, step_until_averaged, wait_until
-from test_node import RecordingParams, disagreement
+from dpwa import NumpyParams
+from dpwa.gossip.node import WAIT_SLACK_S
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +67,7 @@ def test_four_processes_gossip_to_consensus(children, make_cluster):
     for r in results:
         ok = sum(1 for outcome, _ in r["outcomes"] if outcome == "ok")
         assert ok >= 30, r["outcomes"]
-        assert 0.0 <= r["min"] and r["max"] <= n - 1  # a blend of values in [0, 3] stays in [0, 3]
+        assert r["min"] >= 0.0 and r["max"] <= n - 1  # a blend of values in [0, 3] stays in [0, 3]
     assert disagreement(finals) < d0 / 100
     ports = [node["port"] for node in cfg["nodes"]]
     for child in group:

@@ -11,10 +11,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import dpwa  # noqa: E402
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
-
 from conftest import make_config  # noqa: E402
-
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
 
 
 class Net(nn.Module):
@@ -81,7 +79,7 @@ def test_parameters_and_float_buffers_blend_in_place(adapters, make_cluster):
     assert torch.all(net.steps == 2)
     after = {name: t.data_ptr() for name, t in list(net.named_parameters()) + list(net.named_buffers())}
     assert after == pointers  # storage never replaced
-    assert all(a is b for a, b in zip(net.parameters(), params_before))
+    assert all(a is b for a, b in zip(net.parameters(), params_before, strict=True))
 
 
 def test_buffers_can_be_excluded(adapters, make_cluster):

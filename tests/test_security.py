@@ -9,27 +9,12 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import filled, make_config, port_is_free, secure_config, serving_only, wait_until
 from dpwa import ConfigError, Node, NumpyParams, parse_config
-from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
 from dpwa.gossip.protocol import FETCH
+from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
 from dpwa.wire.schema import decode, encode
-
-from conftest import filled, make_config, port_is_free, wait_until
 from helpers.proxy import Proxy
-
-
-def secure_config(tmp_path, n, **settings):
-    """make_config plus a fresh key pair per node."""
-    cfg = make_config(n, **settings)
-    for node in cfg["nodes"]:
-        _, secret, pair = generate(node["name"], tmp_path / "keys")
-        node["public_key"] = pair.public.decode()
-        node["secret_key_file"] = str(secret)
-    return cfg
-
-
-def serving_only(cfg):
-    return {**cfg, "fetch_probability": 0}
 
 
 def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(tmp_path):

@@ -14,16 +14,15 @@ import time
 
 import numpy as np
 import pytest
-
-from dpwa import NumpyParams
-from dpwa.wire.errors import ProtocolError
-from dpwa.wire.endpoints import PrivateDirError
-from dpwa.wire.endpoints import private_dir as user_dir
-from dpwa.wire.shm import PeerSlots, SharedMemoryError, SharedSlots
-from dpwa.gossip.snapshots import SnapshotStore
+from test_node import RecordingParams
 
 from conftest import HELPERS, ROOT, filled, make_config
-from test_node import RecordingParams
+from dpwa import NumpyParams
+from dpwa.gossip.snapshots import SnapshotStore
+from dpwa.wire.endpoints import PrivateDirError
+from dpwa.wire.endpoints import private_dir as user_dir
+from dpwa.wire.errors import ProtocolError
+from dpwa.wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 
 F32 = np.dtype(np.float32)
 

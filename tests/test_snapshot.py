@@ -52,6 +52,8 @@ def test_publishing_skips_instead_of_waiting_when_every_slot_is_held():
 
 
 class FakeTracker:
+    """Stands in for a ZeroMQ MessageTracker: `done` once the reply has left."""
+
     def __init__(self):
         self.done = False
 
@@ -90,13 +92,6 @@ def test_slots_are_allocated_lazily_and_bounded():
     for lease in leases:
         lease.release()
     assert store.publish(fill_with(1.0), 0, None)
-
-
-class FakeTracker:
-    """Stands in for a ZeroMQ MessageTracker: `done` once the reply has left."""
-
-    def __init__(self):
-        self.done = False
 
 
 def test_a_slot_held_too_long_by_unsent_replies_is_retired_and_publishing_goes_on(monkeypatch):

@@ -17,14 +17,12 @@ import time
 
 import yaml
 
+from conftest import ROOT, filled, make_config, secure_config, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
 from dpwa.cluster.status import FIELDS, StatusClient
 from dpwa.gossip.reporting import STATUS, STATUS_REPORT, StatusServer
 from dpwa.wire.schema import decode, encode
 from dpwa.wire.server import Request
-
-from conftest import ROOT, filled, make_config, step_until_averaged, wait_until
-from test_security import secure_config
 
 IDLE_PEER = {"score": 1.0, "failures": 0, "latency_s": None, "averaged": 0}  # a peer never fetched from
 

@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import filled, make_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.protocol import CONFIRM, EXCHANGE
 from dpwa.wire.schema import decode, encode
-
-from conftest import filled, make_config, step_until_averaged, wait_until
 from helpers.chaos import ChaosProxy, Rule
 from helpers.proxy import Proxy
-
-
-def serving_only(cfg):
-    return {**cfg, "fetch_probability": 0}
 
 
 def total(arrays) -> np.ndarray:
@@ -95,7 +90,7 @@ def test_symmetric_mode_keeps_the_mean_while_training(nodes, make_cluster, mode)
     for _ in range(rounds):
         for node in group:
             node.update_send()
-        for k, node in enumerate(group):
+        for k in range(len(group)):
             arrays[k] += steps[k]
         averaged += sum(node.update_wait().averaged for node in group)
     close_together(group)  # settles what is still pending
@@ -455,11 +450,7 @@ class RawPeer:
         return decode(self.sock.recv_multipart()[0])
 
 
-@pytest.fixture
-def zctx():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
+
 
 
 def test_busy_is_answered_before_the_payload_is_scanned(nodes, zctx):

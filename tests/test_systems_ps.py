@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import wait_until
 
+from conftest import wait_until
 from dpwa.systems.layout import ModelLayout, ModuleView
 from dpwa.systems.optim import SGDSettings
 from dpwa.systems.ps import protocol as m

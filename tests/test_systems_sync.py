@@ -35,8 +35,8 @@ from dpwa.systems.sync.service import MasterService
 from dpwa.systems.sync.worker import SyncWorker
 from dpwa.wire.curve import CurveKeys
 from dpwa.wire.endpoints import private_dir
-from dpwa.wire.schema import encode
 from dpwa.wire.errors import TransportError
+from dpwa.wire.schema import encode
 
 G = np.ones(4, np.float32)  # a gradient
 D = np.zeros(0, np.float32)  # no buffers

@@ -7,40 +7,34 @@ import logging
 import threading
 import time
 
-import pytest
 import zmq
 
+from conftest import free_port, wait_until
 from dpwa.logs import RateLimitedLog
 from dpwa.stats import Counters
 from dpwa.wire.client import ClientThread, DirectClient
-from dpwa.wire.schema import KINDS, Integer, Text, encode, message_kind
 from dpwa.wire.errors import Refused
+from dpwa.wire.schema import KINDS, Integer, Text, encode, message_kind
 from dpwa.wire.server import Reply, Request, Route, Server
-
-from conftest import free_port, wait_until
 
 PING = KINDS.get("test_ping") or message_kind("test_ping", {"from": Text(16), "n": Integer(0, 100)})
 PONG = KINDS.get("test_pong") or message_kind("test_pong", {"n": Integer(0, 100)})
 BLOB = KINDS.get("test_blob") or message_kind("test_blob", {"from": Text(16)}, payload=1)
 
 
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
+
 
 
 class Echo:
     """A server whose handler records what it saw; `refuse` makes it answer busy."""
 
-    def __init__(self, ctx, **kwargs):
+    def __init__(self, zctx, **kwargs):
         self.seen = []
         self.refuse = False
         self.port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         routes = {PING.name: Route(PING, self.ping), BLOB.name: Route(BLOB, self.blob, max_payload_bytes=100)}
-        self.server = Server(ctx, self.endpoint, routes, name="echo", senders=["a", "b"], **kwargs).start()
+        self.server = Server(zctx, self.endpoint, routes, name="echo", senders=["a", "b"], **kwargs).start()
 
     def ping(self, request: Request) -> Reply:
         self.seen.append(request.header["n"])
@@ -60,14 +54,14 @@ class PingTask:
         return ask(lambda rid: [encode(PING, rid, **{"from": self.name}, n=self.n)], {PONG.name: PONG}).header["n"]
 
 
-def test_a_task_whose_deadline_passed_in_the_queue_is_never_sent(ctx):
+def test_a_task_whose_deadline_passed_in_the_queue_is_never_sent(zctx):
     """Queued behind a slow request, a task whose deadline passes before its turn ends
     "expired": nothing goes out, and it is not the peer's fault (not a timeout)."""
-    echo = Echo(ctx)
+    echo = Echo(zctx)
     silent_port = free_port()
-    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+    silent = zctx.socket(zmq.ROUTER)  # accepts, never answers
     silent.bind(f"tcp://127.0.0.1:{silent_port}")
-    client = ClientThread(ctx, {"echo": echo.endpoint, "silent": f"tcp://127.0.0.1:{silent_port}"}, name="t",
+    client = ClientThread(zctx, {"echo": echo.endpoint, "silent": f"tcp://127.0.0.1:{silent_port}"}, name="t",
                           max_reply_bytes=4096).start()
     try:
         now = time.monotonic()
@@ -85,9 +79,9 @@ def test_a_task_whose_deadline_passed_in_the_queue_is_never_sent(ctx):
         silent.close(0)
 
 
-def test_outcomes_refused_rejected_and_a_task_that_moves_to_another_peer(ctx):
-    echo, other = Echo(ctx), Echo(ctx)
-    client = ClientThread(ctx, {"e": echo.endpoint, "o": other.endpoint}, name="t", max_reply_bytes=4096).start()
+def test_outcomes_refused_rejected_and_a_task_that_moves_to_another_peer(zctx):
+    echo, other = Echo(zctx), Echo(zctx)
+    client = ClientThread(zctx, {"e": echo.endpoint, "o": other.endpoint}, name="t", max_reply_bytes=4096).start()
 
     class Hop:
         """Asks e; if busy, moves on to o (as an exchange looks for a free partner)."""
@@ -117,9 +111,9 @@ def test_outcomes_refused_rejected_and_a_task_that_moves_to_another_peer(ctx):
         other.server.close()
 
 
-def test_payload_frames_are_counted_and_sized_before_the_handler_runs(ctx):
-    echo = Echo(ctx)
-    sock = ctx.socket(zmq.REQ)
+def test_payload_frames_are_counted_and_sized_before_the_handler_runs(zctx):
+    echo = Echo(zctx)
+    sock = zctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(echo.endpoint)
     try:
@@ -152,13 +146,13 @@ def test_the_rate_limited_log_remembers_a_bounded_number_of_keys(caplog):
     assert len(caplog.records) == 10_000  # a recent key is still rate-limited
 
 
-def test_a_server_closes_in_bounded_time_while_clients_hammer_it(ctx):
-    echo = Echo(ctx)
+def test_a_server_closes_in_bounded_time_while_clients_hammer_it(zctx):
+    echo = Echo(zctx)
     stop = threading.Event()
     counters = Counters()
 
     def hammer():
-        client = ClientThread(ctx, {"e": echo.endpoint}, name="h", max_reply_bytes=4096).start()
+        client = ClientThread(zctx, {"e": echo.endpoint}, name="h", max_reply_bytes=4096).start()
         try:
             while not stop.is_set():
                 call = client.submit(PingTask("e", time.monotonic() + 0.5, 1))
@@ -187,12 +181,12 @@ class FirstPing(PingTask):
         return [encode(PING, rid, **{"from": self.name}, n=self.n)], {PONG.name: PONG}
 
 
-def test_a_direct_client_sends_at_start_and_takes_the_reply_on_the_callers_thread(ctx):
+def test_a_direct_client_sends_at_start_and_takes_the_reply_on_the_callers_thread(zctx):
     """No thread is started; a reply that arrived in time is taken even when the caller comes
     for it after the deadline; the call's outcome is what a ClientThread would give."""
-    echo = Echo(ctx)
+    echo = Echo(zctx)
     before = set(threading.enumerate())
-    direct = DirectClient(ctx, {"e": echo.endpoint}, name="d", max_reply_bytes=4096)
+    direct = DirectClient(zctx, {"e": echo.endpoint}, name="d", max_reply_bytes=4096)
     try:
         call = direct.start(FirstPing("e", time.monotonic() + 0.3, 7))
         assert wait_until(lambda: echo.seen == [7], 5)  # it went out at start(), nobody waiting yet
@@ -204,12 +198,12 @@ def test_a_direct_client_sends_at_start_and_takes_the_reply_on_the_callers_threa
         echo.server.close()
 
 
-def test_a_direct_call_times_out_at_its_deadline_and_an_abandoned_one_frees_its_socket(ctx):
-    echo = Echo(ctx)
-    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+def test_a_direct_call_times_out_at_its_deadline_and_an_abandoned_one_frees_its_socket(zctx):
+    echo = Echo(zctx)
+    silent = zctx.socket(zmq.ROUTER)  # accepts, never answers
     silent_port = free_port()
     silent.bind(f"tcp://127.0.0.1:{silent_port}")
-    direct = DirectClient(ctx, {"e": echo.endpoint, "s": f"tcp://127.0.0.1:{silent_port}"}, name="d",
+    direct = DirectClient(zctx, {"e": echo.endpoint, "s": f"tcp://127.0.0.1:{silent_port}"}, name="d",
                           max_reply_bytes=4096)
     try:
         t0 = time.monotonic()

@@ -185,7 +185,7 @@ class ChaosProxy:
             while not self._stop.is_set():
                 try:
                     data = src.recv(1 << 16)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     break

@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -42,7 +43,7 @@ def main() -> int:
         values = np.full(size, float(options.get("fill", 0.0)), dtype=np.float32)
     config = load_config(args.config)
     if not options.get("fetch", True):
-        raw = json.load(open(args.config))
+        raw = json.loads(Path(args.config).read_text())
         raw["fetch_probability"] = 0
         config = parse_config(raw, source=args.config)
     node = Node(config, args.name, NumpyParams(values), rng=random.Random(options.get("rng_seed")))

@@ -19,7 +19,7 @@ from pathlib import Path
 run_dir, name, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 stop = threading.Event()
 signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else (lambda *_: stop.set()))
-metrics = open(run_dir / "metrics" / f"{name}.jsonl", "a")
+metrics = open(run_dir / "metrics" / f"{name}.jsonl", "a")  # noqa: SIM115 - open for the process's life
 peer = "w2" if name == "w1" else "w1"
 
 

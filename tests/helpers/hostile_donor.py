@@ -14,8 +14,7 @@ import numpy as np
 import zmq
 
 from dpwa.gossip.join import CHUNK_BYTES
-
-from .raw_peer import FakePeer, FakeRequest
+from helpers.raw_peer import FakePeer, FakeRequest
 
 
 @dataclass
