@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny")
     g.add_argument("--width", type=int, help="channels of the small model's first stage (default: 16)")
     g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10, 32 on charlm")
-    g.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 on digits, 0.1 on cifar10, 0.3 on charlm)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 on digits, 0.1 on cifar10, 0.01 on charlm)")
     g.add_argument("--shard", choices=("auto", "none"),
                    help="auto (default): a disjoint part of the data per node; none: all of it")
     g.add_argument("--device", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
