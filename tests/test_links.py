@@ -51,18 +51,15 @@ def root_links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
 
-def test_without_root_it_refuses_and_says_why():
+def test_without_root_it_refuses_and_says_why(monkeypatch):
     with pytest.raises(LinksUnavailable, match=r"--link-mbit needs root.*user id 1000.*leave out --link-mbit"):
         links.check_root(euid=1000)
     links_made = Links(["a"], LinkSpec(20))
-    original = os.geteuid
-    try:
-        os.geteuid = lambda: 65534  # type: ignore[assignment]  # as the user nobody
-        with pytest.raises(LinksUnavailable, match="user id 65534"):
-            links_made.start()
-    finally:
-        os.geteuid = original  # type: ignore[assignment]
+    monkeypatch.setattr(os, "geteuid", lambda: 65534)  # as the user nobody
+    with pytest.raises(LinksUnavailable, match="user id 65534"):
+        links_made.start()
     assert links_made._reaper is None  # refused before anything was started or made
+    assert not namespaces(links_made.prefix)
 
 
 def test_the_command_refuses_without_root(monkeypatch, tmp_path, capsys):
