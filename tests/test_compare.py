@@ -1,7 +1,7 @@
 """python -m dpwa.compare: one short comparison of every system on digits, its JSON and PNG, its rules, its errors.
 
 The comparison runs once per session (a module fixture, about a minute on two
-cores: five systems of two worker processes each) and the tests read what it wrote.
+cores: six systems of two worker processes each) and the tests read what it wrote.
 """
 
 from __future__ import annotations
@@ -79,16 +79,21 @@ def test_the_json_has_the_documented_shape(quick):
     assert tasks["done"] == tasks["total"] > 0 and tasks["done_twice"] == 0
     staleness = report["systems"]["async-ps"]["staleness"]
     assert staleness["mean"] >= 0 and sum(staleness["histogram"].values()) > 0
+    diloco = report["systems"]["diloco"]
+    steps = diloco["steps_per_worker"]
+    assert diloco["period"] == 10 and diloco["syncs"] == -(-steps // 10)  # every 10 steps, and the last partial one
+    assert diloco["outer"] == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
     assert report["workload"]["data"] == "digits" and report["workload"]["workers"] == 2
+    assert report["links"] is None and "link_check" not in report
 
 
 def negative_running_variance(snapshots: Path) -> bool:
     """Whether a node's saved state holds a BatchNorm running variance below zero (none should)."""
-    from dpwa.compare.workload import Workload, WorkloadSpec
+    from dpwa.compare.workload import WorkloadSpec, load_workload
     from dpwa.systems.layout import ModuleView
 
     spec = WorkloadSpec(data="digits", data_dir="", workers=2, epochs=1, batch_size=32, lr=0.05)
-    layout = ModuleView(Workload(spec).build_model()).layout
+    layout = ModuleView(load_workload(spec).build_model()).layout
     variances = [v for v in layout.buffers if v.name.endswith("running_var")]
     for path in snapshots.glob("*.npy"):
         state = np.load(path, allow_pickle=False)
@@ -113,7 +118,7 @@ def test_every_system_trains_digits_within_a_few_points_of_allreduce(quick):
 def test_no_process_is_left_behind(quick):
     _, _, out = quick
     pid_files = list((out / "work").glob("*/pids/*.pid"))
-    assert len(pid_files) >= 5 + 2 + 2 + 2  # every process and every rank wrote one
+    assert len(pid_files) >= 2 + 2 + 3 + 4 + 2 + 2  # every process (every rank) of the six systems wrote one
     for pid_file in pid_files:
         pid, start = read_pid_file(pid_file)
         assert process_start(pid) != start, f"{pid_file} still runs"

@@ -301,3 +301,52 @@ def test_resume_changes_only_the_epochs_and_only_upwards_of_what_was_trained(tmp
     default = LaunchSpec(run_dir=str(tmp_path), config=make_config(2), command=["py", "train.py", "--resume"])
     with pytest.raises(ValueError, match="to train to its default"):
         cluster.with_epochs(tmp_path, default, default.command, 3, 2)
+
+
+# --------------------------------------------------------------------------- train.py and evaluate.py on charlm
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_train_py_trains_charlm_on_a_text_file_and_evaluate_and_plot_read_it(tmp_path):
+    """One node trains the tiny charlm model for two epochs of 3 steps on a text file written here; its eval
+    lines carry the validation loss, evaluate.py averages its weights, and curves.png shows validation loss."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"def f(x):\n    return x + 1\n" * 500)  # 13,500 bytes: 12,150 training, 1,350 validation
+    config = tmp_path / "one.json"
+    config.write_text(json.dumps(make_config(1)))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--config", str(config), "--name", "w0", "--workload", "charlm",
+           "--data", f"text:{text}", "--model", "tiny", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4",
+           "--run-dir", str(run_dir), "--log-every", "1", "--linger-s", "0", "--device", "cpu"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics" / "w0.jsonl").read_text().splitlines()]
+    assert lines[0]["model"] == "tiny" and lines[0]["train_chars"] == 12_150 and lines[0]["steps_per_epoch"] == 3
+    evals = [line for line in lines if line["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [3, 6]
+    for e in evals:
+        assert e["test_loss"] == e["val_loss"] > 0 and e["bits_per_char"] == pytest.approx(e["val_loss"] / np.log(2))
+    assert lines[-1]["reason"] == "done"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{EXAMPLE}")
+    average = subprocess.run([sys.executable, str(EXAMPLE / "evaluate.py"), str(run_dir)], capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert average.returncode == 0, average.stderr
+    result = json.loads(average.stdout.strip().splitlines()[-1])
+    assert result["data"] == f"text:{text}" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-4)
+    from dpwa.cluster.plot import draw
+
+    assert draw(run_dir).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_workload_and_data_options_agree(tmp_path):
+    import text as texts
+
+    assert texts.resolve_workload(None, "stdlib", tmp_path) == ("charlm", "stdlib")
+    assert texts.resolve_workload("charlm", "auto", tmp_path) == ("charlm", "stdlib")
+    assert texts.resolve_workload(None, "auto", tmp_path) == ("digits", "digits")  # no CIFAR-10 here
+    assert texts.resolve_workload("digits", "auto", tmp_path) == ("digits", "digits")
+    with pytest.raises(ValueError, match="must be stdlib or text:PATH"):
+        texts.resolve_workload("charlm", "digits", tmp_path)
+    with pytest.raises(ValueError, match="disagree"):
+        texts.resolve_workload("cifar10", "text:x.txt", tmp_path)

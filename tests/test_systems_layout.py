@@ -76,11 +76,16 @@ def test_check_values_refuses_nan_inf_and_huge(bad):
     check_values(np.full(5, 1e11, np.float32), "fine")
 
 
-def test_flat_sgd_takes_exactly_torch_sgd_steps():
-    """The master and the servers step flat vectors; a worker's torch.optim.SGD steps the module: equal updates."""
-    settings = SGDSettings(lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+@pytest.mark.parametrize("algorithm", ["sgd", "adamw"])
+def test_flat_sgd_takes_exactly_torch_sgd_steps(algorithm):
+    """The master and the servers step flat vectors; a worker's torch optimizer steps the module: equal updates."""
+    settings = SGDSettings(lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, algorithm=algorithm)
     net = small_net()
-    reference = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    if algorithm == "sgd":
+        reference = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    else:
+        reference = torch.optim.AdamW(net.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=5e-4)
+    assert type(settings.make(small_net().parameters())) is type(reference)
     view = ModuleView(net)
     flat = view.params()
     optimizer = FlatSGD(flat, settings)
@@ -114,6 +119,8 @@ def test_flat_sgd_schedule_and_scale():
         ({"momentum": 1.0}, "momentum"),
         ({"weight_decay": -1}, "weight_decay"),
         ({"momentum": 0, "nesterov": True}, "nesterov"),
+        ({"algorithm": "adam"}, "algorithm must be one of sgd, adamw"),
+        ({"algorithm": "adamw", "betas": (0.9, 1.0)}, "betas"),
     ],
 )
 def test_bad_optimizer_settings_are_named(kwargs, message):

@@ -299,7 +299,7 @@ def test_a_dead_server_is_marked_down_and_its_blocks_keep_their_values(servers):
 def test_a_killed_trainer_does_not_stop_the_others(tmp_path):
     from dpwa.compare.faults import KillProcess
     from dpwa.compare.runner import RunOptions, run_system
-    from dpwa.compare.workload import Workload, WorkloadSpec
+    from dpwa.compare.workload import WorkloadSpec, load_workload
 
     spec = WorkloadSpec(
         data="digits", data_dir=str(tmp_path), workers=3, epochs=6, batch_size=32, lr=0.05, eval_points=4
@@ -316,7 +316,7 @@ def test_a_killed_trainer_does_not_stop_the_others(tmp_path):
     assert fault.report()["killed_at_s"] > 0
     assert run.completed, run.error
     assert run.exit_codes["w2"] == -9 and run.exit_codes["w0"] == run.exit_codes["w1"] == 0
-    local = Workload(spec).local_steps(0) * spec.batch_size
+    local = load_workload(spec).local_steps(0) * spec.batch_size
     for name in ("w0", "w1"):
         assert run.results[name]["samples"] == local  # every step of theirs
         assert run.results[name]["trainer"]["pushes_failed"] == 0

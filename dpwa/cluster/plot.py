@@ -1,4 +1,4 @@
-"""Draw a run's curves.png: training loss and test accuracy of every node over time.
+"""Draw a run's curves.png: training loss and test accuracy (or validation loss) of every node over time.
 
     python -m dpwa plot runs/latest                 # writes runs/latest/curves.png
     python -m dpwa plot runs/latest --out /tmp/c.png
@@ -6,6 +6,8 @@
 Reads ``RUN_DIR/metrics/<node>.jsonl`` (step lines for the loss, eval lines
 for the accuracy; see :mod:`dpwa.monitor`) and, if present,
 ``RUN_DIR/summary.json`` for the accuracy of the nodes' parameter average.
+A run whose eval lines carry ``val_loss`` (``--workload charlm``) gets its
+validation loss (nats per character) on the right instead of the accuracy.
 Time is in seconds since the first node started. matplotlib is imported here
 only, with the file-only Agg backend.
 """
@@ -52,25 +54,30 @@ def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
     metrics = load_metrics(run_dir)
     t0 = min((r["t"] for records in metrics.values() for r in records), default=0.0)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    by_loss = any(r.get("kind") == "eval" and "val_loss" in r for records in metrics.values() for r in records)
+    key = "val_loss" if by_loss else "test_acc"
+    scale = 1.0 if by_loss else 100.0
     for node, records in metrics.items():
         steps = [r for r in records if r.get("kind") == "step" and r.get("loss") is not None]
-        evals = [r for r in records if r.get("kind") == "eval" and r.get("test_acc") is not None]
+        evals = [r for r in records if r.get("kind") == "eval" and isinstance(r.get(key), (int, float))]
         (line,) = ax_loss.plot([r["t"] - t0 for r in steps], [r["loss"] for r in steps], label=node, linewidth=1)
         ax_acc.plot(
             [r["t"] - t0 for r in evals],
-            [100 * r["test_acc"] for r in evals],
+            [scale * r[key] for r in evals],
             marker="o",
             markersize=3,
             color=line.get_color(),
             label=node,
         )
-    average = _average_accuracy(run_dir)
+    average = _average(run_dir, key)
     if average is not None:
-        ax_acc.axhline(
-            100 * average, color="black", linestyle="--", linewidth=1, label=f"parameter average {100 * average:.2f}%"
-        )
+        text = f"{average:.3f} nats/char" if by_loss else f"{100 * average:.2f}%"
+        ax_acc.axhline(scale * average, color="black", linestyle="--", linewidth=1, label=f"parameter average {text}")
     ax_loss.set(title="training loss", xlabel="time (s)", ylabel="cross-entropy")
-    ax_acc.set(title="test accuracy", xlabel="time (s)", ylabel="accuracy (%)")
+    if by_loss:
+        ax_acc.set(title="validation loss", xlabel="time (s)", ylabel="nats per character")
+    else:
+        ax_acc.set(title="test accuracy", xlabel="time (s)", ylabel="accuracy (%)")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -90,9 +97,10 @@ def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return target
 
 
-def _average_accuracy(run_dir: Path) -> float | None:
+def _average(run_dir: Path, key: str = "test_acc") -> float | None:
+    """The parameter average's `key` (test_acc, val_loss) from summary.json, if there is one."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
-        return float(summary["average"]["test_acc"])
+        return float(summary["average"][key])
     except (OSError, ValueError, KeyError, TypeError):
         return None

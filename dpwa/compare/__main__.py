@@ -1,34 +1,43 @@
-"""Compare gossip with synchronous SGD with a master, asynchronous parameter servers and all-reduce.
+"""Compare gossip with synchronous SGD with a master, asynchronous parameter servers, all-reduce and DiLoCo.
 
 Every system trains the same model on the same data shards, with the same
 batch size, learning-rate schedule and seed, on this machine; each is then
 evaluated by the same rule (see dpwa/compare/evaluation.py). Commands (from
 the repository root)::
 
-    python -m dpwa.compare                                  # every system, 4 workers (a few minutes)
+    python -m dpwa.compare                                  # every system, 4 workers, digits (a few minutes)
     python -m dpwa.compare --straggler 4                    # the last worker 4x slower per step
     python -m dpwa.compare --faults --json compare.json     # and kill a process of each system
     python -m dpwa.compare --quick --systems gossip,allreduce   # a short smoke run
+    python -m dpwa.compare --workload charlm --systems gossip,diloco,allreduce          # a character-level LM
+    python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,diloco,allreduce   # slow links (root)
 
-It prints a table (time and samples to the target accuracy, final accuracy,
-bytes per worker per step, the fraction of time workers sat idle), writes
-OUT/compare.png (accuracy against wall time and against samples) and
-OUT/compare.json, and with --json FILE the same JSON there too.
+It prints a table (time and samples to the target, the final accuracy or
+validation loss, bytes per worker per step, seconds per step, the fraction of
+time workers sat idle), writes OUT/compare.png (accuracy or validation loss
+against wall time and against samples) and OUT/compare.json, and with --json
+FILE the same JSON there too. docs/lab.md describes the charlm workload,
+DiLoCo and the slow links.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
 
+from ..systems.diloco import DEFAULT_PERIOD
 from .comparison import CompareConfig, run_comparison
-from .report import fault_lines, plot, table, write_json
+from .links import LinksUnavailable, check_delay, check_root
+from .report import fault_lines, link_lines, plot, table, write_json
 from .runner import SYSTEMS, RunOptions
-from .workload import DATA_DEFAULTS, EXAMPLE, ExampleMissing, WorkloadSpec, example_available
+from .workload import CHARLM_DEFAULTS, DATA_DEFAULTS, EXAMPLE, ExampleMissing, WorkloadSpec, example_available
 
 TARGETS = {"digits": 0.97, "cifar10": 0.70}  # default target test accuracy per dataset
+WORKLOADS = ("digits", "cifar10", "charlm")
+CHARLM_MODELS = ("small", "tiny")  # dpwa.workloads.charlm.SIZES
 
 
 def _systems(text: str) -> tuple[str, ...]:
@@ -48,11 +57,46 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _data(text: str) -> str:
+    if text in ("auto", "stdlib", *DATA_DEFAULTS) or (text.startswith("text:") and len(text) > len("text:")):
+        return text
+    raise argparse.ArgumentTypeError(f"choose auto, {', '.join(DATA_DEFAULTS)}, stdlib or text:PATH; got {text!r}")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value:g}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dpwa.compare", description=__doc__.split("\n")[0])
     p.add_argument("--systems", type=_systems, default=SYSTEMS, help=f"comma-separated (default: {','.join(SYSTEMS)})")
     p.add_argument("--workers", type=_positive_int, default=4, help="workers per system (default: %(default)s)")
-    p.add_argument("--epochs", type=_positive_int, help="passes over the training set (default: 30; --quick: 6)")
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        help="digits or cifar10 (the example's ResNet), or charlm (a character-level transformer on the Python "
+        "standard library's source; docs/lab.md); default: as --data says",
+    )
+    p.add_argument(
+        "--data",
+        type=_data,
+        default="auto",
+        help="images: auto (default: cifar10 when prepared, else the embedded digits), digits, cifar10; "
+        "charlm: stdlib (default) or text:PATH (a text file of yours; its last 10%% is validation)",
+    )
+    p.add_argument("--data-dir", type=Path, default=EXAMPLE / "data" / "cifar-10-batches-py")
+    p.add_argument(
+        "--epochs", type=_positive_int, help="images: passes over the training set (default: 30; --quick: 6)"
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        help=f"steps per worker (charlm default: {CHARLM_DEFAULTS.steps}; --quick: 40); images: instead of --epochs",
+    )
+    p.add_argument("--model", help="images: small (default) or resnet18; charlm: small (default) or tiny")
     p.add_argument(
         "--straggler",
         type=float,
@@ -63,16 +107,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the report here")
     p.add_argument("--out", type=Path, help="output folder (default: runs/compare-DATE-TIME)")
     p.add_argument(
-        "--data",
-        choices=("auto", *DATA_DEFAULTS),
-        default="auto",
-        help="auto (default): cifar10 when prepared, else the embedded digits",
+        "--batch-size",
+        type=_positive_int,
+        help=f"per worker and step (default: 32 digits, 128 cifar10, {CHARLM_DEFAULTS.batch_size} charlm)",
     )
-    p.add_argument("--data-dir", type=Path, default=EXAMPLE / "data" / "cifar-10-batches-py")
-    p.add_argument("--batch-size", type=_positive_int, help="per worker and step (default: 32 digits, 128 cifar10)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default: 0.05 digits, 0.1 cifar10)")
+    p.add_argument(
+        "--lr", type=float, help=f"peak learning rate (default: 0.05 digits, 0.1 cifar10, {CHARLM_DEFAULTS.lr} charlm)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-acc", type=float, help="target test accuracy (default: 0.97 digits, 0.70 cifar10)")
+    p.add_argument("--target-acc", type=float, help="images: target test accuracy (default: 0.97 digits, 0.70 cifar10)")
+    p.add_argument(
+        "--target-loss",
+        type=_positive_float,
+        help=f"charlm: target validation loss, nats per character (default: {CHARLM_DEFAULTS.target_loss})",
+    )
+    p.add_argument(
+        "--diloco-period",
+        type=_positive_int,
+        default=DEFAULT_PERIOD,
+        metavar="H",
+        help="DiLoCo: inner steps between two synchronisations (default: %(default)s; outer Nesterov, lr 0.7, "
+        "momentum 0.9)",
+    )
+    p.add_argument(
+        "--outer-lr", type=_positive_float, default=0.7, help="DiLoCo: the outer learning rate (default: %(default)s)"
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.9,
+        help="DiLoCo: the outer Nesterov momentum (default: %(default)s; 0 with --outer-lr 1: plain averaging)",
+    )
+    p.add_argument(
+        "--link-mbit",
+        type=_positive_float,
+        metavar="R",
+        help="run every process in its own network namespace, its link shaped to R Mbit/s each way (needs root)",
+    )
+    p.add_argument(
+        "--link-delay-ms",
+        type=_positive_float,
+        metavar="D",
+        help="with --link-mbit: a one-way delay on each link; needs the netem qdisc, which this kernel may lack "
+        "(then it is refused, with the kernel's answer)",
+    )
     p.add_argument(
         "--faults",
         action="store_true",
@@ -86,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sync master: gradients per step (default: the number of live workers)",
     )
     p.add_argument("--time-limit-s", type=float, default=600.0, help="per run (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a short run (6 epochs, fewer curve points): a smoke test")
+    p.add_argument("--quick", action="store_true", help="a short run (6 epochs or 40 steps, fewer curve points)")
     p.add_argument("--keep-snapshots", action="store_true", help="keep every evaluated model state in OUT/work")
     args = p.parse_args(argv)
     if not 1 <= args.straggler <= 100:
@@ -95,76 +173,153 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--target-acc must be in (0, 1], got {args.target_acc}")
     if args.lease_s <= 0 or args.time_limit_s <= 0:
         p.error("--lease-s and --time-limit-s must be positive")
+    if not 0 <= args.outer_momentum < 1:
+        p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    if args.link_delay_ms is not None and args.link_mbit is None:
+        p.error("--link-delay-ms needs --link-mbit (a delay is a property of the shaped links)")
+    charlm_data = args.data == "stdlib" or args.data.startswith("text:")
+    if args.workload is None:
+        if charlm_data:
+            args.workload = "charlm"
+        elif args.data == "auto":
+            prepared = (args.data_dir / "data_batch_1").is_file() and (args.data_dir / "test_batch").is_file()
+            args.workload = "cifar10" if prepared else "digits"
+        else:
+            args.workload = args.data
+    if args.workload == "charlm":
+        if args.data == "auto":
+            args.data = "stdlib"
+        elif not charlm_data:
+            p.error(f"--workload charlm trains on text: --data must be stdlib or text:PATH, got {args.data}")
+        for option, value in (("--epochs", args.epochs), ("--target-acc", args.target_acc)):
+            if value is not None:
+                p.error(f"{option} is for the image workloads; charlm counts --steps and aims at --target-loss")
+        if args.model is not None and args.model not in CHARLM_MODELS:
+            p.error(f"--model for charlm must be one of {', '.join(CHARLM_MODELS)}, got {args.model}")
+    else:
+        if args.data == "auto":
+            args.data = args.workload
+        elif args.data != args.workload:
+            p.error(f"--workload {args.workload} and --data {args.data} disagree")
+        if args.target_loss is not None:
+            p.error("--target-loss is for --workload charlm; the image workloads aim at --target-acc")
+        if args.model is not None and args.model not in ("small", "resnet18"):
+            p.error(f"--model for images must be small or resnet18, got {args.model}")
     return args
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:
-    data = args.data
-    if data == "auto":
-        from_dir = (args.data_dir / "data_batch_1").is_file() and (args.data_dir / "test_batch").is_file()
-        data = "cifar10" if from_dir else "digits"
-    batch, lr, epochs = DATA_DEFAULTS[data]
-    spec = WorkloadSpec(
-        data=data,
-        data_dir=str(args.data_dir),
-        workers=args.workers,
-        epochs=args.epochs or (6 if args.quick else epochs),
-        batch_size=args.batch_size or batch,
-        lr=args.lr if args.lr is not None else lr,
-        seed=args.seed,
-        straggler=args.straggler,
-        eval_points=12 if args.quick else 80,
-    )
+    if args.workload == "charlm":
+        d = CHARLM_DEFAULTS
+        spec = WorkloadSpec(
+            data=args.data,
+            data_dir=str(args.data_dir),
+            workers=args.workers,
+            epochs=1,
+            steps=args.steps or (40 if args.quick else d.steps),
+            batch_size=args.batch_size or d.batch_size,
+            lr=args.lr if args.lr is not None else d.lr,
+            optimizer=d.optimizer,
+            weight_decay=d.weight_decay,
+            seed=args.seed,
+            model=args.model or "small",
+            straggler=args.straggler,
+            eval_points=12 if args.quick else d.eval_points,
+            eval_windows=d.eval_windows,
+            warmup=d.warmup,
+            workload="charlm",
+        )
+        target = args.target_loss if args.target_loss is not None else d.target_loss
+    else:
+        batch, lr, epochs = DATA_DEFAULTS[args.data]
+        spec = WorkloadSpec(
+            data=args.data,
+            data_dir=str(args.data_dir),
+            workers=args.workers,
+            epochs=args.epochs or (6 if args.quick else epochs),
+            steps=args.steps or 0,
+            batch_size=args.batch_size or batch,
+            lr=args.lr if args.lr is not None else lr,
+            seed=args.seed,
+            model=args.model or "small",
+            straggler=args.straggler,
+            eval_points=12 if args.quick else 80,
+        )
+        target = args.target_acc if args.target_acc is not None else TARGETS[args.data]
     options = RunOptions(
         lease_s=args.lease_s,
         sufficient=args.num_gradients_sufficient,
         ps_servers=args.ps_servers,
         time_limit_s=args.time_limit_s,
+        diloco_period=args.diloco_period,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        link_mbit=args.link_mbit or 0.0,
+        link_delay_ms=args.link_delay_ms or 0.0,
     )
     out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
-    target = args.target_acc if args.target_acc is not None else TARGETS[data]
     return CompareConfig(
         args.systems, spec, options, target, out, faults=args.faults, keep_snapshots=args.keep_snapshots
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not example_available():
-        print(f"dpwa.compare: {ExampleMissing.__doc__} ({EXAMPLE})", file=sys.stderr)
+    if args.workload != "charlm" and not example_available():
+        print(
+            f"dpwa.compare: {ExampleMissing.__doc__} ({EXAMPLE}); --workload charlm needs no checkout", file=sys.stderr
+        )
         return 2
     try:
         config = config_from(args)
-    except ValueError as exc:
+        if args.link_mbit:
+            check_root()
+            check_delay(args.link_delay_ms or 0.0)
+    except (ValueError, LinksUnavailable) as exc:
         print(f"dpwa.compare: {exc}", file=sys.stderr)
         return 2
     if config.out_dir.exists() and any(config.out_dir.iterdir()):
         print(f"dpwa.compare: {config.out_dir} exists and is not empty; choose another --out", file=sys.stderr)
         return 2
     started = time.monotonic()
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: every process stopped
     try:
         report = run_comparison(config)
-    except (FileNotFoundError, ValueError, ExampleMissing) as exc:
+    except (FileNotFoundError, ValueError, ExampleMissing, LinksUnavailable) as exc:
         print(f"dpwa.compare: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print(f"dpwa.compare: stopped ({exc or 'SIGINT'}); every process of the run was stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     report["command"] = "python -m dpwa.compare " + " ".join(sys.argv[1:] if argv is None else argv)
     report["wall_s"] = time.monotonic() - started
     print()
     print(table(report))
     spec = config.spec
+    links = link_lines(report)
+    if links:
+        print("\n" + links)
     print(f"\nmodel evaluated: {'; '.join(f'{s}: {m}' for s, m in report['evaluated_model'].items())}")
+    budget = f"{spec.steps} steps per worker" if spec.steps else f"{spec.epochs} epochs"
     print(
         f"{report['evaluation_rule']}. {spec.data}, {spec.workers} workers, batch {spec.batch_size} per worker, "
-        f"{spec.epochs} epochs"
+        f"{budget}"
         + (f", worker w{spec.workers - 1} {spec.straggler:g}x slower" if spec.straggler > 1 else "")
+        + (f"; DiLoCo every {config.options.diloco_period} steps" if "diloco" in config.systems else "")
     )
     if any(s.get("bytes_estimated") for s in report["systems"].values()):
-        print("* all-reduce bytes are computed (ring all-reduce), not counted")
+        print("* all-reduce and DiLoCo bytes are computed (ring all-reduce), not counted")
     for name, system in report["systems"].items():
         if system.get("nonfinite_points"):
             print(
-                f"! {name}: {system['nonfinite_points']} evaluated models gave a NaN test loss (a BatchNorm "
-                "running variance below zero?); they count as misses"
+                f"! {name}: {system['nonfinite_points']} evaluated models gave a NaN loss (a BatchNorm "
+                "running variance below zero? a diverged run?); they count as misses"
             )
     if report.get("faults"):
         print("\nfaults:\n" + fault_lines(report))

@@ -18,14 +18,16 @@ from typing import Any
 
 import numpy as np
 
+from ..systems.allreduce import ring_allreduce_bytes
 from ..systems.layout import ModelLayout, ModuleView
 from ..systems.ps.sharding import make_plan
 from .evaluation import Point, build_curve, summarize
 from .faults import fault_for
-from .runner import SYSTEMS, RunOptions, SystemRun, run_system
-from .workload import Workload, WorkloadSpec
+from .links import BURST_BYTES
+from .runner import COLLECTIVE, SYSTEMS, RunOptions, SystemRun, run_system
+from .workload import WorkloadSpec, load_workload
 
-__all__ = ["CompareConfig", "EVALUATED_MODEL", "FAULT_SCENARIOS", "run_comparison"]
+__all__ = ["CompareConfig", "EVALUATED_MODEL", "FAULT_SCENARIOS", "link_check", "run_comparison"]
 
 EVALUATED_MODEL = {
     "gossip": "the mean of every node's parameters and buffers (each node's latest snapshot)",
@@ -33,8 +35,10 @@ EVALUATED_MODEL = {
     "sync-master": "the master's global model",
     "async-ps": "the parameter servers' model (each server's shard)",
     "allreduce": "rank 0's model (every rank holds the same)",
+    "diloco": "rank 0's model after a synchronisation (the anchor every rank shares)",
 }
-FAULT_SCENARIOS = ("sync-master", "async-ps", "async-ps/trainer", "gossip", "symmetric", "allreduce")
+FAULT_SCENARIOS = ("sync-master", "async-ps", "async-ps/trainer", "gossip", "symmetric", "allreduce", "diloco")
+LINK_CHECK_HIGH = 1.5  # measured / expected time in the all-reduce per step, at most, at the shaped rate
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class CompareConfig:
     systems: tuple[str, ...]
     spec: WorkloadSpec
     options: RunOptions
-    target_acc: float
+    target: float  # test accuracy to reach (images), or validation loss in nats per character (charlm)
     out_dir: Path
     faults: bool = False
     keep_snapshots: bool = False
@@ -53,8 +57,20 @@ class CompareConfig:
             raise ValueError(f"unknown systems {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}")
         if len(set(self.systems)) != len(self.systems):
             raise ValueError(f"a system is listed twice: {', '.join(self.systems)}")
-        if not 0 < self.target_acc <= 1:
-            raise ValueError(f"the target accuracy must be in (0, 1], got {self.target_acc}")
+        if self.metric == "acc" and not 0 < self.target <= 1:
+            raise ValueError(f"the target accuracy must be in (0, 1], got {self.target}")
+        if self.metric == "loss" and not 0 < self.target < 100:
+            raise ValueError(f"the target loss must be in (0, 100) nats per character, got {self.target}")
+        if self.faults and self.options.link_mbit:
+            raise ValueError(
+                "--faults with --link-mbit is not supported: the sync-master fault asks the master over its socket, "
+                "which sits in a namespace of its own"
+            )
+
+    @property
+    def metric(self) -> str:
+        """acc (higher is better: images) or loss (lower is better: charlm)."""
+        return "loss" if self.spec.workload == "charlm" else "acc"
 
 
 def _ps_order(layout: ModelLayout, servers: int) -> np.ndarray:
@@ -102,15 +118,86 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
         out["bytes_estimated"] = True
         out["bytes_note"] = "gloo counts no bytes: ring all-reduce of the gradients plus the buffer broadcast, computed"
         out["allreduce_s_per_worker"] = float(np.mean([w["comm_s"] for w in workers])) if workers else None
+    elif run.system == "diloco":
+        out["bytes_estimated"] = True
+        out["bytes_note"] = (
+            "gloo counts no bytes: ring all-reduce of the pseudo-gradient and buffers per sync, computed"
+        )
+        out["allreduce_s_per_worker"] = float(np.mean([w["comm_s"] for w in workers])) if workers else None
+        out["period"] = options.diloco_period
+        out["outer"] = {"lr": options.outer_lr, "momentum": options.outer_momentum, "nesterov": True}
+        out["syncs"] = workers[0].get("syncs") if workers else None
+    if "links" in run.extra:
+        out["links"] = run.extra["links"]
     return out
 
 
+def link_check(run: SystemRun, rate_mbit: float) -> dict[str, Any] | None:
+    """Is a collective run's time in the all-reduce what its bytes take at `rate_mbit`? (None: nothing to check.)
+
+    A ring all-reduce of B bytes over n ranks has each rank send 2 (n-1)/n B and
+    receive as much, at the same time, over its own link: at R bit/s each way
+    that takes 2 (n-1)/n B * 8 / R seconds (*expected*), less what the token
+    bucket's burst lets through at once (the *floor*: tbf passes up to
+    BURST_BYTES without waiting after an idle moment). The measured time inside
+    the all-reduce also holds TCP/IP headers (about 4%), the ring's 2 (n-1)
+    round trips, and waiting for the slowest rank. For all-reduce (one
+    all-reduce per step, after every rank's backward pass) it is *consistent*
+    when it lies between the floor and 1.5 times expected, per step. DiLoCo's
+    numbers are per synchronisation, with no verdict: there the wait for the
+    slowest rank after H steps of its own can be as large as the transfer.
+    """
+    ranks = [run.results[n] for n in run.workers if n in run.results]
+    ranks = [r for r in ranks if r.get("steps") and r.get("reduced_bytes") and r.get("allreduce_calls")]
+    if not ranks:
+        return None
+    world = len(run.workers)
+    steps = float(np.mean([r["steps"] for r in ranks]))
+    calls = float(np.mean([r["allreduce_calls"] for r in ranks]))
+    per_step = run.system == "allreduce"
+    units = steps if per_step else calls
+    calls_per_unit = calls / units
+    reduced = float(np.mean([r["reduced_bytes"] for r in ranks])) / units
+    sent = ring_allreduce_bytes(int(reduced), world) / 2  # each way
+    bits_per_s = rate_mbit * 1e6
+    expected_s = sent * 8 / bits_per_s
+    floor_s = max(0.0, sent - calls_per_unit * BURST_BYTES) * 8 / bits_per_s
+    measured_s = float(np.mean([r["comm_s"] for r in ranks])) / units
+    out: dict[str, Any] = {
+        "rate_mbit": rate_mbit,
+        "unit": "step" if per_step else "synchronisation",
+        "reduced_bytes": reduced,
+        "sent_bytes": sent,
+        "expected_comm_s": expected_s,
+        "floor_comm_s": floor_s,
+        "measured_comm_s": measured_s,
+        "ratio": measured_s / expected_s if expected_s > 0 else None,
+        "compute_s_per_step": float(np.mean([r["compute_s"] for r in ranks])) / steps,
+        "step_s": float(np.mean([r["run_s"] for r in ranks])) / steps,
+    }
+    if per_step:
+        out["consistent"] = floor_s <= measured_s <= LINK_CHECK_HIGH * expected_s
+        out["rule"] = f"the floor <= measured <= {LINK_CHECK_HIGH} x expected time in the all-reduce per step"
+    else:
+        out["consistent"] = None
+        out["rule"] = "no verdict: the time includes waiting for the slowest rank after a period of its own"
+    return out
+
+
+def _metric_value(summary: dict[str, Any]) -> str | None:
+    if summary.get("final_test_acc") is not None:
+        return f"{100 * summary['final_test_acc']:.1f}%"
+    if summary.get("final_val_loss") is not None:
+        return f"{summary['final_val_loss']:.3f} nats/char"
+    return None
+
+
 def _outcome(scenario: str, fault: dict[str, Any], summary: dict[str, Any], baseline: dict[str, Any] | None) -> str:
-    acc = summary.get("final_test_acc")
-    base = baseline.get("final_test_acc") if baseline else None
-    acc_text = "-" if acc is None else f"{100 * acc:.1f}%"
+    name = "validation loss" if "final_val_loss" in summary else "accuracy"
+    acc_text = _metric_value(summary) or "-"
+    base = _metric_value(baseline) if baseline else None
     if base is not None:
-        acc_text += f" (without the fault: {100 * base:.1f}%)"
+        acc_text += f" (without the fault: {base})"
     done = "completed" if summary["completed"] else f"did not complete ({(summary.get('error') or '').splitlines()[0]})"
     if scenario == "sync-master":
         tasks = summary.get("tasks") or {}
@@ -121,68 +208,88 @@ def _outcome(scenario: str, fault: dict[str, Any], summary: dict[str, Any], base
             f"task {held.get('task')} ({held.get('reports_accepted')} reports accepted) {back}; the run {done}; "
             f"tasks done {tasks.get('done')}/{tasks.get('total')}, retried {tasks.get('retried')} "
             f"({tasks.get('expired')} after a lease expired, {tasks.get('failed')} failed after too many refused "
-            f"reports), done twice {tasks.get('done_twice')}; final accuracy {acc_text}"
+            f"reports), done twice {tasks.get('done_twice')}; final {name} {acc_text}"
         )
     if scenario == "async-ps":
         return (
             f"trainers marked it down ({summary.get('pulls_failed')} pulls failed, {summary.get('pushes_dropped')} "
             f"pushes dropped, {summary.get('pushes_failed')} failed); its blocks kept their last values while the "
-            f"other shards trained on; the run {done}; final accuracy {acc_text}"
+            f"other shards trained on; the run {done}; final {name} {acc_text}"
         )
     if scenario in ("gossip", "symmetric"):
         timeouts = ", ".join(f"{n} {k}" for n, k in (summary.get("fetches_timed_out") or {}).items()) or "-"
         return (
             f"the other nodes trained on ({summary.get('exchanges_failed')} exchanges failed, "
             f"{summary.get('exchanges_averaged')} averaged; fetch timeouts per survivor: {timeouts}); the run "
-            f"{done}; final accuracy of the survivors' mean {acc_text}"
+            f"{done}; final {name} of the survivors' mean {acc_text}"
         )
-    if scenario == "allreduce":
+    if scenario in ("allreduce", "diloco"):
         failed, killed = summary.get("failed_at_s"), fault.get("killed_at_s")
         after = f", {failed - killed:.1f} s after the kill" if failed is not None and killed else ""
         return f"the other ranks could not all-reduce: the run {done}{after}"
-    return f"the run {done}; final accuracy {acc_text}"
+    return f"the run {done}; final {name} {acc_text}"
 
 
 def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every system of `config` (and the faults), evaluate them, return the report."""
     spec, options = config.spec, config.options
     work = config.out_dir / "work"
-    workload = Workload(spec)
+    workload = load_workload(spec)
     evaluate = workload.evaluator()
     initial_view = ModuleView(workload.build_model())
     acc0, loss0 = evaluate(initial_view.state())
     initial = Point(0.0, 0, acc0, loss0)
     ps_order = _ps_order(initial_view.layout, options.ps_servers)
     every = workload.eval_every_samples
+    model_bytes = 4 * (initial_view.layout.param_size + initial_view.layout.buffer_size)
+    if options.link_mbit:
+        # a fetch moves one model over the server's link; allow four at once, and a second
+        transfer_ms = model_bytes * 8 / (options.link_mbit * 1e6) * 1000
+        options = replace(options, gossip_timeout_ms=max(options.gossip_timeout_ms, int(1000 + 4 * transfer_ms)))
+    target_key = "target_acc" if config.metric == "acc" else "target_loss"
     report: dict[str, Any] = {
-        "target_acc": config.target_acc,
+        target_key: config.target,
+        "metric": "test_acc" if config.metric == "acc" else "val_loss",
         "workload": {
             **spec.as_dict(),
             "parameters": initial_view.layout.param_size,
             "buffer_values": initial_view.layout.buffer_size,
-            "model_bytes": 4 * (initial_view.layout.param_size + initial_view.layout.buffer_size),
-            "train_images": len(workload.data.train_y),
-            "test_images": len(workload.data.test_y),
+            "model_bytes": model_bytes,
+            **workload.describe(),
             "sample_budget": workload.total_samples,
             "eval_every_samples": every,
         },
         "options": asdict(options),
+        "links": None,
         "evaluated_model": {s: EVALUATED_MODEL[s] for s in config.systems},
         "evaluation_rule": (
-            f"every system's model is evaluated on all {len(workload.data.test_y)} test images about every "
+            f"every system's model is evaluated on {workload.evaluated_on} about every "
             f"{every} samples the cluster trained, after the run (see dpwa/compare/evaluation.py); times count "
             "from the moment every process was ready"
         ),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average_at_start": list(os.getloadavg()),
+        },
         "systems": {},
     }
+    if options.link_mbit:
+        report["links"] = {
+            "rate_mbit": options.link_mbit,
+            "delay_ms": options.link_delay_ms,
+            "what": "every process in its own network namespace on one bridge; each host's link shaped to the rate "
+            "in each direction by tc tbf (see dpwa/compare/links.py)",
+        }
+        report["link_check"] = {}
 
     def one(system: str, folder: str, run_spec: WorkloadSpec, fault: Any = None) -> tuple[SystemRun, dict[str, Any]]:
         t0 = time.monotonic()
         run = run_system(system, run_spec, options, work / folder, fault=fault, log=log)
         run.extra["ps_order"] = ps_order
         curve = build_curve(run, every, evaluate, initial)
-        summary = summarize(run, curve, config.target_acc)
+        summary = summarize(run, curve, config.target, config.metric)
         summary.update(_extras(run, options))
         summary["evaluated_model"] = EVALUATED_MODEL[system]
         summary["run_wall_s"] = time.monotonic() - t0
@@ -193,14 +300,12 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         return run, summary
 
     for system in config.systems:
-        log(f"{system}: {spec.workers} workers, {spec.epochs} epochs of {workload.spec.data}")
-        _, summary = one(system, system, spec)
+        log(f"{system}: {spec.workers} workers, {_budget(spec)} of {workload.spec.data}")
+        run, summary = one(system, system, spec)
         report["systems"][system] = summary
-        acc = summary["final_test_acc"]
-        log(
-            f"  {system}: final accuracy {'-' if acc is None else f'{100 * acc:.1f}%'}, "
-            f"trained {summary.get('train_time_s') or 0:.1f} s"
-        )
+        if options.link_mbit and system in COLLECTIVE:
+            report["link_check"][system] = link_check(run, options.link_mbit)
+        log(f"  {system}: {_final_text(summary, config.metric)}, trained {summary.get('train_time_s') or 0:.1f} s")
     if config.faults:
         report["faults"] = {}
         plain = replace(spec, straggler=1.0)
@@ -214,10 +319,23 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
             fault = fault_for(scenario, spec.workers, options.ps_servers, 0.4 * reference, initial_view.layout)
             log(f"fault: {fault.what}")
             _, summary = one(system, "fault-" + scenario.replace("/", "-"), plain, fault)
-            entry = {**fault.report(), **{k: summary.get(k) for k in ("completed", "error", "final_test_acc")}}
+            final_key = "final_test_acc" if config.metric == "acc" else "final_val_loss"
+            entry = {**fault.report(), **{k: summary.get(k) for k in ("completed", "error", final_key)}}
             entry["train_time_s"] = summary.get("train_time_s")
             entry["summary"] = {k: v for k, v in summary.items() if k != "curve"}
             entry["outcome"] = _outcome(scenario, entry, summary, baseline if spec.straggler == 1 else None)
             report["faults"][scenario] = entry
             log(f"  {entry['outcome']}")
     return report
+
+
+def _budget(spec: WorkloadSpec) -> str:
+    return f"{spec.steps} steps each" if spec.steps else f"{spec.epochs} epochs"
+
+
+def _final_text(summary: dict[str, Any], metric: str) -> str:
+    if metric == "acc":
+        acc = summary.get("final_test_acc")
+        return f"final accuracy {'-' if acc is None else f'{100 * acc:.1f}%'}"
+    loss = summary.get("final_val_loss")
+    return f"final validation loss {'-' if loss is None else f'{loss:.3f} nats/char'}"

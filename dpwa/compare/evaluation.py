@@ -1,4 +1,4 @@
-"""Accuracy curves: which model of a run is evaluated, and when; time and samples to a target; the run's costs.
+"""Curves (accuracy, or validation loss): which model of a run is evaluated, and when; time and samples to a target.
 
 **The rule, the same for every system.** A curve's points sit about every
 ``eval_every_samples`` samples trained by the whole cluster (accepted or
@@ -12,13 +12,17 @@ evaluated model is the one the system would hand a user at that moment:
   last shard stands in for it);
 * ``allreduce``: rank 0's model (every rank holds the same), after the step
   that reaches the point;
+* ``diloco``: rank 0's model right after the first synchronisation that
+  reaches the point (the anchor every rank shares; between synchronisations
+  each rank holds its own), and after the final synchronisation;
 * ``gossip``, ``symmetric``: the mean of every node's parameters and buffers,
   each node's latest snapshot at the moment the nodes' trained samples summed
   to the point (a node snapshots every few steps, so its snapshot is at most
   that old; a killed node counts until it was killed).
 
-Every model is evaluated after its run, on the whole test set, in the
-runner's process, so evaluation never competes with training. The time of a
+Every model is evaluated after its run, in the runner's process, so
+evaluation never competes with training: on the whole test set (images), or
+on fixed windows of the validation text (charlm). The time of a
 point is measured from the start gate, so start-up is not counted. The last
 point of each curve is the system's final model.
 """
@@ -52,9 +56,12 @@ class Point:
 class LearningCurve:
     points: list[Point] = field(default_factory=list)
 
-    def first_reaching(self, target: float) -> Point | None:
+    def first_reaching(self, target: float, metric: str = "acc") -> Point | None:
+        """The first point whose accuracy is at least `target` (metric "acc"), or whose loss is at most it ("loss")."""
+        if metric not in ("acc", "loss"):
+            raise ValueError(f"metric must be acc or loss, got {metric!r}")
         for p in self.points:
-            if p.acc >= target:
+            if (p.acc >= target) if metric == "acc" else (math.isfinite(p.loss) and p.loss <= target):
                 return p
         return None
 
@@ -174,7 +181,7 @@ def states(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np
         return _states_gossip(run, every)
     if run.system == "sync-master":
         return _states_single(run, "master")
-    if run.system == "allreduce":
+    if run.system in ("allreduce", "diloco"):
         return _states_single(run, "rank0")
     if run.system == "async-ps":
         return _states_ps(run, every)
@@ -195,10 +202,15 @@ def _finite(value: float) -> float | None:
     return round(value, 5) if math.isfinite(value) else None
 
 
-def summarize(run: SystemRun, curve: LearningCurve, target: float) -> dict[str, Any]:
-    """The comparison's numbers for one run: accuracy, time and samples to target, bytes, idle time."""
+def summarize(run: SystemRun, curve: LearningCurve, target: float, metric: str = "acc") -> dict[str, Any]:
+    """The comparison's numbers for one run: accuracy or loss, time and samples to target, bytes, idle time.
+
+    With metric "acc" (images) the final point gives ``final_test_acc`` and
+    ``final_test_loss``; with "loss" (charlm) ``final_val_loss`` (nats per
+    character), ``final_bits_per_char`` and ``final_next_char_acc``.
+    """
     workers = [run.results[n] for n in run.workers if n in run.results]
-    hit = curve.first_reaching(target)
+    hit = curve.first_reaching(target, metric)
     final = curve.final
     steps = [w.get("steps", 0) for w in workers]
     per_step = [w["bytes"] / w["steps"] for w in workers if w.get("steps") and "bytes" in w]
@@ -207,20 +219,32 @@ def summarize(run: SystemRun, curve: LearningCurve, target: float) -> dict[str, 
         "completed": run.completed,
         "error": run.error,
         "failed_at_s": run.failed_at_s,
-        "final_test_acc": final.acc if final else None,
-        "final_test_loss": _finite(final.loss) if final else None,
-        "time_to_target_s": hit.t_s if hit else None,
-        "samples_to_target": hit.samples if hit else None,
-        "bytes_per_worker_per_step": float(np.mean(per_step)) if per_step else None,
-        "idle_fraction": float(np.mean([w["idle_fraction"] for w in workers])) if workers else None,
-        "train_time_s": max(ends) - run.go if ends and run.go else None,
-        "samples": final.samples if final else 0,
-        "steps_per_worker": float(np.mean(steps)) if steps else 0.0,
-        "workers_finished": len(workers),
-        "curve": [[round(p.t_s, 3), p.samples, round(p.acc, 5), _finite(p.loss)] for p in curve.points],
-        # points whose model gave a NaN test loss (a BatchNorm running variance gone negative, say): 0 expected
-        "nonfinite_points": sum(1 for p in curve.points if not math.isfinite(p.loss)),
     }
+    if metric == "acc":
+        out["final_test_acc"] = final.acc if final else None
+        out["final_test_loss"] = _finite(final.loss) if final else None
+    else:
+        out["final_val_loss"] = _finite(final.loss) if final else None
+        out["final_bits_per_char"] = _finite(final.loss / math.log(2)) if final else None
+        out["final_next_char_acc"] = final.acc if final else None
+    out.update(
+        {
+            "time_to_target_s": hit.t_s if hit else None,
+            "samples_to_target": hit.samples if hit else None,
+            "bytes_per_worker_per_step": float(np.mean(per_step)) if per_step else None,
+            "idle_fraction": float(np.mean([w["idle_fraction"] for w in workers])) if workers else None,
+            "train_time_s": max(ends) - run.go if ends and run.go else None,
+            "samples": final.samples if final else 0,
+            "steps_per_worker": float(np.mean(steps)) if steps else 0.0,
+            "workers_finished": len(workers),
+            # [seconds from the start, samples, accuracy (charlm: next character), loss (charlm: validation, nats/char)]
+            "curve": [[round(p.t_s, 3), p.samples, round(p.acc, 5), _finite(p.loss)] for p in curve.points],
+            # points whose model gave a NaN loss (a BatchNorm running variance gone negative, say): 0 expected
+            "nonfinite_points": sum(1 for p in curve.points if not math.isfinite(p.loss)),
+        }
+    )
     if out["train_time_s"]:
         out["samples_per_s"] = out["samples"] / out["train_time_s"]
+        if out["steps_per_worker"]:
+            out["s_per_step"] = out["train_time_s"] / out["steps_per_worker"]
     return out

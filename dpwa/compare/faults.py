@@ -12,7 +12,8 @@ machine) once the run has trained for a while, and records what followed:
   the other shards. And a trainer killed: nobody waits for it.
 * ``gossip``: a node killed. The others' fetches from it fail, flow control
   stops asking it, they finish.
-* ``allreduce``: a rank killed. The others fail at their next all-reduce.
+* ``allreduce``, ``diloco``: a rank killed. The others fail at their next
+  all-reduce (DiLoCo's: at the next synchronisation).
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ FAULTS = {  # system -> (victim, description); sync-master's is KillSyncWorkerMi
     "async-ps": ("ps{last_server}", "a parameter server killed"),
     "async-ps/trainer": ("w{last}", "a parameter-server trainer killed"),
     "allreduce": ("rank{last}", "an all-reduce rank killed"),
+    "diloco": ("rank{last}", "a DiLoCo rank killed"),
 }
 
 

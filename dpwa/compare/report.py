@@ -1,4 +1,4 @@
-"""The comparison's outputs: the terminal table, the JSON file and the PNG of accuracy curves."""
+"""The comparison's outputs: the terminal table, the JSON file and the PNG of curves (accuracy, or validation loss)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fault_lines", "plot", "table", "write_json"]
+__all__ = ["fault_lines", "link_lines", "plot", "table", "write_json"]
 
 
 def _pct(value: float | None) -> str:
@@ -27,33 +27,37 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f} s"
 
 
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def table(report: dict[str, Any]) -> str:
-    """The comparison table, one row per system."""
-    target = report["target_acc"]
-    head = (
-        "system",
-        f"time to {100 * target:.0f}%",
-        f"samples to {100 * target:.0f}%",
-        "final acc",
-        "bytes/worker/step",
-        "idle",
-        "train time",
-        "samples/s",
-    )
+    """The comparison table, one row per system (accuracy for images, validation loss for charlm)."""
+    by_loss = "target_loss" in report
+    target = report["target_loss"] if by_loss else report["target_acc"]
+    goal = f"loss {target:g}" if by_loss else f"{100 * target:.0f}%"
+    head: tuple[str, ...] = ("system", f"time to {goal}", f"samples to {goal}")
+    head += ("final val loss", "bits/char") if by_loss else ("final acc",)
+    head += ("bytes/worker/step", "s/step", "idle", "train time", "samples/s")
     rows = [head]
     for name, s in report["systems"].items():
-        rows.append(
-            (
-                name + ("" if s["completed"] else " (FAILED)"),
-                _seconds(s["time_to_target_s"]),
-                "-" if s["samples_to_target"] is None else f"{s['samples_to_target']:,}",
-                _pct(s["final_test_acc"]),
-                _bytes(s["bytes_per_worker_per_step"]) + ("*" if s.get("bytes_estimated") else ""),
-                _pct(s["idle_fraction"]),
-                _seconds(s.get("train_time_s")),
-                "-" if not s.get("samples_per_s") else f"{s['samples_per_s']:,.0f}",
-            )
+        row: tuple[str, ...] = (
+            name + ("" if s["completed"] else " (FAILED)"),
+            _seconds(s["time_to_target_s"]),
+            "-" if s["samples_to_target"] is None else f"{s['samples_to_target']:,}",
         )
+        if by_loss:
+            row += (_loss(s.get("final_val_loss")), _loss(s.get("final_bits_per_char")))
+        else:
+            row += (_pct(s["final_test_acc"]),)
+        row += (
+            _bytes(s["bytes_per_worker_per_step"]) + ("*" if s.get("bytes_estimated") else ""),
+            "-" if not s.get("s_per_step") else f"{s['s_per_step']:.3f}",
+            _pct(s["idle_fraction"]),
+            _seconds(s.get("train_time_s")),
+            "-" if not s.get("samples_per_s") else f"{s['samples_per_s']:,.0f}",
+        )
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -61,6 +65,31 @@ def table(report: dict[str, Any]) -> str:
     ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def link_lines(report: dict[str, Any]) -> str:
+    """The shaped links, and for all-reduce and DiLoCo whether their time in the all-reduce fits their bytes."""
+    links = report.get("links")
+    if not links:
+        return ""
+    out = [f"links: {links['rate_mbit']:g} Mbit/s per process, each way ({links['what']})"]
+    for system, check in (report.get("link_check") or {}).items():
+        if not check:
+            out.append(f"{system}: nothing to check (no rank finished)")
+            continue
+        unit = check["unit"]
+        if check["consistent"] is None:
+            verdict = check["rule"]
+        else:
+            verdict = ("consistent" if check["consistent"] else "NOT consistent") + f"; {check['rule']}"
+        out.append(
+            f"{system}: each rank sends {_bytes(check['sent_bytes'])} per {unit} in the ring all-reduce "
+            f"(and receives as much): {check['expected_comm_s']:.3f} s at {check['rate_mbit']:g} Mbit/s "
+            f"(floor {check['floor_comm_s']:.3f} s); measured {check['measured_comm_s']:.3f} s per {unit} inside "
+            f"the all-reduce ({check['ratio']:.2f}x: {verdict}); {check['compute_s_per_step']:.3f} s of compute "
+            f"and {check['step_s']:.3f} s in all per step"
+        )
+    return "\n".join(out)
 
 
 def fault_lines(report: dict[str, Any]) -> str:
@@ -92,7 +121,10 @@ def write_json(report: dict[str, Any], path: Path) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
-    """Accuracy against wall time and against samples, one line per system. False without matplotlib."""
+    """Accuracy (images) or validation loss (charlm) against wall time and against samples, one line per system.
+
+    False without matplotlib.
+    """
     try:
         import matplotlib
 
@@ -100,28 +132,41 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    by_loss = "target_loss" in report
     fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
+    values: list[float] = []
     for name, s in report["systems"].items():
         curve = s.get("curve") or []
         if not curve:
             continue
         t = [p[0] for p in curve]
         n = [p[1] for p in curve]
-        acc = [100 * p[2] for p in curve]
-        by_time.plot(t, acc, marker=".", label=name)
-        by_samples.plot(n, acc, marker=".", label=name)
-    target = 100 * report["target_acc"]
+        y = [p[3] if p[3] is not None else math.nan for p in curve] if by_loss else [100 * p[2] for p in curve]
+        values += [v for v in y if math.isfinite(v)]
+        by_time.plot(t, y, marker=".", label=name)
+        by_samples.plot(n, y, marker=".", label=name)
+    target = report["target_loss"] if by_loss else 100 * report["target_acc"]
     for ax, xlabel in ((by_time, "wall time from the start (s)"), (by_samples, "samples trained (whole cluster)")):
         ax.axhline(target, color="grey", linestyle=":", linewidth=1)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_ylim(max(0.0, min(target - 30, 60)), 100)
+        if by_loss:
+            ax.set_ylabel("validation loss (nats per character)")
+            low = min(values, default=target)
+            ax.set_ylim(max(0.0, min(low, target) - 0.1), max(target + 1.0, min(low + 2.0, max(values, default=0))))
+            ax.legend(loc="upper right")
+        else:
+            ax.set_ylabel("test accuracy (%)")
+            ax.set_ylim(max(0.0, min(target - 30, 60)), 100)
+            ax.legend(loc="lower right")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
     w = report["workload"]
-    title = f"{w['data']}, {w['workers']} workers, batch {w['batch_size']}, {w['epochs']} epochs"
+    budget = f"{w['steps']} steps per worker" if w.get("steps") else f"{w['epochs']} epochs"
+    data = f"charlm ({w['data']}, {w['parameters']:,} parameters)" if w.get("workload") == "charlm" else w["data"]
+    title = f"{data}, {w['workers']} workers, batch {w['batch_size']}, {budget}"
     if w.get("straggler", 1) > 1:
         title += f", last worker {w['straggler']:g}x slower"
+    links = report.get("links")
+    title += f"; links {links['rate_mbit']:g} Mbit/s each way" if links else "; loopback"
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,11 @@
 """Run one system of the comparison: write its run description, start its processes, open the gate, wait, collect.
 
+With slow links (``RunOptions.link_mbit``) every process of the run gets its
+own network namespace and shaped link (:mod:`.links`), made before the
+processes start and removed after they stopped; the processes then reach each
+other at their namespaces' addresses (gossip over TCP with ``insecure: true``,
+the master and the servers over TCP, gloo over the namespace's link).
+
 A run is bounded: the processes must be ready within ``startup_s`` and done
 within ``time_limit_s`` of the start; past either, every process is stopped
 (SIGTERM to its group, SIGKILL after a grace) and the run is reported as
@@ -10,6 +16,7 @@ and every all-reduce rank, is stopped by PID before :func:`run_system` returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -18,15 +25,20 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..cluster.processes import free_ports
+from ..mixing.outer import OuterSettings
+from ..systems.diloco import DEFAULT_PERIOD
 from ..wire.endpoints import private_dir
+from .links import INTERFACE, Links, LinkSpec
 from .recorder import open_gate
 from .spawning import Processes
 from .workload import WorkloadSpec
 
 __all__ = ["SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
 
-SYSTEMS = ("gossip", "symmetric", "sync-master", "async-ps", "allreduce")
+SYSTEMS = ("gossip", "symmetric", "sync-master", "async-ps", "allreduce", "diloco")
+COLLECTIVE = ("allreduce", "diloco")  # one process per rank, in one gloo group: a dead rank stops the others
 POLL_S = 0.05
+PORT = 29600  # with slow links: every host has its own address, so one port serves them all
 
 
 @dataclass(frozen=True)
@@ -39,13 +51,26 @@ class RunOptions:
     ps_servers: int = 2  # async-ps: K
     ps_timeout_s: float = 1.0  # async-ps: deadline of a pull or push
     gossip_timeout_ms: int = 1000  # gossip: deadline of a fetch
+    gloo_timeout_s: float = 30.0  # all-reduce, DiLoCo: a collective that waits longer fails
+    diloco_period: int = DEFAULT_PERIOD  # DiLoCo: H, inner steps between two synchronisations
+    outer_lr: float = 0.7  # DiLoCo: the outer Nesterov step's learning rate
+    outer_momentum: float = 0.9  # DiLoCo: and its momentum
+    link_mbit: float = 0.0  # each process's link, Mbit/s each way (0: loopback, no namespaces)
+    link_delay_ms: float = 0.0  # one-way delay on each link (needs netem)
     startup_s: float = 120.0  # every process ready within this
     time_limit_s: float = 600.0  # training done within this of the start
     grace_s: float = 10.0  # between SIGTERM and SIGKILL
 
     def __post_init__(self) -> None:
-        if self.lease_s <= 0 or self.ps_timeout_s <= 0 or self.gossip_timeout_ms < 1:
-            raise ValueError("lease_s, ps_timeout_s and gossip_timeout_ms must be positive")
+        if self.lease_s <= 0 or self.ps_timeout_s <= 0 or self.gossip_timeout_ms < 1 or self.gloo_timeout_s <= 0:
+            raise ValueError("lease_s, ps_timeout_s, gossip_timeout_ms and gloo_timeout_s must be positive")
+        if self.diloco_period < 1:
+            raise ValueError(f"diloco_period must be at least 1, got {self.diloco_period}")
+        OuterSettings(self.outer_lr, self.outer_momentum)  # checks both
+        if self.link_mbit:
+            LinkSpec(self.link_mbit, self.link_delay_ms)  # checks both
+        elif self.link_delay_ms:
+            raise ValueError("a link delay needs shaped links (link_mbit)")
         if self.sufficient is not None and self.sufficient < 1:
             raise ValueError(f"num_gradients_sufficient must be at least 1, got {self.sufficient}")
         if self.ps_servers < 1 or self.max_retries < 0:
@@ -95,18 +120,39 @@ class LiveRun:
         return time.time() - self.go
 
 
-def _endpoints(tag: str, names: list[str]) -> dict[str, str]:
+def _endpoints(tag: str, names: list[str], links: Links | None) -> dict[str, str]:
+    if links is not None:
+        return {name: f"tcp://{links.address(name)}:{PORT}" for name in names}
     base = private_dir()
     return {name: f"ipc://{base / f'cmp-{tag}-{name}'}" for name in names}
 
 
-def plan_processes(system: str, spec: WorkloadSpec, options: RunOptions, tag: str) -> tuple[dict, list, list]:
+def process_names(system: str, spec: WorkloadSpec, options: RunOptions) -> list[str]:
+    """The names of `system`'s processes, in start order (each is a host when links are shaped)."""
+    workers = [f"w{i}" for i in range(spec.workers)]
+    if system in ("gossip", "symmetric"):
+        return workers
+    if system == "sync-master":
+        return ["master", *workers]
+    if system == "async-ps":
+        return [f"ps{k}" for k in range(options.ps_servers)] + workers
+    if system in COLLECTIVE:
+        return [f"rank{i}" for i in range(spec.workers)]
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def plan_processes(
+    system: str, spec: WorkloadSpec, options: RunOptions, tag: str, workdir: Path, links: Links | None = None
+) -> tuple[dict, list, list]:
     """(the system's options for the run description, [(name, role, index)] to start, names that must be ready)."""
     workers = [f"w{i}" for i in range(spec.workers)]
     if system in ("gossip", "symmetric"):
-        ports = free_ports(spec.workers)
+        if links is not None:
+            hosts = [(links.address(n), PORT) for n in workers]
+        else:
+            hosts = [("127.0.0.1", p) for p in free_ports(spec.workers)]
         config = {
-            "nodes": [{"name": n, "host": "127.0.0.1", "port": p} for n, p in zip(workers, ports, strict=True)],
+            "nodes": [{"name": n, "host": h, "port": p} for n, (h, p) in zip(workers, hosts, strict=True)],
             "fetch_probability": 1,
             "timeout_ms": options.gossip_timeout_ms,
             "interpolation": "constant",
@@ -116,10 +162,14 @@ def plan_processes(system: str, spec: WorkloadSpec, options: RunOptions, tag: st
             "same_host": "off",  # parameters travel over the socket, as they do for every other system
             "join": "never",  # every node starts from the same seed already
         }
+        if links is not None:
+            # Reachable addresses: dpwa refuses them without keys unless told. The namespaces are the run's own,
+            # and gloo, the master and the servers talk in the clear too.
+            config["insecure"] = True
         return {"gossip_config": config}, [(n, "gossip", i) for i, n in enumerate(workers)], workers
     if system == "sync-master":
-        endpoint = _endpoints(tag, ["master"])["master"]
-        opts = {
+        endpoint = _endpoints(tag, ["master"], links)["master"]
+        sync_opts = {
             "endpoint": endpoint,
             "lease_s": options.lease_s,
             "sufficient": options.sufficient,
@@ -128,11 +178,11 @@ def plan_processes(system: str, spec: WorkloadSpec, options: RunOptions, tag: st
             "unreachable_s": max(30.0, 3 * options.lease_s),
         }
         starts = [("master", "sync-master", 0)] + [(n, "sync-worker", i) for i, n in enumerate(workers)]
-        return {"options": opts}, starts, ["master", *workers]
+        return {"options": sync_opts}, starts, ["master", *workers]
     if system == "async-ps":
         servers = [f"ps{k}" for k in range(options.ps_servers)]
-        endpoints = _endpoints(tag, servers)
-        opts = {
+        endpoints = _endpoints(tag, servers, links)
+        ps_opts = {
             "servers": options.ps_servers,
             "endpoints": [endpoints[s] for s in servers],
             "timeout_s": options.ps_timeout_s,
@@ -141,10 +191,13 @@ def plan_processes(system: str, spec: WorkloadSpec, options: RunOptions, tag: st
         }
         starts = [(s, "ps-server", k) for k, s in enumerate(servers)]
         starts += [(n, "ps-trainer", i) for i, n in enumerate(workers)]
-        return {"options": opts}, starts, servers + workers
-    if system == "allreduce":
+        return {"options": ps_opts}, starts, servers + workers
+    if system in COLLECTIVE:
         ranks = [f"rank{i}" for i in range(spec.workers)]
-        return {"options": {"gloo_timeout_s": 30.0}}, [("launcher", "allreduce", 0)], ranks
+        opts: dict[str, Any] = {"store": str(workdir / "gloo.rendezvous"), "gloo_timeout_s": options.gloo_timeout_s}
+        if system == "diloco":
+            opts.update(period=options.diloco_period, outer_lr=options.outer_lr, outer_momentum=options.outer_momentum)
+        return {"options": opts}, [(r, system, i) for i, r in enumerate(ranks)], ranks
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
@@ -157,43 +210,52 @@ def run_system(
     fault: Fault | None = None,
     log: Callable[[str], None] = print,
 ) -> SystemRun:
-    """Run `system` on `spec` in `workdir` (created; must be new). Always stops every process it started."""
+    """Run `system` on `spec` in `workdir` (created; must be new). Always stops every process it started,
+    and removes the run's namespaces when links are shaped (raises LinksUnavailable if they cannot be made)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=False)
     tag = f"{int(time.time() * 1000) % 10**9:09d}-{system}"
-    system_options, starts, ready = plan_processes(system, spec, options, tag)
-    run_file = workdir / "run.json"
-    run = {
-        "system": system,
-        "workdir": str(workdir),
-        "run_file": str(run_file),
-        "workload": spec.as_dict(),
-        "options": {},
-        **system_options,
-    }
-    run_file.write_text(json.dumps(run, indent=1))
-    procs = Processes(workdir)
-    workers = [n for n in ready if n.startswith(("w", "rank"))]
-    go, error, completed, failed_at_s = 0.0, None, False, None
-    try:
-        for name, role, index in starts:
-            procs.start(name, role, run_file, index)
-        error = _wait_ready(procs, workdir, ready, options.startup_s)
-        if error is None:
-            go = open_gate(workdir)
-            log(f"  {system}: {len(starts)} processes started, training")
-            live = LiveRun(system, workdir, run, procs, go, workers)
-            completed, error = _wait_done(system, live, options, fault)
-            failed_at_s = None if completed else time.time() - go
-    finally:
-        leftover = procs.stop_all(options.grace_s)
-        for path in private_dir().glob(f"cmp-{tag}-*"):  # this run's ipc sockets and locks (a killed server's too)
-            path.unlink(missing_ok=True)
-        if leftover and error is None and not completed:
-            error = f"stopped: {', '.join(leftover)}"
+    links = None
+    if options.link_mbit:
+        links = Links(process_names(system, spec, options), LinkSpec(options.link_mbit, options.link_delay_ms))
+    with links if links is not None else contextlib.nullcontext():
+        system_options, starts, ready = plan_processes(system, spec, options, tag, workdir, links)
+        run_file = workdir / "run.json"
+        run = {
+            "system": system,
+            "workdir": str(workdir),
+            "run_file": str(run_file),
+            "workload": spec.as_dict(),
+            "options": {},
+            **system_options,
+        }
+        run_file.write_text(json.dumps(run, indent=1))
+        procs = Processes(workdir)
+        workers = [n for n in ready if n.startswith(("w", "rank"))]
+        env = {"GLOO_SOCKET_IFNAME": INTERFACE if links is not None else "lo"} if system in COLLECTIVE else {}
+        go, error, completed, failed_at_s = 0.0, None, False, None
+        try:
+            for name, role, index in starts:
+                prefix = links.run_prefix(name) if links is not None else []
+                procs.start(name, role, run_file, index, prefix=prefix, env=env)
+            error = _wait_ready(procs, workdir, ready, options.startup_s)
+            if error is None:
+                go = open_gate(workdir)
+                log(f"  {system}: {len(starts)} processes started, training")
+                live = LiveRun(system, workdir, run, procs, go, workers)
+                completed, error = _wait_done(system, live, options, fault)
+                failed_at_s = None if completed else time.time() - go
+        finally:
+            leftover = procs.stop_all(options.grace_s)
+            for path in private_dir().glob(f"cmp-{tag}-*"):  # this run's ipc sockets and locks (a killed server's too)
+                path.unlink(missing_ok=True)
+            if leftover and error is None and not completed:
+                error = f"stopped: {', '.join(leftover)}"
     ended = time.time()
     result = _collect(system, workdir, go, completed, error, procs, workers, fault, ended)
     result.failed_at_s = failed_at_s
+    if links is not None:
+        result.extra["links"] = {**links.describe(), "setup_s": round(links.setup_s, 3)}
     return result
 
 
@@ -211,9 +273,7 @@ def _wait_ready(procs: Processes, workdir: Path, ready: list[str], limit_s: floa
 
 
 def _training_names(system: str, live: LiveRun) -> list[str]:
-    if system == "allreduce":
-        return ["launcher"]
-    return [n for n in live.procs.procs if n.startswith("w")]
+    return [n for n in live.procs.procs if n.startswith(("w", "rank"))]
 
 
 def _wait_done(system: str, live: LiveRun, options: RunOptions, fault: Fault | None) -> tuple[bool, str | None]:
@@ -225,7 +285,7 @@ def _wait_done(system: str, live: LiveRun, options: RunOptions, fault: Fault | N
             fault.poll(live)
         for name, code in procs.exit_codes().items():
             if code not in (None, 0) and name not in procs.killed:
-                if system == "allreduce" and fault is not None and procs.killed:
+                if system in COLLECTIVE and fault is not None and procs.killed:
                     return False, f"{name} exited with status {code} after a rank was killed"
                 return False, f"{name} exited with status {code}:\n{procs.log_tail(name)}"
         if all(not procs.running(n) for n in training):

@@ -4,11 +4,12 @@ Each process runs ``python -m dpwa.compare.worker ROLE ...`` with one thread
 per library (``OMP_NUM_THREADS=1``), its output in ``logs/NAME.log`` and a
 PID file ``pids/NAME.pid`` (``PID START``, see :mod:`dpwa.cluster.processes`).
 Each is the leader of its own session and process group, so stopping it also
-reaches its children (the all-reduce launcher's ranks) through the group id,
-and only while the leader is known to be ours (not yet reaped). Ranks also
-write their own PID files, and :meth:`Processes.stop_all` signals those whose
-start time still matches, so nothing is left behind even if a launcher died
-first.
+reaches its children through the group id, and only while the leader is
+known to be ours (not yet reaped). Any other process that writes a PID file
+into ``pids/`` is stopped too: :meth:`Processes.stop_all` signals those whose
+start time still matches, so nothing is left behind even if its parent died
+first. With slow links each process runs under ``ip netns exec NS``, which
+execs it: the PID is still the process's own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..cluster.processes import THREAD_ENV, process_start, read_pid_file, tail, write_pid_file
@@ -37,11 +39,22 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
         self.killed: dict[str, float] = {}  # name -> when we sent SIGKILL on purpose (time.time())
 
-    def start(self, name: str, role: str, run_file: Path, index: int = 0) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "dpwa.compare.worker", role, "--run", str(run_file), "--name", name]
+    def start(
+        self,
+        name: str,
+        role: str,
+        run_file: Path,
+        index: int = 0,
+        *,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen:
+        """Start process `name` in `role`; `prefix` goes before its command (``ip netns exec NS``, which execs,
+        so the PID is the process's own), `env` adds to its environment."""
+        argv = [*prefix, sys.executable, "-m", "dpwa.compare.worker", role, "--run", str(run_file), "--name", name]
         argv += ["--index", str(index)]
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
         with open(self.workdir / "logs" / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -2,7 +2,7 @@
 
 The runner starts these; a person does not need to. ROLE is one of
 ``gossip``, ``sync-master``, ``sync-worker``, ``ps-server``, ``ps-trainer``,
-``allreduce``.
+``allreduce`` and ``diloco`` (one rank each).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from .roles import allreduce, gossip, ps, sync
+from .roles import allreduce, diloco, gossip, ps, sync
 from .roles.common import Role, load_role
 
 ROLES: dict[str, tuple[Callable[[Role], None], bool]] = {  # role -> (entry, is a training worker)
@@ -20,7 +20,8 @@ ROLES: dict[str, tuple[Callable[[Role], None], bool]] = {  # role -> (entry, is 
     "sync-worker": (sync.run_worker, True),
     "ps-server": (ps.run_server, False),
     "ps-trainer": (ps.run_trainer, True),
-    "allreduce": (allreduce.run_launcher, False),
+    "allreduce": (allreduce.run_rank, True),
+    "diloco": (diloco.run_rank, True),
 }
 
 

@@ -18,7 +18,10 @@ frames, CURVE, no pickle), plus the exact reference:
   their staleness. Trainers fetch the latest parameters before the forward
   pass and send gradients from an IO thread pool.
 * :mod:`.allreduce`: ``DistributedDataParallel`` over gloo, launched with
-  ``torch.multiprocessing``: every worker applies the exact mean gradient.
+  ``torch.multiprocessing`` (or rank by rank): every worker applies the exact mean gradient.
+* :mod:`.diloco`: DiLoCo (Douillard et al. 2023) over gloo: H local steps, then
+  an all-reduce of the pseudo-gradient and an outer Nesterov step
+  (:mod:`dpwa.mixing.outer`).
 
 The pieces every system shares: the model seen as named variables in one flat
 order and the checks received values pass (:mod:`.layout`), the optimizer over

@@ -10,6 +10,9 @@ this is torch's machinery, as a user would run it.
   opened for the rendezvous; gloo's own connections stay on the loopback
   interface when ``GLOO_SOCKET_IFNAME`` is unset, as :func:`launch` sets it to
   ``lo`` where that interface exists).
+* :func:`join_group` and :func:`leave_group` do the same for a rank started
+  as a process of its own (``python -m dpwa.compare`` starts each rank in its
+  own network namespace that way), and :func:`run_rank` runs a function between them.
 * :func:`wrap` wraps a module in DDP with a communication hook that measures the
   time each rank spends in the all-reduce (waiting for the slowest rank, and
   moving bytes), which is what "idle" means for this system.
@@ -37,13 +40,22 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["CommTimer", "launch", "ring_allreduce_bytes", "wrap"]
+__all__ = [
+    "CommTimer",
+    "join_group",
+    "launch",
+    "leave_group",
+    "ring_allreduce_bytes",
+    "run_rank",
+    "timed_allreduce",
+    "wrap",
+]
 
 
 def ring_allreduce_bytes(nbytes: int, world: int) -> float:
@@ -75,7 +87,7 @@ def launch(
     import torch.multiprocessing as mp
 
     mp.start_processes(
-        _rank_main,
+        run_rank,
         args=(fn, nprocs, str(store), timeout_s, tuple(args)),
         nprocs=nprocs,
         start_method="spawn",
@@ -83,7 +95,16 @@ def launch(
     )
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], world: int, store: str, timeout_s: float, args: tuple) -> None:
+def join_group(rank: int, world: int, store: str | os.PathLike[str], timeout_s: float = 60.0) -> None:
+    """Join the gloo process group of `world` ranks as `rank`, rendezvoused through the file `store`.
+
+    For ranks started one by one (each in its own network namespace, say): the
+    file needs no network, and gloo connects the ranks over the interface named
+    by ``GLOO_SOCKET_IFNAME`` (the caller sets it; unset, gloo picks one by the
+    host name). Sets torch to one thread.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -92,14 +113,16 @@ def _rank_main(rank: int, fn: Callable[..., Any], world: int, store: str, timeou
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    try:
-        fn(rank, world, *args)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # Every rank leaves together, then skips the interpreter's teardown: there, gloo's threads may still
-    # hold tensors whose release needs the GIL, and the rank aborts ("terminate called without an active
-    # exception", SIGABRT), failing a run that trained to the end (seen once in four test runs).
+
+
+def leave_group() -> NoReturn:
+    """Leave the process group together with every other rank, and end this process (status 0).
+
+    Every rank waits at a barrier, then skips the interpreter's teardown: there,
+    gloo's threads may still hold tensors whose release needs the GIL, and the
+    rank aborts ("terminate called without an active exception", SIGABRT),
+    failing a run that trained to the end (seen once in four test runs).
+    """
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -107,23 +130,39 @@ def _rank_main(rank: int, fn: Callable[..., Any], world: int, store: str, timeou
     os._exit(0)
 
 
+def run_rank(rank: int, fn: Callable[..., Any], world: int, store: str, timeout_s: float, args: tuple) -> None:
+    """Join the group, run ``fn(rank, world, *args)``, leave together (see :func:`leave_group`)."""
+    join_group(rank, world, store, timeout_s)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave_group()
+
+
 @dataclass
 class CommTimer:
-    """What DDP's all-reduce cost this rank: seconds inside it, calls, and gradient bytes reduced."""
+    """What the all-reduces cost this rank: seconds inside them (waiting included), calls, and bytes reduced."""
 
     seconds: float = 0.0
     calls: int = 0
     nbytes: int = 0
 
 
-def _timed_allreduce(state: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    tensor = bucket.buffer()
+def timed_allreduce(tensor: torch.Tensor, timer: CommTimer) -> torch.Tensor:
+    """Replace `tensor` (in place) by its mean over every rank, timing the all-reduce into `timer`."""
     t0 = time.perf_counter()
     dist.all_reduce(tensor)  # waits for every rank: the time includes waiting for the slowest
     tensor.div_(dist.get_world_size())
-    state.seconds += time.perf_counter() - t0
-    state.calls += 1
-    state.nbytes += tensor.numel() * tensor.element_size()
+    timer.seconds += time.perf_counter() - t0
+    timer.calls += 1
+    timer.nbytes += tensor.numel() * tensor.element_size()
+    return tensor
+
+
+def _timed_allreduce(state: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    tensor = timed_allreduce(bucket.buffer(), state)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(tensor)
     return future

@@ -5,12 +5,16 @@
     ./run.sh --detach                         # in the background; ./stop.sh stops it
     ./run.sh --dashboard                      # and a live web page of it (prints its URL)
     ./run.sh --config samples/local-2.yaml    # a config of your own (here: two nodes, fixed ports)
+    ./run.sh --workload charlm                # a character-level transformer on Python's own source
     ./run.sh --help
 
 Writes a config for the nodes (127.0.0.1, free ports) into a new run folder
 under runs/, starts examples/pytorch-cifar/train.py once per node, shows a
 live table, and at the end prints a summary (each node's test accuracy, and
-that of the average of their weights) and draws curves.png.
+that of the average of their weights) and draws curves.png. With
+``--workload charlm`` the test accuracy is the next-character accuracy, the
+test loss is the validation loss (nats per character), and curves.png shows
+the validation loss.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ sys.path.insert(0, str(HERE))
 import data as datasets  # noqa: E402
 import models  # noqa: E402
 import schedule as training_schedule  # noqa: E402
+import text as texts  # noqa: E402
 
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
@@ -103,20 +108,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--print-every", type=float, default=10.0,
                    help="seconds between progress lines when the output is not a terminal (default: %(default)s)")
     g = p.add_argument_group("training (passed to every train.py)")
-    g.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
-                   help="auto: cifar10 if prepare.sh has run, else the embedded digits (default: %(default)s)")
+    g.add_argument("--workload", choices=texts.WORKLOADS,
+                   help="digits or cifar10 (a ResNet on images), or charlm (a character-level transformer on the "
+                        "Python standard library's source); default: as --data says")
+    g.add_argument("--data", default="auto", type=texts.data_source,
+                   help="images: auto: cifar10 if prepare.sh has run, else the embedded digits (default: "
+                        "%(default)s), digits, cifar10; charlm: stdlib (default) or text:PATH")
     g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
                    help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)")
     g.add_argument("--epochs", type=int,
                    help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10")
     g.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
-    g.add_argument("--model", choices=("auto",) + models.MODELS,
-                   help="auto (default): resnet18 on a GPU, small on a CPU")
+    g.add_argument("--model", choices=("auto",) + models.MODELS + ("tiny",),
+                   help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny")
     g.add_argument("--width", type=int, help="channels of the small model's first stage (default: 16)")
-    g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
+    g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10, 32 on charlm")
     g.add_argument("--lr", type=float,
-                   help="peak learning rate of every node (default: 0.1 on cifar10; on digits 0.05 x nodes / 2, "
-                        "at most 0.4, after a warm-up: examples/pytorch-cifar/schedule.py)")
+                   help="peak learning rate of every node (default: 0.1 on cifar10, 0.01 on charlm; on digits "
+                        "0.05 x nodes / 2, at most 0.4, after a warm-up: examples/pytorch-cifar/schedule.py)")
     g.add_argument("--shard", choices=("auto", "none"),
                    help="auto (default): a disjoint part of the data per node; none: all of it")
     g.add_argument("--device", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
@@ -141,6 +150,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.restarts = 3
     if args.restarts < 0:
         p.error(f"--restarts must be >= 0, got {args.restarts}")
+    args.auto_data = args.data == "auto" and args.workload is None
+    try:
+        args.workload, args.data = texts.resolve_workload(args.workload, args.data, args.data_dir)
+    except ValueError as exc:
+        p.error(str(exc))
     if args.resume is not None and (args.config or args.nodes or args.base_port):
         p.error("--resume continues a run with its own config: leave out --config, --nodes and --base-port")
     if args.resume is not None:
@@ -234,8 +248,8 @@ def with_epochs(run_dir: Path, spec: launch.LaunchSpec, command: list[str], epoc
 
 def warn_few_steps(args: argparse.Namespace, data: str, nodes: int) -> None:
     """Say so when --epochs gives each node fewer steps than the data needs (schedule.py), naming the numbers."""
-    if args.epochs is None:
-        return
+    if args.epochs is None or data not in training_schedule.DEFAULTS or args.workload == "charlm":
+        return  # charlm needs no minimum of steps (its data is no image set)
     try:
         train_images = len(datasets.load(data, args.data_dir).train_y)
     except (FileNotFoundError, ValueError):
@@ -252,10 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.resume is not None:
         return resume(args)
-    data = datasets.resolve(args.data, args.data_dir)
+    data = args.data
     try:
         config, local = cluster_config(args)
-        if args.data == "auto" and data == "digits":
+        if args.auto_data and args.workload == "digits":
             print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
                   "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
         warn_few_steps(args, data, len(config["nodes"]))
@@ -268,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         # The CIFAR-10 folder only where the nodes read it: hints built from these commands name the data used.
         data_dir = ["--data-dir", str(args.data_dir.resolve())] if data == "cifar10" else []
         command = [sys.executable, str(HERE / "train.py"), "--config", "{config}", "--name", "{name}",
-                   "--run-dir", "{run_dir}", "--data", data, *data_dir]
+                   "--run-dir", "{run_dir}", "--workload", args.workload, "--data", data, *data_dir]
         for option in TRAIN_OPTIONS:
             value = getattr(args, option)
             if value is not None:

@@ -6,13 +6,17 @@
 The first averages every ``models/*.pt`` of the run folder (what each node
 saved at its end) and evaluates that one model; the second evaluates the files
 given. It prints one JSON line: ``{"models": 2, "data": "digits", "test_acc":
-0.97, "test_loss": 0.1}``. Files are read with ``torch.load(weights_only=True)``.
+0.97, "test_loss": 0.1}``; for charlm checkpoints ``test_acc`` is the
+next-character accuracy and ``test_loss`` the validation loss (nats per
+character), also given as ``val_loss`` and ``bits_per_char``. Files are read
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -87,6 +91,12 @@ def average_checkpoints(paths: list[Path]) -> dict:
 
 
 def build_from(saved: dict) -> nn.Module:
+    if saved["model"].startswith("charlm-"):
+        from dpwa.workloads import charlm
+
+        net = charlm.build(saved["model"][len("charlm-"):])
+        net.load_state_dict(saved["state_dict"])
+        return net
     net = models.build(saved["model"], saved["in_channels"], saved["num_classes"], saved["width"])
     net.load_state_dict(saved["state_dict"])
     return net
@@ -109,15 +119,25 @@ def main(argv: list[str] | None = None) -> int:
         if not files:
             raise ValueError(f"{', '.join(map(str, args.paths))}: no models/*.pt found; did the nodes finish?")
         saved = average_checkpoints(files)
-        data = datasets.load(saved["data"], args.data_dir)
         if args.device == "auto":
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(args.device)
-        acc, loss = evaluate(build_from(saved).to(device), data, device)
+        if saved["model"].startswith("charlm-"):
+            import text as texts
+
+            task = texts.TextTask(saved["data"], saved["model"][len("charlm-"):])
+            result = task.evaluate(build_from(saved).to(device), device)
+            assert result is not None
+            acc, loss = result
+            extra = {"val_loss": loss, "bits_per_char": loss / math.log(2)}
+        else:
+            data = datasets.load(saved["data"], args.data_dir)
+            acc, loss = evaluate(build_from(saved).to(device), data, device)
+            extra = {}
     except (ValueError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"models": len(files), "data": saved["data"], "test_acc": acc, "test_loss": loss}))
+    print(json.dumps({"models": len(files), "data": saved["data"], "test_acc": acc, "test_loss": loss, **extra}))
     return 0
 
 

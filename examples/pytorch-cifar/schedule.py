@@ -32,6 +32,10 @@ MAX_LR_SCALE = 8.0  # the default learning rate grows with the nodes up to this 
 DEFAULTS = {
     "digits": {"epochs": 20, "min_steps": 100, "batch_size": 32, "lr": 0.05, "scale_lr": True},
     "cifar10": {"epochs": 30, "min_steps": 0, "batch_size": 128, "lr": 0.1, "scale_lr": False},
+    # charlm: an "epoch" is 50 steps of random windows of the node's shard (a whole pass is 500 and more);
+    # it trains with AdamW (betas 0.9, 0.95), as python -m dpwa.compare does: SGD stalls on the transformer
+    "charlm": {"epochs": 6, "min_steps": 0, "batch_size": 32, "lr": 0.01, "scale_lr": False,
+               "steps_per_epoch": 50, "weight_decay": 0.01},
 }
 
 

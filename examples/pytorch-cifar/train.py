@@ -1,4 +1,4 @@
-"""Train one dpwa node: a small ResNet (CPU) or the pre-activation ResNet-18 (GPU) on CIFAR-10 or digits.
+"""Train one dpwa node: a small ResNet (CPU) or ResNet-18 (GPU) on CIFAR-10 or digits, or a character-level transformer.
 
 Every node of a cluster runs this script with the same config and its own
 --name. ``./run.sh`` starts one per core and shows them all; by hand, from the
@@ -8,6 +8,14 @@ repository root (after ./run.sh or ./test.sh made .venv), in two terminals:
     .venv/bin/python examples/pytorch-cifar/train.py --config samples/local-2.yaml --name w2 --epochs 5
 
     .venv/bin/python examples/pytorch-cifar/train.py --help
+
+With ``--workload charlm`` a node trains the small GPT-style character-level
+transformer of ``dpwa.workloads.charlm`` on the Python standard library's
+source (``--data stdlib``) or a text file (``--data text:PATH``), and
+evaluates the validation loss (nats per character) every epoch (an epoch is
+``--steps-per-epoch`` batches, 50 by default: its shard is large). It trains
+with AdamW (lr 0.01, betas 0.9 and 0.95, weight decay 0.01), as
+``python -m dpwa.compare --workload charlm`` does.
 
 A node trains on its own disjoint shard of the training images (its position
 in the config's node list; ``--shard none`` gives it all of them), exchanges
@@ -43,6 +51,7 @@ import torch.nn.functional as F
 import data as datasets
 import models
 import schedule as training_schedule
+import text as texts
 from evaluate import checkpoint, evaluate
 
 import dpwa
@@ -50,8 +59,9 @@ from dpwa import DpwaPyTorchAdapter
 from dpwa import TransportError
 from dpwa.cluster import checkpoints
 
-# Defaults per dataset, and how they change with the number of nodes: schedule.py (on digits the
-# learning rate grows with the nodes, with a warm-up; the warning when --epochs gives too few steps).
+# Defaults per dataset (digits, cifar10, charlm), and how they change with the number of nodes:
+# schedule.py (on digits the learning rate grows with the nodes, with a warm-up; the warning when --epochs
+# gives too few steps).
 DEFAULTS = training_schedule.DEFAULTS
 
 
@@ -61,24 +71,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", help="which node of the config this process is (under torchrun with "
                                    "nodes: torchrun: left out, the worker is rank<RANK>)")
     p.add_argument("--run-dir", type=Path, help="write metrics/NAME.jsonl and models/NAME.pt here")
-    p.add_argument("--data", default="auto", choices=("auto",) + datasets.DATASETS,
-                   help="auto (default): cifar10 if prepared in --data-dir, else the embedded digits")
+    p.add_argument("--workload", choices=texts.WORKLOADS,
+                   help="digits or cifar10 (a ResNet on images), or charlm (a character-level transformer on text); "
+                        "default: as --data says")
+    p.add_argument("--data", default="auto", type=texts.data_source,
+                   help="images: auto (default: cifar10 if prepared in --data-dir, else the embedded digits), digits, "
+                        "cifar10; charlm: stdlib (default: the Python standard library's source) or text:PATH")
     p.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
                    help="CIFAR-10 batches folder (default: data/cifar-10-batches-py next to this script)")
     p.add_argument("--shard", default="auto", choices=("auto", "none"),
                    help="auto (default): a disjoint part per node, by its position in the config; none: all the data")
-    p.add_argument("--model", default="auto", choices=("auto",) + models.MODELS,
-                   help="auto (default): resnet18 on a GPU, small on a CPU")
+    p.add_argument("--model", default="auto", choices=("auto",) + models.MODELS + ("tiny",),
+                   help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny")
     p.add_argument("--width", type=int, default=16,
                    help="channels of the small model's first stage (default: %(default)s)")
     p.add_argument("--epochs", type=int,
-                   help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10")
-    p.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
-    p.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10")
+                   help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10, 6 on charlm")
+    p.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials; charlm: 50)")
+    p.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10, 32 on charlm")
     p.add_argument("--lr", type=float, help="peak learning rate, cosine decay to 0, on every node (default: 0.1 on "
-                                            "cifar10; on digits 0.05 x nodes / 2, at most 0.4, after a warm-up)")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="(default: %(default)s)")
+                                            "cifar10, 0.01 on charlm; on digits 0.05 x nodes / 2, at most 0.4, "
+                                            "after a warm-up)")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD (Nesterov) momentum, images only (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float,
+                   help="default: 5e-4 (SGD, images), 0.01 (AdamW's decoupled decay, charlm)")
     p.add_argument("--seed", type=int, default=0,
                    help="initial weights, equal on every node; each node's data order differs (default: %(default)s)")
     p.add_argument("--device", default="auto",
@@ -94,6 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how long a node waits at a barrier for missing nodes before it goes on without them "
                         "(default: %(default)s)")
     args = p.parse_args(argv)
+    try:
+        args.workload, args.data = texts.resolve_workload(args.workload, args.data, args.data_dir)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.workload == "charlm" and args.model not in ("auto", "small", "tiny"):
+        p.error(f"--model for charlm must be small or tiny, got {args.model}")
+    if args.workload != "charlm" and args.model == "tiny":
+        p.error("--model tiny is a charlm size; the image workloads have small and resnet18")
     if args.resume and args.run_dir is None:
         p.error("--resume needs --run-dir (the run whose checkpoints to continue from)")
     for option in ("epochs", "steps_per_epoch", "batch_size", "width", "log_every"):
@@ -277,34 +302,50 @@ def main(argv: list[str] | None = None) -> int:
     except dpwa.ConfigError as exc:
         log.error("%s", exc)
         return 2
-    data_name = datasets.resolve(args.data, args.data_dir)
+    data_name = args.workload
     defaults = DEFAULTS[data_name]
     batch_size = args.batch_size or defaults["batch_size"]
     lr, lr_scale = training_schedule.learning_rate(data_name, count, args.lr)  # grows with the nodes (schedule.py)
     device = pick_device(args.device, index)
-    model_name = args.model if args.model != "auto" else ("resnet18" if device.type == "cuda" else "small")
+    if data_name == "charlm":
+        model_name = "small" if args.model == "auto" else args.model
+    else:
+        model_name = args.model if args.model != "auto" else ("resnet18" if device.type == "cuda" else "small")
 
     try:
-        data = datasets.load(data_name, args.data_dir)
+        if data_name == "charlm":  # a node's shard of the text, or all of it
+            data = texts.TextTask(args.data, model_name, index if args.shard == "auto" else None, count)
+        else:
+            data = datasets.load(data_name, args.data_dir)
+            if args.shard == "auto":
+                data = data.shard(index, count, seed=args.seed)
     except (FileNotFoundError, ValueError) as exc:
         log.error("%s: %s", args.name, exc)
         return 2
-    if args.shard == "auto":
-        data = data.shard(index, count, seed=args.seed)
-    full_epoch = datasets.steps_per_epoch(data, batch_size)
+    charlm = isinstance(data, texts.TextTask)
+    full_epoch = data.steps_per_epoch(batch_size) if charlm else datasets.steps_per_epoch(data, batch_size)
     if full_epoch == 0:
-        log.error("%s: %d training images are fewer than one batch of %d", args.name, len(data.train_y), batch_size)
+        size = f"{len(data.train):,} training characters" if charlm else f"{len(data.train_y)} training images"
+        log.error("%s: %s are fewer than one batch of %d", args.name, size, batch_size)
         return 2
-    steps = min(full_epoch, args.steps_per_epoch or full_epoch)
+    steps = min(full_epoch, args.steps_per_epoch or defaults.get("steps_per_epoch") or full_epoch)
     epochs = args.epochs or training_schedule.default_epochs(data_name, full_epoch)
-    too_few = training_schedule.few_steps_warning(data_name, count, len(data.train_y), batch_size, steps, epochs)
+    shard = len(data.train) if charlm else len(data.train_y)
+    too_few = training_schedule.few_steps_warning(data_name, count, shard, batch_size, steps, epochs)
     if too_few:
         log.warning("%s: %s", args.name, too_few)
 
     torch.manual_seed(args.seed)  # same initial weights on every node (and joining makes sure of it)
-    net = models.build(model_name, data.in_channels, data.num_classes, args.width).to(device)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, nesterov=True)
+    if charlm:
+        net = data.build().to(device)
+    else:
+        net = models.build(model_name, data.in_channels, data.num_classes, args.width).to(device)
+    weight_decay = args.weight_decay if args.weight_decay is not None else defaults.get("weight_decay", 5e-4)
+    if charlm:
+        optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    else:
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum, weight_decay=weight_decay,
+                                    nesterov=True)
     total_steps = epochs * steps
     warmup = training_schedule.warmup_steps(lr_scale, steps, total_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -325,17 +366,19 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
         return 2
     metrics = Metrics(args.run_dir, args.name)
-    metrics.write("start", pid=os.getpid(), data=data_name, model=model_name, device=str(device),
-                  parameters=models.count_parameters(net), train_images=len(data.train_y),
-                  test_images=len(data.test_y), epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr,
-                  warmup_steps=warmup,
+    sizes = ({"train_chars": len(data.train), "valid_chars": data.valid_chars} if charlm else
+             {"train_images": len(data.train_y), "test_images": len(data.test_y)})
+    metrics.write("start", pid=os.getpid(), data=data_name if not charlm else data.name, model=model_name,
+                  device=str(device), parameters=models.count_parameters(net), **sizes,
+                  epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup,
                   started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock,
                   joined=None if conn.joined is None else {
                       "donor": conn.joined.donor, "clock": conn.joined.clock, "digest": conn.joined.digest.hex(),
                       "params_blake2b": params_blake2b(net)})
-    log.info("%s: %s on %s (%d training images), %s with %s parameters on %s, %d epochs of %d steps, learning rate "
-             "%g%s; %s", args.name, data_name, "its shard" if args.shard == "auto" else "all the data",
-             len(data.train_y), model_name, f"{models.count_parameters(net):,}", device, epochs, steps, lr,
+    log.info("%s: %s on %s (%s), %s with %s parameters on %s, %d epochs of %d steps, learning rate %g%s; %s",
+             args.name, data.name if charlm else data_name, "its shard" if args.shard == "auto" else "all the data",
+             f"{len(data.train):,} training characters" if charlm else f"{len(data.train_y)} training images",
+             model_name, f"{models.count_parameters(net):,}", device, epochs, steps, lr,
              f" ({lr_scale:g} x the 2-node rate, warm-up {warmup} steps)" if lr_scale > 1 else "", started)
 
     step, loss_value = progress["step"], None
@@ -360,12 +403,13 @@ def main(argv: list[str] | None = None) -> int:
             barrier("start")
         for epoch in range(progress["epoch"] + 1, epochs + 1):
             net.train()
-            for epoch_step, (x, y) in enumerate(datasets.batches(data, batch_size, order), start=1):
+            epoch_batches = data.batches(batch_size, order) if charlm else datasets.batches(data, batch_size, order)
+            for epoch_step, (x, y) in enumerate(epoch_batches, start=1):
                 if stop or epoch_step > steps:
                     break
                 conn.update_send(loss_value, batch_size=len(y))
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                loss = F.cross_entropy(net(x), y)
+                loss = data.loss(net, x, y) if charlm else F.cross_entropy(net(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -404,15 +448,26 @@ def main(argv: list[str] | None = None) -> int:
                     metrics.write("checkpoint_failed", epoch=epoch, step=step, error=str(exc))
                 else:
                     metrics.write("checkpoint", epoch=epoch, step=step, file=str(saved))
-            result = evaluate(net, data, device, should_stop=lambda: bool(stop))
+            if charlm:
+                result = data.evaluate(net, device, should_stop=lambda: bool(stop))
+            else:
+                result = evaluate(net, data, device, should_stop=lambda: bool(stop))
             if result is None:
                 break
             acc, test_loss = result
-            metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss)
-            log.info("%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
-                     "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
-                     loss_value if loss_value is not None else float("nan"), 100 * acc, test_loss,
-                     averaged, failed)
+            if charlm:  # test_acc: next-character accuracy; test_loss: the validation loss
+                metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss, val_loss=test_loss,
+                              bits_per_char=test_loss / math.log(2))
+                log.info("%s: epoch %d/%d step %d: loss %.4f, validation loss %.4f nats/char (%.3f bits/char); "
+                         "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
+                         loss_value if loss_value is not None else float("nan"), test_loss,
+                         test_loss / math.log(2), averaged, failed)
+            else:
+                metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss)
+                log.info("%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
+                         "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
+                         loss_value if loss_value is not None else float("nan"), 100 * acc, test_loss,
+                         averaged, failed)
         # Once per node: a node restarted after its exit barrier (its counters restored) does not wait again.
         skipped = barrier("exit") if not stop and conn.barrier_counters().get("exit", 0) == 0 else []
         if not stop and args.linger_s > 0:
@@ -435,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 saved.parent.mkdir(parents=True, exist_ok=True)
                 buffer = io.BytesIO()  # torch.save into a file turns a full disk into a RuntimeError
-                torch.save(checkpoint(net, model_name, args.width, data), buffer)
+                torch.save(data.checkpoint(net) if charlm else checkpoint(net, model_name, args.width, data), buffer)
                 saved.with_suffix(".tmp").write_bytes(buffer.getvalue())
                 saved.with_suffix(".tmp").replace(saved)  # never a half-written file
             except OSError as exc:

@@ -1,69 +1,66 @@
-"""All-reduce: one launcher process starts the ranks with torch's own machinery (:func:`dpwa.systems.allreduce.launch`).
+"""All-reduce: one process per rank, each joining the gloo group itself (:func:`dpwa.systems.allreduce.join_group`).
 
 Every rank trains its shard through ``DistributedDataParallel`` (gloo), with
 the workload's learning rate and schedule by its steps; rank 0 snapshots its
-model (every rank holds the same). Each rank writes a PID file (``pids/rankI.pid``)
-so the runner can stop, or kill, any one of them by PID.
+model (every rank holds the same). The runner starts each rank as a process of
+its own, as torchrun would, so that with slow links each sits in its own
+network namespace; the rendezvous is a file in the run's folder (no network
+needed), and gloo talks over the interface the runner names in
+``GLOO_SOCKET_IFNAME`` (``lo``, or the namespace's link).
 """
 
 from __future__ import annotations
 
-import os
 import time
 
-from ...cluster.processes import write_pid_file
+import torch.distributed as dist
+
 from ...systems import allreduce
 from ...systems.layout import ModuleView
 from ..recorder import wait_for_go
-from .common import Role, load_role, timed
+from .common import Role, timed
 
 
-def run_launcher(role: Role) -> None:
-    opts = role.options
-    allreduce.launch(
-        rank_main,
-        (role.run["run_file"],),
-        role.spec.workers,
-        workdir=role.workdir,
-        timeout_s=opts.get("gloo_timeout_s", 30.0),
-    )
+def run_rank(role: Role) -> None:
+    """Join the group, train, write the results, and leave with every other rank (this process ends here)."""
+    allreduce.join_group(role.index, role.spec.workers, role.options["store"], role.options["gloo_timeout_s"])
+    try:
+        train(role)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    allreduce.leave_group()
 
 
-def rank_main(rank: int, world: int, run_file: str) -> None:
-    import torch
-
-    role = load_role(run_file, f"rank{rank}", rank, worker=True)
-    write_pid_file(role.workdir / "pids" / f"{role.name}.pid", os.getpid())
+def train(role: Role) -> None:
+    rank, world = role.index, role.spec.workers
     w, spec, timer, rec = role.workload, role.spec, role.timer, role.recorder
     net = w.build_model()
     view = ModuleView(net)
     comm = allreduce.CommTimer()
     model = allreduce.wrap(net, comm)
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=spec.lr, momentum=spec.momentum, nesterov=True, weight_decay=spec.weight_decay
-    )
-    total = w.local_steps(rank)
+    optimizer = spec.settings.make(model.parameters())  # SGD or AdamW, as the workload says
+    total = w.lockstep_steps()
     stride = w.snapshot_stride()
     step = samples = 0
     go = wait_for_go(role.workdir, role.name)
     timer.start()
-    for epoch in range(spec.epochs):
-        for x, y in timed(w.batches(rank, epoch), timer):
-            if role.stop:
-                break
-            for group in optimizer.param_groups:
-                group["lr"] = spec.lr_at(step / total)
-            t0 = time.perf_counter()
-            comm0 = comm.seconds
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            timer.computed(time.perf_counter() - t0 - (comm.seconds - comm0))
-            step += 1
-            samples += len(y) * world  # every rank trains a batch per step
-            if rank == 0 and step % stride == 0:
-                rec.snapshot(view.state(), samples)
+    for x, y in timed(w.train_batches(rank, total), timer):
+        if role.stop:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = spec.lr_at(step / total)
+        t0 = time.perf_counter()
+        comm0 = comm.seconds
+        loss = w.loss(model, (x, y))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        timer.computed(time.perf_counter() - t0 - (comm.seconds - comm0))
+        step += 1
+        samples += len(y) * world  # every rank trains a batch per step
+        if rank == 0 and step % stride == 0:
+            rec.snapshot(view.state(), samples)
     timer.stop()
     left_out = rec.spent_s
     if rank == 0:
@@ -80,6 +77,7 @@ def rank_main(rank: int, world: int, run_file: str) -> None:
         bytes_estimated=True,
         comm_s=comm.seconds,
         allreduce_calls=comm.calls,
+        reduced_bytes=comm.nbytes,  # bytes of the tensors all-reduced (a ring sends 2 (n-1)/n of them)
         stopped=role.stop.signal_name,
         **timer.summary(left_out),
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recorder import Recorder, StepTimer
-from ..workload import Workload, WorkloadSpec
+from ..workload import Workload, WorkloadSpec, load_workload
 
 __all__ = ["Role", "StopFlag", "load_role", "timed"]
 
@@ -49,7 +49,7 @@ class Role:
     @cached_property
     def workload(self) -> Workload:
         """The workload, loaded on first use (a launcher that only starts others never loads the data)."""
-        return Workload(self.spec)
+        return load_workload(self.spec)
 
     @property
     def options(self) -> dict[str, Any]:

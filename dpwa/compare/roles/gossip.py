@@ -18,16 +18,12 @@ from .common import Role, timed
 
 
 def run(role: Role) -> None:
-    import torch
-
     from ...adapters.pytorch import DpwaPyTorchAdapter
 
     w, spec, timer, rec = role.workload, role.spec, role.timer, role.recorder
     net = w.build_model()
     view = ModuleView(net)
-    optimizer = torch.optim.SGD(
-        net.parameters(), lr=spec.lr, momentum=spec.momentum, nesterov=True, weight_decay=spec.weight_decay
-    )
+    optimizer = spec.settings.make(net.parameters())  # SGD or AdamW, as the workload says
     total = w.local_steps(role.index)
     stride = w.snapshot_stride()
     progress: list[list[float]] = []
@@ -37,28 +33,27 @@ def run(role: Role) -> None:
         go = wait_for_go(role.workdir, role.name)
         rec.snapshot(view.state(), 0)  # the model before training, for points before its first snapshot
         timer.start()
-        for epoch in range(spec.epochs):
-            for x, y in timed(w.batches(role.index, epoch), timer):
-                if role.stop:
-                    break
-                for group in optimizer.param_groups:
-                    group["lr"] = spec.lr_at(step / total)
-                conn.update_send(loss_value, batch_size=len(y))
-                t0 = time.perf_counter()
-                loss = w.loss(net, (x, y))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                loss_value = loss.item()
-                timer.computed(time.perf_counter() - t0)
-                update = conn.update_wait(loss_value)
-                averaged += update.averaged
-                failed += not update.averaged and update.outcome != "no_fetch"
-                step += 1
-                samples += len(y)
-                progress.append([time.time(), samples])
-                if step % stride == 0:
-                    rec.snapshot(view.state(), samples)
+        for x, y in timed(w.train_batches(role.index), timer):
+            if role.stop:
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = spec.lr_at(step / total)
+            conn.update_send(loss_value, batch_size=len(y))
+            t0 = time.perf_counter()
+            loss = w.loss(net, (x, y))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_value = loss.item()
+            timer.computed(time.perf_counter() - t0)
+            update = conn.update_wait(loss_value)
+            averaged += update.averaged
+            failed += not update.averaged and update.outcome != "no_fetch"
+            step += 1
+            samples += len(y)
+            progress.append([time.time(), samples])
+            if step % stride == 0:
+                rec.snapshot(view.state(), samples)
         timer.stop()
         left_out = rec.spent_s
         stats = conn.stats()  # before lingering: what training cost

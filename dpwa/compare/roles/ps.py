@@ -61,7 +61,7 @@ def run_server(role: Role) -> None:
 
 
 def run_trainer(role: Role) -> None:
-    w, spec, timer, rec, opts = role.workload, role.spec, role.timer, role.recorder, role.options
+    w, timer, rec, opts = role.workload, role.timer, role.recorder, role.options
     net = w.build_model()
     view = ModuleView(net)
     plan = make_plan(view.layout, opts["servers"])
@@ -71,18 +71,17 @@ def run_trainer(role: Role) -> None:
     ) as trainer:
         go = wait_for_go(role.workdir, role.name)
         timer.start()
-        for epoch in range(spec.epochs):
-            for batch in timed(w.batches(role.index, epoch), timer):
-                if role.stop:
-                    break
-                trainer.fetch()
-                t0 = time.perf_counter()
-                net.zero_grad(set_to_none=True)
-                loss = w.loss(net, batch)
-                loss.backward()
-                timer.computed(time.perf_counter() - t0)
-                trainer.push(len(batch[1]))
-                samples += len(batch[1])
+        for batch in timed(w.train_batches(role.index), timer):
+            if role.stop:
+                break
+            trainer.fetch()
+            t0 = time.perf_counter()
+            net.zero_grad(set_to_none=True)
+            loss = w.loss(net, batch)
+            loss.backward()
+            timer.computed(time.perf_counter() - t0)
+            trainer.push(len(batch[1]))
+            samples += len(batch[1])
         timer.stop()
     stats = trainer.stats
     rec.result(
