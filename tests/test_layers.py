@@ -19,7 +19,7 @@ RANK = {
     "gossip": 4,
     "adapters": 5,
     "cluster": 6, "systems": 6,
-    "datasets": 7, "workloads": 7, "compare": 7, "bench": 7, "sim": 7, "cli": 7,  # tools
+    "workloads": 7, "compare": 7, "bench": 7, "sim": 7, "cli": 7,  # tools
     "__main__": 8, "__init__": 8,
 }
 TOOLS = 7

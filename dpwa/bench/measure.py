@@ -67,7 +67,6 @@ import numpy as np
 SMALL = 100_000  # parameters of the small model
 STREAMED = 1 << 20  # parameters of the smallest model that streams (4 MiB in float32: BULK_MIN_BYTES), for --quick
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pytorch-cifar"
 # (label, input shape, batch size, steps) of the training-overhead workloads
 WORKLOADS = (
     ("digits, batch 32 (run.sh's default)", (1, 8, 8), 32, 200),
@@ -199,12 +198,10 @@ def training_setup(shape: tuple[int, ...], batch: int, seed: int):
     """The example's small model, an optimizer, and one fixed batch of the given shape."""
     import torch
 
-    if str(EXAMPLE) not in sys.path:
-        sys.path.insert(0, str(EXAMPLE))
-    import models  # type: ignore[import-not-found]  # examples/pytorch-cifar/models.py
+    from dpwa.workloads.images import build
 
     torch.manual_seed(seed)
-    net = models.build("small", in_channels=shape[0])
+    net = build("small", in_channels=shape[0])
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
 
@@ -321,8 +318,6 @@ def _alternate(step: Any, with_exchange: Any, steps: int) -> tuple[list[float], 
 def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, Any] | None:
     """Median step time of the example with and without dpwa, alternating one step of each; then the
     same against the raw floor: the same bytes fetched every step over plain ZeroMQ (RawExchange)."""
-    if not (EXAMPLE / "models.py").exists():
-        return None  # an installed package without the repository's examples
     import torch
 
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter

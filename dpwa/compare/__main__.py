@@ -33,7 +33,7 @@ from .comparison import CompareConfig, run_comparison
 from .links import LinksUnavailable, check_delay, check_root
 from .report import fault_lines, link_lines, plot, table, write_json
 from .runner import SYSTEMS, RunOptions
-from .workload import CHARLM_DEFAULTS, DATA_DEFAULTS, EXAMPLE, ExampleMissing, WorkloadSpec, example_available
+from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, WorkloadSpec
 
 TARGETS = {"digits": 0.97, "cifar10": 0.70}  # default target test accuracy per dataset
 WORKLOADS = ("digits", "cifar10", "charlm")
@@ -87,7 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="images: auto (default: cifar10 when prepared, else the embedded digits), digits, cifar10; "
         "charlm: stdlib (default) or text:PATH (a text file of yours; its last 10%% is validation)",
     )
-    p.add_argument("--data-dir", type=Path, default=EXAMPLE / "data" / "cifar-10-batches-py")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=CHECKOUT_CIFAR_DIR,
+        help="the CIFAR-10 batches (default: the checkout's examples/pytorch-cifar/data/cifar-10-batches-py)",
+    )
     p.add_argument(
         "--epochs", type=_positive_int, help="images: passes over the training set (default: 30; --quick: 6)"
     )
@@ -269,11 +274,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.workload != "charlm" and not example_available():
-        print(
-            f"dpwa.compare: {ExampleMissing.__doc__} ({EXAMPLE}); --workload charlm needs no checkout", file=sys.stderr
-        )
-        return 2
     try:
         config = config_from(args)
         if args.link_mbit:
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: every process stopped
     try:
         report = run_comparison(config)
-    except (FileNotFoundError, ValueError, ExampleMissing, LinksUnavailable) as exc:
+    except (FileNotFoundError, ValueError, LinksUnavailable) as exc:
         print(f"dpwa.compare: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:

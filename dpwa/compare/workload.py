@@ -38,32 +38,29 @@ What is the same for every system:
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from ..systems.optim import ALGORITHMS, SGDSettings
+from ..workloads import images
 
 __all__ = [
     "CHARLM_DEFAULTS",
     "DATA_DEFAULTS",
-    "EXAMPLE",
-    "ExampleMissing",
+    "CHECKOUT_CIFAR_DIR",
     "Workload",
     "WorkloadSpec",
-    "example_available",
     "load_workload",
 ]
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pytorch-cifar"
+# where a checkout keeps CIFAR-10 (examples/pytorch-cifar/prepare.sh); from an install, give --data-dir
+CHECKOUT_CIFAR_DIR = Path(__file__).resolve().parents[2] / "examples" / "pytorch-cifar" / "data" / "cifar-10-batches-py"
 DATA_DEFAULTS = {  # (batch size, lr, epochs) per image dataset; digits as the example trains 4 nodes
     "digits": (32, 0.05, 30),
     "cifar10": (128, 0.1, 30),
@@ -87,33 +84,6 @@ class CharLMDefaults:
 
 
 CHARLM_DEFAULTS = CharLMDefaults()
-
-
-class ExampleMissing(RuntimeError):
-    """The example's model and data files are not where the repository keeps them."""
-
-
-def example_available() -> bool:
-    return (EXAMPLE / "models.py").is_file() and (EXAMPLE / "data.py").is_file()
-
-
-def _load_example(name: str) -> ModuleType:
-    module_name = f"dpwa_example_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    path = EXAMPLE / f"{name}.py"
-    if not path.is_file():
-        raise ExampleMissing(
-            f"{path} not found: python -m dpwa.compare trains the example's model and data on images, so it runs "
-            "from a checkout of the dpwa repository (examples/pytorch-cifar next to the dpwa package); "
-            "--workload charlm needs no checkout"
-        )
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _charlm_data_ok(data: str) -> bool:
@@ -309,17 +279,15 @@ def load_workload(spec: WorkloadSpec) -> Workload:
 
 
 class ImageWorkload(Workload):
-    """The example's ResNet on digits or CIFAR-10.
+    """The example's ResNet on digits or CIFAR-10 (dpwa.workloads.images).
 
-    Raises :class:`ExampleMissing` without the example's files, and the
-    example's own errors (FileNotFoundError, ValueError) for missing data.
+    Raises FileNotFoundError or ValueError for missing or unreadable data.
     """
 
     def __init__(self, spec: WorkloadSpec) -> None:
         super().__init__(spec)
-        self.datasets = _load_example("data")
-        self.models = _load_example("models")
-        self.data = self.datasets.load(spec.data, Path(spec.data_dir))
+        self.datasets = images
+        self.data = images.load(spec.data, Path(spec.data_dir))
         self.shards = [self.data.shard(i, spec.workers, seed=spec.seed) for i in range(spec.workers)]
         self.steps_per_epoch = [len(s.train_y) // spec.batch_size for s in self.shards]
         self.segments_per_epoch = len(self.data.train_y) // self.segment_size
@@ -327,7 +295,7 @@ class ImageWorkload(Workload):
 
     def build_model(self) -> Any:
         self._torch.manual_seed(self.spec.seed)
-        return self.models.build(self.spec.model, self.data.in_channels, self.data.num_classes, self.spec.width)
+        return images.build(self.spec.model, self.data.in_channels, self.data.num_classes, self.spec.width)
 
     def loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
         x, y = batch

@@ -159,7 +159,7 @@ class Digits:
 
     @classmethod
     def load(cls, nodes: int, split_seed: int = 0) -> Digits:
-        from ..datasets import load_digits
+        from ..workloads.digits import load_digits
 
         images, labels = load_digits()
         x = np.concatenate([images.reshape(len(images), -1) / 16.0, np.ones((len(images), 1))], axis=1)

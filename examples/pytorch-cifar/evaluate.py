@@ -18,15 +18,14 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 import data as datasets
 import models
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 CHECKPOINT_KEYS = ("model", "width", "data", "in_channels", "num_classes", "state_dict")
 
@@ -77,7 +76,7 @@ def average_checkpoints(paths: list[Path]) -> dict:
         raise ValueError("no checkpoints to average")
     saved = [load_checkpoint(p) for p in paths]
     first = saved[0]
-    for path, other in zip(paths[1:], saved[1:]):
+    for path, other in zip(paths[1:], saved[1:], strict=True):
         mismatch = [k for k in CHECKPOINT_KEYS[:-1] if other[k] != first[k]]
         if mismatch or other["state_dict"].keys() != first["state_dict"].keys():
             raise ValueError(f"{path}: a different model than {paths[0]} ({', '.join(mismatch) or 'tensor names'})")

@@ -15,13 +15,13 @@ docs/lab.md.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
+import data as datasets
 import torch
 from torch import nn
 
-import data as datasets
 from dpwa.workloads import charlm
 
 SIZES = tuple(charlm.SIZES)

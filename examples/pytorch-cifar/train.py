@@ -36,6 +36,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -45,18 +46,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 import data as datasets
 import models
 import schedule as training_schedule
 import text as texts
+import torch
+import torch.nn.functional as F
 from evaluate import checkpoint, evaluate
 
 import dpwa
-from dpwa import DpwaPyTorchAdapter
-from dpwa import TransportError
+from dpwa import DpwaPyTorchAdapter, TransportError
 from dpwa.cluster import checkpoints
 
 # Defaults per dataset (digits, cifar10, charlm), and how they change with the number of nodes:
@@ -158,7 +157,7 @@ class Metrics:
         self._fh = None
         if run_dir is not None:
             (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-            self._fh = open(run_dir / "metrics" / f"{node}.jsonl", "a", encoding="utf-8")
+            self._fh = open(run_dir / "metrics" / f"{node}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def write(self, kind: str, **fields: object) -> None:
         if self._fh is None:

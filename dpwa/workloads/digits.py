@@ -1,6 +1,6 @@
 """Small datasets shipped inside the package, so examples and tests need no download.
 
-    python -c "from dpwa.datasets import load_digits; x, y = load_digits(); print(x.shape, y.shape)"
+    python -c "from dpwa.workloads.digits import load_digits; x, y = load_digits(); print(x.shape, y.shape)"
 
 Only numpy is needed; nothing is unpickled. See ``dpwa/data/README.md`` for the
 source and license of each file.
