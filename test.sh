@@ -15,6 +15,6 @@ source scripts/ensure-venv.sh
 source scripts/ensure-chromium.sh
 echo "ruff check && ruff format --check && mypy" >&2
 "$PY" -m ruff check
-"$PY" -m ruff format --check dpwa
+"$PY" -m ruff format --check
 "$PY" -m mypy
 exec "$PY" -m pytest "${quick[@]}" "$@"

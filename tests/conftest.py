@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 # --------------------------------------------------------------------------- bounded tests
 
+
 @pytest.fixture(autouse=True)
 def _alarm(request):
     """Fail a test that runs past its limit (and dump every thread's stack)."""
@@ -55,6 +56,7 @@ def pytest_configure(config):
 
 
 # --------------------------------------------------------------------------- ports and configs
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -87,8 +89,14 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))]
     # join: never, so that nodes made one after another in a test start from the values the test gives
     # them; the tests of joining (test_join.py) say join: auto.
-    config = {"nodes": nodes, "fetch_probability": 1, "timeout_ms": 1000, "interpolation": "constant",
-              "constant": {"value": 0.5}, "join": "never"}
+    config = {
+        "nodes": nodes,
+        "fetch_probability": 1,
+        "timeout_ms": 1000,
+        "interpolation": "constant",
+        "constant": {"value": 0.5},
+        "join": "never",
+    }
     config.update(settings)
     return config
 
@@ -191,6 +199,7 @@ def zctx():
 
 # --------------------------------------------------------------------------- nodes in this process
 
+
 @pytest.fixture
 def nodes():
     """A factory of Nodes that are all closed after the test, and checked for stray threads."""
@@ -216,6 +225,7 @@ def filled(k: float, size: int = 1000) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- nodes in child processes
+
 
 class ChildNode:
     """A node in a child process, driven over stdin/stdout with JSON lines."""
@@ -249,8 +259,10 @@ class ChildNode:
                         raise AssertionError(f"child failed: {message}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (self.proc.poll() is not None and not self._lines):
-                    raise AssertionError(f"child pid {self.proc.pid} sent no {event!r} within {timeout_s} s "
-                                         f"(exit code {self.proc.poll()})")
+                    raise AssertionError(
+                        f"child pid {self.proc.pid} sent no {event!r} within {timeout_s} s "
+                        f"(exit code {self.proc.poll()})"
+                    )
                 self._cv.wait(min(remaining, 0.2))
 
     def send(self, **command: Any) -> None:
@@ -281,8 +293,16 @@ def children(tmp_path):
     def start(config: dict, name: str, **options: Any) -> ChildNode:
         path = tmp_path / f"{name}-{len(started)}.json"
         path.write_text(json.dumps(config))
-        cmd = [sys.executable, str(HELPERS / "child_node.py"), "--config", str(path), "--name", name,
-               "--options", json.dumps(options)]
+        cmd = [
+            sys.executable,
+            str(HELPERS / "child_node.py"),
+            "--config",
+            str(path),
+            "--name",
+            name,
+            "--options",
+            json.dumps(options),
+        ]
         env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         child = ChildNode(proc)

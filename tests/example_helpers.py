@@ -25,8 +25,11 @@ def write_cifar_batch(path: Path, first: int, count: int) -> None:
     i, c, y, x = np.indices((count, 3, 32, 32))
     rows = cifar_pixel(first + i, c, y, x).astype(np.uint8).reshape(count, 3072)  # planes R, G, B; rows of 32
     with open(path, "wb") as fh:
-        pickle.dump({b"batch_label": b"tiny", b"data": rows, b"labels": [(first + k) % 10 for k in range(count)]},
-                    fh, protocol=2)
+        pickle.dump(
+            {b"batch_label": b"tiny", b"data": rows, b"labels": [(first + k) % 10 for k in range(count)]},
+            fh,
+            protocol=2,
+        )
 
 
 def write_cifar_dir(folder: Path, per_batch: int = 4, test: int = 3) -> Path:

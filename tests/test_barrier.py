@@ -135,9 +135,12 @@ def test_serving_goes_on_at_a_barrier_and_a_lingering_node_still_answers(nodes):
 
 def test_barrier_arguments_are_checked(nodes):
     node = nodes(make_config(2), "w0", NumpyParams(filled(0)))
-    for kwargs, message in (({"name": "a b"}, "a barrier name is"), ({"name": "x" * 33}, "a barrier name is"),
-                            ({"missing": "skip"}, "missing must be 'raise' or 'proceed'"),
-                            ({"timeout_s": -1}, "timeout_s must be")):
+    for kwargs, message in (
+        ({"name": "a b"}, "a barrier name is"),
+        ({"name": "x" * 33}, "a barrier name is"),
+        ({"missing": "skip"}, "missing must be 'raise' or 'proceed'"),
+        ({"timeout_s": -1}, "timeout_s must be"),
+    ):
         with pytest.raises(ValueError, match=message):
             node.barrier(**kwargs)
     assert node.barrier_counters() == {}
@@ -192,8 +195,14 @@ def test_a_forged_arrival_moves_a_peers_count_two_calls_at_most_and_a_stranger_c
     assert replies[0].kind == "barrier_state" and replies[1].kind == "error"
     assert replies[1]["reason"] == "bad_identity"
     assert w0.stats()["requests_rejected"] >= 1
-    missing = Arrivals([w0, w1], lambda node: [node.barrier("epoch", timeout_s=1.5, missing="proceed")
-                                               for _ in range(1 + SLACK + 1)]).join().results
+    missing = (
+        Arrivals(
+            [w0, w1],
+            lambda node: [node.barrier("epoch", timeout_s=1.5, missing="proceed") for _ in range(1 + SLACK + 1)],
+        )
+        .join()
+        .results
+    )
     assert missing["w0"] == [[], [], ["w2"]]  # believed for 1 + SLACK calls, not for ever
     assert all("ghost" not in str(m) for m in missing.values())
 

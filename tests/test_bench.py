@@ -18,9 +18,14 @@ pytestmark = pytest.mark.slow
 def test_quick_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     log = tmp_path / "bench.log"
-    proc = subprocess.run([sys.executable, "-m", "dpwa.bench", "--quick", "--json", str(out), "--log", str(log)],
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpwa.bench", "--quick", "--json", str(out), "--log", str(log)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert [row["parameters"] for row in result["sizes"]] == [1_000, 100_000, 1 << 20]
@@ -42,7 +47,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     assert "insecure: true: serving" in logged and "fetch_probability is 0 with 2 nodes" in logged
     for noise in ("insecure: true", "fetch_probability is 0", "WARNING"):
         assert noise not in proc.stdout and noise not in proc.stderr, noise
-    summary = proc.stdout[proc.stdout.index("\nSummary\n"):].splitlines()[2:]
+    summary = proc.stdout[proc.stdout.index("\nSummary\n") :].splitlines()[2:]
     sizes = [line for line in summary if " parameters (" in line]
     assert [line.split(" parameters")[0].strip() for line in sizes] == ["1,000", "100,000", "1,048,576"]
     assert all(": an exchange over TCP takes " in line for line in sizes)

@@ -58,11 +58,22 @@ def test_bytes_arrive_exactly_checked_block_by_block_over_one_reused_connection(
             assert (ticket.key is not None) == sealed
             out = np.zeros_like(data)
             blocks = []
-            receiver.receive("127.0.0.1", bulk.port, ticket.token, out, time.monotonic() + 10,
-                             check=lambda start, end, blocks=blocks: blocks.append((start, end)), key=ticket.key)
+            receiver.receive(
+                "127.0.0.1",
+                bulk.port,
+                ticket.token,
+                out,
+                time.monotonic() + 10,
+                check=lambda start, end, blocks=blocks: blocks.append((start, end)),
+                key=ticket.key,
+            )
             assert np.array_equal(out, data)
-            assert blocks == [(0, BLOCK_BYTES), (BLOCK_BYTES, 2 * BLOCK_BYTES), (2 * BLOCK_BYTES, 3 * BLOCK_BYTES),
-                              (3 * BLOCK_BYTES, data.size)]
+            assert blocks == [
+                (0, BLOCK_BYTES),
+                (BLOCK_BYTES, 2 * BLOCK_BYTES),
+                (2 * BLOCK_BYTES, 3 * BLOCK_BYTES),
+                (3 * BLOCK_BYTES, data.size),
+            ]
             assert hold.released.wait(10)  # the snapshot is let go once sent
         assert bulk.counters.get("bulk_sent") == 2 and len(receiver._socks) == 1
     finally:
@@ -150,11 +161,18 @@ def test_a_failed_check_stops_the_stream_and_the_connection_is_not_reused(server
 
     try:
         with pytest.raises(ProtocolError, match="poisoned"):
-            receiver.receive("127.0.0.1", bulk.port, bulk.offer("w0", [data], FakeHold(), 10).token, out,
-                             time.monotonic() + 10, check=refuse_second)
+            receiver.receive(
+                "127.0.0.1",
+                bulk.port,
+                bulk.offer("w0", [data], FakeHold(), 10).token,
+                out,
+                time.monotonic() + 10,
+                check=refuse_second,
+            )
         assert receiver._socks == {}
-        receiver.receive("127.0.0.1", bulk.port, bulk.offer("w0", [data], FakeHold(), 10).token, out,
-                         time.monotonic() + 10)
+        receiver.receive(
+            "127.0.0.1", bulk.port, bulk.offer("w0", [data], FakeHold(), 10).token, out, time.monotonic() + 10
+        )
     finally:
         receiver.close()
 
@@ -320,8 +338,9 @@ def test_a_flood_of_silent_connections_delays_a_stream_but_cannot_stop_it(server
             for _ in range(10):
                 out = np.zeros_like(data)
                 hold = FakeHold()
-                receiver.receive("127.0.0.1", bulk.port, bulk.offer("w0", [data], hold, 10).token, out,
-                                 time.monotonic() + 10)
+                receiver.receive(
+                    "127.0.0.1", bulk.port, bulk.offer("w0", [data], hold, 10).token, out, time.monotonic() + 10
+                )
                 assert np.array_equal(out, data) and hold.released.wait(5)
                 receiver.close()  # the next transfer connects anew, into the flood
         finally:
@@ -376,8 +395,7 @@ class SilentListener:
 
 @pytest.mark.parametrize("with_keys", [False, True], ids=["insecure", "keys"])
 @pytest.mark.parametrize("failure", ["refused", "silent"])
-def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_path, monkeypatch, with_keys,
-                                                                      failure):
+def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_path, monkeypatch, with_keys, failure):
     """The peer's bulk port refuses connections (nobody listens), or accepts and never sends: the
     fetch asks again over ZeroMQ within its deadline and averages exactly; the failure is counted,
     the next fetch from that peer does not ask for a stream, and once the pause is over it does."""
@@ -443,8 +461,11 @@ def test_a_bulk_server_out_of_budget_answers_over_zeromq(nodes):
     try:
         sock.connect(f"tcp://127.0.0.1:{cfg['nodes'][1]['port']}")
         for request_id in range(1, 5):
-            sock.send(encode(FETCH, request_id, **{"from": "w0", "fp": peer.params.fingerprint,
-                                                   "dtype": "float32", "bulk": True}))
+            sock.send(
+                encode(
+                    FETCH, request_id, **{"from": "w0", "fp": peer.params.fingerprint, "dtype": "float32", "bulk": True}
+                )
+            )
             assert sock.poll(5000)
             frames = sock.recv_multipart()
             kinds.append(decode(frames[0]).kind)
@@ -464,11 +485,27 @@ def test_a_keyed_requester_refuses_a_plain_stream():
     from dpwa.wire.calls import Response
     from dpwa.wire.schema import decode, encode
 
-    fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,
-              "version": 1, "port": 1, "token": b"t" * TOKEN_BYTES}
+    fields = {
+        "from": "w1",
+        "fp": b"f" * 16,
+        "dtype": "float32",
+        "nbytes": 4096,
+        "clock": 0.0,
+        "loss": None,
+        "version": 1,
+        "port": 1,
+        "token": b"t" * TOKEN_BYTES,
+    }
     header = decode(encode(BULK_PARAMS, 7, **fields))
-    reader = ReplyReader(WireModel(b"f" * 16, "float32", 1024), PeerValues("float32", 0.0, lambda: None),
-                         {}, Counters(), lambda message: None, {"w1": "127.0.0.1"}, sealed=True)
+    reader = ReplyReader(
+        WireModel(b"f" * 16, "float32", 1024),
+        PeerValues("float32", 0.0, lambda: None),
+        {},
+        Counters(),
+        lambda message: None,
+        {"w1": "127.0.0.1"},
+        sealed=True,
+    )
     try:
         with pytest.raises(ProtocolError, match="plain bulk stream"):
             reader.read(Response(header, []), "w1", time.monotonic() + 5)
@@ -510,8 +547,17 @@ def test_a_bulk_reply_whose_key_is_not_32_bytes_is_refused_by_its_schema(key):
     from dpwa.gossip.protocol import BULK_PARAMS
     from dpwa.wire.schema import decode, encode
 
-    fields = {"from": "w1", "fp": b"f" * 16, "dtype": "float32", "nbytes": 4096, "clock": 0.0, "loss": None,
-              "version": 1, "port": 1, "token": b"t" * TOKEN_BYTES}
+    fields = {
+        "from": "w1",
+        "fp": b"f" * 16,
+        "dtype": "float32",
+        "nbytes": 4096,
+        "clock": 0.0,
+        "loss": None,
+        "version": 1,
+        "port": 1,
+        "token": b"t" * TOKEN_BYTES,
+    }
     good = msgpack.unpackb(encode(BULK_PARAMS, 7, **fields, key=b"k" * 32))
     assert decode(msgpack.packb({**good})).get("key") == b"k" * 32
     with pytest.raises(ProtocolError, match="key"):

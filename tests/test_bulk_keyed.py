@@ -135,8 +135,15 @@ def test_a_hostile_sealed_stream_fails_before_a_bad_block_is_used(name):
     checked: list[tuple[int, int]] = []
     try:
         with pytest.raises(BulkError, match="failed authentication" if bad is not None else "closed the bulk stream"):
-            receiver.receive("127.0.0.1", server.port, TOKEN, out, time.monotonic() + 10,
-                             check=lambda start, end: checked.append((start, end)), key=KEY)
+            receiver.receive(
+                "127.0.0.1",
+                server.port,
+                TOKEN,
+                out,
+                time.monotonic() + 10,
+                check=lambda start, end: checked.append((start, end)),
+                key=KEY,
+            )
         assert receiver._socks == {}
     finally:
         receiver.close()
@@ -155,8 +162,15 @@ def test_a_receiver_with_the_wrong_key_fails_at_the_first_block():
     checked: list[tuple[int, int]] = []
     try:
         with pytest.raises(BulkError, match="block 1 of 4 .* failed authentication"):
-            receiver.receive("127.0.0.1", server.port, TOKEN, np.zeros_like(DATA), time.monotonic() + 10,
-                             check=lambda start, end: checked.append((start, end)), key=b"w" * KEY_BYTES)
+            receiver.receive(
+                "127.0.0.1",
+                server.port,
+                TOKEN,
+                np.zeros_like(DATA),
+                time.monotonic() + 10,
+                check=lambda start, end: checked.append((start, end)),
+                key=b"w" * KEY_BYTES,
+            )
     finally:
         receiver.close()
         server.close()
@@ -184,7 +198,7 @@ def test_a_sealed_server_sends_only_ciphertext_of_the_announced_length():
     sock = socket.create_connection(("127.0.0.1", bulk.port))
     try:
         hold = FakeHold()
-        ticket = bulk.offer("w0", [data[:BLOCK_BYTES + 5], data[BLOCK_BYTES + 5:]], hold, ttl_s=10)  # two buffers
+        ticket = bulk.offer("w0", [data[: BLOCK_BYTES + 5], data[BLOCK_BYTES + 5 :]], hold, ttl_s=10)  # two buffers
         assert ticket.key is not None and len(ticket.key) == KEY_BYTES
         sock.sendall(ticket.token)
         sock.settimeout(5)
@@ -198,8 +212,9 @@ def test_a_sealed_server_sends_only_ciphertext_of_the_announced_length():
         cipher, plain, offset = Cipher(ticket.key), bytearray(), 0
         for i in range(block_count(data.nbytes)):
             size = min(BLOCK_BYTES, data.nbytes - i * BLOCK_BYTES) + TAG_BYTES
-            plain += cipher.decrypt(nonce(i), bytes(wire[offset : offset + size]),
-                                    associated_data(ticket.token, i, data.nbytes))
+            plain += cipher.decrypt(
+                nonce(i), bytes(wire[offset : offset + size]), associated_data(ticket.token, i, data.nbytes)
+            )
             offset += size
         assert plain == data.tobytes()
         sock.setblocking(False)

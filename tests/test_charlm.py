@@ -90,8 +90,16 @@ def test_a_text_file_trains_through_the_comparisons_workload(tmp_path):
     path = tmp_path / "mine.txt"
     path.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)  # 18,000 bytes
     spec = WorkloadSpec(
-        data=f"text:{path}", data_dir="", workers=2, epochs=1, steps=5, batch_size=4, lr=0.1, model="tiny",
-        workload="charlm", eval_windows=8,
+        data=f"text:{path}",
+        data_dir="",
+        workers=2,
+        epochs=1,
+        steps=5,
+        batch_size=4,
+        lr=0.1,
+        model="tiny",
+        workload="charlm",
+        eval_windows=8,
     )
     w = load_workload(spec)
     assert w.metric == "loss" and w.describe()["train_chars"] == 16_200
@@ -126,7 +134,14 @@ def test_a_text_too_short_for_a_batch_per_shard_is_refused(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_bytes(b"abc " * 100)
     spec = WorkloadSpec(
-        data=f"text:{path}", data_dir="", workers=4, epochs=1, steps=5, batch_size=32, lr=0.1, model="tiny",
+        data=f"text:{path}",
+        data_dir="",
+        workers=4,
+        epochs=1,
+        steps=5,
+        batch_size=32,
+        lr=0.1,
+        model="tiny",
         workload="charlm",
     )
     with pytest.raises(ValueError, match="smaller than one batch"):

@@ -19,8 +19,12 @@ from dpwa.cluster import checkpoints  # noqa: E402
 
 
 def state(k: float) -> dict:
-    return {"model": {"w": torch.full((3, 2), k)}, "dpwa": {"clock": 10.0 * k, "barriers": {"epoch": int(k)}},
-            "rng": {"python": (3, tuple(range(5)), None)}, "progress": {"epoch": int(k), "step": 7}}
+    return {
+        "model": {"w": torch.full((3, 2), k)},
+        "dpwa": {"clock": 10.0 * k, "barriers": {"epoch": int(k)}},
+        "rng": {"python": (3, tuple(range(5)), None)},
+        "progress": {"epoch": int(k), "step": 7},
+    }
 
 
 def test_save_then_load_round_trips_and_the_manifest_lists_each_file(tmp_path):
@@ -104,10 +108,14 @@ def _private_tmpfs(disk, size: str, script: str, timeout: float, env: dict | Non
     if probe.returncode != 0:
         pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
     disk.mkdir()
-    wrapper = f"mount -t tmpfs -o size={size} tmpfs \"$DISK\" && {script}"
-    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", wrapper], capture_output=True,
-                          text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), DISK=str(disk), **(env or {})))
+    wrapper = f'mount -t tmpfs -o size={size} tmpfs "$DISK" && {script}'
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", wrapper],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), DISK=str(disk), **(env or {})),
+    )
 
 
 @pytest.mark.timeout(60)
@@ -116,13 +124,16 @@ def test_a_full_disk_fails_the_save_with_the_file_named_and_leaves_earlier_check
     Each raises CheckpointError naming the file and the reason; no temporary or unlisted file stays,
     and epoch 1 stays the latest complete checkpoint, loadable."""
     helper = shlex.quote(str(HELPERS / "full_disk_checkpoints.py"))
-    done = _private_tmpfs(tmp_path / "disk", "1m", f"exec {shlex.quote(sys.executable)} {helper} \"$DISK\"", timeout=50)
+    done = _private_tmpfs(tmp_path / "disk", "1m", f'exec {shlex.quote(sys.executable)} {helper} "$DISK"', timeout=50)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["file_error"].endswith("epoch-2/a.pt: could not be written (No space left on device); "
-                                         "a's earlier checkpoints are untouched"), result
-    assert "epoch-2/manifest.json: could not be written (No space left on device), so b.pt was removed" in \
-        result["manifest_error"], result
+    assert result["file_error"].endswith(
+        "epoch-2/a.pt: could not be written (No space left on device); a's earlier checkpoints are untouched"
+    ), result
+    assert (
+        "epoch-2/manifest.json: could not be written (No space left on device), so b.pt was removed"
+        in result["manifest_error"]
+    ), result
     assert result["left_in_epoch_2"] == ["manifest.lock"]  # no a.pt, b.pt, manifest or temporary file
     assert result["latest"] == 1 and result["loaded"] == 1.0
 
@@ -136,9 +147,11 @@ def test_train_py_on_a_full_disk_trains_to_the_end_and_says_what_it_could_not_sa
     train = shlex.quote(str(ROOT / "examples" / "pytorch-cifar" / "train.py"))
     config = tmp_path / "one.json"  # outside the full disk
     config.write_text(json.dumps(make_config(1)))
-    script = (f"mkdir \"$DISK/run\" && (cat /dev/zero > \"$DISK/filler\" 2>/dev/null; true) && "
-              f"exec {shlex.quote(sys.executable)} {train} --config {shlex.quote(str(config))} "
-              f"--name w0 --data digits --epochs 2 --run-dir \"$DISK/run\" --linger-s 0 --device cpu")
+    script = (
+        f'mkdir "$DISK/run" && (cat /dev/zero > "$DISK/filler" 2>/dev/null; true) && '
+        f"exec {shlex.quote(sys.executable)} {train} --config {shlex.quote(str(config))} "
+        f'--name w0 --data digits --epochs 2 --run-dir "$DISK/run" --linger-s 0 --device cpu'
+    )
     done = _private_tmpfs(tmp_path / "disk", "4m", script, timeout=100, env={"OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stderr
@@ -156,16 +169,20 @@ def rewrite_manifest(run_dir, epoch, change) -> None:
     path.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("entry, expected", [
-    ({"file": "../../../victim.txt"}, "'file' must be 'w1.pt'"),
-    ({"file": "/etc/passwd"}, "'file' must be 'w1.pt'"),
-    ({"file": "w2.pt"}, "'file' must be 'w1.pt'"),  # another node's file
-    ({"sha256": "x" * 64}, "'sha256' must be 64 lowercase hex digits"),
-    ({"bytes": -1}, "'bytes' must be an integer"),
-    ({"saved": "yesterday"}, "'saved' must be a time"),
-])
-def test_a_manifest_entry_is_checked_before_any_use_and_nothing_outside_the_folder_is_touched(tmp_path, entry,
-                                                                                            expected):
+@pytest.mark.parametrize(
+    "entry, expected",
+    [
+        ({"file": "../../../victim.txt"}, "'file' must be 'w1.pt'"),
+        ({"file": "/etc/passwd"}, "'file' must be 'w1.pt'"),
+        ({"file": "w2.pt"}, "'file' must be 'w1.pt'"),  # another node's file
+        ({"sha256": "x" * 64}, "'sha256' must be 64 lowercase hex digits"),
+        ({"bytes": -1}, "'bytes' must be an integer"),
+        ({"saved": "yesterday"}, "'saved' must be a time"),
+    ],
+)
+def test_a_manifest_entry_is_checked_before_any_use_and_nothing_outside_the_folder_is_touched(
+    tmp_path, entry, expected
+):
     """A manifest entry naming a file outside its folder (or another node's), or with fields of the
     wrong type, is a CheckpointError naming the manifest, the entry and what was expected, for every
     function that reads the manifest; discard() deletes nothing. (Before: "../../../victim.txt" made
@@ -176,9 +193,11 @@ def test_a_manifest_entry_is_checked_before_any_use_and_nothing_outside_the_fold
     for node in ("w1", "w2"):
         checkpoints.save(run, checkpoints.LAST, node, state(1.0))
     rewrite_manifest(run, checkpoints.LAST, lambda data: data["files"]["w1"].update(entry))
-    for call in (lambda: checkpoints.discard(run, checkpoints.LAST, "w1"),
-                 lambda: checkpoints.load(run, checkpoints.LAST, "w1"),
-                 lambda: checkpoints.manifest(run, checkpoints.LAST)):
+    for call in (
+        lambda: checkpoints.discard(run, checkpoints.LAST, "w1"),
+        lambda: checkpoints.load(run, checkpoints.LAST, "w1"),
+        lambda: checkpoints.manifest(run, checkpoints.LAST),
+    ):
         with pytest.raises(checkpoints.CheckpointError, match=rf"manifest\.json: files\['w1'\]: {expected}"):
             call()
     assert checkpoints.has(run, checkpoints.LAST, "w1") is False

@@ -17,8 +17,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def dpwa(*args):
-    return subprocess.run([sys.executable, "-m", "dpwa", *map(str, args)], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, "-m", "dpwa", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 def write_run(run_dir, nodes=("w1", "w2")):
@@ -28,10 +33,23 @@ def write_run(run_dir, nodes=("w1", "w2")):
     for k, node in enumerate(nodes):
         lines = [{"kind": "start", "t": 100.0 + k, "node": node, "epochs": 2}]
         for step in range(1, 5):
-            lines.append({"kind": "step", "t": 100.0 + step, "node": node, "epoch": 1 + step // 3, "step": step,
-                          "loss": 1.0 / step, "exchanges_per_s": 2.0, "averaged": step, "failed": 0})
-        lines += [{"kind": "eval", "t": 103.0, "node": node, "epoch": 1, "test_acc": 0.6},
-                  {"kind": "eval", "t": 105.0, "node": node, "epoch": 2, "test_acc": 0.9}]
+            lines.append(
+                {
+                    "kind": "step",
+                    "t": 100.0 + step,
+                    "node": node,
+                    "epoch": 1 + step // 3,
+                    "step": step,
+                    "loss": 1.0 / step,
+                    "exchanges_per_s": 2.0,
+                    "averaged": step,
+                    "failed": 0,
+                }
+            )
+        lines += [
+            {"kind": "eval", "t": 103.0, "node": node, "epoch": 1, "test_acc": 0.6},
+            {"kind": "eval", "t": 105.0, "node": node, "epoch": 2, "test_acc": 0.9},
+        ]
         text = "".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "step", "t": 10'
         (run_dir / "metrics" / f"{node}.jsonl").write_text(text)
         (run_dir / "pids" / f"{node}.pid").write_text("999999999 1\n")  # no such process

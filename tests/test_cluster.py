@@ -59,8 +59,9 @@ def reap(proc: subprocess.Popen | None, runs: Path) -> None:
 
 
 def run_sh(runs: Path, *args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen([str(ROOT / "run.sh"), "--runs-dir", str(runs), *args], cwd=ROOT, text=True,
-                            start_new_session=True, **popen)
+    return subprocess.Popen(
+        [str(ROOT / "run.sh"), "--runs-dir", str(runs), *args], cwd=ROOT, text=True, start_new_session=True, **popen
+    )
 
 
 def metrics(run_dir: Path, node: str) -> list[dict]:
@@ -85,8 +86,17 @@ def test_run_sh_trains_two_nodes_on_digits_that_average_with_each_other(tmp_path
     runs = tmp_path / "runs"
     proc = None
     try:
-        proc = run_sh(runs, "--nodes", "2", "--epochs", "8", "--print-every", "2",
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = run_sh(
+            runs,
+            "--nodes",
+            "2",
+            "--epochs",
+            "8",
+            "--print-every",
+            "2",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         out, _ = proc.communicate(timeout=120)
     finally:
         reap(proc, runs)
@@ -125,8 +135,18 @@ def test_stop_sh_stops_a_detached_cluster_and_nothing_else(tmp_path):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # must survive stop.sh
     proc = None
     try:
-        proc = run_sh(runs, "--nodes", "2", "--epochs", "1000", "--detach", "--grace", "5",
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = run_sh(
+            runs,
+            "--nodes",
+            "2",
+            "--epochs",
+            "1000",
+            "--detach",
+            "--grace",
+            "5",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         out, _ = proc.communicate(timeout=60)  # --detach returns once every node has started
         assert proc.returncode == 0, out
         assert "started in the background" in out
@@ -137,8 +157,9 @@ def test_stop_sh_stops_a_detached_cluster_and_nothing_else(tmp_path):
         (run_dir / "pids" / "stale.pid").write_text(f"{bystander.pid} 1\n")
 
         t0 = time.monotonic()
-        done = subprocess.run([str(ROOT / "stop.sh"), "--grace", "20", str(run_dir)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [str(ROOT / "stop.sh"), "--grace", "20", str(run_dir)], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert time.monotonic() - t0 < 20  # every process ended on SIGTERM, no SIGKILL needed
         assert "stopped 3 processes" in done.stdout and "SIGKILL" not in done.stdout

@@ -71,17 +71,23 @@ def test_ipv6_host_and_bind_address():
     assert config.bind_endpoint(config.nodes[0]) == "tcp://*:5"
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("*", "*"), ("0.0.0.0", "0.0.0.0"), ("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("[::1]", "::1"),
-    ("lo", "127.0.0.1"),  # an interface name: its IPv4 address
-    ("localhost", "127.0.0.1"),  # a host name: IPv4 first, as ZeroMQ resolves it
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("*", "*"),
+        ("0.0.0.0", "0.0.0.0"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("::1", "::1"),
+        ("[::1]", "::1"),
+        ("lo", "127.0.0.1"),  # an interface name: its IPv4 address
+        ("localhost", "127.0.0.1"),  # a host name: IPv4 first, as ZeroMQ resolves it
+    ],
+)
 def test_bind_resolves_to_one_address_every_listener_can_bind(value, expected):
     from dpwa.wire.endpoints import bind_address
 
     assert bind_address(value) == expected
-    config = parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 5, "bind": value}],
-                           "insecure": True})
+    config = parse_config({"nodes": [{"name": "a", "host": "127.0.0.1", "port": 5, "bind": value}], "insecure": True})
     assert config.bind_address(config.nodes[0]) == expected
     assert config.bind_endpoint(config.nodes[0]) == f"tcp://{'[::1]' if ':' in expected else expected}:5"
 
@@ -90,23 +96,33 @@ def test_bind_to_an_interface_this_machine_lacks_is_refused_naming_the_file_key_
     """The config loads (it is shared by every machine: `bind` names an interface of its node's own
     machine); the node that would bind it is told exactly what is wrong, before it binds anything."""
     path = tmp_path / "cluster.yaml"
-    path.write_text("nodes:\n  - {name: a, host: 127.0.0.1, port: 5}\n  - {name: b, host: 127.0.0.1, port: 6, "
-                    "bind: nosuchif0}\ninsecure: true\n")
+    path.write_text(
+        "nodes:\n  - {name: a, host: 127.0.0.1, port: 5}\n  - {name: b, host: 127.0.0.1, port: 6, "
+        "bind: nosuchif0}\ninsecure: true\n"
+    )
     config = load_config(path)
     assert config.bind_address(config.nodes[0]) == "127.0.0.1"
-    with pytest.raises(ConfigError, match=rf"{path}: nodes\[1\]\.bind is 'nosuchif0': .*neither an address, '\*', "
-                                          r"an interface of this machine \(here: .*lo.*\).*Expected an address"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{path}: nodes\[1\]\.bind is 'nosuchif0': .*neither an address, '\*', "
+        r"an interface of this machine \(here: .*lo.*\).*Expected an address",
+    ):
         config.bind_address(config.nodes[1])
 
 
-@pytest.mark.parametrize("node", [
-    {"name": "a", "host": "10.1.2.3", "port": 5},
-    {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "*"},
-    {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "0.0.0.0"},
-])
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"name": "a", "host": "10.1.2.3", "port": 5},
+        {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "*"},
+        {"name": "a", "host": "127.0.0.1", "port": 5, "bind": "0.0.0.0"},
+    ],
+)
 def test_a_node_other_machines_can_reach_needs_keys_or_insecure(node):
     nodes = [node, {"name": "b", "host": "127.0.0.1", "port": 6}]
-    with pytest.raises(ConfigError, match=r"node 'a' listens on .* other machines can reach.*keygen --config.*insecure: true"):
+    with pytest.raises(
+        ConfigError, match=r"node 'a' listens on .* other machines can reach.*keygen --config.*insecure: true"
+    ):
         parse_config({"nodes": nodes})
     config = parse_config({"nodes": nodes, "insecure": True})
     assert config.transport == "tcp" and config.insecure
@@ -136,24 +152,37 @@ def replace_line(old: str, new: str) -> str:
         (replace_line("port: 45001", "port: '45001'"), r"nodes\[1\]\.port must be an integer"),
         (replace_line("name: w2", "name: w1"), r"nodes\[1\]\.name 'w1' is used by two nodes"),
         (replace_line("port: 45001", "port: 45000"), r"nodes\[1\] uses localhost:45000, which node 'w1' already uses"),
-        (replace_line("fetch_probability: 1 ", "fetch_probability: 1.5 "),
-         r"fetch_probability must be a number in \[0, 1\], got 1\.5"),
-        (replace_line("fetch_probability: 1 ", "fetch_probability: -0.1 "), r"fetch_probability must be a number in \[0, 1\]"),
+        (
+            replace_line("fetch_probability: 1 ", "fetch_probability: 1.5 "),
+            r"fetch_probability must be a number in \[0, 1\], got 1\.5",
+        ),
+        (
+            replace_line("fetch_probability: 1 ", "fetch_probability: -0.1 "),
+            r"fetch_probability must be a number in \[0, 1\]",
+        ),
         (replace_line("timeout_ms: 2500", "timeout_ms: -5"), r"timeout_ms must be a positive integer, got -5"),
         (replace_line("timeout_ms: 2500", "timeout_ms: 0"), r"timeout_ms must be a positive integer, got 0"),
         (replace_line("timeout_ms: 2500", "timeout_ms: 2.5"), r"timeout_ms must be a positive integer, got 2\.5"),
-        (replace_line("interpolation: constant", "interpolation: clok"),
-         r"interpolation must be one of constant, clock, loss, got 'clok'; did you mean 'clock'\?"),
+        (
+            replace_line("interpolation: constant", "interpolation: clok"),
+            r"interpolation must be one of constant, clock, loss, got 'clok'; did you mean 'clock'\?",
+        ),
         (replace_line("{ value: 0.5 }", "{ value: 1.5 }"), r"constant\.value must be a number in \[0, 1\], got 1\.5"),
         (replace_line("{ value: 0.5 }", "{ valeu: 0.5 }"), r"unknown key constant\.'valeu'; did you mean 'value'\?"),
         (replace_line("- loss: 0", "- los: 0"), r"unknown key 'los'; did you mean 'loss'\?"),
         (replace_line("- loss: 0", "- timout_ms: 5"), r"unknown key 'timout_ms'; did you mean 'timeout_ms'\?"),
-        (replace_line("{name: w2, host: localhost, port: 45001}", "{name: w2, hots: localhost, port: 45001}"),
-         r"unknown key nodes\[1\]\.'hots'; did you mean 'host'\?"),
-        (replace_line("{name: w2, host: localhost, port: 45001}", "{name: w2, port: 45001}"),
-         r"nodes\[1\] is missing the key 'host'"),
-        (replace_line("divergence_threshold: 0.2", "divergence_threshold: -1"),
-         r"divergence_threshold must be a number >= 0, got -1"),
+        (
+            replace_line("{name: w2, host: localhost, port: 45001}", "{name: w2, hots: localhost, port: 45001}"),
+            r"unknown key nodes\[1\]\.'hots'; did you mean 'host'\?",
+        ),
+        (
+            replace_line("{name: w2, host: localhost, port: 45001}", "{name: w2, port: 45001}"),
+            r"nodes\[1\] is missing the key 'host'",
+        ),
+        (
+            replace_line("divergence_threshold: 0.2", "divergence_threshold: -1"),
+            r"divergence_threshold must be a number >= 0, got -1",
+        ),
         (replace_line("- clock: 0 ", "- clock: {speed: 2} "), r"clock interpolation takes no options"),
         (ORIGINAL + "- timeout_ms: 10\n", r"key 'timeout_ms' is given twice"),
         ("- nodes: []\n", r"'nodes' must be a non-empty list"),
@@ -198,14 +227,20 @@ def test_pointless_settings_are_reported():
 def test_every_setting_survives_a_round_trip_through_to_mapping(tmp_path):
     # run.sh --config rewrites the user's config into the run folder through to_mapping:
     # nothing may be lost on the way (keys, modes, dtypes).
-    text = ORIGINAL.replace("- loss: 0", "- loss: 0\n- mode: symmetric\n- blend: delta\n- wire_dtype: bfloat16\n"
-                            "- same_host: 'off'\n- max_peer_distance: 3.5")
+    text = ORIGINAL.replace(
+        "- loss: 0",
+        "- loss: 0\n- mode: symmetric\n- blend: delta\n- wire_dtype: bfloat16\n"
+        "- same_host: 'off'\n- max_peer_distance: 3.5",
+    )
     key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
-    text = text.replace("port: 45000}", f'port: 45000, bind: "*", public_key: "{key}", '
-                                         f"secret_key_file: keys/w1.key_secret}}")
+    text = text.replace(
+        "port: 45000}", f'port: 45000, bind: "*", public_key: "{key}", secret_key_file: keys/w1.key_secret}}'
+    )
     for name, port in (("w2", 45001), ("w3", 45002), ("w4", 45003)):
-        text = text.replace(f"{{name: {name}, host: localhost, port: {port}}}",
-                            f'{{name: {name}, host: localhost, port: {port}, public_key: "{key}"}}')
+        text = text.replace(
+            f"{{name: {name}, host: localhost, port: {port}}}",
+            f'{{name: {name}, host: localhost, port: {port}, public_key: "{key}"}}',
+        )
     config = parse_config(text, source=str(tmp_path / "c.yaml"))
     again = parse_config(config.to_mapping(), source=config.source)
     assert again == config
@@ -251,13 +286,23 @@ def test_a_torchrun_config_has_no_node_list_until_the_workers_meet(tmp_path):
     with pytest.raises(ConfigError, match="insecure cannot be used with nodes: torchrun"):
         parse_config({"nodes": "torchrun", "insecure": True})
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    with pytest.raises(ConfigError, match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set: start the workers "
-                                          r"with torchrun"):
+    with pytest.raises(
+        ConfigError,
+        match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set: start the workers "
+        r"with torchrun",
+    ):
         TorchrunEnv.from_environ(env, "samples/torchrun.yaml")
     with pytest.raises(ConfigError, match="RANK 3 of WORLD_SIZE 2"):
         TorchrunEnv.from_environ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
-    got = TorchrunEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500",
-                                    "TORCHELASTIC_RESTART_COUNT": "2"})
+    got = TorchrunEnv.from_environ(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "localhost",
+            "MASTER_PORT": "29500",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+        }
+    )
     assert (got.name, got.restart_count) == ("rank1", 2)
     assert advertised_address("auto", "127.0.0.1", 29500) == "127.0.0.1"
     assert advertised_address("lo", "127.0.0.1", 29500) == "127.0.0.1"

@@ -37,7 +37,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None,
     reason="Chromium is not installed, so the page is not tested in a browser: ./test.sh installs Debian's "
-           "chromium once when it runs as root with apt-get (scripts/ensure-chromium.sh); or apt-get install chromium",
+    "chromium once when it runs as root with apt-get (scripts/ensure-chromium.sh); or apt-get install chromium",
 )
 # Text that would run a script if the page wrote it as markup. No '/' in the first: it is also a folder name.
 HOSTILE_IMG = "<img src=x onerror=document.body.dataset.pwned=1>"
@@ -45,6 +45,7 @@ HOSTILE_SCRIPT = "<script>document.body.dataset.pwned=2</script>"
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def http(url: str, method: str = "GET", headers: dict | None = None) -> tuple[int, dict, bytes]:
     """(status, headers, body) of one request; HTTP errors are answers too."""
@@ -112,17 +113,30 @@ class DomRecorder(html.parser.HTMLParser):
             self.rows[self._row][self._field] += data
 
     def find(self, tag: str, **attrs: str) -> list[dict[str, str]]:
-        return [a for t, a in self.elements if t == tag and all(a.get(k.replace("_", "-")) == v
-                                                                  for k, v in attrs.items())]
+        return [
+            a for t, a in self.elements if t == tag and all(a.get(k.replace("_", "-")) == v for k, v in attrs.items())
+        ]
 
 
 def dump_dom(url: str, tmp_path: Path, budget_ms: int = 4000) -> DomRecorder:
     """The page's DOM after its scripts ran, from headless Chromium; parsed."""
     profile = tmp_path / f"chromium-{time.monotonic_ns()}"
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
-            "--dump-dom", url]
+    argv = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        f"--virtual-time-budget={budget_ms}",
+        "--dump-dom",
+        url,
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=90)
@@ -147,16 +161,26 @@ def assert_no_markup_ran(dom: DomRecorder) -> None:
 
 # --------------------------------------------------------------------------- the page's source
 
+
 def test_the_page_never_writes_data_as_markup():
     """The page builds its DOM with createElement and textContent only; no script from elsewhere."""
     page = PAGE.read_text()
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function",
-                 "src=\"http", "href=\"http"):
+    for sink in (
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+        "new Function",
+        'src="http',
+        'href="http',
+    ):
         assert sink not in page, sink
     assert page.count("<script") == 1 and '<script nonce="{{NONCE}}">' in page
 
 
 # --------------------------------------------------------------------------- files: bounded, checked
+
 
 def test_event_log_is_bounded_and_says_so(tmp_path):
     with EventLog(tmp_path, max_events=4) as log:
@@ -216,10 +240,15 @@ def test_run_watcher_keeps_only_what_checks_out(tmp_path):
     text = "".join(json.dumps(line) + "\n" for line in lines)
     (run_dir / "metrics" / "w1.jsonl").write_text(text.replace("1e+400", "1e400"))
     (run_dir / "events.jsonl").write_text(
-        json.dumps({"t": 103.5, "kind": "kill", "node": "w1", "pid": 42, "by": "chaos"}) + "\n"
-        + json.dumps({"t": 103.6, "kind": "kill", "node": HOSTILE_IMG, "pid": 43}) + "\n"
-        + json.dumps({"t": 103.7, "kind": "exit", "node": ["w1"], "code": "x"}) + "\n"
-        + json.dumps({"t": 103.8, "kind": {"a": 1}, "node": "w2"}) + "\n")
+        json.dumps({"t": 103.5, "kind": "kill", "node": "w1", "pid": 42, "by": "chaos"})
+        + "\n"
+        + json.dumps({"t": 103.6, "kind": "kill", "node": HOSTILE_IMG, "pid": 43})
+        + "\n"
+        + json.dumps({"t": 103.7, "kind": "exit", "node": ["w1"], "code": "x"})
+        + "\n"
+        + json.dumps({"t": 103.8, "kind": {"a": 1}, "node": "w2"})
+        + "\n"
+    )
     (run_dir / "logs" / "w1.log").write_text("".join(f"line {i}\n" for i in range(40)) + HOSTILE_SCRIPT + "\n")
     (run_dir / "summary.json").write_text('{"average": {"test_acc": NaN, "models": 2}}')
     board = EventBoard()
@@ -230,8 +259,11 @@ def test_run_watcher_keeps_only_what_checks_out(tmp_path):
     w1 = snap["nodes"]["w1"]
     assert w1["peers"] == {"w2": 3}  # the node itself and unknown names are dropped
     assert snap["curves"]["loss"]["nodes"]["w1"] == [(101.0, 2.0)]  # NaN and 1e400 are not points
-    assert snap["curves"]["eval"] == {"metric": "test_acc", "nodes": {"w1": [(104.0, 0.5)], "w2": []},
-                                      "average": [[104.0, 0.5]]}
+    assert snap["curves"]["eval"] == {
+        "metric": "test_acc",
+        "nodes": {"w1": [(104.0, 0.5)], "w2": []},
+        "average": [[104.0, 0.5]],
+    }
     assert w1["log"][-1] == HOSTILE_SCRIPT and len(w1["log"]) == 12
     assert snap["summary"]["test_acc"] is None and snap["summary"]["models"] == 2
     events = board.snapshot()
@@ -243,6 +275,7 @@ def test_run_watcher_keeps_only_what_checks_out(tmp_path):
 
 
 # --------------------------------------------------------------------------- the server
+
 
 def test_state_never_waits_for_an_unreachable_node(tmp_path, nodes):
     """w1 runs, w2 never started: every GET answers at once, and w2 shows as unreachable with the reason."""
@@ -306,9 +339,13 @@ def test_arguments_are_checked(tmp_path):
 @pytest.mark.slow
 def test_python_m_dpwa_dashboard_prints_its_url_and_ctrl_c_stops_it(tmp_path):
     run_dir = write_run(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "dpwa", "dashboard", str(run_dir), "--allow-kill"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpwa", "dashboard", str(run_dir), "--allow-kill"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     try:
         first = proc.stdout.readline()
         assert first.startswith("dpwa dashboard: http://127.0.0.1:") and "/?token=" in first, first
@@ -329,6 +366,7 @@ def test_python_m_dpwa_dashboard_prints_its_url_and_ctrl_c_stops_it(tmp_path):
 
 
 # --------------------------------------------------------------------------- the kill button
+
 
 @pytest.fixture
 def sleepers(tmp_path):
@@ -376,8 +414,10 @@ def test_the_kill_button_refuses_everything_else(sleepers):
 
             token = board.token
             assert refused("?node=w1") == (403, "no token: open the URL the dashboard printed (it ends in ?token=...)")
-            assert refused("?node=w1&token=" + "x" * len(token)) == (403, "wrong token: open the URL the dashboard "
-                                                                           "printed")
+            assert refused("?node=w1&token=" + "x" * len(token)) == (
+                403,
+                "wrong token: open the URL the dashboard printed",
+            )
             assert refused(f"?node=w1&token={token}", method="GET")[0] == 405
             assert refused(f"?node=w1&token={token}", Origin="http://evil.example")[0] == 403
             assert refused(f"?node=w1&token={token}", Host=f"evil.example:{board.port}")[0] == 403
@@ -400,6 +440,7 @@ def test_the_kill_button_refuses_everything_else(sleepers):
 
 # --------------------------------------------------------------------------- in a real browser
 
+
 @needs_chromium
 @pytest.mark.timeout(120)
 def test_the_page_shows_hostile_names_and_text_as_text(tmp_path):
@@ -410,17 +451,37 @@ def test_the_page_shows_hostile_names_and_text_as_text(tmp_path):
         state.update(
             nodes=[HOSTILE_SCRIPT, "w2"],
             local=[HOSTILE_SCRIPT, "w2"],
-            status={"asked_at": time.time(), "asked_as": "w2", "error": None, "rows": [
-                {"name": HOSTILE_SCRIPT, "state": "unreachable", "reason": HOSTILE_IMG},
-                {"name": "w2", "state": "training", "epoch": 1, "clock": 5.0, "loss": 0.5, "exchanges_per_s": 2.0,
-                 "averaged": 3, "failures": 0, "bytes_in": 4000, "bytes_out": 4000, "served": 3, "pending": 0,
-                 "uptime_s": 9.0, "barriers": {},
-                 "peers": {HOSTILE_SCRIPT: {"score": 1.0, "failures": 0, "latency_s": 0.01, "averaged": 3}}},
-            ]},
+            status={
+                "asked_at": time.time(),
+                "asked_as": "w2",
+                "error": None,
+                "rows": [
+                    {"name": HOSTILE_SCRIPT, "state": "unreachable", "reason": HOSTILE_IMG},
+                    {
+                        "name": "w2",
+                        "state": "training",
+                        "epoch": 1,
+                        "clock": 5.0,
+                        "loss": 0.5,
+                        "exchanges_per_s": 2.0,
+                        "averaged": 3,
+                        "failures": 0,
+                        "bytes_in": 4000,
+                        "bytes_out": 4000,
+                        "served": 3,
+                        "pending": 0,
+                        "uptime_s": 9.0,
+                        "barriers": {},
+                        "peers": {HOSTILE_SCRIPT: {"score": 1.0, "failures": 0, "latency_s": 0.01, "averaged": 3}},
+                    },
+                ],
+            },
             events=[{"t": time.time(), "kind": "kill", "node": HOSTILE_SCRIPT, "text": HOSTILE_IMG}],
         )
-        state["run"]["nodes"] = {HOSTILE_SCRIPT: {"state": "training", "log": [HOSTILE_IMG], "peers": {"w2": 2}},
-                                 "w2": {"state": "training", "log": [], "peers": {}}}
+        state["run"]["nodes"] = {
+            HOSTILE_SCRIPT: {"state": "training", "log": [HOSTILE_IMG], "peers": {"w2": 2}},
+            "w2": {"state": "training", "log": [], "peers": {}},
+        }
         state["run"]["curves"]["loss"]["nodes"] = {HOSTILE_SCRIPT: [[time.time() - 5, 2.0], [time.time(), 1.0]]}
         board.state = lambda: state  # type: ignore[method-assign]  # what /api/state serves from now on
         dom = dump_dom(board.url, tmp_path)
@@ -453,9 +514,25 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
     from test_lifecycle import Foreground
 
     runs = tmp_path / HOSTILE_IMG / "runs"
-    run = Foreground(runs, "--nodes", "3", "--epochs", "300", "--dashboard", "--allow-kill", "--chaos", "2",
-                     "--chaos-seed", "1", "--restarts", "1", "--print-every", "5")
+    run = Foreground(
+        runs,
+        "--nodes",
+        "3",
+        "--epochs",
+        "300",
+        "--dashboard",
+        "--allow-kill",
+        "--chaos",
+        "2",
+        "--chaos-seed",
+        "1",
+        "--restarts",
+        "1",
+        "--print-every",
+        "5",
+    )
     try:
+
         def url() -> str | None:
             lines = [line for line in list(run.out) if line.startswith("dpwa: dashboard: http://")]
             return lines[0].split()[2] if lines else None
@@ -468,9 +545,12 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
 
         def chaos_done() -> bool:  # each node killed once (restarts 1: no more kills) and back to training
             kills = [json.loads(line) for line in events.read_text().splitlines() if '"kill"' in line]
-            rejoined = [n for n in ("w1", "w2", "w3") if
-                        sum(r["kind"] == "start" for r in metrics(run_dir, n)) == 2 and
-                        metrics(run_dir, n)[-1]["kind"] in ("step", "eval", "barrier", "checkpoint")]
+            rejoined = [
+                n
+                for n in ("w1", "w2", "w3")
+                if sum(r["kind"] == "start" for r in metrics(run_dir, n)) == 2
+                and metrics(run_dir, n)[-1]["kind"] in ("step", "eval", "barrier", "checkpoint")
+            ]
             return len(kills) == 3 and len(rejoined) == 3
 
         assert wait_until(chaos_done, 150, interval_s=0.5), "".join(run.out)

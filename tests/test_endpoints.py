@@ -34,8 +34,9 @@ def files(endpoint: str) -> list[str]:
 
 
 def holder(endpoint: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
 

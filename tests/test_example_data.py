@@ -25,6 +25,7 @@ from conftest import make_config, wait_until  # noqa: E402
 
 # --------------------------------------------------------------------------- CIFAR-10 python batches
 
+
 def test_cifar_loader_reads_every_pixel_and_label_in_place(tmp_path):
     folder = write_cifar_dir(tmp_path, per_batch=4, test=3)
     assert datasets.cifar_is_prepared(folder)
@@ -67,6 +68,7 @@ def test_cifar_errors_name_the_file_and_the_fix(tmp_path):
 
 # --------------------------------------------------------------------------- digits
 
+
 def test_digits_split_is_fixed_and_holds_every_row_once():
     first, second = datasets.load_digits(), datasets.load_digits()
     assert first.train_x.shape == (1437, 1, 8, 8) and first.test_x.shape == (360, 1, 8, 8)
@@ -80,9 +82,18 @@ def test_digits_split_is_fixed_and_holds_every_row_once():
 
 def test_shards_are_disjoint_and_cover_the_training_set():
     n = 250
-    base = datasets.Dataset("numbers", torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1), torch.arange(n),
-                            torch.zeros(1, 1, 1, 1, dtype=torch.uint8), torch.zeros(1, dtype=torch.long),
-                            scale=1.0, mean=(0.0,), std=(1.0,), crop_padding=0, flip=False)
+    base = datasets.Dataset(
+        "numbers",
+        torch.arange(n, dtype=torch.uint8).view(n, 1, 1, 1),
+        torch.arange(n),
+        torch.zeros(1, 1, 1, 1, dtype=torch.uint8),
+        torch.zeros(1, dtype=torch.long),
+        scale=1.0,
+        mean=(0.0,),
+        std=(1.0,),
+        crop_padding=0,
+        flip=False,
+    )
     parts = [set(base.shard(i, 3, seed=5).train_y.tolist()) for i in range(3)]
     assert sorted(len(p) for p in parts) == [83, 83, 84]
     assert set.union(*parts) == set(range(n)) and sum(map(len, parts)) == n
@@ -95,6 +106,7 @@ def test_shards_are_disjoint_and_cover_the_training_set():
 
 # --------------------------------------------------------------------------- augmentation and batches
 
+
 def test_random_crop_is_a_window_of_the_zero_padded_image():
     g = torch.Generator().manual_seed(1)
     x = torch.arange(1, 1 + 8 * 2 * 5 * 5, dtype=torch.float32).view(8, 2, 5, 5)
@@ -102,8 +114,12 @@ def test_random_crop_is_a_window_of_the_zero_padded_image():
     padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
     offsets = set()
     for i in range(8):
-        matches = [(dy, dx) for dy in range(5) for dx in range(5)
-                   if torch.equal(out[i], padded[i, :, dy:dy + 5, dx:dx + 5])]
+        matches = [
+            (dy, dx)
+            for dy in range(5)
+            for dx in range(5)
+            if torch.equal(out[i], padded[i, :, dy : dy + 5, dx : dx + 5])
+        ]
         assert len(matches) == 1, f"image {i} is not a crop"
         offsets.add(matches[0])
     assert len(offsets) > 1  # the offsets vary between images
@@ -130,6 +146,7 @@ def test_training_batches_are_full_and_test_batches_cover_everything():
 
 
 # --------------------------------------------------------------------------- models and evaluation
+
 
 @pytest.mark.parametrize("name", models.MODELS)
 @pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32)])
@@ -177,6 +194,7 @@ def test_average_of_checkpoints_is_the_arithmetic_mean(tmp_path):
 
 # --------------------------------------------------------------------------- train.py on CIFAR-format files
 
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_train_py_runs_on_cifar_files_and_writes_metrics_and_weights(tmp_path):
@@ -186,9 +204,32 @@ def test_train_py_runs_on_cifar_files_and_writes_metrics_and_weights(tmp_path):
     config = tmp_path / "one.json"
     config.write_text(json.dumps(make_config(1)))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--config", str(config), "--name", "w0", "--data", "cifar10",
-           "--data-dir", str(folder), "--model", "resnet18", "--epochs", "2", "--batch-size", "4",
-           "--run-dir", str(run_dir), "--log-every", "1", "--linger-s", "0", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE / "train.py"),
+        "--config",
+        str(config),
+        "--name",
+        "w0",
+        "--data",
+        "cifar10",
+        "--data-dir",
+        str(folder),
+        "--model",
+        "resnet18",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--run-dir",
+        str(run_dir),
+        "--log-every",
+        "1",
+        "--linger-s",
+        "0",
+        "--device",
+        "cpu",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -221,9 +262,26 @@ def test_train_py_stopped_while_waiting_at_a_barrier_saves_its_state_and_exits_a
     config = tmp_path / "two.json"
     config.write_text(json.dumps(make_config(2)))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--config", str(config), "--name", "w0", "--data", "digits",
-           "--epochs", "2", "--run-dir", str(run_dir), "--linger-s", "0", "--device", "cpu",
-           "--barrier-timeout-s", "300"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE / "train.py"),
+        "--config",
+        str(config),
+        "--name",
+        "w0",
+        "--data",
+        "digits",
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--linger-s",
+        "0",
+        "--device",
+        "cpu",
+        "--barrier-timeout-s",
+        "300",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -245,6 +303,7 @@ def test_train_py_stopped_while_waiting_at_a_barrier_saves_its_state_and_exits_a
 
 
 # --------------------------------------------------------------------------- many nodes: schedule.py
+
 
 def test_the_learning_rate_grows_with_the_nodes_after_a_warm_up():
     import schedule as training_schedule
@@ -271,9 +330,11 @@ def test_too_few_steps_for_the_epochs_asked_are_named(capsys):
     import schedule as training_schedule
 
     warning = training_schedule.few_steps_warning("digits", 8, 179, 32, 5, 5)
-    assert warning == ("5 epochs of 5 steps (a shard of 179 digits images in batches of 32, 8 nodes) give each "
-                       "node 25 steps, and digits needs at least 100 to train well: expect a low accuracy. Give "
-                       "--epochs 20 or more, leave --epochs out, or use fewer nodes")
+    assert warning == (
+        "5 epochs of 5 steps (a shard of 179 digits images in batches of 32, 8 nodes) give each "
+        "node 25 steps, and digits needs at least 100 to train well: expect a low accuracy. Give "
+        "--epochs 20 or more, leave --epochs out, or use fewer nodes"
+    )
     assert training_schedule.few_steps_warning("digits", 8, 179, 32, 5, 20) is None
     assert training_schedule.few_steps_warning("cifar10", 8, 6250, 128, 48, 1) is None
     cluster.warn_few_steps(cluster.parse_args(["--nodes", "8", "--epochs", "5"]), "digits", 8)
@@ -295,8 +356,11 @@ def test_resume_changes_only_the_epochs_and_only_upwards_of_what_was_trained(tmp
     assert cluster.with_epochs(tmp_path, spec, command, 4, 10) == ["py", "train.py", "--resume", "--epochs", "10"]
     assert cluster.with_epochs(tmp_path, spec, command, 4, 5)[-2:] == ["--epochs", "5"]  # fewer than 6, more than 4
     assert "the run trains 5 epochs in all (it was started with 6)" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"has trained 4 epochs; --epochs 4 must be more than that to train on "
-                                         r"\(leave --epochs out to train to 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"has trained 4 epochs; --epochs 4 must be more than that to train on "
+        r"\(leave --epochs out to train to 6\)",
+    ):
         cluster.with_epochs(tmp_path, spec, command, 4, 4)
     default = LaunchSpec(run_dir=str(tmp_path), config=make_config(2), command=["py", "train.py", "--resume"])
     with pytest.raises(ValueError, match="to train to its default"):
@@ -304,6 +368,7 @@ def test_resume_changes_only_the_epochs_and_only_upwards_of_what_was_trained(tmp
 
 
 # --------------------------------------------------------------------------- train.py and evaluate.py on charlm
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
@@ -315,9 +380,34 @@ def test_train_py_trains_charlm_on_a_text_file_and_evaluate_and_plot_read_it(tmp
     config = tmp_path / "one.json"
     config.write_text(json.dumps(make_config(1)))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, str(EXAMPLE / "train.py"), "--config", str(config), "--name", "w0", "--workload", "charlm",
-           "--data", f"text:{text}", "--model", "tiny", "--epochs", "2", "--steps-per-epoch", "3", "--batch-size", "4",
-           "--run-dir", str(run_dir), "--log-every", "1", "--linger-s", "0", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLE / "train.py"),
+        "--config",
+        str(config),
+        "--name",
+        "w0",
+        "--workload",
+        "charlm",
+        "--data",
+        f"text:{text}",
+        "--model",
+        "tiny",
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "3",
+        "--batch-size",
+        "4",
+        "--run-dir",
+        str(run_dir),
+        "--log-every",
+        "1",
+        "--linger-s",
+        "0",
+        "--device",
+        "cpu",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -329,8 +419,13 @@ def test_train_py_trains_charlm_on_a_text_file_and_evaluate_and_plot_read_it(tmp
         assert e["test_loss"] == e["val_loss"] > 0 and e["bits_per_char"] == pytest.approx(e["val_loss"] / np.log(2))
     assert lines[-1]["reason"] == "done"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{EXAMPLE}")
-    average = subprocess.run([sys.executable, str(EXAMPLE / "evaluate.py"), str(run_dir)], capture_output=True,
-                             text=True, timeout=60, env=env)
+    average = subprocess.run(
+        [sys.executable, str(EXAMPLE / "evaluate.py"), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert average.returncode == 0, average.stderr
     result = json.loads(average.stdout.strip().splitlines()[-1])
     assert result["data"] == f"text:{text}" and result["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-4)

@@ -138,19 +138,39 @@ class RequestFuzzer:
         self.followups: list[Case] = []
         self.families = Counter()
         families = [
-            (self.valid_fetch, 6), (self.wrong_version, 3), (self.unknown_kind, 3), (self.reply_kind, 3),
-            (self.oversized_header, 2), (self.schema_violation, 8), (self.wrong_model, 4), (self.unknown_sender, 3),
-            (self.extra_frames, 3), (self.no_envelope, 2), (self.random_bytes, 4), (self.random_msgpack, 4),
-            (self.truncated, 4), (self.extended, 3), (self.bit_flips, 8), (self.field_replaced, 6),
+            (self.valid_fetch, 6),
+            (self.wrong_version, 3),
+            (self.unknown_kind, 3),
+            (self.reply_kind, 3),
+            (self.oversized_header, 2),
+            (self.schema_violation, 8),
+            (self.wrong_model, 4),
+            (self.unknown_sender, 3),
+            (self.extra_frames, 3),
+            (self.no_envelope, 2),
+            (self.random_bytes, 4),
+            (self.random_msgpack, 4),
+            (self.truncated, 4),
+            (self.extended, 3),
+            (self.bit_flips, 8),
+            (self.field_replaced, 6),
             (self.field_missing_or_extra, 4),
         ]
         if symmetric:
             families += [
-                (self.valid_exchange, 4), (self.exchange_out_of_range, 6), (self.exchange_size_lies, 3),
-                (self.exchange_payload_frames, 3), (self.exchange_payload_too_large, 2),
-                (self.exchange_payload_short, 2), (self.exchange_not_finite, 3), (self.exchange_wrong_model, 3),
-                (self.confirm_random_xid, 3), (self.confirm_bad_xid, 3), (self.confirm_foreign_xid, 3),
-                (self.confirm_again, 3), (self.confirm_extra_frame, 2),
+                (self.valid_exchange, 4),
+                (self.exchange_out_of_range, 6),
+                (self.exchange_size_lies, 3),
+                (self.exchange_payload_frames, 3),
+                (self.exchange_payload_too_large, 2),
+                (self.exchange_payload_short, 2),
+                (self.exchange_not_finite, 3),
+                (self.exchange_wrong_model, 3),
+                (self.confirm_random_xid, 3),
+                (self.confirm_bad_xid, 3),
+                (self.confirm_foreign_xid, 3),
+                (self.confirm_again, 3),
+                (self.confirm_extra_frame, 2),
             ]
         self._makers = [m for m, _ in families]
         self._weights = [w for _, w in families]
@@ -183,8 +203,14 @@ class RequestFuzzer:
     def exchange_fields(self, sender: str) -> dict:
         loss = self.rng.choice([None, 0.0, 1.5, -3.0, MAX_LOSS])
         clock = self.rng.choice([0.0, 1.0, 12345.5, MAX_CLOCK])
-        fields = {"from": sender, "fp": self.fp, "dtype": "float32", "nbytes": self.nbytes, "clock": clock,
-                  "loss": loss}
+        fields = {
+            "from": sender,
+            "fp": self.fp,
+            "dtype": "float32",
+            "nbytes": self.nbytes,
+            "clock": clock,
+            "loss": loss,
+        }
         if self.rng.random() < 0.3:
             fields["shm"] = True  # answered through shared memory by a same-host node
         return fields
@@ -221,8 +247,9 @@ class RequestFuzzer:
     def unknown_kind(self) -> Case:
         _, fields, payload = self.base()
         kind = self.rng.choice(["push", "Fetch", "", "fetch\x00", "exec", 7, None, b"fetch", ["fetch"]])
-        return self.req("unknown kind", packed({"v": PROTOCOL_VERSION, "kind": kind, "id": 1, **fields}), payload,
-                        error("bad_kind"))
+        return self.req(
+            "unknown kind", packed({"v": PROTOCOL_VERSION, "kind": kind, "id": 1, **fields}), payload, error("bad_kind")
+        )
 
     def reply_kind(self) -> Case:
         """A kind that exists but is not a request this node serves (replies; the symmetric kinds on a pull node)."""
@@ -251,15 +278,21 @@ class RequestFuzzer:
             bad = {"from": ["", "w 1", "x" * 65, 5, None, b"w1"], "xid": [0, -1, 1.0, "1", None, [1], True]}
         else:
             kind, fields = "fetch", self.fetch_fields(sender)
-            bad = {"from": ["", "w 1", "w1/..", "x" * 65, 5, None, b"w1"],
-                   "fp": [b"\x00" * 15, b"\x00" * 17, "x" * 16, None],
-                   "dtype": ["int8", "float64", "", None, 32], "shm": [1, 0, "yes", None]}
+            bad = {
+                "from": ["", "w 1", "w1/..", "x" * 65, 5, None, b"w1"],
+                "fp": [b"\x00" * 15, b"\x00" * 17, "x" * 16, None],
+                "dtype": ["int8", "float64", "", None, 32],
+                "shm": [1, 0, "yes", None],
+            }
         key = self.rng.choice(list(bad))
         fields[key] = self.rng.choice(bad[key])
         if self.rng.random() < 0.25:  # the id instead
-            return self.req("field out of its schema", packed({"v": PROTOCOL_VERSION, "kind": kind,
-                                                               "id": self.rng.choice([-1, 1.5, "7", None]), **fields}),
-                            (), error("bad_header"))
+            return self.req(
+                "field out of its schema",
+                packed({"v": PROTOCOL_VERSION, "kind": kind, "id": self.rng.choice([-1, 1.5, "7", None]), **fields}),
+                (),
+                error("bad_header"),
+            )
         return self.req("field out of its schema", self.header(kind, rid, **fields), (), error("bad_header"))
 
     def wrong_model(self) -> Case:
@@ -271,15 +304,21 @@ class RequestFuzzer:
         else:
             fields["dtype"] = self.rng.choice(["float16", "bfloat16"])
             reason = "bad_dtype"
-        return self.req("wrong fingerprint or dtype", self.header("fetch", rid, **fields), (),
-                        error(reason, busy=True), request_id=rid)
+        return self.req(
+            "wrong fingerprint or dtype",
+            self.header("fetch", rid, **fields),
+            (),
+            error(reason, busy=True),
+            request_id=rid,
+        )
 
     def unknown_sender(self) -> Case:
         kind, fields, payload = self.base()
         fields["from"] = self.rng.choice(["intruder", "w3", "W1", "w01", "node-1"])
         rid = self.rid()
-        return self.req("sender not in the config", self.header(kind, rid, **fields), payload, error("bad_identity"),
-                        request_id=rid)
+        return self.req(
+            "sender not in the config", self.header(kind, rid, **fields), payload, error("bad_identity"), request_id=rid
+        )
 
     def extra_frames(self) -> Case:
         rid, sender = self.rid(), self.sender()
@@ -343,24 +382,53 @@ class RequestFuzzer:
 
     def exchange(self, family, fields, payload, expect, **kw) -> Case:
         rid = self.rid()
-        return self.req(family, self.header("exchange", rid, **fields), payload, expect, request_id=rid,
-                        shm=fields.get("shm") is True, **kw)
+        return self.req(
+            family,
+            self.header("exchange", rid, **fields),
+            payload,
+            expect,
+            request_id=rid,
+            shm=fields.get("shm") is True,
+            **kw,
+        )
 
     def valid_exchange(self) -> Case:
         sender = self.sender()
         fields = self.exchange_fields(sender)
-        return self.exchange("valid exchange (own snapshot)", fields, [self.snapshot],
-                             Expect("exchange", may_be_busy=True), sender=sender)
+        return self.exchange(
+            "valid exchange (own snapshot)",
+            fields,
+            [self.snapshot],
+            Expect("exchange", may_be_busy=True),
+            sender=sender,
+        )
 
     def exchange_out_of_range(self) -> Case:
         fields = self.exchange_fields(self.sender())
-        key, value = self.rng.choice([
-            ("clock", -1.0), ("clock", -1e-300), ("clock", MAX_CLOCK * 1.0001), ("clock", 1e300), ("clock", math.nan),
-            ("clock", math.inf), ("clock", -math.inf), ("clock", "1"), ("clock", None),
-            ("loss", math.nan), ("loss", math.inf), ("loss", -math.inf), ("loss", MAX_LOSS * 10), ("loss", "low"),
-            ("nbytes", -1), ("nbytes", (1 << 40) + 1), ("nbytes", 8192.0), ("nbytes", None),
-            ("from", "x" * 65), ("dtype", "float64"),
-        ])
+        key, value = self.rng.choice(
+            [
+                ("clock", -1.0),
+                ("clock", -1e-300),
+                ("clock", MAX_CLOCK * 1.0001),
+                ("clock", 1e300),
+                ("clock", math.nan),
+                ("clock", math.inf),
+                ("clock", -math.inf),
+                ("clock", "1"),
+                ("clock", None),
+                ("loss", math.nan),
+                ("loss", math.inf),
+                ("loss", -math.inf),
+                ("loss", MAX_LOSS * 10),
+                ("loss", "low"),
+                ("nbytes", -1),
+                ("nbytes", (1 << 40) + 1),
+                ("nbytes", 8192.0),
+                ("nbytes", None),
+                ("from", "x" * 65),
+                ("dtype", "float64"),
+            ]
+        )
         fields[key] = value
         return self.exchange("exchange field out of range", fields, [self.snapshot], error("bad_header"))
 
@@ -388,8 +456,12 @@ class RequestFuzzer:
         values = np.frombuffer(self.snapshot, np.float32).copy()
         for _ in range(self.rng.randrange(1, 4)):
             values[self.rng.randrange(SIZE)] = self.rng.choice([np.nan, np.inf, -np.inf, 2 * MAX_VALUE, -2 * MAX_VALUE])
-        return self.exchange("exchange NaN, Inf or huge values", self.exchange_fields(self.sender()),
-                             [values.tobytes()], error("not_finite", busy=True))
+        return self.exchange(
+            "exchange NaN, Inf or huge values",
+            self.exchange_fields(self.sender()),
+            [values.tobytes()],
+            error("not_finite", busy=True),
+        )
 
     def exchange_wrong_model(self) -> Case:
         fields = self.exchange_fields(self.sender())
@@ -401,8 +473,15 @@ class RequestFuzzer:
 
     def confirm(self, family, sender, xid, expect, extra=()) -> Case:
         rid = self.rid()
-        return self.req(family, self.header("confirm", rid, **{"from": sender}, xid=xid), extra, expect,
-                        request_id=rid, sender=sender, xid=xid)
+        return self.req(
+            family,
+            self.header("confirm", rid, **{"from": sender}, xid=xid),
+            extra,
+            expect,
+            request_id=rid,
+            sender=sender,
+            xid=xid,
+        )
 
     def remembered(self, sender: str, xid: int) -> str:
         return self.decided.get(sender, {}).get(xid, "unknown")
@@ -423,8 +502,9 @@ class RequestFuzzer:
             return self.confirm_random_xid()
         xid = self.rng.choice(list(self.given))
         sender = self.rng.choice([n for n in NAMES if n != self.given[xid]])
-        return self.confirm("confirm of another sender's xid", sender, xid,
-                            Expect("decision", outcome=self.remembered(sender, xid)))
+        return self.confirm(
+            "confirm of another sender's xid", sender, xid, Expect("decision", outcome=self.remembered(sender, xid))
+        )
 
     def confirm_again(self) -> Case:
         """A repeated confirm: answered with the remembered decision (the last 64 per sender), else unknown."""
@@ -432,12 +512,18 @@ class RequestFuzzer:
             return self.confirm_random_xid()
         xid = self.rng.choice(list(self.given))
         sender = self.given[xid]
-        return self.confirm("repeated confirm of an own xid", sender, xid,
-                            Expect("decision", outcome=self.remembered(sender, xid)))
+        return self.confirm(
+            "repeated confirm of an own xid", sender, xid, Expect("decision", outcome=self.remembered(sender, xid))
+        )
 
     def confirm_extra_frame(self) -> Case:
-        return self.confirm("confirm with a payload frame", self.sender(), self.rng.randrange(1, MAX_ID),
-                            error("bad_frames"), extra=[b"\x00" * self.rng.randrange(0, 64)])
+        return self.confirm(
+            "confirm with a payload frame",
+            self.sender(),
+            self.rng.randrange(1, MAX_ID),
+            error("bad_frames"),
+            extra=[b"\x00" * self.rng.randrange(0, 64)],
+        )
 
     # ----------------------------------------------------------------- the server's side of an exchange
 
@@ -623,6 +709,7 @@ def test_ten_thousand_requests_get_the_answer_the_protocol_prescribes(nodes, tmp
                 dealer.close(linger=0)
                 dealer = open_dealer(ctx, endpoint)
         dealer.close(linger=0)
+
         # Every request is counted exactly once (the silent ones too).
         def counted() -> int:
             return sum(node.stats()[k] for k in ("requests_served", "requests_rejected", "requests_refused"))
@@ -669,22 +756,38 @@ def test_ten_thousand_requests_get_the_answer_the_protocol_prescribes(nodes, tmp
     expected_mine = original / 2 if mode == "symmetric" else original  # the server moves only in symmetric mode
     assert np.array_equal(mine, expected_mine)
 
-    report = {"mode": mode, "transport": transport, "requests": sent, "by_family": dict(fuzzer.families),
-              "answers": dict(tally.answers), "dropped": dict(tally.dropped), "busy_lag": tally.busy_lag,
-              "exchanges_served": len(fuzzer.given)}
+    report = {
+        "mode": mode,
+        "transport": transport,
+        "requests": sent,
+        "by_family": dict(fuzzer.families),
+        "answers": dict(tally.answers),
+        "dropped": dict(tally.dropped),
+        "busy_lag": tally.busy_lag,
+        "exchanges_served": len(fuzzer.given),
+    }
     (tmp_path / "fuzz-requests.json").write_text(json.dumps(report, indent=1))
     print(f"\n{table(f'fuzz requests ({mode}, {transport}): by mutation', dict(fuzzer.families))}")
     print(table("  answered", dict(tally.answers)))
-    print(f"  replies dropped by the node: {sum(tally.dropped.values())} {dict(tally.dropped)}; busy (tracker lag): "
-          f"{tally.busy_lag}; exchanges served and committed: {len(fuzzer.given)}")
+    print(
+        f"  replies dropped by the node: {sum(tally.dropped.values())} {dict(tally.dropped)}; busy (tracker lag): "
+        f"{tally.busy_lag}; exchanges served and committed: {len(fuzzer.given)}"
+    )
 
 
 # --------------------------------------------------------------------------- the reply side
 
 
 def snapshot_fields(model_fp: bytes, **overrides) -> dict:
-    fields = {"from": "w1", "fp": model_fp, "dtype": "float32", "nbytes": SIZE * 4, "clock": 1.0, "loss": None,
-              "version": 1}
+    fields = {
+        "from": "w1",
+        "fp": model_fp,
+        "dtype": "float32",
+        "nbytes": SIZE * 4,
+        "clock": 1.0,
+        "loss": None,
+        "version": 1,
+    }
     fields.update(overrides)
     return fields
 
@@ -716,48 +819,116 @@ def bad_snapshot_replies(rng: random.Random, fp: bytes, good: bytes):
         return [params(request, pad="x" * (MAX_HEADER_BYTES + rng.randrange(1, 200) - len(header))), good]
 
     return [
-        ("NaN or Inf in the parameters", "rejected", "not_finite",
-         lambda r: [params(r), values(np.nan, np.inf, -np.inf)]),
-        ("values beyond MAX_VALUE", "rejected", "not_finite",
-         lambda r: [params(r), values(2 * MAX_VALUE, -2 * MAX_VALUE)]),
+        (
+            "NaN or Inf in the parameters",
+            "rejected",
+            "not_finite",
+            lambda r: [params(r), values(np.nan, np.inf, -np.inf)],
+        ),
+        (
+            "values beyond MAX_VALUE",
+            "rejected",
+            "not_finite",
+            lambda r: [params(r), values(2 * MAX_VALUE, -2 * MAX_VALUE)],
+        ),
         ("header bit flips", "rejected", None, lambda r: [flipped(params(r, fp=b"\x00" * 16)), good]),
         ("wrong fingerprint", "rejected", "bad_fingerprint", lambda r: [params(r, fp=rng.randbytes(16)), good]),
-        ("wrong dtype", "rejected", "bad_dtype",
-         lambda r: [params(r, dtype=rng.choice(["float16", "bfloat16"])), good]),
-        ("dtype not a wire dtype", "rejected", "bad_header",
-         lambda r: [params(r, dtype=rng.choice(["int8", "", 4])), good]),
-        ("byte count lies", "rejected", "bad_size",
-         lambda r: [params(r, nbytes=rng.choice([0, SIZE * 4 - 4, SIZE * 4 + 4, 1 << 40])), good]),
-        ("byte count out of range", "rejected", "bad_header",
-         lambda r: [params(r, nbytes=rng.choice([-1, (1 << 40) + 1, 8192.0, "8192"])), good]),
-        ("payload truncated or extended", "rejected", "bad_size",
-         lambda r: [params(r), good[: rng.randrange(SIZE * 4)] if rng.random() < 0.5 else good + b"\x00" * 4]),
+        (
+            "wrong dtype",
+            "rejected",
+            "bad_dtype",
+            lambda r: [params(r, dtype=rng.choice(["float16", "bfloat16"])), good],
+        ),
+        (
+            "dtype not a wire dtype",
+            "rejected",
+            "bad_header",
+            lambda r: [params(r, dtype=rng.choice(["int8", "", 4])), good],
+        ),
+        (
+            "byte count lies",
+            "rejected",
+            "bad_size",
+            lambda r: [params(r, nbytes=rng.choice([0, SIZE * 4 - 4, SIZE * 4 + 4, 1 << 40])), good],
+        ),
+        (
+            "byte count out of range",
+            "rejected",
+            "bad_header",
+            lambda r: [params(r, nbytes=rng.choice([-1, (1 << 40) + 1, 8192.0, "8192"])), good],
+        ),
+        (
+            "payload truncated or extended",
+            "rejected",
+            "bad_size",
+            lambda r: [params(r), good[: rng.randrange(SIZE * 4)] if rng.random() < 0.5 else good + b"\x00" * 4],
+        ),
         ("payload frame missing", "rejected", "bad_reply", lambda r: [params(r)]),
         ("extra frame", "rejected", "bad_reply", lambda r: [params(r), good, rng.randbytes(8)]),
-        ("wrong request id", "rejected", "bad_id",
-         lambda r: [reply_header("params", (r.id + 1) % 2**64, **snapshot_fields(fp)), good]),
+        (
+            "wrong request id",
+            "rejected",
+            "bad_id",
+            lambda r: [reply_header("params", (r.id + 1) % 2**64, **snapshot_fields(fp)), good],
+        ),
         ("garbage header", "rejected", None, lambda r: [rng.randbytes(rng.randrange(1, 100)), good]),
-        ("unsolicited shared-memory slot", "rejected", "bad_reply",
-         lambda r: [reply_header("shm_params", r.id, **snapshot_fields(fp), shm_slot=0, shm_id="0123456789abcdef")]),
-        ("clock out of range", "rejected", "bad_header",
-         lambda r: [params(r, clock=rng.choice([-1.0, MAX_CLOCK * 2, math.nan, math.inf, -math.inf])), good]),
-        ("loss not finite or huge", "rejected", "bad_header",
-         lambda r: [params(r, loss=rng.choice([math.nan, math.inf, -math.inf, MAX_LOSS * 10])), good]),
+        (
+            "unsolicited shared-memory slot",
+            "rejected",
+            "bad_reply",
+            lambda r: [reply_header("shm_params", r.id, **snapshot_fields(fp), shm_slot=0, shm_id="0123456789abcdef")],
+        ),
+        (
+            "clock out of range",
+            "rejected",
+            "bad_header",
+            lambda r: [params(r, clock=rng.choice([-1.0, MAX_CLOCK * 2, math.nan, math.inf, -math.inf])), good],
+        ),
+        (
+            "loss not finite or huge",
+            "rejected",
+            "bad_header",
+            lambda r: [params(r, loss=rng.choice([math.nan, math.inf, -math.inf, MAX_LOSS * 10])), good],
+        ),
         ("snapshot version 0", "rejected", "bad_header", lambda r: [params(r, version=0), good]),
-        ("a request kind as the reply", "rejected", "unexpected_kind",
-         lambda r: [reply_header(rng.choice(["fetch", "exchange", "confirm", "decision"]), r.id,
-                                 **snapshot_fields(fp)), good]),
-        ("wrong protocol version", "rejected", "bad_version",
-         lambda r: [packed({"v": rng.choice([1, 3, None]), "kind": "params", "id": r.id, **snapshot_fields(fp)}),
-                    good]),
-        ("unknown kind", "rejected", "bad_kind",
-         lambda r: [reply_header("parameters", r.id, **snapshot_fields(fp)), good]),
+        (
+            "a request kind as the reply",
+            "rejected",
+            "unexpected_kind",
+            lambda r: [
+                reply_header(rng.choice(["fetch", "exchange", "confirm", "decision"]), r.id, **snapshot_fields(fp)),
+                good,
+            ],
+        ),
+        (
+            "wrong protocol version",
+            "rejected",
+            "bad_version",
+            lambda r: [
+                packed({"v": rng.choice([1, 3, None]), "kind": "params", "id": r.id, **snapshot_fields(fp)}),
+                good,
+            ],
+        ),
+        (
+            "unknown kind",
+            "rejected",
+            "bad_kind",
+            lambda r: [reply_header("parameters", r.id, **snapshot_fields(fp)), good],
+        ),
         ("oversized header", "rejected", "header_too_large", oversized),
         ("unexpected field", "rejected", "bad_header", lambda r: [params(r, extra=1), good]),
-        ("malformed error reply", "rejected", "bad_header",
-         lambda r: [reply_header("error", r.id, reason="no such reason!", detail="x")]),
-        ("a refusal", "refused", "not_ready",
-         lambda r: [reply_header("error", r.id, reason="not_ready", detail="later")]),
+        (
+            "malformed error reply",
+            "rejected",
+            "bad_header",
+            lambda r: [reply_header("error", r.id, reason="no such reason!", detail="x")],
+        ),
+        (
+            "a refusal",
+            "refused",
+            "not_ready",
+            lambda r: [reply_header("error", r.id, reason="not_ready", detail="later")],
+        ),
     ]
 
 
@@ -793,8 +964,10 @@ def test_a_thousand_bad_replies_are_never_applied(nodes, tmp_path):
             got = update.reason.split(":")[0]
             assert update.outcome == outcome and got == (reason or got), (i, name, update, fake.errors[:1])
             if reason is None:
-                assert got in DECODE_REASONS | {"bad_fingerprint", "bad_id", "bad_reply", "bad_dtype", "bad_size"}, \
-                    (name, got)
+                assert got in DECODE_REASONS | {"bad_fingerprint", "bad_id", "bad_reply", "bad_dtype", "bad_size"}, (
+                    name,
+                    got,
+                )
             outcomes[update.outcome] += 1
             reasons[got] += 1
             if i % 100 == 99:
@@ -818,8 +991,9 @@ def test_a_thousand_bad_replies_are_never_applied(nodes, tmp_path):
     assert np.array_equal(mine, original / 2)
 
     by_mutation = Counter(name for name, *_ in plan)
-    (tmp_path / "fuzz-replies.json").write_text(json.dumps({"by_mutation": by_mutation, "outcomes": outcomes,
-                                                            "reasons": reasons}, indent=1))
+    (tmp_path / "fuzz-replies.json").write_text(
+        json.dumps({"by_mutation": by_mutation, "outcomes": outcomes, "reasons": reasons}, indent=1)
+    )
     print(f"\n{table('fuzz replies (pull): by mutation', dict(by_mutation))}")
     print(table("  outcome reasons", dict(reasons)))
 
@@ -848,32 +1022,64 @@ def exchange_cases(rng: random.Random, fp: bytes, good: bytes):
     return [
         # the exchange's reply is bad: no confirm is sent, nothing is applied on either side
         ("reply without xid and f", "rejected:bad_reply", lambda r, x: [params(r, x, xid=DROP, f=DROP), good], None),
-        ("f above 1/2", "rejected:bad_header",
-         lambda r, x: [params(r, x, f=rng.choice([0.5000001, 0.75, 1.0, 2.0])), good], None),
-        ("f negative or not finite", "rejected:bad_header",
-         lambda r, x: [params(r, x, f=rng.choice([-0.1, math.nan, math.inf])), good], None),
-        ("f differs from ours", "rejected:bad_factor",
-         lambda r, x: [params(r, x, f=rng.choice([0.0, 0.25, 0.4999])), good], None),
+        (
+            "f above 1/2",
+            "rejected:bad_header",
+            lambda r, x: [params(r, x, f=rng.choice([0.5000001, 0.75, 1.0, 2.0])), good],
+            None,
+        ),
+        (
+            "f negative or not finite",
+            "rejected:bad_header",
+            lambda r, x: [params(r, x, f=rng.choice([-0.1, math.nan, math.inf])), good],
+            None,
+        ),
+        (
+            "f differs from ours",
+            "rejected:bad_factor",
+            lambda r, x: [params(r, x, f=rng.choice([0.0, 0.25, 0.4999])), good],
+            None,
+        ),
         ("xid 0 or negative", "rejected:bad_header", lambda r, x: [params(r, rng.choice([0, -1])), good], None),
         ("NaN, Inf or huge values", "rejected:not_finite", lambda r, x: [params(r, x), not_finite()], None),
-        ("wrong fingerprint", "rejected:bad_fingerprint",
-         lambda r, x: [params(r, x, fp=rng.randbytes(16)), good], None),
+        (
+            "wrong fingerprint",
+            "rejected:bad_fingerprint",
+            lambda r, x: [params(r, x, fp=rng.randbytes(16)), good],
+            None,
+        ),
         ("payload size lies", "rejected:bad_size", lambda r, x: [params(r, x), good[:-4]], None),
         ("a decision as the exchange reply", "rejected:unexpected_kind", lambda r, x: decision(r, x, "commit"), None),
-        ("refused", "refused:not_ready",
-         lambda r, x: [reply_header("error", r.id, reason="not_ready", detail="later")], None),
+        (
+            "refused",
+            "refused:not_ready",
+            lambda r, x: [reply_header("error", r.id, reason="not_ready", detail="later")],
+            None,
+        ),
         # the exchange's reply is fine, the decision is not a commit of it: nothing is applied
         ("decision abort", "refused:aborted", ok, lambda r, x: decision(r, x, "abort")),
         ("decision unknown", "refused:aborted", ok, lambda r, x: decision(r, x, "unknown")),
         ("commit of another xid", "in_doubt", ok, lambda r, x: decision(r, x ^ 1, "commit")),
-        ("decision outcome not in the schema", "in_doubt", ok,
-         lambda r, x: [reply_header("decision", r.id, xid=x, outcome=rng.choice(["COMMIT", "yes", 1, None]))]),
+        (
+            "decision outcome not in the schema",
+            "in_doubt",
+            ok,
+            lambda r, x: [reply_header("decision", r.id, xid=x, outcome=rng.choice(["COMMIT", "yes", 1, None]))],
+        ),
         ("decision with a payload frame", "in_doubt", ok, lambda r, x: decision(r, x, "commit") + [good]),
-        ("decision to another request id", "in_doubt", ok,
-         lambda r, x: [reply_header("decision", (r.id + 1) % 2**64, xid=x, outcome="commit")]),
+        (
+            "decision to another request id",
+            "in_doubt",
+            ok,
+            lambda r, x: [reply_header("decision", (r.id + 1) % 2**64, xid=x, outcome="commit")],
+        ),
         ("garbage decision", "in_doubt", ok, lambda r, x: [rng.randbytes(rng.randrange(1, 50))]),
-        ("error reply to the confirm", "in_doubt", ok,
-         lambda r, x: [reply_header("error", r.id, reason="internal", detail="oops")]),
+        (
+            "error reply to the confirm",
+            "in_doubt",
+            ok,
+            lambda r, x: [reply_header("error", r.id, reason="internal", detail="oops")],
+        ),
     ]
 
 
@@ -902,8 +1108,14 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
     # peer make the node back off for seconds (see the report on dpwa.gossip.flow): never two in a row.
     for i in range(1, len(plan)):
         if plan[i][1] == plan[i - 1][1] == "in_doubt":
-            j = next(j for j in range(len(plan)) if plan[j][1] != "in_doubt" and plan[j - 1][1] != "in_doubt"
-                     and (j + 1 == len(plan) or plan[j + 1][1] != "in_doubt") and abs(j - i) > 1)
+            j = next(
+                j
+                for j in range(len(plan))
+                if plan[j][1] != "in_doubt"
+                and plan[j - 1][1] != "in_doubt"
+                and (j + 1 == len(plan) or plan[j + 1][1] != "in_doubt")
+                and abs(j - i) > 1
+            )
             plan[i], plan[j] = plan[j], plan[i]
     assert not any(plan[i][1] == plan[i - 1][1] == "in_doubt" for i in range(1, len(plan)))
     queue = list(plan)
@@ -932,8 +1144,9 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
     outcomes = Counter()
     try:
         for i, (name, expected, _, _) in enumerate(plan):
-            assert wait_until(lambda: node.update_wait() and node.stats()["exchanges_unsettled"] == 0, 20), \
+            assert wait_until(lambda: node.update_wait() and node.stats()["exchanges_unsettled"] == 0, 20), (
                 f"an exchange in doubt was never resolved ({node.stats()})"
+            )
             node.update_send()
             update = node.update_wait()
             got = update.outcome if update.outcome == "in_doubt" else f"{update.outcome}:{update.reason.split(':')[0]}"

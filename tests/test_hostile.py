@@ -36,12 +36,6 @@ MB = 1 << 20
 NOBODY = 65534
 
 
-
-
-
-
-
-
 def endpoint_of(node) -> str:
     return node.config.endpoint(node.spec)
 
@@ -50,7 +44,7 @@ def raw_address(node):
     """Where a raw socket connects: the ipc socket's path, or 127.0.0.1 and the TCP port."""
     endpoint = endpoint_of(node)
     if endpoint.startswith("ipc://"):
-        return endpoint[len("ipc://"):]
+        return endpoint[len("ipc://") :]
     return ("127.0.0.1", node.spec.port)
 
 
@@ -98,29 +92,46 @@ def rss_bytes(pid="self") -> int:
 
 
 def special_frames(node):
-    params = encode(PARAMS, 1, **{"from": "w1"}, fp=b"0" * 16, dtype="float32", nbytes=10**12, clock=0, loss=None,
-                    version=1)
-    exchange = encode(EXCHANGE, 1, **{"from": "w1"}, fp=node.params.fingerprint, dtype="float32",
-                      nbytes=node.nbytes, clock=0, loss=None)
-    return {"PARAMS": [params], "EXCHANGE": [exchange, node.params.array.tobytes()],
-            "BAD_FP": [fetch_header(node, fp=b"\x00" * 16)], "BAD_DTYPE": [fetch_header(node, dtype="float16")],
-            "NOT_A_NODE": [fetch_header(node, sender="intruder")], "EXTRA_FRAME": [fetch_header(node), b"x"]}
+    params = encode(
+        PARAMS, 1, **{"from": "w1"}, fp=b"0" * 16, dtype="float32", nbytes=10**12, clock=0, loss=None, version=1
+    )
+    exchange = encode(
+        EXCHANGE,
+        1,
+        **{"from": "w1"},
+        fp=node.params.fingerprint,
+        dtype="float32",
+        nbytes=node.nbytes,
+        clock=0,
+        loss=None,
+    )
+    return {
+        "PARAMS": [params],
+        "EXCHANGE": [exchange, node.params.array.tobytes()],
+        "BAD_FP": [fetch_header(node, fp=b"\x00" * 16)],
+        "BAD_DTYPE": [fetch_header(node, dtype="float16")],
+        "NOT_A_NODE": [fetch_header(node, sender="intruder")],
+        "EXTRA_FRAME": [fetch_header(node), b"x"],
+    }
 
 
-@pytest.mark.parametrize("frames, reason", [
-    ([b"garbage"], "bad_header"),
-    ([b"\x93\x01\x02"], "bad_header"),  # a msgpack array, not a map
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "kind": "fetch"})], "bad_header"),  # id and fields missing
-    ([msgpack.packb({"v": 99, "kind": "fetch", "id": 1})], "bad_version"),
-    ([msgpack.packb({"v": PROTOCOL_VERSION, "kind": "exec", "id": 1})], "bad_kind"),
-    (["PARAMS"], "unexpected_kind"),  # a reply kind sent as a request
-    (["EXCHANGE"], "unexpected_kind"),  # a symmetric-mode request to a pull node
-    (["BAD_FP"], "bad_fingerprint"),
-    (["BAD_DTYPE"], "bad_dtype"),
-    (["NOT_A_NODE"], "bad_identity"),  # without CURVE, "from" must name a node of the config
-    (["EXTRA_FRAME"], "bad_frames"),
-    ([b"\xdb\xff\xff\xff\xff"], "bad_header"),  # claims a 4 GB string
-])
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([b"garbage"], "bad_header"),
+        ([b"\x93\x01\x02"], "bad_header"),  # a msgpack array, not a map
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "kind": "fetch"})], "bad_header"),  # id and fields missing
+        ([msgpack.packb({"v": 99, "kind": "fetch", "id": 1})], "bad_version"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "kind": "exec", "id": 1})], "bad_kind"),
+        (["PARAMS"], "unexpected_kind"),  # a reply kind sent as a request
+        (["EXCHANGE"], "unexpected_kind"),  # a symmetric-mode request to a pull node
+        (["BAD_FP"], "bad_fingerprint"),
+        (["BAD_DTYPE"], "bad_dtype"),
+        (["NOT_A_NODE"], "bad_identity"),  # without CURVE, "from" must name a node of the config
+        (["EXTRA_FRAME"], "bad_frames"),
+        ([b"\xdb\xff\xff\xff\xff"], "bad_header"),  # claims a 4 GB string
+    ],
+)
 def test_bad_requests_get_their_reason_and_change_nothing(nodes, zctx, make_cluster, frames, reason):
     """Break: malformed requests over each transport. Promise: each is answered with an error of
     exactly its reason, counted once under that reason, no parameters go out, nothing changes,
@@ -367,9 +378,11 @@ def test_clients_that_never_read_pin_bounded_memory_and_publishing_goes_on(nodes
         growth = peak[0] - baseline
         assert growth < (MAX_SNAPSHOT_SLOTS + BUDGET) * BIG * 4 + 48 * MB, growth / MB
         assert node.alive
-        print(f"\nnever-read clients ({transport}): {BUDGET} replies pinned, {stats['slots_retired']} slots retired, "
-              f"{stats['publish_skipped']} publishes skipped, {stats['refused.busy']} refused busy, "
-              f"RSS growth {growth / MB:.0f} MB (bound {(MAX_SNAPSHOT_SLOTS + BUDGET) * BIG * 4 / MB + 48:.0f} MB)")
+        print(
+            f"\nnever-read clients ({transport}): {BUDGET} replies pinned, {stats['slots_retired']} slots retired, "
+            f"{stats['publish_skipped']} publishes skipped, {stats['refused.busy']} refused busy, "
+            f"RSS growth {growth / MB:.0f} MB (bound {(MAX_SNAPSHOT_SLOTS + BUDGET) * BIG * 4 / MB + 48:.0f} MB)"
+        )
     finally:
         attack.close()
     # The clients are gone: their replies are dropped, the budget is free, and an honest peer
@@ -467,9 +480,6 @@ def test_another_user_cannot_connect_to_the_ipc_endpoint(nodes):
         os.close(read_end)
     assert code and code[0] in (errno.EACCES, errno.EPERM), f"another user's connect gave {code!r} (0 = connected)"
     assert node.stats()["requests_served"] == 0 and node.alive
-
-
-
 
 
 def child_stats(child) -> dict:
@@ -605,8 +615,12 @@ def test_max_peer_distance_in_symmetric_exchanges_is_both_or_neither(nodes):
 
 
 def exchange_request(node_fp, nbytes, sender, values, request_id=1):
-    return [encode(EXCHANGE, request_id, **{"from": sender}, fp=node_fp, dtype="float32", nbytes=nbytes,
-                   clock=0.0, loss=None), values.tobytes()]
+    return [
+        encode(
+            EXCHANGE, request_id, **{"from": sender}, fp=node_fp, dtype="float32", nbytes=nbytes, clock=0.0, loss=None
+        ),
+        values.tobytes(),
+    ]
 
 
 def confirm_request(sender, xid, request_id=2):
@@ -699,8 +713,9 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
     mine.fill(3.0)
     node.update_send()
     theirs = filled(6, SIZE)
-    honest = nodes({**cfg, "nodes": [cfg["nodes"][0], cfg["nodes"][3]], "fetch_probability": 1}, "w3",
-                   NumpyParams(theirs))
+    honest = nodes(
+        {**cfg, "nodes": [cfg["nodes"][0], cfg["nodes"][3]], "fetch_probability": 1}, "w3", NumpyParams(theirs)
+    )
     assert step_until_averaged(honest, 30, peer="w0") is not None
     node.update_wait()
     assert np.all(theirs == 4.5) and np.all(mine == 4.5)
@@ -723,8 +738,17 @@ def test_a_peer_that_answers_every_confirm_is_not_treated_as_gone(nodes, zctx):
     def respond(request):
         if request.kind == "exchange":
             xid = random.randrange(1, 2**63)
-            fields = {"from": "w1", "fp": fp, "dtype": "float32", "nbytes": SIZE * 4, "clock": 0.0, "loss": None,
-                      "version": 1, "xid": xid, "f": 0.5}
+            fields = {
+                "from": "w1",
+                "fp": fp,
+                "dtype": "float32",
+                "nbytes": SIZE * 4,
+                "clock": 0.0,
+                "loss": None,
+                "version": 1,
+                "xid": xid,
+                "f": 0.5,
+            }
             return [encode(PARAMS, request.id, **fields), filled(4).tobytes()]
         xid = request.header["xid"]
         if xid not in first_confirm:
@@ -764,11 +788,17 @@ def test_bad_replies_from_a_peer_are_rejected_and_never_applied(nodes, zctx):
     good_payload = filled(9).tobytes()
 
     def params(request_id, **overrides):
-        fields = {"from": "w1", "fp": fp, "dtype": "float32", "nbytes": SIZE * 4, "clock": 1.0, "loss": None,
-                  "version": 1}
+        fields = {
+            "from": "w1",
+            "fp": fp,
+            "dtype": "float32",
+            "nbytes": SIZE * 4,
+            "clock": 1.0,
+            "loss": None,
+            "version": 1,
+        }
         fields.update(overrides)
-        return msgpack.packb({"v": PROTOCOL_VERSION, "kind": "params", "id": request_id, **fields},
-                             use_bin_type=True)
+        return msgpack.packb({"v": PROTOCOL_VERSION, "kind": "params", "id": request_id, **fields}, use_bin_type=True)
 
     replies = [
         ("bad_header", lambda r: [b"\x00garbage"]),

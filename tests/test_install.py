@@ -29,8 +29,12 @@ def installed(tmp_path_factory):
     """A virtual environment with the wheel of this checkout installed; (its python, a folder to run in)."""
     base = tmp_path_factory.mktemp("install")
     dist = base / "dist"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(dist), str(ROOT)], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stderr
     wheels = list(dist.glob("dpwa-*.whl"))
     assert len(wheels) == 1, wheels
@@ -39,11 +43,16 @@ def installed(tmp_path_factory):
     python = env_dir / "bin" / "python"
     # the dependencies (torch, pyzmq, ...) come from .venv's site-packages; .pth files there (the checkout's
     # editable install) are not processed for a path added this way
-    ours = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    ours = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     (Path(ours) / "borrowed.pth").write_text(site.getsitepackages()[0] + "\n")
-    done = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheels[0])],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheels[0])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     elsewhere = base / "elsewhere"
     elsewhere.mkdir()
@@ -76,8 +85,20 @@ def test_the_benchmark_runs_from_the_wheel(installed):
 @pytest.mark.timeout(600)
 def test_the_comparison_runs_from_the_wheel(installed):
     out = installed[1] / "compare.json"
-    done = run(installed, "-m", "dpwa.compare", "--quick", "--systems", "gossip,allreduce", "--workers", "2",
-               "--out", str(installed[1] / "run"), "--json", str(out))
+    done = run(
+        installed,
+        "-m",
+        "dpwa.compare",
+        "--quick",
+        "--systems",
+        "gossip,allreduce",
+        "--workers",
+        "2",
+        "--out",
+        str(installed[1] / "run"),
+        "--json",
+        str(out),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert sorted(report["systems"]) == ["allreduce", "gossip"]

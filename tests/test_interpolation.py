@@ -17,42 +17,51 @@ def test_constant_ignores_everything():
         Constant(1.2)
 
 
-@pytest.mark.parametrize("clock, peer_clock, expected", [
-    (100, 300, 0.75),      # the peer trained 3x as much: it pulls 3/4
-    (300, 100, 0.25),
-    (50, 50, 0.5),
-    (0, 0, 0.5),           # two fresh nodes: 0/0 splits evenly
-    (0, 10, 1.0),          # a fresh node takes the trained peer whole
-    (10, 0, 0.0),
-])
+@pytest.mark.parametrize(
+    "clock, peer_clock, expected",
+    [
+        (100, 300, 0.75),  # the peer trained 3x as much: it pulls 3/4
+        (300, 100, 0.25),
+        (50, 50, 0.5),
+        (0, 0, 0.5),  # two fresh nodes: 0/0 splits evenly
+        (0, 10, 1.0),  # a fresh node takes the trained peer whole
+        (10, 0, 0.0),
+    ],
+)
 def test_clock_weighting(clock, peer_clock, expected):
     assert ClockWeighted().factor(clock, peer_clock, None, None) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("loss, peer_loss, expected", [
-    (3.0, 1.0, 0.75),      # our loss is 3x the peer's: the peer pulls 3/4
-    (1.0, 3.0, 0.25),
-    (2.0, 2.0, 0.5),
-    (0.0, 0.0, 0.5),       # 0/0 gives 0.5
-    (0.0, 1.0, 0.0),       # we are perfect: keep ours
-    (None, 1.0, 0.5),      # unknown loss: even split
-    (1.0, None, 0.5),
-    (-1.0, 2.0, 0.5),      # negative losses are outside the rule's domain
-    (math.nan, 1.0, 0.5),
-])
+@pytest.mark.parametrize(
+    "loss, peer_loss, expected",
+    [
+        (3.0, 1.0, 0.75),  # our loss is 3x the peer's: the peer pulls 3/4
+        (1.0, 3.0, 0.25),
+        (2.0, 2.0, 0.5),
+        (0.0, 0.0, 0.5),  # 0/0 gives 0.5
+        (0.0, 1.0, 0.0),  # we are perfect: keep ours
+        (None, 1.0, 0.5),  # unknown loss: even split
+        (1.0, None, 0.5),
+        (-1.0, 2.0, 0.5),  # negative losses are outside the rule's domain
+        (math.nan, 1.0, 0.5),
+    ],
+)
 def test_loss_weighting(loss, peer_loss, expected):
     assert LossWeighted().factor(0, 0, loss, peer_loss) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("f, loss, threshold, expected", [
-    (0.5, 0.1, 0.2, 0.25),     # loss below t: f * loss / t
-    (0.5, 0.05, 0.2, 0.125),
-    (0.5, 0.0, 0.2, 0.0),      # a node at zero loss takes nothing
-    (0.5, 0.2, 0.2, 0.5),      # at the threshold: unchanged
-    (0.5, 0.3, 0.2, 0.5),      # above: unchanged
-    (0.5, 0.1, 0.0, 0.5),      # threshold 0 disables the rule
-    (0.5, None, 0.2, 0.5),     # unknown loss: unchanged
-])
+@pytest.mark.parametrize(
+    "f, loss, threshold, expected",
+    [
+        (0.5, 0.1, 0.2, 0.25),  # loss below t: f * loss / t
+        (0.5, 0.05, 0.2, 0.125),
+        (0.5, 0.0, 0.2, 0.0),  # a node at zero loss takes nothing
+        (0.5, 0.2, 0.2, 0.5),  # at the threshold: unchanged
+        (0.5, 0.3, 0.2, 0.5),  # above: unchanged
+        (0.5, 0.1, 0.0, 0.5),  # threshold 0 disables the rule
+        (0.5, None, 0.2, 0.5),  # unknown loss: unchanged
+    ],
+)
 def test_divergence_threshold(f, loss, threshold, expected):
     assert damp_by_divergence(f, loss, threshold) == pytest.approx(expected)
 

@@ -60,7 +60,9 @@ def test_a_late_node_takes_a_trained_peers_state_before_it_starts(nodes):
         assert joined is not None and joined.donor in ("w0", "w1")
         assert sha(late) == hashlib.sha256(joined.params.tobytes()).hexdigest()
         assert np.all(late == late[0]) and late[0] > 1  # a donor's value: 1 + its steps so far
-        assert hashlib.blake2b(joined.params.tobytes() + joined.extra.tobytes(), digest_size=32).digest() == joined.digest
+        assert (
+            hashlib.blake2b(joined.params.tobytes() + joined.extra.tobytes(), digest_size=32).digest() == joined.digest
+        )
         assert w2.clock == joined.clock > 10
         assert w2.barrier_counters() == {"start": 1, "epoch": 3}
         assert w2.stats()["joined"] == 1
@@ -156,12 +158,6 @@ def test_a_donor_killed_during_the_transfer_is_replaced_by_another(children, nod
 # --------------------------------------------------------------------------- a joiner takes nothing on faith
 
 
-
-
-
-
-
-
 class Trainer(Training):
     """Training, for a torch model with an optimizer: one SGD step per update."""
 
@@ -190,7 +186,7 @@ def corrupt(meta: bytes, data, how: str):
     data = data.copy()
     _, offset, shape, _ = entry
     count = int(np.prod(shape))
-    values = data[offset: offset + 4 * count].view(np.float32)
+    values = data[offset : offset + 4 * count].view(np.float32)
     if how == "nan":
         values[:] = np.nan
     elif how == "huge":
@@ -202,12 +198,15 @@ def corrupt(meta: bytes, data, how: str):
     return msgpack.packb(decoded, use_bin_type=True), data
 
 
-@pytest.mark.parametrize("how, field", [
-    ("nan", "NaN, Inf or beyond"),
-    ("huge", "NaN, Inf or beyond"),
-    ("scalar", r"shape \[\]"),
-    ("int", "a value, ours is a tensor"),
-])
+@pytest.mark.parametrize(
+    "how, field",
+    [
+        ("nan", "NaN, Inf or beyond"),
+        ("huge", "NaN, Inf or beyond"),
+        ("scalar", r"shape \[\]"),
+        ("int", "a value, ours is a tensor"),
+    ],
+)
 def test_a_donors_bad_optimizer_state_is_refused_and_the_next_donor_taken(nodes, zctx, caplog, how, field):
     """w0 is a hostile donor with the freshest clock: its offer carries SGD momentum buffers that are NaN,
     3e38, of shape [] or a plain int. The joiner w2 (with an SGD optimizer) checks every field against
@@ -230,8 +229,9 @@ def test_a_donors_bad_optimizer_state_is_refused_and_the_next_donor_taken(nodes,
         meta, data = OptimizerState(honest_opt).capture()  # a real state, then spoiled
         meta, data = corrupt(meta, data, how)
         params = np.concatenate([p.detach().numpy().ravel() for p in honest_net.parameters()])
-        offer = Offer(fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params, data),
-                      extra_meta=meta)
+        offer = Offer(
+            fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params, data), extra_meta=meta
+        )
         donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), offer)
         caplog.set_level(logging.WARNING, logger="dpwa")
         net = torch.nn.Linear(6, 3)
@@ -266,8 +266,13 @@ def test_an_offer_larger_than_the_joiners_own_state_is_refused_before_anything_i
     try:
         assert wait_until(lambda: honest.clock > 3, 20)
         params = filled(9, 1000)
-        offer = Offer(fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params),
-                      extra_meta=b"\x80", nbytes=10**9)
+        offer = Offer(
+            fp=honest.params.fingerprint,
+            params_bytes=params.nbytes,
+            data=state_bytes(params),
+            extra_meta=b"\x80",
+            nbytes=10**9,
+        )
         donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), offer)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
         mine = filled(0, 1000)
@@ -282,12 +287,16 @@ def test_an_offer_larger_than_the_joiners_own_state_is_refused_before_anything_i
             donor.close()
 
 
-@pytest.mark.parametrize("claimed, donor_taken, adopted", [
-    (2**40, "w1", 3),  # outside the wire schema: the offer is refused whole, honest w1 is the donor
-    (2**31 - 1, "w0", 4),  # within the schema, far beyond the cluster: cut to what w1 reports plus the slack
-])
-def test_a_donors_barrier_counts_are_adopted_only_near_what_the_cluster_reports(nodes, zctx, caplog, claimed,
-                                                                               donor_taken, adopted):
+@pytest.mark.parametrize(
+    "claimed, donor_taken, adopted",
+    [
+        (2**40, "w1", 3),  # outside the wire schema: the offer is refused whole, honest w1 is the donor
+        (2**31 - 1, "w0", 4),  # within the schema, far beyond the cluster: cut to what w1 reports plus the slack
+    ],
+)
+def test_a_donors_barrier_counts_are_adopted_only_near_what_the_cluster_reports(
+    nodes, zctx, caplog, claimed, donor_taken, adopted
+):
     """w0 offers its state with barrier counts {epoch: claimed}; w1 is at epoch 3. The joiner w2 adopts
     at most the median of what its peers report plus one, never a count outside the schema, and
     still answers barrier queries: w1's next epoch barrier counts it as arrived. (Before: a count of
@@ -301,8 +310,13 @@ def test_a_donors_barrier_counts_are_adopted_only_near_what_the_cluster_reports(
     try:
         assert wait_until(lambda: honest.clock > 3, 20)
         params = filled(9, 1000)
-        offer = Offer(fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params),
-                      barriers={"epoch": claimed}, yours={"epoch": claimed})
+        offer = Offer(
+            fp=honest.params.fingerprint,
+            params_bytes=params.nbytes,
+            data=state_bytes(params),
+            barriers={"epoch": claimed},
+            yours={"epoch": claimed},
+        )
         donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), offer)
         caplog.set_level(logging.WARNING, logger="dpwa")
         joiner = nodes(cfg, "w2", NumpyParams(filled(0, 1000)))
@@ -329,8 +343,9 @@ def test_a_busy_donor_is_asked_again_within_the_joins_deadline(nodes, zctx):
     from dpwa.mixing.params import NumpyParams as _NP
 
     fp = _NP(filled(0, 1000)).fingerprint
-    donor = HostileDonor(zctx, tcp_endpoint(cfg, "w0"), Offer(fp=fp, params_bytes=params.nbytes,
-                                                               data=state_bytes(params), busy_chunks=2))
+    donor = HostileDonor(
+        zctx, tcp_endpoint(cfg, "w0"), Offer(fp=fp, params_bytes=params.nbytes, data=state_bytes(params), busy_chunks=2)
+    )
     try:
         mine = filled(0, 1000)
         joiner = nodes(cfg, "w1", NumpyParams(mine))

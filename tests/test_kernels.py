@@ -96,18 +96,18 @@ def test_half_precision_wire_round_trips_and_blends_in_float32(backend, wire):
     encode_(wire_buf, src, wire)
     decoded = np.zeros(src.size, np.float32)
     kernels.lerp_(decoded, wire_buf, 1.0, wire)  # f = 1 takes the peer whole: decoded = wire value
-    rel = 2.0 ** -11 if wire == "float16" else 2.0 ** -8  # half an ulp of the format's significand
+    rel = 2.0**-11 if wire == "float16" else 2.0**-8  # half an ulp of the format's significand
     np.testing.assert_allclose(decoded, src, rtol=rel, atol=1e-4 if wire == "float16" else 0)
     # blending keeps float32 precision on our side: x + f * (y - x) with x exact in float32
-    x = np.full(src.size, 1.0 + 2.0 ** -20, np.float32)  # not representable in either half format
+    x = np.full(src.size, 1.0 + 2.0**-20, np.float32)  # not representable in either half format
     kernels.lerp_(x, wire_buf, 0.0, wire)
-    assert np.all(x == np.float32(1.0 + 2.0 ** -20))
+    assert np.all(x == np.float32(1.0 + 2.0**-20))
 
 
 def test_bfloat16_encoding_rounds_to_nearest_even_and_keeps_specials(monkeypatch):
     from dpwa.mixing.kernels import encode_
 
-    values = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.inf, -np.inf, np.nan, 3e38, -0.0], np.float32)
+    values = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, np.inf, -np.inf, np.nan, 3e38, -0.0], np.float32)
     monkeypatch.setattr(kernels, "TORCH_MIN_ELEMENTS", 0)
     for use in (True, False):
         monkeypatch.setattr(kernels, "use_torch", use)
@@ -116,7 +116,7 @@ def test_bfloat16_encoding_rounds_to_nearest_even_and_keeps_specials(monkeypatch
         back = (out.astype(np.uint32) << 16).view(np.float32)
         assert back[0] == 1.0
         assert back[1] == 1.0  # a tie rounds to the even significand
-        assert back[2] == 1.0 + 2 ** -6  # a tie rounds up to the even one
+        assert back[2] == 1.0 + 2**-6  # a tie rounds up to the even one
         assert np.isposinf(back[3]) and np.isneginf(back[4]) and np.isnan(back[5])
         assert np.isfinite(back[6]) and np.signbit(back[7])
 

@@ -20,8 +20,11 @@ from dpwa.cluster import launch, processes
 from dpwa.cluster.monitor import LiveView, MetricsTail
 
 FAKE = [sys.executable, str(HELPERS / "fake_node.py"), "{run_dir}", "{name}"]
-AVERAGE = [sys.executable, "-c",  # some output, then the JSON line the launcher reads
-           "import json; print('noise'); print(json.dumps({'models': 2, 'test_acc': 0.875, 'test_loss': 0.5}))"]
+AVERAGE = [
+    sys.executable,
+    "-c",  # some output, then the JSON line the launcher reads
+    "import json; print('noise'); print(json.dumps({'models': 2, 'test_acc': 0.875, 'test_loss': 0.5}))",
+]
 
 
 def make_spec(tmp_path, modes, **kwargs):
@@ -31,12 +34,18 @@ def make_spec(tmp_path, modes, **kwargs):
         node["name"] = f"w{i + 1}"
     run_dir = launch.new_run_dir(tmp_path / "runs")
     by_name = json.dumps({f"w{i + 1}": mode for i, mode in enumerate(modes)})
-    command = [sys.executable, "-c",
-               "import json, os, sys; mode = json.loads(sys.argv[1])[sys.argv[3]]; "
-               "os.execv(sys.argv[4], sys.argv[4:] + [mode])",
-               by_name, "{run_dir}", "{name}"] + FAKE
-    spec = launch.LaunchSpec(run_dir=str(run_dir), config=config, command=command, grace_s=5, print_every_s=0.2,
-                             **kwargs)
+    command = [
+        sys.executable,
+        "-c",
+        "import json, os, sys; mode = json.loads(sys.argv[1])[sys.argv[3]]; "
+        "os.execv(sys.argv[4], sys.argv[4:] + [mode])",
+        by_name,
+        "{run_dir}",
+        "{name}",
+    ] + FAKE
+    spec = launch.LaunchSpec(
+        run_dir=str(run_dir), config=config, command=command, grace_s=5, print_every_s=0.2, **kwargs
+    )
     return launch.prepare(spec)
 
 
@@ -46,6 +55,7 @@ def log_says(spec, name, text):
 
 
 # --------------------------------------------------------------------------- ports, folders, PID files
+
 
 def test_free_ports_are_distinct_and_bindable():
     ports = processes.free_ports(5)
@@ -86,6 +96,7 @@ def test_a_pid_file_identifies_its_process_and_no_other(tmp_path):
 
 # --------------------------------------------------------------------------- the spec
 
+
 def test_placeholders_are_filled_and_the_spec_round_trips(tmp_path):
     spec = make_spec(tmp_path, ["finish", "finish"], finish_command=["eval", "{run_dir}"])
     argv = spec.argv(["x", "--name={name}", "{index}", "{config}", "{run_dir}/m"], "w2")
@@ -106,6 +117,7 @@ def test_prepare_refuses_a_bad_config_or_an_unknown_local_node(tmp_path):
 
 
 # --------------------------------------------------------------------------- running
+
 
 @pytest.mark.slow
 def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
@@ -129,7 +141,8 @@ def test_a_run_to_the_end_writes_the_summary_and_the_curves(tmp_path):
     assert sorted(kinds[3:5]) == [("exit", "w1"), ("exit", "w2")] and kinds[5:] == [("run_end", None)]
     assert events[0]["pid"] == os.getpid() and events[-1]["code"] == 0
     assert {e["node"]: e["pid"] for e in events if e["kind"] == "node_start"} == {
-        n: processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{n}.pid"))[0] for n in ("w1", "w2")}
+        n: processes.read_pid_file(os.path.join(spec.run_dir, "pids", f"{n}.pid"))[0] for n in ("w1", "w2")
+    }
     assert all(e["code"] == 0 for e in events if e["kind"] == "exit")
 
 
@@ -188,6 +201,7 @@ def test_a_signal_to_the_launcher_stops_every_node_and_still_summarizes(tmp_path
 
 
 # --------------------------------------------------------------------------- the live view
+
 
 def test_metrics_tail_reads_complete_lines_only(tmp_path):
     (tmp_path / "metrics").mkdir()

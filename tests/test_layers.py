@@ -12,15 +12,23 @@ import ast
 from conftest import ROOT
 
 RANK = {
-    "logs": 0, "stats": 0, "signals": 0,  # the base: logging, counters, signal handling
+    "logs": 0,
+    "stats": 0,
+    "signals": 0,  # the base: logging, counters, signal handling
     "wire": 1,
     "mixing": 2,
     "config": 3,
     "gossip": 4,
     "adapters": 5,
-    "cluster": 6, "systems": 6,
-    "workloads": 7, "compare": 7, "bench": 7, "sim": 7, "cli": 7,  # tools
-    "__main__": 8, "__init__": 8,
+    "cluster": 6,
+    "systems": 6,
+    "workloads": 7,
+    "compare": 7,
+    "bench": 7,
+    "sim": 7,
+    "cli": 7,  # tools
+    "__main__": 8,
+    "__init__": 8,
 }
 TOOLS = 7
 
@@ -52,12 +60,18 @@ def imports() -> dict[tuple[str, str], list[str]]:
 
 
 def test_every_part_of_the_package_has_a_layer():
-    parts = {p.stem if p.is_file() else p.name for p in (ROOT / "dpwa").iterdir()
-             if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file()))}
+    parts = {
+        p.stem if p.is_file() else p.name
+        for p in (ROOT / "dpwa").iterdir()
+        if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file()))
+    }
     assert parts - set(RANK) == set(), "place the new part in RANK"
 
 
 def test_no_import_points_up():
-    upward = {f"{a} -> {b}": files for (a, b), files in imports().items()
-              if RANK[b] > RANK[a] or (RANK[b] == RANK[a] and RANK[a] != TOOLS)}
+    upward = {
+        f"{a} -> {b}": files
+        for (a, b), files in imports().items()
+        if RANK[b] > RANK[a] or (RANK[b] == RANK[a] and RANK[a] != TOOLS)
+    }
     assert upward == {}

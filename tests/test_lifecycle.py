@@ -73,8 +73,13 @@ def test_a_node_killed_mid_run_rejoins_from_a_peer_and_the_run_finishes(tmp_path
     runs = tmp_path / "runs"
     run = Foreground(runs, "--nodes", "3", "--epochs", "10", "--restarts", "1", "--print-every", "5")
     try:
-        assert wait_until(lambda: run_dir_of(runs) is not None and all(
-            epoch_reached(run_dir_of(runs), n) >= 2 for n in ("w1", "w2", "w3")), 90), "".join(run.out)
+        assert wait_until(
+            lambda: (
+                run_dir_of(runs) is not None
+                and all(epoch_reached(run_dir_of(runs), n) >= 2 for n in ("w1", "w2", "w3"))
+            ),
+            90,
+        ), "".join(run.out)
         run_dir = run_dir_of(runs)
         pid, _ = read_pid_file(run_dir / "pids" / "w2.pid")
         os.kill(pid, signal.SIGKILL)
@@ -102,8 +107,21 @@ def test_chaos_mode_kills_nodes_now_and_then_and_they_rejoin(tmp_path):
     again; every restarted node rejoins, and the run finishes in the usual band. The summary
     reports the kills, the restarts and the rejoins."""
     runs = tmp_path / "runs"
-    run = Foreground(runs, "--nodes", "3", "--epochs", "14", "--chaos", "1.5", "--chaos-seed", "3",
-                     "--restarts", "4", "--print-every", "5")
+    run = Foreground(
+        runs,
+        "--nodes",
+        "3",
+        "--epochs",
+        "14",
+        "--chaos",
+        "1.5",
+        "--chaos-seed",
+        "3",
+        "--restarts",
+        "4",
+        "--print-every",
+        "5",
+    )
     try:
         out = run.wait(180)
     finally:
@@ -137,15 +155,29 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
     runs = tmp_path / "runs"
     proc = None
     try:
-        proc = run_sh(runs, "--nodes", "2", "--epochs", "6", "--detach", "--grace", "10",
-                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = run_sh(
+            runs,
+            "--nodes",
+            "2",
+            "--epochs",
+            "6",
+            "--detach",
+            "--grace",
+            "10",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         run_dir = run_dir_of(runs)
         from dpwa.cluster import checkpoints
 
-        assert wait_until(lambda: 2 in checkpoints.epochs(run_dir) and
-                          checkpoints.latest_complete(run_dir, ["w1", "w2"]) not in (None, 1), 90)
+        assert wait_until(
+            lambda: (
+                2 in checkpoints.epochs(run_dir) and checkpoints.latest_complete(run_dir, ["w1", "w2"]) not in (None, 1)
+            ),
+            90,
+        )
         stop = subprocess.run([str(ROOT / "stop.sh"), str(run_dir)], capture_output=True, text=True, timeout=60)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         assert wait_until(lambda: alive(runs) == [], 30)
@@ -154,11 +186,17 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
         first_epoch = saved["w1"]["progress"]["epoch"] + 1
         assert 3 <= first_epoch <= 6, "the run ended before it could be stopped"
         done = first_epoch - 1
-        refused = subprocess.run([str(ROOT / "run.sh"), "--resume", str(run_dir), "--epochs", str(done)],
-                                 capture_output=True, text=True, timeout=60)
+        refused = subprocess.run(
+            [str(ROOT / "run.sh"), "--resume", str(run_dir), "--epochs", str(done)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert refused.returncode == 2 and alive(runs) == []
-        assert (f"{run_dir} has trained {done} epochs; --epochs {done} must be more than that to train on "
-                "(leave --epochs out to train to 6)") in refused.stderr
+        assert (
+            f"{run_dir} has trained {done} epochs; --epochs {done} must be more than that to train on "
+            "(leave --epochs out to train to 6)"
+        ) in refused.stderr
         resumed = Foreground(runs, "--resume", str(run_dir), "--epochs", "8", "--print-every", "5")
         out = resumed.wait(150)
         proc = resumed.proc
@@ -174,7 +212,7 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
         assert start["started"] == "resumed from the state saved when it was stopped"
         assert start["first_epoch"] == saved[node]["progress"]["epoch"] + 1
         assert start["clock"] == saved[node]["dpwa"]["clock"] and start["epochs"] == 8
-        after = records[records.index(start):]
+        after = records[records.index(start) :]
         assert [r["epoch"] for r in after if r["kind"] == "eval"] == list(range(start["first_epoch"], 9))
         assert not checkpoints.has(run_dir, checkpoints.LAST, node)  # taken up: it will not be used twice
     assert alive(runs) == []

@@ -117,28 +117,53 @@ def test_hosts_talk_over_shaped_links_and_everything_goes_even_after_a_sigkill()
     procs = []
     with net:
         assert sorted(namespaces(net.prefix)) == sorted(net.namespaces)
-        qdiscs = subprocess.run(["tc", "-n", net.namespace("a"), "qdisc", "show", "dev", "eth0"], capture_output=True,
-                                text=True).stdout
+        qdiscs = subprocess.run(
+            ["tc", "-n", net.namespace("a"), "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
         assert "tbf" in qdiscs and "rate 20Mbit" in qdiscs
         # a TCP connection from a to b, across the bridge
         server = subprocess.Popen(
-            net.run_prefix("b") + [sys.executable, "-c", (
-                "import socket; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); print('up', flush=True); "
-                "c, _ = s.accept(); c.sendall(c.recv(100)); c.close()")],
-            stdout=subprocess.PIPE, text=True)
+            net.run_prefix("b")
+            + [
+                sys.executable,
+                "-c",
+                (
+                    "import socket; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); print('up', flush=True); "
+                    "c, _ = s.accept(); c.sendall(c.recv(100)); c.close()"
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         procs.append(server)
         assert server.stdout.readline().strip() == "up"
-        client = subprocess.run(net.run_prefix("a") + [sys.executable, "-c", (
-            f"import socket; c = socket.create_connection(('{net.address('b')}', 7000), timeout=10); "
-            "c.sendall(b'over the bridge'); print(c.recv(100).decode())")], capture_output=True, text=True, timeout=30)
+        client = subprocess.run(
+            net.run_prefix("a")
+            + [
+                sys.executable,
+                "-c",
+                (
+                    f"import socket; c = socket.create_connection(('{net.address('b')}', 7000), timeout=10); "
+                    "c.sendall(b'over the bridge'); print(c.recv(100).decode())"
+                ),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert client.stdout.strip() == "over the bridge", client.stderr
         server.wait(10)
         # a process in each namespace; the one in a is SIGKILLed, the one in b is still running at teardown
         victim = subprocess.Popen(net.run_prefix("a") + SLEEPER)
         survivor = subprocess.Popen(net.run_prefix("b") + SLEEPER)
         procs += [victim, survivor]
-        assert wait_until(lambda: str(victim.pid) in subprocess.run(
-            ["ip", "netns", "pids", net.namespace("a")], capture_output=True, text=True).stdout, 10)
+        assert wait_until(
+            lambda: (
+                str(victim.pid)
+                in subprocess.run(["ip", "netns", "pids", net.namespace("a")], capture_output=True, text=True).stdout
+            ),
+            10,
+        )
         victim.kill()
         assert victim.wait(10) == -signal.SIGKILL
     try:
@@ -181,19 +206,35 @@ def test_the_reaper_tears_down_when_the_owner_itself_is_sigkilled(tmp_path):
 
 def _compare(tmp_path, *extra):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "dpwa.compare", "--workload", "charlm", "--model", "tiny", "--workers", "2",
-           "--link-mbit", "20", "--out", str(out), "--json", str(tmp_path / "report.json"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dpwa.compare",
+        "--workload",
+        "charlm",
+        "--model",
+        "tiny",
+        "--workers",
+        "2",
+        "--link-mbit",
+        "20",
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "report.json"),
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 @needs_namespaces
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_a_shaped_run_completes_at_a_tiny_size(tmp_path):
-    proc = _compare(tmp_path, "--steps", "6", "--quick", "--systems", "gossip,diloco,allreduce", "--diloco-period",
-                    "3")
+    proc = _compare(tmp_path, "--steps", "6", "--quick", "--systems", "gossip,diloco,allreduce", "--diloco-period", "3")
     try:
         output, _ = proc.communicate(timeout=160)
     finally:

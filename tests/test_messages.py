@@ -51,45 +51,52 @@ def test_fingerprint_depends_on_names_shapes_and_dtypes():
     base = [("w", (3, 4), "float32")]
     assert fingerprint(base) == fingerprint(list(base))
     assert len(fingerprint(base)) == 16
-    for other in ([("v", (3, 4), "float32")], [("w", (4, 3), "float32")], [("w", (3, 4), "float16")],
-                  base + [("b", (3,), "float32")]):
+    for other in (
+        [("v", (3, 4), "float32")],
+        [("w", (4, 3), "float32")],
+        [("w", (3, 4), "float16")],
+        base + [("b", (3,), "float32")],
+    ):
         assert fingerprint(other) != fingerprint(base)
 
 
 GOOD = dict(v=PROTOCOL_VERSION, kind="params", id=1, **params_fields())
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"", "bad_header"),
-    (b"\xc1garbage", "bad_header"),
-    (raw(**{**GOOD, "v": 1}), "bad_version"),  # the protocol before server-assigned exchange ids
-    (msgpack.packb([1, 2, 3]), "bad_header"),
-    (raw(**{**GOOD, "kind": "pickle"}), "bad_kind"),
-    (raw(**{**GOOD, "id": -1}), "bad_header"),
-    (raw(**{**GOOD, "id": True}), "bad_header"),
-    (raw(**{**GOOD, "id": "7"}), "bad_header"),
-    (raw(**{**GOOD, "nbytes": -4}), "bad_header"),
-    (raw(**{**GOOD, "nbytes": 1.5}), "bad_header"),
-    (raw(**{**GOOD, "nbytes": 2**41}), "bad_header"),
-    (raw(**{**GOOD, "clock": float("nan")}), "bad_header"),
-    (raw(**{**GOOD, "clock": -1.0}), "bad_header"),  # clocks are never negative
-    (raw(**{**GOOD, "clock": 1.7e308}), "bad_header"),  # ... nor beyond MAX_CLOCK
-    (raw(**{**GOOD, "clock": MAX_CLOCK * 2}), "bad_header"),
-    (raw(**{**GOOD, "loss": float("inf")}), "bad_header"),
-    (raw(**{**GOOD, "loss": MAX_LOSS * 10}), "bad_header"),
-    (raw(**{**GOOD, "f": 0.75}), "bad_header"),  # no exchange moves a node past the midpoint
-    (raw(**{**GOOD, "f": -0.1}), "bad_header"),
-    (raw(**{**GOOD, "xid": 0}), "bad_header"),
-    (raw(**{**GOOD, "from": "../../etc"}), "bad_header"),  # names end up in logs and file names
-    (raw(**{**GOOD, "from": "w" * 65}), "bad_header"),
-    (raw(**{**GOOD, "dtype": "float64"}), "bad_header"),
-    (raw(**{**GOOD, "fp": "not bytes"}), "bad_header"),
-    (raw(**{**GOOD, "fp": b"short"}), "bad_header"),
-    (raw(**{k: v for k, v in GOOD.items() if k != "dtype"}), "bad_header"),
-    (raw(**{**GOOD, "extra": 1}), "bad_header"),
-    (b"\x81\xa1v" + b"\xdb" + (10**6).to_bytes(4, "big"), "bad_header"),  # claims a 1 MB string
-    (b"\x00" * (1 << 17), "header_too_large"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "bad_header"),
+        (b"\xc1garbage", "bad_header"),
+        (raw(**{**GOOD, "v": 1}), "bad_version"),  # the protocol before server-assigned exchange ids
+        (msgpack.packb([1, 2, 3]), "bad_header"),
+        (raw(**{**GOOD, "kind": "pickle"}), "bad_kind"),
+        (raw(**{**GOOD, "id": -1}), "bad_header"),
+        (raw(**{**GOOD, "id": True}), "bad_header"),
+        (raw(**{**GOOD, "id": "7"}), "bad_header"),
+        (raw(**{**GOOD, "nbytes": -4}), "bad_header"),
+        (raw(**{**GOOD, "nbytes": 1.5}), "bad_header"),
+        (raw(**{**GOOD, "nbytes": 2**41}), "bad_header"),
+        (raw(**{**GOOD, "clock": float("nan")}), "bad_header"),
+        (raw(**{**GOOD, "clock": -1.0}), "bad_header"),  # clocks are never negative
+        (raw(**{**GOOD, "clock": 1.7e308}), "bad_header"),  # ... nor beyond MAX_CLOCK
+        (raw(**{**GOOD, "clock": MAX_CLOCK * 2}), "bad_header"),
+        (raw(**{**GOOD, "loss": float("inf")}), "bad_header"),
+        (raw(**{**GOOD, "loss": MAX_LOSS * 10}), "bad_header"),
+        (raw(**{**GOOD, "f": 0.75}), "bad_header"),  # no exchange moves a node past the midpoint
+        (raw(**{**GOOD, "f": -0.1}), "bad_header"),
+        (raw(**{**GOOD, "xid": 0}), "bad_header"),
+        (raw(**{**GOOD, "from": "../../etc"}), "bad_header"),  # names end up in logs and file names
+        (raw(**{**GOOD, "from": "w" * 65}), "bad_header"),
+        (raw(**{**GOOD, "dtype": "float64"}), "bad_header"),
+        (raw(**{**GOOD, "fp": "not bytes"}), "bad_header"),
+        (raw(**{**GOOD, "fp": b"short"}), "bad_header"),
+        (raw(**{k: v for k, v in GOOD.items() if k != "dtype"}), "bad_header"),
+        (raw(**{**GOOD, "extra": 1}), "bad_header"),
+        (b"\x81\xa1v" + b"\xdb" + (10**6).to_bytes(4, "big"), "bad_header"),  # claims a 1 MB string
+        (b"\x00" * (1 << 17), "header_too_large"),
+    ],
+)
 def test_malformed_headers_are_rejected_with_a_reason(data, reason):
     with pytest.raises(ProtocolError) as info:
         decode(data)
@@ -127,28 +134,38 @@ def test_encoding_checks_too():
 def test_kinds_are_declared_once_with_bounded_nested_fields():
     with pytest.raises(ValueError, match="declared twice"):
         message_kind("fetch", {})
-    kind = message_kind("test_nested", {
-        "counters": MapOf(Text(16), Integer(0, 100), max_len=3),
-        "peers": ListOf(Record({"name": Text(8)}, {"score": Number(0, 1)}), max_len=2),
-    })
+    kind = message_kind(
+        "test_nested",
+        {
+            "counters": MapOf(Text(16), Integer(0, 100), max_len=3),
+            "peers": ListOf(Record({"name": Text(8)}, {"score": Number(0, 1)}), max_len=2),
+        },
+    )
     try:
         good = {"counters": {"a": 1}, "peers": [{"name": "w1", "score": 0.5}, {"name": "w2"}]}
         assert decode(encode(kind, 1, **good))["peers"][1] == {"name": "w2"}
-        for bad in ({"counters": {"a": 101}}, {"counters": {f"k{i}": 0 for i in range(4)}},
-                    {"peers": [{"name": "w1"}] * 3}, {"peers": [{"name": "w1", "score": 2}]},
-                    {"peers": [{"name": "w1", "other": 1}]}):
+        for bad in (
+            {"counters": {"a": 101}},
+            {"counters": {f"k{i}": 0 for i in range(4)}},
+            {"peers": [{"name": "w1"}] * 3},
+            {"peers": [{"name": "w1", "score": 2}]},
+            {"peers": [{"name": "w1", "other": 1}]},
+        ):
             with pytest.raises(ProtocolError):
                 decode(raw(v=PROTOCOL_VERSION, kind=kind.name, id=1, **{**good, **bad}))
     finally:
         del KINDS[kind.name]
 
 
-@pytest.mark.parametrize("override, reason", [
-    ({"fp": b"\x00" * 16}, "bad_fingerprint"),
-    ({"dtype": "float16"}, "bad_dtype"),
-    ({"nbytes": 10**12}, "bad_size"),  # an oversized claim
-    ({"nbytes": 59}, "bad_size"),
-])
+@pytest.mark.parametrize(
+    "override, reason",
+    [
+        ({"fp": b"\x00" * 16}, "bad_fingerprint"),
+        ({"dtype": "float16"}, "bad_dtype"),
+        ({"nbytes": 10**12}, "bad_size"),  # an oversized claim
+        ({"nbytes": 59}, "bad_size"),
+    ],
+)
 def test_payload_checks(override, reason):
     header = decode(encode(PARAMS, 1, **params_fields(**override)))
     with pytest.raises(ProtocolError) as info:

@@ -36,9 +36,6 @@ class RecordingParams(NumpyParams):
         super().lerp_from(peer, f, wire)
 
 
-
-
-
 def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
     for _ in range(steps):
         node.update_send(loss, batch_size)
@@ -130,8 +127,9 @@ def test_update_wait_returns_at_once_without_a_fetch(nodes):
     update = node.update_wait()
     assert (update.averaged, update.outcome) == (False, "no_fetch")
     assert update.clock == 1.0
-    single = nodes({"nodes": [{"name": "solo", "host": "127.0.0.1", "port": free_port()}]}, "solo",
-                   NumpyParams(filled(1)))
+    single = nodes(
+        {"nodes": [{"name": "solo", "host": "127.0.0.1", "port": free_port()}]}, "solo", NumpyParams(filled(1))
+    )
     assert single.update_send() is False and single.update_wait().outcome == "no_fetch"
 
 
@@ -188,7 +186,7 @@ def test_averaging_alone_reaches_consensus_geometrically(nodes, n, make_cluster)
         updates = [node.update_wait() for node in group]
         assert all(u.averaged for u in updates), updates
         d = disagreement(arrays)
-        assert d <= d0 * 0.7 ** r + 1e-9, (r, d, d0)
+        assert d <= d0 * 0.7**r + 1e-9, (r, d, d0)
     assert disagreement(arrays) < d0 * 1e-3
 
 
@@ -256,10 +254,13 @@ def test_close_frees_the_port_at_once_and_leaves_no_thread(make_cluster):
     assert endpoint_is_free(cfg, "w0")
 
 
-@pytest.mark.parametrize("insecure, message", [
-    (True, r"cannot bind tcp://127\.0\.0\.1:\d+: .*using that port"),
-    (False, r"cannot bind ipc://\S+ is in use by another process.*using that port"),
-])
+@pytest.mark.parametrize(
+    "insecure, message",
+    [
+        (True, r"cannot bind tcp://127\.0\.0\.1:\d+: .*using that port"),
+        (False, r"cannot bind ipc://\S+ is in use by another process.*using that port"),
+    ],
+)
 def test_a_port_in_use_is_a_clear_error_and_leaves_nothing_behind(nodes, insecure, message):
     cfg = make_config(2, insecure=insecure)
     nodes(cfg, "w0", NumpyParams(filled(0)))
@@ -301,12 +302,12 @@ def test_a_half_precision_wire_halves_the_bytes_and_blends_in_float32(nodes, mak
     cfg = make_cluster(2, wire_dtype=wire)
     publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(8))))
     mine = filled(0)
-    mine[0] = 2.0 ** -20  # a float32 detail no half format holds: our side keeps float32 precision
+    mine[0] = 2.0**-20  # a float32 detail no half format holds: our side keeps float32 precision
     node = nodes(cfg, "w0", NumpyParams(mine))
     node.update_send()
     assert node.update_wait().averaged
     assert np.all(mine[1:] == 4.0)
-    assert mine[0] == np.float32(0.5 * 2.0 ** -20 + 4.0)
+    assert mine[0] == np.float32(0.5 * 2.0**-20 + 4.0)
     if make_cluster.transport == "tcp":
         assert node.stats()["bytes_in"] == mine.size * 2
 

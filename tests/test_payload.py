@@ -19,8 +19,9 @@ from dpwa.wire.sockets import FRAME_ALLOWANCE
 
 C = 16  # a small chunk size for the pure tests
 TWO = KINDS.get("test_two") or message_kind("test_two", {"from": Text(16)}, payload=2)
-SUMS = KINDS.get("test_sums") or message_kind("test_sums", {"a": Integer(0, 1 << 40), "b": Integer(0, 1 << 40)},
-                                              payload=2)
+SUMS = KINDS.get("test_sums") or message_kind(
+    "test_sums", {"a": Integer(0, 1 << 40), "b": Integer(0, 1 << 40)}, payload=2
+)
 SEEN = KINDS.get("test_seen") or message_kind("test_seen", {"n": Integer(0, 100)})
 
 
@@ -89,9 +90,6 @@ def test_a_single_frame_is_read_in_place_and_chunks_are_copied_into_the_pool():
     assert np.array_equal(third, data)
 
 
-
-
-
 def test_large_payloads_travel_in_chunks_both_ways_and_no_frame_exceeds_a_chunk(zctx):
     """A request with two payloads of 2.5 and exactly 2 chunks, answered with both swapped:
     every byte arrives, and the server's frame limit is one chunk, not the model."""
@@ -102,16 +100,18 @@ def test_large_payloads_travel_in_chunks_both_ways_and_no_frame_exceeds_a_chunk(
         return Reply(encode(SUMS, request.header.id, a=int(a.sum()), b=int(b.sum())), payload=[b.copy(), a.copy()])
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = Server(zctx, endpoint, {TWO.name: Route(TWO, swap, max_payload_bytes=limit, bulk=True)}, name="s",
-                    senders=["a"]).start()
+    server = Server(
+        zctx, endpoint, {TWO.name: Route(TWO, swap, max_payload_bytes=limit, bulk=True)}, name="s", senders=["a"]
+    ).start()
     channel = Channel(zctx, endpoint, max_reply_bytes=limit)
     try:
         assert server.max_frame_bytes == CHUNK_BYTES
         rng = np.random.default_rng(0)
         a = rng.integers(0, 256, CHUNK_BYTES * 5 // 2, dtype=np.uint8)
         b = rng.integers(0, 256, 2 * CHUNK_BYTES, dtype=np.uint8)
-        reply = channel.request([encode(TWO, 7, **{"from": "a"}), a, b], 7, time.monotonic() + 10,
-                                accept={SUMS.name: SUMS})
+        reply = channel.request(
+            [encode(TWO, 7, **{"from": "a"}), a, b], 7, time.monotonic() + 10, accept={SUMS.name: SUMS}
+        )
         assert reply.header["a"] == int(a.sum()) and reply.header["b"] == int(b.sum())
         got_b, got_a = reply.frames
         assert [len(f) for f in got_b.frames] == [CHUNK_BYTES, CHUNK_BYTES, 0]
@@ -132,8 +132,9 @@ def test_a_frame_larger_than_a_chunk_never_reaches_the_handler_and_the_server_se
         seen.append([len(p) for p in request.payload])
         return Reply(encode(SEEN, request.header.id, n=len(seen)))
 
-    server = Server(zctx, endpoint, {TWO.name: Route(TWO, handler, max_payload_bytes=8 * CHUNK_BYTES)}, name="s",
-                    senders=["a"]).start()
+    server = Server(
+        zctx, endpoint, {TWO.name: Route(TWO, handler, max_payload_bytes=8 * CHUNK_BYTES)}, name="s", senders=["a"]
+    ).start()
     raw = zctx.socket(zmq.REQ)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(endpoint)
@@ -145,8 +146,9 @@ def test_a_frame_larger_than_a_chunk_never_reaches_the_handler_and_the_server_se
         assert refusal.kind == "error" and refusal["reason"] == "bad_frames"
         raw.send_multipart([encode(TWO, 2, **{"from": "a"}), b"x" * (CHUNK_BYTES + FRAME_ALLOWANCE + 1), b""])
         assert not raw.poll(500)  # ZeroMQ dropped the connection: no reply
-        reply = channel.request([encode(TWO, 3, **{"from": "a"}), b"y" * 10, b""], 3, time.monotonic() + 5,
-                                accept={SEEN.name: SEEN})
+        reply = channel.request(
+            [encode(TWO, 3, **{"from": "a"}), b"y" * 10, b""], 3, time.monotonic() + 5, accept={SEEN.name: SEEN}
+        )
         assert reply.header["n"] == 1 and seen == [[10, 0]]
     finally:
         raw.close(0)

@@ -28,8 +28,9 @@ def tiny_archive(tmp_path):
 
 
 def prepare(target, **env):
-    return subprocess.run(["bash", str(PREPARE), str(target)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        ["bash", str(PREPARE), str(target)], capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
 
 
 def test_an_unreachable_url_fails_with_what_to_do(tmp_path):

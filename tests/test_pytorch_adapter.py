@@ -207,10 +207,13 @@ def test_a_symmetric_delta_exchange_through_the_adapter(adapters, make_cluster):
             assert torch.all(t == 4.0)
 
 
-@pytest.mark.parametrize("make_optimizer", [
-    lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
-    lambda params: torch.optim.Adam(params, lr=0.01),
-])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+        lambda params: torch.optim.Adam(params, lr=0.01),
+    ],
+)
 def test_a_joining_node_takes_its_donors_parameters_and_optimizer_state(adapters, make_optimizer):
     """w0 trains three steps (its optimizer builds momentum, Adam's step counts and moments), then
     lingers; w1 starts late with join: auto and its own optimizer. Before the constructor returns,

@@ -53,8 +53,13 @@ def test_config_rules_for_keys(tmp_path):
     bad = {**cfg, "nodes": [dict(cfg["nodes"][0], public_key="not-a-key"), cfg["nodes"][1]]}
     with pytest.raises(ConfigError, match=r"nodes\[0\]\.public_key must be a 40-character Z85 CURVE key"):
         parse_config(bad)
-    partial = {**cfg, "nodes": [cfg["nodes"][0], {k: v for k, v in cfg["nodes"][1].items()
-                                                   if k not in ("public_key", "secret_key_file")}]}
+    partial = {
+        **cfg,
+        "nodes": [
+            cfg["nodes"][0],
+            {k: v for k, v in cfg["nodes"][1].items() if k not in ("public_key", "secret_key_file")},
+        ],
+    }
     with pytest.raises(ConfigError, match="public_key on every node or on none; missing on w1"):
         parse_config(partial)
     relative = {**cfg, "nodes": [dict(cfg["nodes"][0], secret_key_file="keys/w0.key_secret"), cfg["nodes"][1]]}
@@ -108,16 +113,29 @@ def test_an_unlisted_key_and_a_plain_client_get_nothing_and_are_counted(nodes, t
     ctx = zmq.Context()
     try:
         intruder_public, intruder_secret = zmq.curve_keypair()
-        assert not raw_fetch(ctx, port, server.params.fingerprint, 1000, CURVE_SERVERKEY=server_key,
-                             CURVE_PUBLICKEY=intruder_public, CURVE_SECRETKEY=intruder_secret)
+        assert not raw_fetch(
+            ctx,
+            port,
+            server.params.fingerprint,
+            1000,
+            CURVE_SERVERKEY=server_key,
+            CURVE_PUBLICKEY=intruder_public,
+            CURVE_SECRETKEY=intruder_secret,
+        )
         assert wait_until(lambda: server.stats().get("auth_denied", 0) >= 1, 5)
         assert not raw_fetch(ctx, port, server.params.fingerprint, 1000)  # no CURVE at all
         assert wait_until(lambda: server.stats().get("handshakes_failed", 0) >= 1, 5)
         assert server.stats()["requests_served"] == 0  # neither reached a handler
         # an intruder that claims a listed node's public key cannot finish the handshake without its secret
-        assert not raw_fetch(ctx, port, server.params.fingerprint, 1000, CURVE_SERVERKEY=server_key,
-                             CURVE_PUBLICKEY=cfg["nodes"][1]["public_key"].encode(),
-                             CURVE_SECRETKEY=intruder_secret)
+        assert not raw_fetch(
+            ctx,
+            port,
+            server.params.fingerprint,
+            1000,
+            CURVE_SERVERKEY=server_key,
+            CURVE_PUBLICKEY=cfg["nodes"][1]["public_key"].encode(),
+            CURVE_SECRETKEY=intruder_secret,
+        )
         assert server.stats()["requests_served"] == 0
         # a listed node still gets through
         member = nodes(cfg, "w1", NumpyParams(filled(1)))
@@ -157,8 +175,11 @@ def test_the_from_field_is_bound_to_the_authenticated_key(nodes, tmp_path):
     server.update_send()
     w1 = cfg["nodes"][1]
     _, w1_secret = zmq.auth.load_certificate(w1["secret_key_file"])
-    curve = dict(CURVE_SERVERKEY=cfg["nodes"][0]["public_key"].encode(), CURVE_PUBLICKEY=w1["public_key"].encode(),
-                 CURVE_SECRETKEY=w1_secret)
+    curve = dict(
+        CURVE_SERVERKEY=cfg["nodes"][0]["public_key"].encode(),
+        CURVE_PUBLICKEY=w1["public_key"].encode(),
+        CURVE_SECRETKEY=w1_secret,
+    )
     ctx = zmq.Context()
     try:
         port = cfg["nodes"][0]["port"]
@@ -191,6 +212,6 @@ def test_a_loopback_cluster_without_keys_listens_on_no_tcp_port(nodes):
     node = nodes(cfg, "w0", NumpyParams(filled(7)))
     node.update_send()
     assert port_is_free(cfg["nodes"][0]["port"])  # nothing listens on the TCP port
-    path = node.config.endpoint(node.spec)[len("ipc://"):]
+    path = node.config.endpoint(node.spec)[len("ipc://") :]
     assert stat.S_ISSOCK(os.stat(path).st_mode)
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700

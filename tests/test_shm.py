@@ -87,10 +87,17 @@ def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
     store.publish(lambda a: a.fill(1.0), 0, None)
     store.publish(lambda a: a.fill(2.0), 0, None)
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import fcntl, sys; f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_SH); "
-         "print('locked', flush=True); sys.stdin.read()", str(slots.dir / "slot-0")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_SH); "
+            "print('locked', flush=True); sys.stdin.read()",
+            str(slots.dir / "slot-0"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert not store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 held by the other process
@@ -111,9 +118,17 @@ def test_directories_are_swept_by_their_owner_lock_not_by_pid(root):
     live.mkdir(mode=0o700)
     (live / "owner").write_text("999999999")  # a PID of another namespace, say
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
-         "print('locked', flush=True); sys.stdin.read()", str(live / "owner")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys; f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('locked', flush=True); sys.stdin.read()",
+            str(live / "owner"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         dead = user_dir(root) / "w9-1234-0123456789abcdef"
@@ -184,11 +199,17 @@ def test_a_full_dev_shm_falls_back_to_tcp_and_never_kills_the_node(tmp_path):
     if probe.returncode != 0:
         pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
     cfg = make_config(2, fetch_probability=1, timeout_ms=5000)
-    script = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {shlex.quote(sys.executable)} "
-              f"{shlex.quote(str(HELPERS / 'small_shm_nodes.py'))} {shlex.quote(json.dumps(cfg))}")
-    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    script = (
+        f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {shlex.quote(sys.executable)} "
+        f"{shlex.quote(str(HELPERS / 'small_shm_nodes.py'))} {shlex.quote(json.dumps(cfg))}"
+    )
+    proc = subprocess.Popen(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     try:
         out, err = proc.communicate(timeout=200)
     finally:

@@ -44,8 +44,9 @@ def test_the_new_modes_train_like_exact_averaging():
     """The convergence study at reduced size (2 seeds): pull/delta and symmetric/delta reach the
     loss threshold within 10% of exact averaging's steps, with test accuracy within 1 point;
     the original pull/state rule with a fetch every step needs about twice the steps."""
-    rules = [r for r in sim.RULES if r.label.startswith(("exact", "pull, state, p = 1", "pull, delta",
-                                                         "symmetric, delta"))]
+    rules = [
+        r for r in sim.RULES if r.label.startswith(("exact", "pull, state, p = 1", "pull, delta", "symmetric, delta"))
+    ]
     result = sim.study(seeds=2, rules=rules)
     rows = {r["rule"]: r for r in result["rows"]}
     for label in ("pull, delta, p = 1", "symmetric, delta, p = 1"):

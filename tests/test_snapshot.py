@@ -96,8 +96,9 @@ def test_slots_are_allocated_lazily_and_bounded():
 
 def test_a_slot_held_too_long_by_unsent_replies_is_retired_and_publishing_goes_on(monkeypatch):
     allocations = []
-    store = SnapshotStore(10, np.float32, max_slots=2, memory=counting_memory(allocations), hold_limit_s=5.0,
-                          max_retired=1)
+    store = SnapshotStore(
+        10, np.float32, max_slots=2, memory=counting_memory(allocations), hold_limit_s=5.0, max_retired=1
+    )
     now = [1000.0]
     monkeypatch.setattr("dpwa.gossip.snapshots.time.monotonic", lambda: now[0])
     trackers = []

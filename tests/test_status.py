@@ -28,8 +28,13 @@ IDLE_PEER = {"score": 1.0, "failures": 0, "latency_s": None, "averaged": 0}  # a
 
 
 def dpwa_status(config_path, *args):
-    return subprocess.run([sys.executable, "-m", "dpwa", "status", str(config_path), *map(str, args)],
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, "-m", "dpwa", "status", str(config_path), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 def write(tmp_path, cfg, name="cluster.yaml"):
@@ -86,10 +91,20 @@ def test_a_node_that_does_not_answer_is_unreachable_and_the_exit_status_says_so(
     table = dpwa_status(path, "--timeout-ms", 300)
     assert table.returncode == 1
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["node", "state", "epoch", "clock", "loss", "exch/s", "failed", "in", "out",
-                                "pending", "up"]
-    assert [line.split()[:2] for line in lines[1:4]] == [["w0", "training"], ["w1", "training"],
-                                                         ["w2", "unreachable"]]
+    assert lines[0].split() == [
+        "node",
+        "state",
+        "epoch",
+        "clock",
+        "loss",
+        "exch/s",
+        "failed",
+        "in",
+        "out",
+        "pending",
+        "up",
+    ]
+    assert [line.split()[:2] for line in lines[1:4]] == [["w0", "training"], ["w1", "training"], ["w2", "unreachable"]]
     assert lines[1].split()[2:5] == ["0", "0.0", "-"]  # epoch, clock, loss
     assert "w0    w1 1.00/-  w2 1.00/-" in lines  # the peers section: score/last latency
     assert any(line.startswith("w2: unreachable: timeout: ") for line in lines)
@@ -124,11 +139,27 @@ def test_bytes_through_shared_memory_count_and_so_do_each_peers_averages(tmp_pat
 
 def test_a_report_with_more_peers_than_fit_keeps_the_worst_ones():
     """1,024 peers with 64-character names do not fit a status reply's 64 kB: the worst-scored are kept."""
-    peers = {f"{i:04d}" + "p" * 60: {"score": 1.0 - i / 2048, "failures": i, "latency_s": 0.001, "averaged": i}
-             for i in range(1024)}
-    report = {"name": "w0", "state": "training", "epoch": 1, "clock": 1.0, "loss": None, "exchanges_per_s": 1.0,
-              "averaged": 1, "failures": 0, "bytes_in": 0, "bytes_out": 0, "served": 0, "pending": 0,
-              "uptime_s": 1.0, "peers": peers, "barriers": {}}
+    peers = {
+        f"{i:04d}" + "p" * 60: {"score": 1.0 - i / 2048, "failures": i, "latency_s": 0.001, "averaged": i}
+        for i in range(1024)
+    }
+    report = {
+        "name": "w0",
+        "state": "training",
+        "epoch": 1,
+        "clock": 1.0,
+        "loss": None,
+        "exchanges_per_s": 1.0,
+        "averaged": 1,
+        "failures": 0,
+        "bytes_in": 0,
+        "bytes_out": 0,
+        "served": 0,
+        "pending": 0,
+        "uptime_s": 1.0,
+        "peers": peers,
+        "barriers": {},
+    }
     server = StatusServer(lambda: dict(report))
     request = Request(decode(encode(STATUS, 7, **{"from": "w1"})), (), b"", None)
     header = server.serve(request).header
@@ -212,8 +243,9 @@ def test_curve_asks_with_a_key_that_is_here_and_says_which_ones_it_tried(tmp_pat
     assert message.startswith(f"dpwa status: {path}: the nodes use CURVE") and "no node's secret key file" in message
     for node in cfg["nodes"]:
         assert f"\n  {node['name']}: {node['secret_key_file']}: the secret key file can be read by others" in message
-    assert message.rstrip().endswith("Copy one node's NAME.key_secret to the path this config gives for it "
-                                     "(mode 0600), and run status again")
+    assert message.rstrip().endswith(
+        "Copy one node's NAME.key_secret to the path this config gives for it (mode 0600), and run status again"
+    )
     one = dpwa_status(path, "--key", "w1")
     assert one.returncode == 1 and f"{path}: --key w1: {cfg['nodes'][1]['secret_key_file']}: " in one.stderr
     unknown = dpwa_status(path, "--key", "w9")
@@ -248,8 +280,12 @@ def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it_quietly(tmp_pat
     for k in (0, 1):
         nodes(cfg, f"w{k}", NumpyParams(filled(k)))
     main, child = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "dpwa", "status", str(write(tmp_path, cfg)), "--watch", "0.1"],
-                            stdout=child, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dpwa", "status", str(write(tmp_path, cfg)), "--watch", "0.1"],
+        stdout=child,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     os.close(child)
     output = b""
     try:
@@ -306,8 +342,7 @@ def test_a_status_reply_fits_its_budget_with_700_peers_of_long_names_and_says_ho
 
     cfg = make_config(1, fetch_probability=0)
     me = cfg["nodes"][0]
-    cfg["nodes"] = [me] + [{"name": f"{k:03d}" + "p" * 61, "host": "127.0.0.1", "port": 1 + k}
-                           for k in range(700)]
+    cfg["nodes"] = [me] + [{"name": f"{k:03d}" + "p" * 61, "host": "127.0.0.1", "port": 1 + k} for k in range(700)]
     nodes(cfg, "w0", NumpyParams(filled(0)))  # the 700 are names in its config; nobody is asked
     parsed = parse_config(cfg)
     ctx = zmq.Context()

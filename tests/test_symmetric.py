@@ -168,14 +168,17 @@ def test_a_symmetric_node_refuses_non_finite_snapshots(nodes):
     assert peer.stats()["exchanges_pending"] == 0
 
 
-@pytest.mark.parametrize("settings, f", [
-    # loss interpolation from the two snapshots: 3 / (3 + 1) = 0.75, capped at 1/2 (no side moves past the midpoint)
-    ({"interpolation": "loss"}, 0.5),
-    # loss interpolation the other way round: 1 / (1 + 3)
-    ({"interpolation": "loss", "swap": True}, 0.25),
-    # divergence: our snapshot's loss 0.1 is below 0.2, so f = 0.5 * 0.1 / 0.2
-    ({"divergence_threshold": 0.2}, 0.25),
-])
+@pytest.mark.parametrize(
+    "settings, f",
+    [
+        # loss interpolation from the two snapshots: 3 / (3 + 1) = 0.75, capped at 1/2 (no side moves past the midpoint)
+        ({"interpolation": "loss"}, 0.5),
+        # loss interpolation the other way round: 1 / (1 + 3)
+        ({"interpolation": "loss", "swap": True}, 0.25),
+        # divergence: our snapshot's loss 0.1 is below 0.2, so f = 0.5 * 0.1 / 0.2
+        ({"divergence_threshold": 0.2}, 0.25),
+    ],
+)
 def test_interpolation_works_in_symmetric_mode(nodes, settings, f):
     """In symmetric mode the server computes f from the two exchanged snapshots and the
     requester checks it; both use it: w0 (0) moves by f (8 - 0), w1 (8) by f (0 - 8); their sum stays 8."""
@@ -236,6 +239,7 @@ def through_chaos(nodes):
 
 def settle(node, peer, until, timeout_s=10.0) -> bool:
     """Let both sides apply what has settled (no new exchanges: w1 never republishes) until `until()`."""
+
     def step() -> bool:
         tend(node)
         tend(peer)
@@ -283,8 +287,11 @@ def test_a_lost_request_or_reply_moves_nobody(through_chaos, kind):
     update = node.update_wait()
     assert not update.averaged and update.outcome in ("timeout", "failed")
     expired = 0 if kind == "exchange" else 1
-    assert settle(node, peer, lambda: peer.stats().get("exchanges_expired", 0) == expired and
-                  peer.stats()["exchanges_pending"] == 0)
+    assert settle(
+        node,
+        peer,
+        lambda: peer.stats().get("exchanges_expired", 0) == expired and peer.stats()["exchanges_pending"] == 0,
+    )
     assert np.all(mine == 0.0) and np.all(theirs == 10.0)
     assert proxy.stats[(kind, "drop")] == 1
 
@@ -297,8 +304,15 @@ def test_a_cut_right_after_any_step_applies_both_halves_or_neither(through_chaos
     proxy.plan(kind, "cut_after")
     node.update_send()
     node.update_wait()
-    assert settle(node, peer, lambda: peer.stats()["exchanges_pending"] == 0 and node.stats()["exchanges_unsettled"] == 0
-                  and node.stats()["averaged"] == peer.stats().get("mirrored", 0))
+    assert settle(
+        node,
+        peer,
+        lambda: (
+            peer.stats()["exchanges_pending"] == 0
+            and node.stats()["exchanges_unsettled"] == 0
+            and node.stats()["averaged"] == peer.stats().get("mirrored", 0)
+        ),
+    )
     assert (float(mine[0]), float(theirs[0])) in ((0.0, 10.0), (5.0, 5.0))
     assert np.all(mine == mine[0]) and np.all(theirs == theirs[0])
     assert proxy.stats[(kind, "cut_after")] == 1
@@ -315,8 +329,7 @@ def test_a_server_closing_right_after_its_commit_still_applies_its_half(through_
     assert peer.stats()["mirrored"] == 1
 
 
-def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_the_requester_holds_it(
-        through_chaos):
+def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_the_requester_holds_it(through_chaos):
     """The server commits; its decision is lost, and so are the requester's next three confirms, so
     no confirm reaches the server for well over a second while both close together. The closing
     server keeps answering its commit until the requester is known to hold it (it asks: ``known``):
@@ -353,8 +366,11 @@ def chaos_round(nodes, seed: int, attempts: int, heal: bool):
             entries = []
             for j, spec in enumerate(cfg["nodes"]):
                 if i != j:
-                    proxies[(i, j)] = ChaosProxy(spec["port"], {k: rule for k in ("exchange", "params", "confirm",
-                                                                                  "decision")}, seed=seed + 10 * i + j)
+                    proxies[(i, j)] = ChaosProxy(
+                        spec["port"],
+                        {k: rule for k in ("exchange", "params", "confirm", "decision")},
+                        seed=seed + 10 * i + j,
+                    )
                     spec = dict(spec, port=proxies[(i, j)].port)
                 entries.append(spec)
             configs.append({**cfg, "nodes": entries})
@@ -437,8 +453,16 @@ class RawPeer:
         self.sock.connect(parsed.endpoint(parsed.node(server)))
 
     def exchange(self, node, payload, clock=0.0):
-        header = encode(EXCHANGE, 1, **{"from": self.name}, fp=node.params.fingerprint, dtype="float32",
-                        nbytes=payload.nbytes, clock=clock, loss=None)
+        header = encode(
+            EXCHANGE,
+            1,
+            **{"from": self.name},
+            fp=node.params.fingerprint,
+            dtype="float32",
+            nbytes=payload.nbytes,
+            clock=clock,
+            loss=None,
+        )
         return self._ask([header, payload])
 
     def confirm(self, xid):
@@ -448,9 +472,6 @@ class RawPeer:
         self.sock.send_multipart(frames)
         assert self.sock.poll(5000), "no answer"
         return decode(self.sock.recv_multipart()[0])
-
-
-
 
 
 def test_busy_is_answered_before_the_payload_is_scanned(nodes, zctx):

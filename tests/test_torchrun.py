@@ -38,8 +38,9 @@ class Agents:
 
     def start(self, argv: list[str], log: Path, prefix: list[str] | None = None) -> subprocess.Popen:
         with open(log, "wb") as out:
-            proc = subprocess.Popen((prefix or []) + argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                (prefix or []) + argv, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT, start_new_session=True
+            )
         self.procs.append(proc)
         return proc
 
@@ -72,8 +73,18 @@ def test_standalone_workers_meet_through_the_store_and_every_rank_averages_with_
     others; at the fresh start ranks 1 and 2 took rank 0's initial parameters (their seeds differ)."""
     out = tmp_path / "out"
     out.mkdir()
-    proc = agents.start(TORCHRUN + ["--standalone", "--nproc-per-node", "3", str(ROOT / "tests" / "helpers" /
-                                    "torchrun_worker.py"), str(out), "40"], tmp_path / "torchrun.log")
+    proc = agents.start(
+        TORCHRUN
+        + [
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            str(ROOT / "tests" / "helpers" / "torchrun_worker.py"),
+            str(out),
+            "40",
+        ],
+        tmp_path / "torchrun.log",
+    )
     assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     results = {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
     assert sorted(results) == ["rank0", "rank1", "rank2"]
@@ -96,8 +107,19 @@ def test_a_plain_loop_without_barriers_starts_every_rank_together_like_ddp(agent
     joining from it; they timed out and started from their own.)"""
     out = tmp_path / "out"
     out.mkdir()
-    proc = agents.start(TORCHRUN + ["--standalone", "--nproc-per-node", "3", str(ROOT / "tests" / "helpers" /
-                                    "torchrun_worker.py"), str(out), "60", "plain"], tmp_path / "torchrun.log")
+    proc = agents.start(
+        TORCHRUN
+        + [
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            str(ROOT / "tests" / "helpers" / "torchrun_worker.py"),
+            str(out),
+            "60",
+            "plain",
+        ],
+        tmp_path / "torchrun.log",
+    )
     assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     results = {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
     assert sorted(results) == ["rank0", "rank1", "rank2"]
@@ -113,11 +135,30 @@ def test_a_worker_killed_under_max_restarts_rejoins_and_the_run_finishes(agents,
     state) and starts all three again: rank0 and rank2 restore what they saved, rank1, which saved
     nothing, joins from one of them; the run finishes (exit 0) in the usual accuracy band."""
     run_dir = tmp_path / "run"
-    proc = agents.start(TORCHRUN + ["--standalone", "--nproc-per-node", "3", "--max-restarts", "1", TRAIN,
-                                    "--config", SAMPLE, "--run-dir", str(run_dir), "--epochs", "10"],
-                        tmp_path / "torchrun.log")
-    assert wait_until(lambda: all(any(r["kind"] == "step" and r["epoch"] >= 3 for r in metrics(run_dir, f"rank{k}"))
-                                  for k in range(3)), 150), (tmp_path / "torchrun.log").read_text()[-3000:]
+    proc = agents.start(
+        TORCHRUN
+        + [
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            TRAIN,
+            "--config",
+            SAMPLE,
+            "--run-dir",
+            str(run_dir),
+            "--epochs",
+            "10",
+        ],
+        tmp_path / "torchrun.log",
+    )
+    assert wait_until(
+        lambda: all(
+            any(r["kind"] == "step" and r["epoch"] >= 3 for r in metrics(run_dir, f"rank{k}")) for k in range(3)
+        ),
+        150,
+    ), (tmp_path / "torchrun.log").read_text()[-3000:]
     victim = [r for r in metrics(run_dir, "rank1") if r["kind"] == "start"][0]["pid"]
     os.kill(victim, signal.SIGKILL)
     assert proc.wait(180) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
@@ -158,12 +199,18 @@ def two_hosts():
     net = ipaddress.ip_network(f"10.{random.randrange(100, 250)}.{random.randrange(1, 250)}.0/24")
     addresses = [str(net.network_address + 1), str(net.network_address + 2)]
     veths = [f"dva{tag}"[:15], f"dvb{tag}"[:15]]
-    commands = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
-                ["ip", "link", "add", veths[0], "type", "veth", "peer", "name", veths[1]]]
+    commands = [
+        ["ip", "netns", "add", names[0]],
+        ["ip", "netns", "add", names[1]],
+        ["ip", "link", "add", veths[0], "type", "veth", "peer", "name", veths[1]],
+    ]
     for ns, veth, address in zip(names, veths, addresses, strict=True):
-        commands += [["ip", "link", "set", veth, "netns", ns],
-                     ["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", veth],
-                     ["ip", "-n", ns, "link", "set", veth, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+        commands += [
+            ["ip", "link", "set", veth, "netns", ns],
+            ["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", veth],
+            ["ip", "-n", ns, "link", "set", veth, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+        ]
     try:
         for command in commands:
             subprocess.run(command, check=True, capture_output=True)
@@ -181,8 +228,18 @@ def test_two_hosts_train_the_digits_example_across_network_namespaces(agents, tm
     host (TCP with CURVE across the veth; shared memory inside one namespace)."""
     (ns_a, ns_b), (addr_a, addr_b) = two_hosts
     run_dir = tmp_path / "run"
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-              f"{addr_a}:29400", "--rdzv-id", "dpwa-test"]
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{addr_a}:29400",
+        "--rdzv-id",
+        "dpwa-test",
+    ]
     train = [TRAIN, "--config", SAMPLE, "--run-dir", str(run_dir), "--epochs", "8"]
     host = {addr_a: "a", addr_b: "b"}
     procs = []

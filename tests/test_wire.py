@@ -22,9 +22,6 @@ PONG = KINDS.get("test_pong") or message_kind("test_pong", {"n": Integer(0, 100)
 BLOB = KINDS.get("test_blob") or message_kind("test_blob", {"from": Text(16)}, payload=1)
 
 
-
-
-
 class Echo:
     """A server whose handler records what it saw; `refuse` makes it answer busy."""
 
@@ -61,8 +58,9 @@ def test_a_task_whose_deadline_passed_in_the_queue_is_never_sent(zctx):
     silent_port = free_port()
     silent = zctx.socket(zmq.ROUTER)  # accepts, never answers
     silent.bind(f"tcp://127.0.0.1:{silent_port}")
-    client = ClientThread(zctx, {"echo": echo.endpoint, "silent": f"tcp://127.0.0.1:{silent_port}"}, name="t",
-                          max_reply_bytes=4096).start()
+    client = ClientThread(
+        zctx, {"echo": echo.endpoint, "silent": f"tcp://127.0.0.1:{silent_port}"}, name="t", max_reply_bytes=4096
+    ).start()
     try:
         now = time.monotonic()
         slow = client.submit(PingTask("silent", now + 0.5, 1))
@@ -117,6 +115,7 @@ def test_payload_frames_are_counted_and_sized_before_the_handler_runs(zctx):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(echo.endpoint)
     try:
+
         def ask(frames):
             sock.send_multipart(frames)
             assert sock.poll(5000)
@@ -126,8 +125,11 @@ def test_payload_frames_are_counted_and_sized_before_the_handler_runs(zctx):
 
         header = encode(BLOB, 1, **{"from": "a"})
         assert decode(ask([header, b"x" * 50])[0])["n"] == 50
-        for frames, reason in (([header], "bad_frames"), ([header, b"x", b"y"], "bad_frames"),
-                               ([header, b"x" * 101], "too_large")):
+        for frames, reason in (
+            ([header], "bad_frames"),
+            ([header, b"x", b"y"], "bad_frames"),
+            ([header, b"x" * 101], "too_large"),
+        ):
             reply = decode(ask(frames)[0])
             assert reply.kind == "error" and reply["reason"] == reason
     finally:
@@ -203,8 +205,9 @@ def test_a_direct_call_times_out_at_its_deadline_and_an_abandoned_one_frees_its_
     silent = zctx.socket(zmq.ROUTER)  # accepts, never answers
     silent_port = free_port()
     silent.bind(f"tcp://127.0.0.1:{silent_port}")
-    direct = DirectClient(zctx, {"e": echo.endpoint, "s": f"tcp://127.0.0.1:{silent_port}"}, name="d",
-                          max_reply_bytes=4096)
+    direct = DirectClient(
+        zctx, {"e": echo.endpoint, "s": f"tcp://127.0.0.1:{silent_port}"}, name="d", max_reply_bytes=4096
+    )
     try:
         t0 = time.monotonic()
         slow = direct.start(FirstPing("s", t0 + 0.3, 1))

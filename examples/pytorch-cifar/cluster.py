@@ -39,8 +39,20 @@ from dpwa.cluster.keys import key_nodes  # noqa: E402
 from dpwa.wire.endpoints import is_loopback  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
-TRAIN_OPTIONS = ("model", "width", "epochs", "steps_per_epoch", "batch_size", "lr", "shard", "device", "seed",
-                 "log_every", "linger_s", "barrier_timeout_s")
+TRAIN_OPTIONS = (
+    "model",
+    "width",
+    "epochs",
+    "steps_per_epoch",
+    "batch_size",
+    "lr",
+    "shard",
+    "device",
+    "seed",
+    "log_every",
+    "linger_s",
+    "barrier_timeout_s",
+)
 
 
 def default_nodes() -> int:
@@ -50,89 +62,165 @@ def default_nodes() -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="./run.sh", description="Start a local dpwa training cluster of the pytorch-cifar example.",
-        epilog="Every node's own options: .venv/bin/python examples/pytorch-cifar/train.py --help")
+        prog="./run.sh",
+        description="Start a local dpwa training cluster of the pytorch-cifar example.",
+        epilog="Every node's own options: .venv/bin/python examples/pytorch-cifar/train.py --help",
+    )
     g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", type=int,
-                   help=f"number of nodes (default: one per core, at least 2; here {default_nodes()})")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address the nodes listen on and reach each other at (default: %(default)s)")
+    g.add_argument(
+        "--nodes", type=int, help=f"number of nodes (default: one per core, at least 2; here {default_nodes()})"
+    )
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address the nodes listen on and reach each other at (default: %(default)s)"
+    )
     g.add_argument("--base-port", type=int, help="ports BASE..BASE+N-1 (default: free ports picked at start)")
-    g.add_argument("--config", type=Path,
-                   help="use this cluster config (hosts, ports, settings) instead of writing one")
+    g.add_argument(
+        "--config", type=Path, help="use this cluster config (hosts, ports, settings) instead of writing one"
+    )
     g.add_argument("--only", help="with --config: the comma-separated nodes to start on this machine (default: all)")
-    g.add_argument("--fetch-probability", type=float, default=1.0,
-                   help="config: chance of a fetch per step (default: %(default)s)")
-    g.add_argument("--timeout-ms", type=int, default=1000,
-                   help="config: deadline of one fetch (default: %(default)s)")
-    g.add_argument("--interpolation", default="constant", choices=("constant", "clock", "loss"),
-                   help="config: how the blend factor is chosen (default: %(default)s)")
-    g.add_argument("--factor", type=float, default=0.5,
-                   help="config: constant.value, the blend factor f (default: %(default)s)")
-    g.add_argument("--mode", default="pull", choices=("pull", "symmetric"),
-                   help="config: pull (only the requester moves) or symmetric (both; default: %(default)s)")
-    g.add_argument("--blend", default="state", choices=("state", "delta"),
-                   help="config: state (the original rule) or delta (keeps the local step; default: %(default)s)")
-    g.add_argument("--pairing", default="random", choices=("random", "hypercube"),
-                   help="config: a random peer by score, or the hypercube schedule (a power of two of nodes; "
-                        "default: %(default)s)")
-    g.add_argument("--wire-dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                   help="config: dtype of parameters on the wire (default: %(default)s)")
+    g.add_argument(
+        "--fetch-probability", type=float, default=1.0, help="config: chance of a fetch per step (default: %(default)s)"
+    )
+    g.add_argument("--timeout-ms", type=int, default=1000, help="config: deadline of one fetch (default: %(default)s)")
+    g.add_argument(
+        "--interpolation",
+        default="constant",
+        choices=("constant", "clock", "loss"),
+        help="config: how the blend factor is chosen (default: %(default)s)",
+    )
+    g.add_argument(
+        "--factor", type=float, default=0.5, help="config: constant.value, the blend factor f (default: %(default)s)"
+    )
+    g.add_argument(
+        "--mode",
+        default="pull",
+        choices=("pull", "symmetric"),
+        help="config: pull (only the requester moves) or symmetric (both; default: %(default)s)",
+    )
+    g.add_argument(
+        "--blend",
+        default="state",
+        choices=("state", "delta"),
+        help="config: state (the original rule) or delta (keeps the local step; default: %(default)s)",
+    )
+    g.add_argument(
+        "--pairing",
+        default="random",
+        choices=("random", "hypercube"),
+        help="config: a random peer by score, or the hypercube schedule (a power of two of nodes; "
+        "default: %(default)s)",
+    )
+    g.add_argument(
+        "--wire-dtype",
+        default="float32",
+        choices=("float32", "float16", "bfloat16"),
+        help="config: dtype of parameters on the wire (default: %(default)s)",
+    )
     g = p.add_argument_group("failures")
-    g.add_argument("--resume", type=Path, metavar="RUN_DIR",
-                   help="continue RUN_DIR (its config and options) from its latest complete checkpoint")
-    g.add_argument("--restarts", type=int, default=0,
-                   help="start a node that dies again, up to this many times each; it rejoins from its peers "
-                        "(default: %(default)s)")
-    g.add_argument("--chaos", type=float, nargs="?", const=8.0, metavar="SECONDS",
-                   help="chaos mode: SIGKILL a random training node every SECONDS on average (default 8), and "
-                        "start it again (needs --restarts N; default then 3)")
+    g.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue RUN_DIR (its config and options) from its latest complete checkpoint",
+    )
+    g.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="start a node that dies again, up to this many times each; it rejoins from its peers "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--chaos",
+        type=float,
+        nargs="?",
+        const=8.0,
+        metavar="SECONDS",
+        help="chaos mode: SIGKILL a random training node every SECONDS on average (default 8), and "
+        "start it again (needs --restarts N; default then 3)",
+    )
     g.add_argument("--chaos-seed", type=int, help="the randomness of --chaos (default: a new one each run)")
-    g.add_argument("--barrier-timeout-s", type=float,
-                   help="how long nodes wait for missing ones at a barrier (default: 300)")
+    g.add_argument(
+        "--barrier-timeout-s", type=float, help="how long nodes wait for missing ones at a barrier (default: 300)"
+    )
     g = p.add_argument_group("dashboard")
-    g.add_argument("--dashboard", action="store_true",
-                   help="serve a live web page of the cluster on 127.0.0.1 while it runs (prints its URL; "
-                        "it stops with the cluster)")
-    g.add_argument("--dashboard-port", type=int, default=0,
-                   help="the dashboard's port (default: a free one)")
-    g.add_argument("--allow-kill", action="store_true",
-                   help="with --dashboard: a kill button per node (SIGKILL, as --chaos does), behind a secret "
-                        "token in the printed URL")
+    g.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve a live web page of the cluster on 127.0.0.1 while it runs (prints its URL; "
+        "it stops with the cluster)",
+    )
+    g.add_argument("--dashboard-port", type=int, default=0, help="the dashboard's port (default: a free one)")
+    g.add_argument(
+        "--allow-kill",
+        action="store_true",
+        help="with --dashboard: a kill button per node (SIGKILL, as --chaos does), behind a secret "
+        "token in the printed URL",
+    )
     g = p.add_argument_group("processes")
     g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
     g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
-    g.add_argument("--grace", type=float, default=10.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)")
+    g.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)",
+    )
     g.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where run folders go (default: %(default)s)")
-    g.add_argument("--print-every", type=float, default=10.0,
-                   help="seconds between progress lines when the output is not a terminal (default: %(default)s)")
+    g.add_argument(
+        "--print-every",
+        type=float,
+        default=10.0,
+        help="seconds between progress lines when the output is not a terminal (default: %(default)s)",
+    )
     g = p.add_argument_group("training (passed to every train.py)")
-    g.add_argument("--workload", choices=texts.WORKLOADS,
-                   help="digits or cifar10 (a ResNet on images), or charlm (a character-level transformer on the "
-                        "Python standard library's source); default: as --data says")
-    g.add_argument("--data", default="auto", type=texts.data_source,
-                   help="images: auto: cifar10 if prepare.sh has run, else the embedded digits (default: "
-                        "%(default)s), digits, cifar10; charlm: stdlib (default) or text:PATH")
-    g.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
-                   help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)")
-    g.add_argument("--epochs", type=int,
-                   help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10")
+    g.add_argument(
+        "--workload",
+        choices=texts.WORKLOADS,
+        help="digits or cifar10 (a ResNet on images), or charlm (a character-level transformer on the "
+        "Python standard library's source); default: as --data says",
+    )
+    g.add_argument(
+        "--data",
+        default="auto",
+        type=texts.data_source,
+        help="images: auto: cifar10 if prepare.sh has run, else the embedded digits (default: "
+        "%(default)s), digits, cifar10; charlm: stdlib (default) or text:PATH",
+    )
+    g.add_argument(
+        "--data-dir",
+        type=Path,
+        default=datasets.DEFAULT_CIFAR_DIR,
+        help="CIFAR-10 batches folder (default: examples/pytorch-cifar/data/cifar-10-batches-py)",
+    )
+    g.add_argument(
+        "--epochs", type=int, help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10"
+    )
     g.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials)")
-    g.add_argument("--model", choices=("auto",) + models.MODELS + ("tiny",),
-                   help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny")
+    g.add_argument(
+        "--model",
+        choices=("auto",) + models.MODELS + ("tiny",),
+        help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny",
+    )
     g.add_argument("--width", type=int, help="channels of the small model's first stage (default: 16)")
     g.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10, 32 on charlm")
-    g.add_argument("--lr", type=float,
-                   help="peak learning rate of every node (default: 0.1 on cifar10, 0.01 on charlm; on digits "
-                        "0.05 x nodes / 2, at most 0.4, after a warm-up: examples/pytorch-cifar/schedule.py)")
-    g.add_argument("--shard", choices=("auto", "none"),
-                   help="auto (default): a disjoint part of the data per node; none: all of it")
+    g.add_argument(
+        "--lr",
+        type=float,
+        help="peak learning rate of every node (default: 0.1 on cifar10, 0.01 on charlm; on digits "
+        "0.05 x nodes / 2, at most 0.4, after a warm-up: examples/pytorch-cifar/schedule.py)",
+    )
+    g.add_argument(
+        "--shard",
+        choices=("auto", "none"),
+        help="auto (default): a disjoint part of the data per node; none: all of it",
+    )
     g.add_argument("--device", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     g.add_argument("--seed", type=int, help="initial weights, equal on every node (default: 0)")
     g.add_argument("--log-every", type=int, help="steps between metrics lines (default: 5)")
-    g.add_argument("--linger-s", type=float,
-                   help="how long a finished node may keep serving slower peers (default: 60)")
+    g.add_argument(
+        "--linger-s", type=float, help="how long a finished node may keep serving slower peers (default: 60)"
+    )
     args = p.parse_args(argv)
     if args.config is None and args.only:
         p.error("--only needs --config (without --config every node runs here)")
@@ -160,8 +248,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume is not None:
         changed = [f"--{o.replace('_', '-')}" for o in TRAIN_OPTIONS if o != "epochs" and getattr(args, o) is not None]
         if changed:
-            p.error(f"--resume continues a run with its own training options; only --epochs may change "
-                    f"(got {', '.join(changed)})")
+            p.error(
+                f"--resume continues a run with its own training options; only --epochs may change "
+                f"(got {', '.join(changed)})"
+            )
     if (args.allow_kill or args.dashboard_port) and not args.dashboard:
         p.error("--allow-kill and --dashboard-port go with --dashboard")
     if not 0 <= args.dashboard_port <= 65535:
@@ -185,10 +275,17 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     else:
         ports = processes.free_ports(count, args.host)
     nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
-    mapping = {"nodes": nodes, "fetch_probability": args.fetch_probability, "timeout_ms": args.timeout_ms,
-               "interpolation": args.interpolation, "constant": {"value": args.factor},
-               "mode": args.mode, "blend": args.blend, "pairing": args.pairing,
-               "wire_dtype": args.wire_dtype}
+    mapping = {
+        "nodes": nodes,
+        "fetch_probability": args.fetch_probability,
+        "timeout_ms": args.timeout_ms,
+        "interpolation": args.interpolation,
+        "constant": {"value": args.factor},
+        "mode": args.mode,
+        "blend": args.blend,
+        "pairing": args.pairing,
+        "wire_dtype": args.wire_dtype,
+    }
     # --fetch-probability 2 fails here, before any file is written (keys come later, in the run folder)
     parse_config({**mapping, "insecure": True}, source="./run.sh options")
     return mapping, []
@@ -205,19 +302,34 @@ def resume(args: argparse.Namespace) -> int:
         names = spec.local_names
         epoch = checkpoints.latest_complete(args.resume, [n["name"] for n in spec.config["nodes"]])
         if epoch is None:
-            raise ConfigError(f"{args.resume}: no complete checkpoint of every node ({', '.join(names)}) to resume from")
+            raise ConfigError(
+                f"{args.resume}: no complete checkpoint of every node ({', '.join(names)}) to resume from"
+            )
         command = spec.command if "--resume" in spec.command else spec.command + ["--resume"]
         if args.epochs is not None:
             command = with_epochs(args.resume, spec, command, epoch, args.epochs)
-        spec = launch.prepare(dataclasses.replace(
-            spec, command=command, restarts=args.restarts, chaos_s=args.chaos or 0.0, chaos_seed=args.chaos_seed,
-            grace_s=args.grace, print_every_s=args.print_every, dashboard=args.dashboard,
-            dashboard_port=args.dashboard_port, dashboard_kill=args.allow_kill))
+        spec = launch.prepare(
+            dataclasses.replace(
+                spec,
+                command=command,
+                restarts=args.restarts,
+                chaos_s=args.chaos or 0.0,
+                chaos_seed=args.chaos_seed,
+                grace_s=args.grace,
+                print_every_s=args.print_every,
+                dashboard=args.dashboard,
+                dashboard_port=args.dashboard_port,
+                dashboard_kill=args.allow_kill,
+            )
+        )
     except (ConfigError, OSError, ValueError, checkpoints.CheckpointError) as exc:
         print(f"./run.sh: {exc}", file=sys.stderr)
         return 2
-    what = "the state every node saved when it was stopped" if epoch == checkpoints.LAST else (
-        f"the checkpoint of epoch {epoch}")
+    what = (
+        "the state every node saved when it was stopped"
+        if epoch == checkpoints.LAST
+        else (f"the checkpoint of epoch {epoch}")
+    )
     print(f"dpwa: resuming {args.resume} from {what}", flush=True)
     return launch.detach(spec) if args.detach else launch.run(spec)
 
@@ -230,8 +342,10 @@ def with_epochs(run_dir: Path, spec: launch.LaunchSpec, command: list[str], epoc
         done = int(epoch)
     before = command[command.index("--epochs") + 1] if "--epochs" in command[:-1] else "its default"
     if epochs <= done:
-        raise ValueError(f"{run_dir} has trained {done} epochs; --epochs {epochs} must be more than that to train on "
-                         f"(leave --epochs out to train to {before})")
+        raise ValueError(
+            f"{run_dir} has trained {done} epochs; --epochs {epochs} must be more than that to train on "
+            f"(leave --epochs out to train to {before})"
+        )
     kept = []
     skip = False
     for i, word in enumerate(command):  # drop the old --epochs N
@@ -241,8 +355,11 @@ def with_epochs(run_dir: Path, spec: launch.LaunchSpec, command: list[str], epoc
             skip = True
         else:
             kept.append(word)
-    print(f"dpwa: --epochs {epochs}: the run trains {epochs} epochs in all (it was started with {before}); "
-          f"the learning rate's cosine now spans the {epochs} epochs", flush=True)
+    print(
+        f"dpwa: --epochs {epochs}: the run trains {epochs} epochs in all (it was started with {before}); "
+        f"the learning rate's cosine now spans the {epochs} epochs",
+        flush=True,
+    )
     return kept + ["--epochs", str(epochs)]
 
 
@@ -270,30 +387,60 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, local = cluster_config(args)
         if args.auto_data and args.workload == "digits":
-            print("dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
-                  "embedded handwritten digits (1,797 8x8 images shipped with dpwa)", flush=True)
+            print(
+                "dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
+                "embedded handwritten digits (1,797 8x8 images shipped with dpwa)",
+                flush=True,
+            )
         warn_few_steps(args, data, len(config["nodes"]))
         run_dir = launch.new_run_dir(args.runs_dir)
         if args.config is None and not is_loopback(args.host):
             # Other machines can reach these nodes: they authenticate and encrypt with keys made for this run.
             key_nodes(config["nodes"], run_dir / "keys")
-            print(f"dpwa: {args.host} can be reached from other machines: CURVE keys for every node are in "
-                  f"{run_dir / 'keys'}", flush=True)
+            print(
+                f"dpwa: {args.host} can be reached from other machines: CURVE keys for every node are in "
+                f"{run_dir / 'keys'}",
+                flush=True,
+            )
         # The CIFAR-10 folder only where the nodes read it: hints built from these commands name the data used.
         data_dir = ["--data-dir", str(args.data_dir.resolve())] if data == "cifar10" else []
-        command = [sys.executable, str(HERE / "train.py"), "--config", "{config}", "--name", "{name}",
-                   "--run-dir", "{run_dir}", "--workload", args.workload, "--data", data, *data_dir]
+        command = [
+            sys.executable,
+            str(HERE / "train.py"),
+            "--config",
+            "{config}",
+            "--name",
+            "{name}",
+            "--run-dir",
+            "{run_dir}",
+            "--workload",
+            args.workload,
+            "--data",
+            data,
+            *data_dir,
+        ]
         for option in TRAIN_OPTIONS:
             value = getattr(args, option)
             if value is not None:
                 command += [f"--{option.replace('_', '-')}", str(value)]
-        spec = launch.prepare(launch.LaunchSpec(
-            run_dir=str(run_dir), config=config, command=command, local=local,
-            finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}", *data_dir],
-            pin=not args.no_pin, grace_s=args.grace, print_every_s=args.print_every,
-            restarts=args.restarts, chaos_s=args.chaos or 0.0, chaos_seed=args.chaos_seed,
-            dashboard=args.dashboard, dashboard_port=args.dashboard_port, dashboard_kill=args.allow_kill,
-        ))
+        spec = launch.prepare(
+            launch.LaunchSpec(
+                run_dir=str(run_dir),
+                config=config,
+                command=command,
+                local=local,
+                finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}", *data_dir],
+                pin=not args.no_pin,
+                grace_s=args.grace,
+                print_every_s=args.print_every,
+                restarts=args.restarts,
+                chaos_s=args.chaos or 0.0,
+                chaos_seed=args.chaos_seed,
+                dashboard=args.dashboard,
+                dashboard_port=args.dashboard_port,
+                dashboard_kill=args.allow_kill,
+            )
+        )
     except (ConfigError, OSError) as exc:
         print(f"./run.sh: {exc}", file=sys.stderr)
         return 2

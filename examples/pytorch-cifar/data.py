@@ -69,5 +69,7 @@ if __name__ == "__main__":
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_CIFAR_DIR)
     args = parser.parse_args()
     dataset = load(resolve(args.data, args.data_dir), args.data_dir)
-    print(f"{dataset.name}: {len(dataset.train_y)} training and {len(dataset.test_y)} test images "
-          f"of shape {tuple(dataset.train_x.shape[1:])}")
+    print(
+        f"{dataset.name}: {len(dataset.train_y)} training and {len(dataset.test_y)} test images "
+        f"of shape {tuple(dataset.train_x.shape[1:])}"
+    )

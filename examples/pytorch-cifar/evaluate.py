@@ -31,8 +31,13 @@ CHECKPOINT_KEYS = ("model", "width", "data", "in_channels", "num_classes", "stat
 
 
 @torch.no_grad()
-def evaluate(net: nn.Module, data: datasets.Dataset, device: torch.device, batch_size: int = 500,
-             should_stop: Callable[[], bool] = lambda: False) -> tuple[float, float] | None:
+def evaluate(
+    net: nn.Module,
+    data: datasets.Dataset,
+    device: torch.device,
+    batch_size: int = 500,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> tuple[float, float] | None:
     """(accuracy, mean cross-entropy) on the test images; None if `should_stop` turned true meanwhile."""
     was_training = net.training
     net.eval()
@@ -53,9 +58,14 @@ def evaluate(net: nn.Module, data: datasets.Dataset, device: torch.device, batch
 
 def checkpoint(net: nn.Module, model: str, width: int, data: datasets.Dataset) -> dict:
     """What a node saves at its end: the model's name and shape, and its weights on the CPU."""
-    return {"model": model, "width": width, "data": data.name, "in_channels": data.in_channels,
-            "num_classes": data.num_classes,
-            "state_dict": {k: v.detach().cpu() for k, v in net.state_dict().items()}}
+    return {
+        "model": model,
+        "width": width,
+        "data": data.name,
+        "in_channels": data.in_channels,
+        "num_classes": data.num_classes,
+        "state_dict": {k: v.detach().cpu() for k, v in net.state_dict().items()},
+    }
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -93,7 +103,7 @@ def build_from(saved: dict) -> nn.Module:
     if saved["model"].startswith("charlm-"):
         from dpwa.workloads import charlm
 
-        net = charlm.build(saved["model"][len("charlm-"):])
+        net = charlm.build(saved["model"][len("charlm-") :])
         net.load_state_dict(saved["state_dict"])
         return net
     net = models.build(saved["model"], saved["in_channels"], saved["num_classes"], saved["width"])
@@ -104,8 +114,12 @@ def build_from(saved: dict) -> nn.Module:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Evaluate the parameter average of a run's nodes on the test set.")
     parser.add_argument("paths", nargs="+", type=Path, help="a run folder (uses its models/*.pt) or checkpoint files")
-    parser.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
-                        help="CIFAR-10 batches folder (default: %(default)s)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=datasets.DEFAULT_CIFAR_DIR,
+        help="CIFAR-10 batches folder (default: %(default)s)",
+    )
     parser.add_argument("--device", default="auto", help="auto (a GPU when available), cpu, cuda or cuda:N")
     args = parser.parse_args(argv)
     files: list[Path] = []
@@ -124,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if saved["model"].startswith("charlm-"):
             import text as texts
 
-            task = texts.TextTask(saved["data"], saved["model"][len("charlm-"):])
+            task = texts.TextTask(saved["data"], saved["model"][len("charlm-") :])
             result = task.evaluate(build_from(saved).to(device), device)
             assert result is not None
             acc, loss = result

@@ -22,8 +22,15 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["DEFAULTS", "MAX_LR_SCALE", "default_epochs", "learning_rate", "warmup_steps", "lr_factor",
-           "few_steps_warning"]
+__all__ = [
+    "DEFAULTS",
+    "MAX_LR_SCALE",
+    "default_epochs",
+    "learning_rate",
+    "warmup_steps",
+    "lr_factor",
+    "few_steps_warning",
+]
 
 REFERENCE_NODES = 2  # the defaults' learning rates were tuned for this many nodes
 MAX_LR_SCALE = 8.0  # the default learning rate grows with the nodes up to this many times
@@ -34,8 +41,15 @@ DEFAULTS = {
     "cifar10": {"epochs": 30, "min_steps": 0, "batch_size": 128, "lr": 0.1, "scale_lr": False},
     # charlm: an "epoch" is 50 steps of random windows of the node's shard (a whole pass is 500 and more);
     # it trains with AdamW (betas 0.9, 0.95), as python -m dpwa.compare does: SGD stalls on the transformer
-    "charlm": {"epochs": 6, "min_steps": 0, "batch_size": 32, "lr": 0.01, "scale_lr": False,
-               "steps_per_epoch": 50, "weight_decay": 0.01},
+    "charlm": {
+        "epochs": 6,
+        "min_steps": 0,
+        "batch_size": 32,
+        "lr": 0.01,
+        "scale_lr": False,
+        "steps_per_epoch": 50,
+        "weight_decay": 0.01,
+    },
 }
 
 

@@ -87,8 +87,9 @@ class TextTask:
     def loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return charlm.loss(net, (x, y))
 
-    def evaluate(self, net: nn.Module, device: torch.device,
-                 should_stop: Callable[[], bool] = lambda: False) -> tuple[float, float] | None:
+    def evaluate(
+        self, net: nn.Module, device: torch.device, should_stop: Callable[[], bool] = lambda: False
+    ) -> tuple[float, float] | None:
         """(next-character accuracy, validation loss in nats per character); None if stopped first."""
         if should_stop():
             return None
@@ -97,9 +98,14 @@ class TextTask:
 
     def checkpoint(self, net: nn.Module) -> dict:
         """What a node saves at its end, in the keys evaluate.py reads."""
-        return {"model": f"charlm-{self.size}", "width": self.config.dim, "data": self.source, "in_channels": 0,
-                "num_classes": self.config.vocab,
-                "state_dict": {k: v.detach().cpu() for k, v in net.state_dict().items()}}
+        return {
+            "model": f"charlm-{self.size}",
+            "width": self.config.dim,
+            "data": self.source,
+            "in_channels": 0,
+            "num_classes": self.config.vocab,
+            "state_dict": {k: v.detach().cpu() for k, v in net.state_dict().items()},
+        }
 
 
 def is_charlm(checkpoint: dict) -> bool:
@@ -108,6 +114,8 @@ def is_charlm(checkpoint: dict) -> bool:
 
 if __name__ == "__main__":
     task = TextTask("stdlib", "small")
-    print(f"{task.name}: {len(task.train):,} training characters, {task.valid_chars:,} validation characters "
-          f"({len(task.valid_y)} windows of {task.config.context} evaluated); "
-          f"{sum(p.numel() for p in task.build().parameters()):,} parameters")
+    print(
+        f"{task.name}: {len(task.train):,} training characters, {task.valid_chars:,} validation characters "
+        f"({len(task.valid_y)} windows of {task.config.context} evaluated); "
+        f"{sum(p.numel() for p in task.build().parameters()):,} parameters"
+    )

@@ -67,48 +67,95 @@ DEFAULTS = training_schedule.DEFAULTS
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="cluster YAML file (every node uses the same)")
-    p.add_argument("--name", help="which node of the config this process is (under torchrun with "
-                                   "nodes: torchrun: left out, the worker is rank<RANK>)")
+    p.add_argument(
+        "--name",
+        help="which node of the config this process is (under torchrun with "
+        "nodes: torchrun: left out, the worker is rank<RANK>)",
+    )
     p.add_argument("--run-dir", type=Path, help="write metrics/NAME.jsonl and models/NAME.pt here")
-    p.add_argument("--workload", choices=texts.WORKLOADS,
-                   help="digits or cifar10 (a ResNet on images), or charlm (a character-level transformer on text); "
-                        "default: as --data says")
-    p.add_argument("--data", default="auto", type=texts.data_source,
-                   help="images: auto (default: cifar10 if prepared in --data-dir, else the embedded digits), digits, "
-                        "cifar10; charlm: stdlib (default: the Python standard library's source) or text:PATH")
-    p.add_argument("--data-dir", type=Path, default=datasets.DEFAULT_CIFAR_DIR,
-                   help="CIFAR-10 batches folder (default: data/cifar-10-batches-py next to this script)")
-    p.add_argument("--shard", default="auto", choices=("auto", "none"),
-                   help="auto (default): a disjoint part per node, by its position in the config; none: all the data")
-    p.add_argument("--model", default="auto", choices=("auto",) + models.MODELS + ("tiny",),
-                   help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny")
-    p.add_argument("--width", type=int, default=16,
-                   help="channels of the small model's first stage (default: %(default)s)")
-    p.add_argument("--epochs", type=int,
-                   help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10, 6 on charlm")
+    p.add_argument(
+        "--workload",
+        choices=texts.WORKLOADS,
+        help="digits or cifar10 (a ResNet on images), or charlm (a character-level transformer on text); "
+        "default: as --data says",
+    )
+    p.add_argument(
+        "--data",
+        default="auto",
+        type=texts.data_source,
+        help="images: auto (default: cifar10 if prepared in --data-dir, else the embedded digits), digits, "
+        "cifar10; charlm: stdlib (default: the Python standard library's source) or text:PATH",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=datasets.DEFAULT_CIFAR_DIR,
+        help="CIFAR-10 batches folder (default: data/cifar-10-batches-py next to this script)",
+    )
+    p.add_argument(
+        "--shard",
+        default="auto",
+        choices=("auto", "none"),
+        help="auto (default): a disjoint part per node, by its position in the config; none: all the data",
+    )
+    p.add_argument(
+        "--model",
+        default="auto",
+        choices=("auto",) + models.MODELS + ("tiny",),
+        help="images: auto (default): resnet18 on a GPU, small on a CPU; charlm: small (auto) or tiny",
+    )
+    p.add_argument(
+        "--width", type=int, default=16, help="channels of the small model's first stage (default: %(default)s)"
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        help="default: 20 on digits (more if needed for 100 steps per node), 30 on cifar10, 6 on charlm",
+    )
     p.add_argument("--steps-per-epoch", type=int, help="cap on batches per epoch (quick trials; charlm: 50)")
     p.add_argument("--batch-size", type=int, help="default: 32 on digits, 128 on cifar10, 32 on charlm")
-    p.add_argument("--lr", type=float, help="peak learning rate, cosine decay to 0, on every node (default: 0.1 on "
-                                            "cifar10, 0.01 on charlm; on digits 0.05 x nodes / 2, at most 0.4, "
-                                            "after a warm-up)")
-    p.add_argument("--momentum", type=float, default=0.9,
-                   help="SGD (Nesterov) momentum, images only (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float,
-                   help="default: 5e-4 (SGD, images), 0.01 (AdamW's decoupled decay, charlm)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="initial weights, equal on every node; each node's data order differs (default: %(default)s)")
-    p.add_argument("--device", default="auto",
-                   help="auto (default): a GPU when there is one (nodes take the GPUs in turn), else cpu; "
-                        "or cpu, cuda, cuda:N")
+    p.add_argument(
+        "--lr",
+        type=float,
+        help="peak learning rate, cosine decay to 0, on every node (default: 0.1 on "
+        "cifar10, 0.01 on charlm; on digits 0.05 x nodes / 2, at most 0.4, "
+        "after a warm-up)",
+    )
+    p.add_argument(
+        "--momentum", type=float, default=0.9, help="SGD (Nesterov) momentum, images only (default: %(default)s)"
+    )
+    p.add_argument(
+        "--weight-decay", type=float, help="default: 5e-4 (SGD, images), 0.01 (AdamW's decoupled decay, charlm)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="initial weights, equal on every node; each node's data order differs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (default): a GPU when there is one (nodes take the GPUs in turn), else cpu; or cpu, cuda, cuda:N",
+    )
     p.add_argument("--log-every", type=int, default=5, help="steps between metrics lines (default: %(default)s)")
-    p.add_argument("--linger-s", type=float, default=60.0,
-                   help="after the last epoch, keep serving peers that still train, until none has fetched "
-                        "for a while or this many seconds passed (default: %(default)s; 0: exit at once)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from RUN_DIR's latest complete checkpoint (needs --run-dir)")
-    p.add_argument("--barrier-timeout-s", type=float, default=300.0,
-                   help="how long a node waits at a barrier for missing nodes before it goes on without them "
-                        "(default: %(default)s)")
+    p.add_argument(
+        "--linger-s",
+        type=float,
+        default=60.0,
+        help="after the last epoch, keep serving peers that still train, until none has fetched "
+        "for a while or this many seconds passed (default: %(default)s; 0: exit at once)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from RUN_DIR's latest complete checkpoint (needs --run-dir)"
+    )
+    p.add_argument(
+        "--barrier-timeout-s",
+        type=float,
+        default=300.0,
+        help="how long a node waits at a barrier for missing nodes before it goes on without them "
+        "(default: %(default)s)",
+    )
     args = p.parse_args(argv)
     try:
         args.workload, args.data = texts.resolve_workload(args.workload, args.data, args.data_dir)
@@ -168,8 +215,12 @@ class Metrics:
             self._fh.flush()
         except OSError as exc:  # a full disk loses metrics lines, never the training
             if not self.dropped:
-                logging.getLogger("train").warning("%s: %s: a metrics line was lost (%s); training goes on",
-                                                   self.node, self._fh.name, exc.strerror or exc)
+                logging.getLogger("train").warning(
+                    "%s: %s: a metrics line was lost (%s); training goes on",
+                    self.node,
+                    self._fh.name,
+                    exc.strerror or exc,
+                )
             self.dropped += 1
 
     def close(self) -> None:
@@ -187,8 +238,14 @@ def params_blake2b(net: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def node_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: Any, order: torch.Generator,
-               conn: DpwaPyTorchAdapter, progress: dict[str, int]) -> dict[str, Any]:
+def node_state(
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    order: torch.Generator,
+    conn: DpwaPyTorchAdapter,
+    progress: dict[str, int],
+) -> dict[str, Any]:
     """Everything a node needs to continue after its epoch: tensors, numbers and strings only."""
     return {
         "model": {k: v.detach().cpu() for k, v in net.state_dict().items()},
@@ -224,8 +281,15 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
-                     schedule: Any, order: torch.Generator, progress: dict[str, int], steps: int) -> str:
+def resume_or_rejoin(
+    args: argparse.Namespace,
+    conn: DpwaPyTorchAdapter,
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    order: torch.Generator,
+    progress: dict[str, int],
+    steps: int,
+) -> str:
     """Where this node starts; fills `progress` and says which, in words. In this order:
 
     1. --resume: the state it saved when it was stopped, or else the run's latest complete checkpoint;
@@ -257,8 +321,11 @@ def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimiz
                 schedule.step()
         order.manual_seed(order.initial_seed() + 7919 * progress["epoch"])  # a batch order of its own
         return f"joined the cluster at epoch {progress['epoch'] + 1} from {conn.joined.donor}"
-    own = [e for e in checkpoints.epochs(args.run_dir) if checkpoints.has(args.run_dir, e, args.name)] if (
-        args.run_dir is not None) else []
+    own = (
+        [e for e in checkpoints.epochs(args.run_dir) if checkpoints.has(args.run_dir, e, args.name)]
+        if (args.run_dir is not None)
+        else []
+    )
     if own:  # started again, and no peer had trained: our own last checkpoint is the freshest state we know
         load_checkpoint(args, own[-1], conn, optimizer, schedule, order, progress)
         return f"started again from its own checkpoint of epoch {own[-1]} (no peer could give it its state)"
@@ -267,8 +334,15 @@ def resume_or_rejoin(args: argparse.Namespace, conn: DpwaPyTorchAdapter, optimiz
     return "started from the beginning"
 
 
-def load_checkpoint(args: argparse.Namespace, epoch: int | str, conn: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer,
-                    schedule: Any, order: torch.Generator, progress: dict[str, int]) -> None:
+def load_checkpoint(
+    args: argparse.Namespace,
+    epoch: int | str,
+    conn: DpwaPyTorchAdapter,
+    optimizer: torch.optim.Optimizer,
+    schedule: Any,
+    order: torch.Generator,
+    progress: dict[str, int],
+) -> None:
     """Continue from this node's checkpoint of `epoch` (hash checked, weights_only loading)."""
     state = checkpoints.load(args.run_dir, epoch, args.name)
     conn.net.load_state_dict(state["model"])  # in place: the adapter keeps blending the same tensors
@@ -343,12 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     if charlm:
         optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     else:
-        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum, weight_decay=weight_decay,
-                                    nesterov=True)
+        optimizer = torch.optim.SGD(
+            net.parameters(), lr=lr, momentum=args.momentum, weight_decay=weight_decay, nesterov=True
+        )
     total_steps = epochs * steps
     warmup = training_schedule.warmup_steps(lr_scale, steps, total_steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: training_schedule.lr_factor(s, total_steps, warmup))
+        optimizer, lambda s: training_schedule.lr_factor(s, total_steps, warmup)
+    )
     order = torch.Generator().manual_seed(args.seed * 1000 + index + 1)  # each node its own batch order
 
     try:  # with join: auto (the default) a node that starts late or restarts takes a peer's state here
@@ -365,20 +441,51 @@ def main(argv: list[str] | None = None) -> int:
         conn.close()
         return 2
     metrics = Metrics(args.run_dir, args.name)
-    sizes = ({"train_chars": len(data.train), "valid_chars": data.valid_chars} if charlm else
-             {"train_images": len(data.train_y), "test_images": len(data.test_y)})
-    metrics.write("start", pid=os.getpid(), data=data_name if not charlm else data.name, model=model_name,
-                  device=str(device), parameters=models.count_parameters(net), **sizes,
-                  epochs=epochs, steps_per_epoch=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup,
-                  started=started, first_epoch=progress["epoch"] + 1, clock=conn.clock,
-                  joined=None if conn.joined is None else {
-                      "donor": conn.joined.donor, "clock": conn.joined.clock, "digest": conn.joined.digest.hex(),
-                      "params_blake2b": params_blake2b(net)})
-    log.info("%s: %s on %s (%s), %s with %s parameters on %s, %d epochs of %d steps, learning rate %g%s; %s",
-             args.name, data.name if charlm else data_name, "its shard" if args.shard == "auto" else "all the data",
-             f"{len(data.train):,} training characters" if charlm else f"{len(data.train_y)} training images",
-             model_name, f"{models.count_parameters(net):,}", device, epochs, steps, lr,
-             f" ({lr_scale:g} x the 2-node rate, warm-up {warmup} steps)" if lr_scale > 1 else "", started)
+    sizes = (
+        {"train_chars": len(data.train), "valid_chars": data.valid_chars}
+        if charlm
+        else {"train_images": len(data.train_y), "test_images": len(data.test_y)}
+    )
+    metrics.write(
+        "start",
+        pid=os.getpid(),
+        data=data_name if not charlm else data.name,
+        model=model_name,
+        device=str(device),
+        parameters=models.count_parameters(net),
+        **sizes,
+        epochs=epochs,
+        steps_per_epoch=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup_steps=warmup,
+        started=started,
+        first_epoch=progress["epoch"] + 1,
+        clock=conn.clock,
+        joined=None
+        if conn.joined is None
+        else {
+            "donor": conn.joined.donor,
+            "clock": conn.joined.clock,
+            "digest": conn.joined.digest.hex(),
+            "params_blake2b": params_blake2b(net),
+        },
+    )
+    log.info(
+        "%s: %s on %s (%s), %s with %s parameters on %s, %d epochs of %d steps, learning rate %g%s; %s",
+        args.name,
+        data.name if charlm else data_name,
+        "its shard" if args.shard == "auto" else "all the data",
+        f"{len(data.train):,} training characters" if charlm else f"{len(data.train_y)} training images",
+        model_name,
+        f"{models.count_parameters(net):,}",
+        device,
+        epochs,
+        steps,
+        lr,
+        f" ({lr_scale:g} x the 2-node rate, warm-up {warmup} steps)" if lr_scale > 1 else "",
+        started,
+    )
 
     step, loss_value = progress["step"], None
     averaged, failed, averaged_with = progress["averaged"], progress["failed"], collections.Counter()
@@ -393,8 +500,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         # A SIGTERM (torchrun's, stop.sh's) ends the wait at once: the node saves its state and exits.
         skipped = conn.barrier(name, timeout_s=args.barrier_timeout_s, missing="proceed", stop=lambda: bool(stop))
-        metrics.write("barrier", name=name, epoch=epoch, step=step, waited_s=round(time.monotonic() - t0, 3),
-                      skipped=skipped, **({"stopped": True} if stop else {}))
+        metrics.write(
+            "barrier",
+            name=name,
+            epoch=epoch,
+            step=step,
+            waited_s=round(time.monotonic() - t0, 3),
+            skipped=skipped,
+            **({"stopped": True} if stop else {}),
+        )
         return skipped
 
     try:
@@ -424,12 +538,19 @@ def main(argv: list[str] | None = None) -> int:
                 window_losses.append(loss_value)
                 if step % args.log_every == 0 or epoch_step == steps:
                     now = time.monotonic()
-                    metrics.write("step", epoch=epoch, step=step, epoch_step=epoch_step,
-                                  loss=sum(window_losses) / len(window_losses),
-                                  lr=optimizer.param_groups[0]["lr"], averaged=averaged, failed=failed,
-                                  peers=dict(averaged_with),
-                                  exchanges_per_s=(averaged - window_averaged) / max(now - window_start, 1e-9),
-                                  clock=update.clock)
+                    metrics.write(
+                        "step",
+                        epoch=epoch,
+                        step=step,
+                        epoch_step=epoch_step,
+                        loss=sum(window_losses) / len(window_losses),
+                        lr=optimizer.param_groups[0]["lr"],
+                        averaged=averaged,
+                        failed=failed,
+                        peers=dict(averaged_with),
+                        exchanges_per_s=(averaged - window_averaged) / max(now - window_start, 1e-9),
+                        clock=update.clock,
+                    )
                     window_losses, window_start, window_averaged = [], now, averaged
             if stop:
                 break
@@ -440,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.run_dir is not None:
                 progress.update(epoch=epoch, step=step, averaged=averaged, failed=failed)
                 try:
-                    saved = checkpoints.save(args.run_dir, epoch, args.name,
-                                             node_state(net, optimizer, schedule, order, conn, progress))
+                    saved = checkpoints.save(
+                        args.run_dir, epoch, args.name, node_state(net, optimizer, schedule, order, conn, progress)
+                    )
                 except checkpoints.CheckpointError as exc:  # a full disk: train on, the last good one stays
                     log.warning("%s: checkpoint of epoch %d not saved: %s", args.name, epoch, exc)
                     metrics.write("checkpoint_failed", epoch=epoch, step=step, error=str(exc))
@@ -455,18 +577,43 @@ def main(argv: list[str] | None = None) -> int:
                 break
             acc, test_loss = result
             if charlm:  # test_acc: next-character accuracy; test_loss: the validation loss
-                metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss, val_loss=test_loss,
-                              bits_per_char=test_loss / math.log(2))
-                log.info("%s: epoch %d/%d step %d: loss %.4f, validation loss %.4f nats/char (%.3f bits/char); "
-                         "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
-                         loss_value if loss_value is not None else float("nan"), test_loss,
-                         test_loss / math.log(2), averaged, failed)
+                metrics.write(
+                    "eval",
+                    epoch=epoch,
+                    step=step,
+                    test_acc=acc,
+                    test_loss=test_loss,
+                    val_loss=test_loss,
+                    bits_per_char=test_loss / math.log(2),
+                )
+                log.info(
+                    "%s: epoch %d/%d step %d: loss %.4f, validation loss %.4f nats/char (%.3f bits/char); "
+                    "averaged %d times, %d fetches failed",
+                    args.name,
+                    epoch,
+                    epochs,
+                    step,
+                    loss_value if loss_value is not None else float("nan"),
+                    test_loss,
+                    test_loss / math.log(2),
+                    averaged,
+                    failed,
+                )
             else:
                 metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss)
-                log.info("%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
-                         "averaged %d times, %d fetches failed", args.name, epoch, epochs, step,
-                         loss_value if loss_value is not None else float("nan"), 100 * acc, test_loss,
-                         averaged, failed)
+                log.info(
+                    "%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
+                    "averaged %d times, %d fetches failed",
+                    args.name,
+                    epoch,
+                    epochs,
+                    step,
+                    loss_value if loss_value is not None else float("nan"),
+                    100 * acc,
+                    test_loss,
+                    averaged,
+                    failed,
+                )
         # Once per node: a node restarted after its exit barrier (its counters restored) does not wait again.
         skipped = barrier("exit") if not stop and conn.barrier_counters().get("exit", 0) == 0 else []
         if not stop and args.linger_s > 0:
@@ -498,15 +645,34 @@ def main(argv: list[str] | None = None) -> int:
         if stop and args.run_dir is not None:  # stopped mid-run: keep our state for a restart (torchrun's, say)
             progress.update(epoch=completed, step=step, averaged=averaged, failed=failed)
             try:
-                checkpoints.save(args.run_dir, checkpoints.LAST, args.name,
-                                 node_state(net, optimizer, schedule, order, conn, progress))
+                checkpoints.save(
+                    args.run_dir,
+                    checkpoints.LAST,
+                    args.name,
+                    node_state(net, optimizer, schedule, order, conn, progress),
+                )
             except checkpoints.CheckpointError as exc:  # a restart takes the last complete epoch instead
                 log.error("%s: state at stop not saved: %s", args.name, exc)
-        metrics.write("end", reason=reason, epoch=epoch, step=step, averaged=averaged, failed=failed,
-                      peers=dict(averaged_with), stats=json.loads(json.dumps(stats, default=str)))
+        metrics.write(
+            "end",
+            reason=reason,
+            epoch=epoch,
+            step=step,
+            averaged=averaged,
+            failed=failed,
+            peers=dict(averaged_with),
+            stats=json.loads(json.dumps(stats, default=str)),
+        )
         metrics.close()
-        log.info("%s: %s after %d steps; averaged %d times (%s), %d fetches failed", args.name, reason, step,
-                 averaged, ", ".join(f"{p}: {n}" for p, n in sorted(averaged_with.items())) or "none", failed)
+        log.info(
+            "%s: %s after %d steps; averaged %d times (%s), %d fetches failed",
+            args.name,
+            reason,
+            step,
+            averaged,
+            ", ".join(f"{p}: {n}" for p, n in sorted(averaged_with.items())) or "none",
+            failed,
+        )
     return 130 if reason.endswith("second SIGINT") else 0
 
 

@@ -71,8 +71,14 @@ def serve(node, values, args) -> None:
                 node.update_send()
                 update = node.update_wait()
                 outcomes.append([update.outcome, update.peer])
-            say(event="steps_done", outcomes=outcomes, mean=float(values.mean()),
-                min=float(values.min()), max=float(values.max()), stats=_jsonable(node.stats()))
+            say(
+                event="steps_done",
+                outcomes=outcomes,
+                mean=float(values.mean()),
+                min=float(values.min()),
+                max=float(values.max()),
+                stats=_jsonable(node.stats()),
+            )
         elif command["cmd"] == "churn":
             churning.set()
             churner = threading.Thread(target=churn, args=(node, values, churning))

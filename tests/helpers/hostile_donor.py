@@ -51,18 +51,31 @@ class HostileDonor:
         self.asked.append(str(request.kind))
         if request.kind == "join_info":
             digest = hashlib.blake2b(offer.data, digest_size=32).digest()
-            return [header("join_offer", request.id, clock=offer.clock, barriers=offer.barriers, yours=offer.yours,
-                           state="training", ready=True, session=7, fp=offer.fp, dtype="float32",
-                           params_bytes=offer.params_bytes,
-                           nbytes=len(offer.data) if offer.nbytes is None else offer.nbytes,
-                           digest=digest, extra=offer.extra_meta)]
+            return [
+                header(
+                    "join_offer",
+                    request.id,
+                    clock=offer.clock,
+                    barriers=offer.barriers,
+                    yours=offer.yours,
+                    state="training",
+                    ready=True,
+                    session=7,
+                    fp=offer.fp,
+                    dtype="float32",
+                    params_bytes=offer.params_bytes,
+                    nbytes=len(offer.data) if offer.nbytes is None else offer.nbytes,
+                    digest=digest,
+                    extra=offer.extra_meta,
+                )
+            ]
         if request.kind == "join_chunk":
             offset = int(request.header.get("offset", 0))
             self.chunk_offsets.append(offset)
             if self._busy_left > 0:
                 self._busy_left -= 1
                 return [header("error", request.id, reason="busy", detail="earlier replies to you are still unsent")]
-            chunk = offer.data[offset: offset + CHUNK_BYTES]
+            chunk = offer.data[offset : offset + CHUNK_BYTES]
             if not chunk:  # asked beyond what we hold: a size that was announced and never meant
                 chunk = bytes(min(CHUNK_BYTES, max(0, (offer.nbytes or 0) - offset)))
             return [header("join_data", request.id, session=7, offset=offset), chunk]

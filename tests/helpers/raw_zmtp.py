@@ -113,7 +113,7 @@ class RawZmtp:
         name_len = body[0]
         name = body[1 : 1 + name_len]
         if name != b"READY":
-            raise ZmtpError(f"the server answered {name!r}: {body[1 + name_len:][:80]!r}")
+            raise ZmtpError(f"the server answered {name!r}: {body[1 + name_len :][:80]!r}")
         self.server_ready = _properties(body[1 + name_len :])
         return self.server_ready
 

@@ -29,6 +29,7 @@ def main() -> int:
     averaged = [0, 0]
     outcomes: list[list[str]] = [[], []]
     with Node(config, "w0", NumpyParams(arrays[0])) as a, Node(config, "w1", NumpyParams(arrays[1])) as b:
+
         def train(k: int, node: Node) -> None:
             for step in range(8):  # the first steps may find the peer not started yet
                 node.update_send()
@@ -43,14 +44,19 @@ def main() -> int:
         for t in threads:
             t.join(120)
         stats = [a.stats(), b.stats()]
-    print(json.dumps({
-        "averaged": averaged,
-        "outcomes": outcomes,
-        "values": [float(arrays[0][0]), float(arrays[1][0])],
-        "uniform": [bool(np.all(x == x[0])) for x in arrays],
-        "same_host_fetches": [s["same_host_fetches"] for s in stats],
-        "shm_warnings": [m for m in records if "shared memory failed" in m],
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "averaged": averaged,
+                "outcomes": outcomes,
+                "values": [float(arrays[0][0]), float(arrays[1][0])],
+                "uniform": [bool(np.all(x == x[0])) for x in arrays],
+                "same_host_fetches": [s["same_host_fetches"] for s in stats],
+                "shm_warnings": [m for m in records if "shared memory failed" in m],
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 
