@@ -1,4 +1,4 @@
-"""The exact reference: ``DistributedDataParallel`` over gloo, launched with ``torch.multiprocessing``.
+"""The exact reference: ``DistributedDataParallel`` over gloo, ranks started together or one process at a time.
 
 Every rank computes gradients on its own batch; DDP averages them with an
 all-reduce after the backward pass, so every rank applies the same mean
