@@ -16,7 +16,7 @@ It prints a table (time and samples to the target, the final accuracy or
 validation loss, bytes per worker per step, seconds per step, the fraction of
 time workers sat idle), writes OUT/compare.png (accuracy or validation loss
 against wall time and against samples) and OUT/compare.json, and with --json
-FILE the same JSON there too. docs/lab.md describes the charlm workload,
+FILE the same JSON there too. docs/comparison.md describes the charlm workload,
 DiLoCo and the slow links.
 """
 
@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workload",
         choices=WORKLOADS,
         help="digits or cifar10 (the example's ResNet), or charlm (a character-level transformer on the Python "
-        "standard library's source; docs/lab.md); default: as --data says",
+        "standard library's source; docs/comparison.md); default: as --data says",
     )
     p.add_argument(
         "--data",

@@ -70,7 +70,7 @@ KINDS = ("image", "charlm")
 
 @dataclass(frozen=True)
 class CharLMDefaults:
-    """charlm's defaults in the comparison, chosen so that the slow-link run of docs/lab.md ends within 10 minutes."""
+    """charlm's defaults in the comparison, chosen so that the slow-link run of docs/comparison.md ends within 10 minutes."""
 
     batch_size: int = 32  # sequences of 128 characters per worker and step
     optimizer: str = "adamw"

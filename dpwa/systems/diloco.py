@@ -40,7 +40,7 @@ from .layout import ModuleView, check_values
 
 __all__ = ["DEFAULT_PERIOD", "DiLoCo"]
 
-DEFAULT_PERIOD = 10  # inner steps between two synchronisations (see docs/lab.md for why)
+DEFAULT_PERIOD = 10  # inner steps between two synchronisations (see docs/comparison.md, "DiLoCo", for why)
 
 
 class DiLoCo:

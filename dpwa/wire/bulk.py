@@ -96,7 +96,7 @@ BLOCK_BYTES = 1 << 20  # the receiver checks (and the server sends, or seals) th
 ACCEPT_BATCH = 2
 _CONTEXT = b"dpwa-bulk-1"  # the first bytes of every block's associated data: this protocol, this version
 # The AEAD of sealed streams. OCB3 and GCM both run on AES-NI; OCB3 needs no carry-less multiplication
-# pass, and seals or opens a 1 MiB block in 0.6 times GCM's time on this project's machines (docs/bulk.md).
+# pass, and seals or opens a 1 MiB block in 0.6 times GCM's time on this project's machines (docs/performance.md).
 # Both ends must use the same: changing it changes the protocol (and _CONTEXT).
 Cipher = AESOCB3
 

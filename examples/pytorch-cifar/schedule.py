@@ -1,6 +1,6 @@
 """How long and how fast each node trains, per dataset and number of nodes; and the warning when too short.
 
-The rule for many nodes (digits; measured in docs/dashboard-notes.md): the default
+The rule for many nodes (digits; measured in docs/operations.md): the default
 learning rate was tuned for 2 nodes, and it grows linearly with the number of
 nodes (``lr * nodes / 2``, at most ``MAX_LR_SCALE`` times), with a linear warm-up
 over the first epoch (at most a tenth of the steps), then the cosine decay.

@@ -7,7 +7,7 @@ downloaded. Each node trains on its own part of the training text; its
 evaluation is the validation loss in nats per character (and the
 next-character accuracy) on fixed windows of the validation text. The model,
 the split and the sizes are described in ``dpwa/workloads/charlm.py`` and
-docs/lab.md.
+docs/comparison.md.
 
     .venv/bin/python examples/pytorch-cifar/text.py      # prints the text's and the model's sizes
 """
