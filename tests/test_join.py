@@ -213,6 +213,7 @@ def test_a_donors_bad_optimizer_state_is_refused_and_the_next_donor_taken(nodes,
     its own optimizer before using any: it refuses w0's state with a log line naming w0 and the field,
     takes honest w1's, and one optimizer step later every parameter is finite. (Before: NaN buffers
     made every parameter NaN after one step; 3e38 gave max|p| = 2.7e37; shape [] and int crashed.)"""
+    import msgpack
     import torch
 
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter, OptimizerState
@@ -228,6 +229,7 @@ def test_a_donors_bad_optimizer_state_is_refused_and_the_next_donor_taken(nodes,
         assert wait_until(lambda: honest.clock > 3, 20)
         meta, data = OptimizerState(honest_opt).capture()  # a real state, then spoiled
         meta, data = corrupt(meta, data, how)
+        meta = msgpack.packb([["optimizer", meta, data.nbytes]], use_bin_type=True)  # as Extras sends it
         params = np.concatenate([p.detach().numpy().ravel() for p in honest_net.parameters()])
         offer = Offer(
             fp=honest.params.fingerprint, params_bytes=params.nbytes, data=state_bytes(params, data), extra_meta=meta

@@ -105,6 +105,10 @@ class TorchParams(FlatParams):
         fast = list(parts) if len(self._fast) == len(parts) else [parts[i] for i in self._fast]
         return fast, [parts[i].view(self._tensors[i].shape) for i in self._slow]
 
+    def statistics(self) -> list[tuple[int, int]]:
+        ends = np.cumsum(self._sizes).tolist()
+        return [(end - size, end) for end, size, stat in zip(ends, self._sizes, self._is_stat, strict=True) if stat]
+
     def allocate(self, size: int, dtype: np.dtype) -> np.ndarray:
         if self.device.type == "cuda":  # pinned, so device-to-host copies run at full speed
             nbytes = size * np.dtype(dtype).itemsize
@@ -462,9 +466,25 @@ class DpwaPyTorchAdapter:
     def barrier_counters(self) -> dict[str, int]:
         return self.node.barrier_counters()
 
-    def restore(self, clock: float | None = None, barriers: Mapping[str, int] | None = None) -> None:
-        """Resume from a checkpoint: the clock and barrier counters. See Node.restore."""
-        self.node.restore(clock, barriers)
+    def outer_state(self) -> dict[str, Any] | None:
+        """For a checkpoint: the outer step's anchor and momentum (CPU tensors) and step count; None
+        with ``outer: none``. See Node.outer_state."""
+        state = self.node.outer_state()
+        if state is None:
+            return None
+        return {**state, "anchor": torch.from_numpy(state["anchor"]), "buf": torch.from_numpy(state["buf"])}
+
+    def restore(
+        self,
+        clock: float | None = None,
+        barriers: Mapping[str, int] | None = None,
+        outer: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Resume from a checkpoint, after loading the model's weights: the clock, barrier counters and
+        the outer step's state (:meth:`outer_state`'s). See Node.restore."""
+        if outer is not None:
+            outer = {k: v.detach().cpu().numpy() if torch.is_tensor(v) else v for k, v in outer.items()}
+        self.node.restore(clock, barriers, outer)
 
     def join(self, wait_s: float = 60.0) -> bool:
         """Take a trained peer's state now (parameters, optimizer state, clock, barriers). See Node.join."""

@@ -78,17 +78,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..logs import logger
 from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..stats import Counters
 from ..wire.calls import Ask, Call, Response
 from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError, refused
-from ..wire.payload import BufferPool
 from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
 from .protocol import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SNAPSHOT_REPLIES
-from .requesting import Received, ReplyReader
+from .requesting import Arrivals, Received, ReplyReader
 from .serving import Serving
 from .snapshots import Lease
 from .validation import PeerValues
@@ -190,7 +191,9 @@ class ExchangeTask:
         factor: Callable[[tuple[float, float | None], tuple[float, float | None]], float],
         min_confirm_s: float,
         busy_budget_s: float = 0.0,
+        encode: Callable[[np.ndarray], Any] | None = None,
     ) -> None:
+        self._encode = encode  # wire_dtype int8: our snapshot is encoded as it is sent
         self._peers = list(peers)
         self.peer, self.deadline = self._peers[0], deadline
         self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
@@ -201,7 +204,8 @@ class ExchangeTask:
         with contextlib.ExitStack() as cleanup:
             cleanup.push(self._own)  # released unless a half takes it
             snap = self._own.snapshot
-            theirs = self._reader.read(self._find_partner(ask, snap.array), self.peer)
+            payload = self._encode(snap.array) if self._encode is not None else snap.array
+            theirs = self._reader.read(self._find_partner(ask, payload), self.peer)
             cleanup.push(theirs)
             header = theirs.header
             xid, f = header.get("xid"), header.get("f")
@@ -497,7 +501,7 @@ class ExchangeServer:
         self.ttl_s = timeout_s + TTL_MARGIN_S
         self.capacity = capacity
         # requester snapshots that came in chunks are copied into these (at most `capacity` held at once)
-        self._buffers = BufferPool(serving.model.nbytes)
+        self._arrivals = Arrivals(serving.model)  # requester snapshots that came in chunks (or encoded)
         self._counters = counters
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], ServerHalf] = {}
@@ -536,7 +540,7 @@ class ExchangeServer:
                 raise ProtocolError(
                     "bad_size", f"the payload holds {len(payload)} bytes, expected {self._serving.model.nbytes}"
                 )
-            theirs = Received(header, *payload.array(self._store.dtype, self._buffers))
+            theirs = Received(header, *self._arrivals.take(payload))
             undo.push(theirs)
             self._values.check(theirs.array)
             snap = served.snapshot

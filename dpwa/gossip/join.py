@@ -349,7 +349,7 @@ class JoinTerms:
 
     @property
     def params_bytes(self) -> int:
-        return self.model.nbytes
+        return self.model.kept_nbytes  # snapshots travel as kept (int8's in float32): a join is rare
 
     @property
     def with_extra(self) -> bool:
@@ -461,7 +461,7 @@ class JoinTask:
         if hashlib.blake2b(data.data, digest_size=32).digest() != fields["digest"]:
             raise ProtocolError("bad_digest", "the state received does not match the offer's hash")
         params = data[: terms.params_bytes].view(terms.model.storage)
-        if not kernels.within(params, MAX_VALUE, terms.model.dtype):
+        if not kernels.within(params, MAX_VALUE, terms.model.kept):
             raise ProtocolError("not_finite", "the donor's parameters hold NaN, Inf or values out of bounds")
         meta, extra = fields.get("extra", b""), data[terms.params_bytes :]
         checked = None

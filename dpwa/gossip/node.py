@@ -43,9 +43,11 @@ from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
 from .barrier import BarrierCounts, BarrierServer, BarrierWaiter
+from .extras import Extras
 from .flow import FlowControl
 from .join import ExtraState, Joined
 from .outcomes import Outcomes
+from .outer import OuterStep
 from .parts import Parts
 from .progress import Progress, loss_value
 from .protocol import MAX_CLOCK
@@ -89,7 +91,9 @@ class Node:
         self.counters = Counters()
         self.state: NodeState = "starting"
         self.joined: Joined | None = None  # the state this node took from a peer at start, if it did
-        self._extra = extra
+        self._outer = OuterStep.of(self.config, params)  # before joining: a joiner takes its peer's
+        self._extra = Extras.of(optimizer=extra, outer=self._outer)
+        self._local_steps = 0  # steps since this node last started an exchange (period)
         self._progress = Progress()
         self._barriers = BarrierCounts(list(self.peers))
         self._flow = FlowControl(
@@ -119,7 +123,7 @@ class Node:
             counters=self.counters,
             barriers=self._barriers,
             state=lambda: self.state,
-            extra=extra,
+            extra=self._extra,
             direct=not symmetric,
             stream_to_peers=not symmetric,
         )
@@ -137,6 +141,7 @@ class Node:
                 interpolation=interpolation_of(self.config),
                 blend=blend_of(self.config),
                 publish=self._publish,
+                outer=self._outer,
             )
             self._steps: Steps = SymmetricSteps(crew) if symmetric else PullSteps(crew)
             self.parts.own(self._steps.close)  # after the Rx thread stops: the last decisions it made
@@ -177,6 +182,7 @@ class Node:
         if self.config.join == "auto" and self.peers:
             self.state = "joining"
             self.joined, trained = self._take_state()
+            self._took_state(self.joined)
         self._publish(None)  # our state, for a peer that joins now, and for fetches
         # Like DDP's constructor, return once every node holds the same initial state: nobody trains
         # alone because it started first (a late or restarted node joins a cluster that trains).
@@ -219,8 +225,15 @@ class Node:
             self.state = previous
         if joined is not None:
             self.joined = joined
+            self._took_state(joined)
             self._publish(self._progress.loss)
         return joined is not None
+
+    def _took_state(self, joined: Joined | None) -> None:
+        """After a join: an outer step the donor's state did not include starts afresh from its parameters."""
+        taken = joined.extra_state if joined is not None else None
+        if self._outer is not None and joined is not None and not (isinstance(taken, dict) and "outer" in taken):
+            self._outer.reanchor()
 
     def _publish(self, loss: float | None) -> None:
         self.parts.publish(self._progress.clock, loss)
@@ -242,7 +255,14 @@ class Node:
         self._tend()
         self._progress.sent(time.monotonic())
         step = self._step = Step(float(batch_size), loss_value(loss))
-        return self._steps.start(step)
+        self._local_steps += 1
+        if self._local_steps < self.config.period:  # a local step: publish (peers may ask), exchange nothing
+            self._publish(step.send_loss)
+            return False
+        started = self._steps.start(step)
+        if started:
+            self._local_steps = 0
+        return started
 
     def update_wait(self, loss: Any = None) -> Update:
         """Finish the step: wait for the request started by update_send, if any, and blend in place.
@@ -267,7 +287,10 @@ class Node:
         try:
             if step.call is not None:
                 step.call.wait(max(0.0, step.deadline + WAIT_SLACK_S - time.monotonic()))
-            return self._steps.finish(step, own_loss)
+            update = self._steps.finish(step, own_loss)
+            if step.call is not None and update.outcome not in ("ok", "in_doubt"):
+                self._local_steps = self.config.period  # the exchange failed: try again at the next step
+            return update
         finally:
             if step.own is not None:
                 step.own.release()
@@ -372,12 +395,34 @@ class Node:
         """How many calls of each barrier this node has made (for a checkpoint)."""
         return self._barriers.own()
 
-    def restore(self, clock: float | None = None, barriers: Mapping[str, int] | None = None) -> None:
-        """Resume from a checkpoint: set the clock, and barrier counters (a count never goes down)."""
+    def outer_state(self) -> dict[str, Any] | None:
+        """For a checkpoint: the outer step's anchor, momentum and step count (None with ``outer: none``)."""
+        return self._outer.state() if self._outer is not None else None
+
+    def restore(
+        self,
+        clock: float | None = None,
+        barriers: Mapping[str, int] | None = None,
+        outer: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Resume from a checkpoint, after the model's parameters were loaded: set the clock, barrier
+        counters (a count never goes down) and the outer step's state (:meth:`outer_state`'s; without
+        it, an outer step starts afresh from the parameters as they are now)."""
         self._check_open()
+        if clock is not None and not (
+            isinstance(clock, (int, float)) and math.isfinite(clock) and 0 <= clock <= MAX_CLOCK
+        ):
+            raise ValueError(f"clock must be a number in [0, {MAX_CLOCK:g}], got {clock!r}")
+        if outer is not None and self._outer is None:
+            logger.warning(
+                "%s: the checkpoint holds an outer step's state; outer: none here, so it is unused", self.name
+            )
+        if self._outer is not None:
+            if outer is not None:
+                self._outer.restore(dict(outer))  # checked first: nothing is taken from a bad one
+            else:
+                self._outer.reanchor()
         if clock is not None:
-            if not (isinstance(clock, (int, float)) and math.isfinite(clock) and 0 <= clock <= MAX_CLOCK):
-                raise ValueError(f"clock must be a number in [0, {MAX_CLOCK:g}], got {clock!r}")
             self._progress.set_clock(float(clock))
         if barriers is not None:
             self._barriers.restore(barriers)

@@ -23,6 +23,7 @@ from ..config import Config, NodeSpec
 from ..logs import RateLimitedLog, logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
+from ..mixing.quantize import Encoder
 from ..stats import Counters
 from ..wire.bulk import BulkServer
 from ..wire.client import ClientThread, DirectClient
@@ -105,7 +106,9 @@ class Parts:
                 hold_limit_s=config.timeout_s + 1.0,
                 max_retired=unsent,
             )
-            self.values = PeerValues(model.dtype, config.max_peer_distance, self.store.lease)
+            self.values = PeerValues(model.kept, config.max_peer_distance, self.store.lease)
+            # wire_dtype int8: snapshots are kept in float32 and encoded as they are sent, with error feedback
+            self.encoder = Encoder(params.size) if model.encoded else None
             self.bulk: BulkServer | None = None
             if config.bulk == "auto" and config.transport == "tcp" and model.nbytes >= BULK_MIN_BYTES:
                 self.bulk = BulkServer(
@@ -156,6 +159,7 @@ class Parts:
                 counters,
                 bulk=self.bulk,
                 bulk_ttl_s=config.timeout_s + 1.0,
+                encoder=self.encoder,
             )
             self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))
             stack.callback(self.joins.close)
@@ -170,7 +174,7 @@ class Parts:
         if not local:
             return []
         try:
-            self.shared = SharedSlots(self.name, self.spec.port, self._model.nbytes, self._model.storage)
+            self.shared = SharedSlots(self.name, self.spec.port, self._model.kept_nbytes, self._model.storage)
         except (SharedMemoryError, OSError) as exc:
             logger.warning("%s: same-host peers will use TCP: shared memory is unavailable: %s", self.name, exc)
             return []
@@ -202,7 +206,7 @@ class Parts:
 
     def publish(self, clock: float, loss: float | None) -> None:
         """Copy the model into a snapshot peers are served; capture the extra state if a joiner waits."""
-        fill = functools.partial(self._params.copy_to, wire=self._model.dtype)
+        fill = functools.partial(self._params.copy_to, wire=self._model.kept)
         if not self.store.publish(fill, clock, loss):
             self._log(
                 30,

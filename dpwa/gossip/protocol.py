@@ -59,7 +59,7 @@ MAX_VALUE = 1e18  # |parameter| beyond this is refused: blends of such values st
 
 NAME = Text(64, NAME_PATTERN)
 FINGERPRINT = Blob(length=16)
-DTYPE = Choice(tuple(WIRE_STORAGE))
+DTYPE = Choice((*WIRE_STORAGE, "int8"))
 CLOCK = Number(0.0, MAX_CLOCK)
 LOSS = Number(-MAX_LOSS, MAX_LOSS, optional=True)
 NBYTES = Integer(0, 1 << 40)

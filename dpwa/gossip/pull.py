@@ -76,7 +76,8 @@ class PullSteps:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
             f = crew.interpolation.factor(progress.clock, peer_clock, own_loss, peer_loss)
             f = interp.damp_by_divergence(f, own_loss, crew.config.divergence_threshold)
-            crew.blend.apply(crew.params, own.array if own else None, received.array, f, crew.model.dtype)
+            crew.blend.apply(crew.params, own.array if own else None, received.array, f, crew.model.kept)
+        crew.blended()
         progress.set_clock(crew.blend.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{call.peer}.averaged")

@@ -31,15 +31,16 @@ from typing import Any
 import numpy as np
 
 from ..logs import RateLimitedLog
+from ..mixing import quantize
 from ..mixing.model import WireModel
 from ..stats import Counters
 from ..wire.bulk import BulkError, BulkReceiver
 from ..wire.calls import Ask, Response
 from ..wire.errors import ProtocolError
-from ..wire.payload import BufferPool
+from ..wire.payload import BufferPool, Payload
 from ..wire.schema import Header, MessageKind, encode
 from ..wire.shm import PeerSlots
-from .protocol import BULK_PARAMS, FETCH, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
+from .protocol import BULK_PARAMS, FETCH, MAX_VALUE, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
 __all__ = ["BULK_PAUSE_MAX_S", "BULK_PAUSE_S", "FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]
@@ -72,6 +73,42 @@ class Received:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class Arrivals:
+    """A snapshot's payload as it arrived, as an array in the dtype snapshots are kept in: read in place, copied
+    out of its chunks into a pooled buffer, or (``wire_dtype: int8``) decoded into one, its scales checked first.
+
+    Owned by one thread; the buffers it hands out go back to their pools when released.
+    """
+
+    def __init__(self, model: WireModel) -> None:
+        self.model = model
+        # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
+        self.wire = BufferPool(model.nbytes)
+        self._kept = BufferPool(model.kept_nbytes) if model.encoded else None
+
+    def take(self, payload: Payload) -> tuple[np.ndarray, Callable[[], None]]:
+        if self._kept is None:
+            return payload.array(self.model.storage, self.wire)
+        raw, release_raw = payload.array(np.uint8, self.wire)
+        try:
+            return self.decode(raw)
+        finally:
+            release_raw()
+
+    def decode(self, raw: np.ndarray) -> tuple[np.ndarray, Callable[[], None]]:
+        """An encoded snapshot (int8) decoded into a pooled float32 buffer; ProtocolError if a scale is bad."""
+        if self._kept is None:
+            raise ProtocolError("bad_reply", "an encoded snapshot in a cluster that does not encode")
+        buffer, give_back = self._kept.take()
+        array = buffer.view(np.float32)
+        try:
+            quantize.decode(raw, array, MAX_VALUE)
+        except ValueError as exc:
+            give_back()
+            raise ProtocolError("bad_scale", str(exc)) from None
+        return array, give_back
 
 
 class ReplyReader:
@@ -111,7 +148,7 @@ class ReplyReader:
         self.name = name
         self._limited = RateLimitedLog()
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
-        self._buffers = BufferPool(model.nbytes)
+        self.arrivals = Arrivals(model)
         self._counters = counters
         self._log = log
 
@@ -159,7 +196,7 @@ class ReplyReader:
                 raise ProtocolError(
                     "bad_size", f"the payload holds {len(payload)} bytes, the header {self.model.nbytes}"
                 )
-            array, release = payload.array(self.model.storage, self._buffers)
+            array, release = self.arrivals.take(payload)
             self._counters.add("bytes_in", self.model.nbytes)
             received = Received(header, array, release)
         with contextlib.ExitStack() as keep:
@@ -178,19 +215,28 @@ class ReplyReader:
             raise ProtocolError("bad_reply", "a plain bulk stream in a cluster with keys (it would bypass CURVE)")
         now = time.monotonic()
         first_byte_by = now + BULK_FIRST_BYTE_SHARE * max(0.0, deadline - now)
-        buffer, give_back = self._buffers.take()
+        buffer, give_back = self.arrivals.wire.take()
         with contextlib.ExitStack() as keep:
             keep.callback(give_back)  # given back if anything fails
-            array = buffer.view(self.model.storage)
-            size = array.itemsize
+            if self.model.encoded:  # the values exist once decoded: the scales are checked then, and the values
+                self._bulk.receive(
+                    host, header["port"], header["token"], buffer, deadline, key=key, first_byte_by=first_byte_by
+                )
+                array, give_back = self.arrivals.decode(buffer)
+                keep.pop_all()
+                keep.callback(give_back)
+                self.values.check(array)
+            else:
+                array = buffer.view(self.model.storage)
+                size = array.itemsize
 
-            def check(start: int, end: int) -> None:
-                self.values.check_values(array[start // size : end // size])
+                def check(start: int, end: int) -> None:
+                    self.values.check_values(array[start // size : end // size])
 
-            self._bulk.receive(
-                host, header["port"], header["token"], buffer, deadline, check, key=key, first_byte_by=first_byte_by
-            )
-            self.values.check_distance(array)
+                self._bulk.receive(
+                    host, header["port"], header["token"], buffer, deadline, check, key=key, first_byte_by=first_byte_by
+                )
+                self.values.check_distance(array)
             keep.pop_all()
         self._bulk_paused.pop(peer, None)
         self._counters.add("bytes_in", self.model.nbytes)
@@ -203,7 +249,7 @@ class ReplyReader:
             raise ProtocolError("bad_reply", "a shared-memory reply that was not asked for")
         try:
             view = reader.acquire(
-                header["shm_id"], header["shm_slot"], header["version"], self.model.nbytes, self.model.storage
+                header["shm_id"], header["shm_slot"], header["version"], self.model.kept_nbytes, self.model.storage
             )
         except ProtocolError as exc:
             if exc.reason == "shm_unavailable":  # e.g. the peer runs as another user: use TCP from now on

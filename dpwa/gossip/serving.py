@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..mixing.model import WireModel
+from ..mixing.quantize import Encoder
 from ..stats import Counters
 from ..wire.bulk import BulkServer
 from ..wire.errors import Refused, refused
@@ -40,6 +41,7 @@ class Serving:
         counters: where to count same-host replies.
         bulk: streams snapshots to peers that ask for a bulk transfer (sealed in clusters with keys).
         bulk_ttl_s: how long a bulk transfer waits for its requester.
+        encoder: encodes snapshots as they are sent (``wire_dtype: int8``), with error feedback.
     """
 
     def __init__(
@@ -51,12 +53,14 @@ class Serving:
         counters: Counters,
         bulk: BulkServer | None = None,
         bulk_ttl_s: float = 0.0,
+        encoder: Encoder | None = None,
     ) -> None:
         self.name, self.store = name, store
         self.model = model
         self.shm_id = shm_id
         self._counters = counters
         self._bulk, self._bulk_ttl_s = bulk, bulk_ttl_s
+        self._encoder = encoder  # wire_dtype int8: snapshots are encoded as they are sent
 
     def routes(self) -> dict[str, Route]:
         return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True)}
@@ -82,16 +86,22 @@ class Serving:
         """
         assert self._bulk is not None
         snap = lease.snapshot
+        fields = self._fields(lease)
+        buffers: list[Any] = [snap.array]
+        hold: Lease | None = lease
+        if self._encoder is not None:  # int8: the encoded copy streams; the snapshot is free again once offered
+            buffers, hold = [self._encoder.encode(snap.array)], None
         try:
-            ticket = self._bulk.offer(request.sender, [snap.array], lease, self._bulk_ttl_s)
+            ticket = self._bulk.offer(request.sender, buffers, hold, self._bulk_ttl_s)
         except Refused:
             if request.may_send_payload:
                 self._counters.add("bulk_declined")
                 return self.snapshot_reply(request.header, lease)
             lease.release()
             raise
+        if hold is None:
+            lease.release()
         self._counters.add("bulk_served")
-        fields = self._fields(lease)
         if ticket.key is not None:
             fields["key"] = ticket.key
         return Reply(encode(BULK_PARAMS, request.header.id, **fields, port=self._bulk.port, token=ticket.token))
@@ -120,6 +130,10 @@ class Serving:
             self._counters.add("same_host_served")
             self._counters.add("shm_bytes_out", self.model.nbytes)
             return Reply(encode(SHM_PARAMS, header.id, **fields, shm_slot=snap.slot, shm_id=self.shm_id))
+        if self._encoder is not None:  # int8: the encoded copy travels; the snapshot is free again at once
+            with lease:
+                encoded = self._encoder.encode(snap.array)
+            return Reply(encode(PARAMS, header.id, **fields), payload=[encoded])
         return Reply(encode(PARAMS, header.id, **fields), payload=[snap.array], hold=lease)
 
     def _fields(self, lease: Lease) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def take_state(
     )
     if joined is None:
         return None, trained
-    params.lerp_from(joined.params, 1.0, model.dtype)  # f = 1 takes the donor's snapshot exactly
+    params.lerp_from(joined.params, 1.0, model.kept)  # f = 1 takes the donor's snapshot exactly
     if extra is not None and joined.extra_state is not None:
         extra.load(joined.extra_state)  # checked on arrival, field by field (ExtraState.check)
     if trained:  # a late or restarted node: it continues where the cluster is

@@ -27,6 +27,7 @@ from ..wire.calls import Call
 from ..wire.server import Route
 from .flow import FlowControl
 from .outcomes import Outcomes
+from .outer import OuterStep
 from .parts import Parts
 from .progress import Progress
 from .snapshots import Lease
@@ -80,6 +81,13 @@ class Crew:
     blend: Blend
     publish: Callable[[float | None], None]  # publish a snapshot with this loss (and the clock as it is)
     state: Callable[[], str] = field(default=lambda: "training")
+    outer: OuterStep | None = None  # outer: nesterov or noloco
+
+    def blended(self) -> None:
+        """After each blend of an exchange this node started: the outer step, if it takes one. (A half
+        mirrored for a peer takes none: its change is part of the next pseudo-gradient.)"""
+        if self.outer is not None:
+            self.outer.apply()
 
 
 class Steps(Protocol):

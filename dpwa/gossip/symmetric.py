@@ -82,7 +82,18 @@ class SymmetricSteps:
         step.deadline = time.monotonic() + crew.config.timeout_s
         # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
         busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * crew.progress.step_s)
-        task = ExchangeTask(peers, step.deadline, own, fields, reader, factor, crew.config.timeout_s / 10, busy_budget)
+        encoder = crew.parts.encoder
+        task = ExchangeTask(
+            peers,
+            step.deadline,
+            own,
+            fields,
+            reader,
+            factor,
+            crew.config.timeout_s / 10,
+            busy_budget,
+            encode=encoder.encode if encoder is not None else None,
+        )
         step.call = crew.parts.client.submit(task)
         self._outstanding.append(step.call)
         crew.counters.add("fetches_started")
@@ -136,8 +147,9 @@ class SymmetricSteps:
         crew = self._crew
         with half:
             own, theirs = half.own.snapshot, half.theirs
-            crew.blend.apply(crew.params, own.array, theirs.array, half.f, crew.model.dtype)
+            crew.blend.apply(crew.params, own.array, theirs.array, half.f, crew.model.kept)
             crew.progress.set_clock(crew.blend.clock(crew.progress.clock, own.clock, theirs.header["clock"], half.f))
+        crew.blended()
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{half.peer}.averaged")
         self.client.hold(half)  # a closing peer that asks learns we hold its commit
@@ -152,7 +164,7 @@ class SymmetricSteps:
         for half in self.server.take_committed():
             with half:
                 served = half.served.snapshot
-                rules.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.dtype)
+                rules.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.kept)
                 their_clock = half.theirs.header["clock"]
                 crew.progress.set_clock(rules.mirror_clock(crew.progress.clock, served.clock, their_clock, half.f))
             crew.counters.add("mirrored")

@@ -35,6 +35,7 @@ class PeerValues:
         self.wire = wire
         self.max_peer_distance = max_peer_distance
         self._reference = reference
+        kernels.prepare(wire)  # here, not on the thread that meets the first peer's buffer
 
     def check(self, array: np.ndarray) -> None:
         self.check_values(array)

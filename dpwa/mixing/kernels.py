@@ -31,6 +31,7 @@ __all__ = [
     "lerp_",
     "relative_distance",
     "storage_dtype",
+    "prepare",
     "use_torch",
     "within",
 ]
@@ -219,6 +220,18 @@ def relative_distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") ->
     if ours_sq == 0.0:
         return 0.0 if diff_sq == 0.0 else float("inf")
     return (diff_sq / ours_sq) ** 0.5
+
+
+def prepare(wire: str) -> None:
+    """Import and start what :func:`within` needs for `wire` now, on the calling thread.
+
+    Half-precision checks run on torch: importing it on first use would stall the thread that meets the
+    first half-precision buffer (a node's Rx thread, with a requester waiting) by a second or more.
+    """
+    if wire != "float32":
+        torch = _torch()
+        if torch is not None:
+            torch.aminmax(torch.zeros(2, dtype=torch.float16))
 
 
 def within(y: np.ndarray, bound: float, wire: str = "float32") -> bool:

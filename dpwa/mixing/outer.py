@@ -1,4 +1,4 @@
-"""Outer optimizers: the step a worker takes on a pseudo-gradient after local steps (DiLoCo's Nesterov step).
+"""Outer optimizers: the step a worker takes on a pseudo-gradient after local steps (DiLoCo's, NoLoCo's).
 
 Methods that train locally for H steps and then communicate (DiLoCo, Douillard
 et al. 2023, arXiv 2311.08105) treat the change since the last synchronisation
@@ -35,7 +35,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OuterNesterov", "OuterSettings", "nesterov_step", "pseudo_gradient"]
+from .params import FlatParams
+
+__all__ = [
+    "OUTER_RULES",
+    "GossipOuter",
+    "OuterNesterov",
+    "OuterSettings",
+    "nesterov_step",
+    "noloco_step",
+    "pseudo_gradient",
+]
 
 
 @dataclass(frozen=True)
@@ -119,5 +129,121 @@ class OuterNesterov:
         _check("outer state buf", buf, self.buf.size)
         if not np.isfinite(buf).all():
             raise ValueError("outer state: buf holds NaN or Inf")
+        self.buf[:] = buf
+        self.steps = steps
+
+
+def noloco_step(anchor: np.ndarray, mixed: np.ndarray, buf: np.ndarray, lr: float, momentum: float) -> None:
+    """NoLoCo's outer step (Kolehmainen et al. 2025, arXiv 2506.10911), in place on `anchor` and `buf`.
+
+    ``buf = momentum * buf + lr * (mixed - anchor); anchor += buf``, where `mixed` is the pair's mean of
+    the fast weights. The paper's step is a momentum on the pair's mean pseudo-gradient plus a pull of the
+    anchor toward the pair's mean anchor; with one rate for both (as its authors' code has),
+    ``mean(fast - anchor_k) + (mean(anchor_k) - anchor)`` is ``mean(fast) - anchor``: only the peer's fast
+    weights need to travel, which is what a gossip exchange sends.
+    """
+    _check("anchor", anchor)
+    _check("mixed", mixed, anchor.size)
+    _check("buf", buf, anchor.size)
+    buf *= np.float32(momentum)
+    step = mixed - anchor
+    step *= np.float32(lr)
+    buf += step
+    anchor += buf
+
+
+OUTER_RULES = ("nesterov", "noloco")
+
+
+class GossipOuter:
+    """One gossip node's outer optimizer: its anchor, its momentum buffer, and the rule.
+
+    After a blend, :meth:`step` takes the node's parameters as they are (its fast weights mixed with a
+    peer's), moves the anchor by the rule, and returns it: the node's parameters become the new anchor.
+    ``nesterov``: DiLoCo's step on the pseudo-gradient ``anchor - mixed``; ``noloco``: :func:`noloco_step`.
+
+    Both rules are linear in (parameters, anchor, momentum), so a weighted sum of the three is kept by every
+    step (:meth:`kept_weights`). A symmetric exchange keeps the sum of the models, and an outer step keeps
+    its node's weighted sum, so with outer steps a symmetric cluster keeps the sum of that quantity exact
+    (whichever nodes take them), as it keeps the sum of the models without.
+
+    Args:
+        rule: ``nesterov`` or ``noloco``.
+        anchor: the parameters at the start (a flat float32 array, copied).
+        settings: the outer learning rate and momentum.
+    """
+
+    def __init__(self, rule: str, anchor: np.ndarray, settings: OuterSettings) -> None:
+        if rule not in OUTER_RULES:
+            raise ValueError(f"outer rule must be one of {', '.join(OUTER_RULES)}, got {rule!r}")
+        _check("anchor", anchor)
+        self.rule, self.settings = rule, settings
+        self.anchor = anchor.copy()
+        self.buf = np.zeros_like(self.anchor)
+        self._grad = np.empty_like(self.anchor)
+        self.steps = 0
+
+    def step(self, mixed: np.ndarray) -> np.ndarray:
+        """One outer step from the mixed parameters; returns the new anchor (the parameters to continue from)."""
+        lr, momentum = self.settings.lr, self.settings.momentum
+        if self.rule == "nesterov":
+            grad = pseudo_gradient(self.anchor, mixed, self._grad)  # `mixed` may be _grad itself: fine
+            nesterov_step(self.anchor, grad, self.buf, lr, momentum)
+        else:
+            noloco_step(self.anchor, mixed, self.buf, lr, momentum)
+        self.steps += 1
+        return self.anchor
+
+    def apply(self, params: FlatParams) -> None:
+        """The step a node takes after a blend, in place: its parameters (the mixed ones) become the new anchor.
+
+        Ranges that hold running statistics (:meth:`FlatParams.statistics`) are not stepped: they stay as
+        averaging left them, and their momentum at zero.
+        """
+        mixed = self._grad  # scratch: step() is done with it before it writes the pseudo-gradient
+        params.copy_to(mixed, "float32")
+        stats = params.statistics()
+        kept = [mixed[s:e].copy() for s, e in stats]
+        self.step(mixed)
+        for (s, e), values in zip(stats, kept, strict=True):
+            self.anchor[s:e] = values
+            self.buf[s:e] = 0.0
+        params.lerp_from(self.anchor, 1.0, "float32")  # f = 1: the anchor exactly
+
+    def reanchor(self, params: FlatParams) -> None:
+        """Start afresh from the parameters as they are (a join or a restore without outer state): the anchor
+        is a copy of them, the momentum zero."""
+        params.copy_to(self.anchor, "float32")
+        self.buf[:] = 0.0
+        self.steps = 0
+
+    def kept_weights(self) -> tuple[float, float, float]:
+        """(a, b, c) such that ``a * params + b * anchor + c * buf`` is the same before and after a step.
+
+        With the parameters set to the anchor after the step. Derived by matching coefficients: for both
+        rules a = lr / (1 - momentum) and b = 1 - a; c = -lr momentum^2 / (1 - momentum) for nesterov
+        (its buffer is in gradient units) and momentum / (1 - momentum) for noloco (in parameter units).
+        """
+        lr, mu = self.settings.lr, self.settings.momentum
+        a = lr / (1.0 - mu)
+        c = -lr * mu * mu / (1.0 - mu) if self.rule == "nesterov" else mu / (1.0 - mu)
+        return a, 1.0 - a, c
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint or a joiner takes: the anchor, the momentum buffer (copies), the steps."""
+        return {"anchor": self.anchor.copy(), "buf": self.buf.copy(), "steps": self.steps}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state`'s output (checked: sizes, dtype, finite values; nothing taken if not)."""
+        anchor, buf, steps = state.get("anchor"), state.get("buf"), state.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"outer state: steps must be a count, got {steps!r:.40}")
+        if not isinstance(anchor, np.ndarray) or not isinstance(buf, np.ndarray):
+            raise ValueError("outer state: anchor and buf must be arrays")
+        for name, array in (("anchor", anchor), ("buf", buf)):
+            _check(f"outer state {name}", array, self.anchor.size)
+            if not np.isfinite(array).all():
+                raise ValueError(f"outer state: {name} holds NaN or Inf")
+        self.anchor[:] = anchor
         self.buf[:] = buf
         self.steps = steps

@@ -55,6 +55,11 @@ class FlatParams(ABC):
         """A flat buffer for snapshots (the CUDA adapter returns pinned memory)."""
         return np.empty(size, dtype=dtype)
 
+    def statistics(self) -> list[tuple[int, int]]:
+        """The [start, end) ranges of the flat vector that hold running statistics, not parameters
+        (BatchNorm's running mean and variance): an outer step leaves them where averaging put them."""
+        return []
+
 
 class NumpyParams(FlatParams):
     """Parameters that live in one flat, contiguous float32 numpy array, blended in place.

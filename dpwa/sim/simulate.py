@@ -39,6 +39,7 @@ import numpy as np
 from ..gossip.flow import PeerSelector
 from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
+from ..mixing.outer import GossipOuter, OuterSettings
 from ..mixing.params import NumpyParams
 
 __all__ = ["Gossip", "disagreement", "symmetric_decay", "study"]
@@ -73,6 +74,9 @@ class Gossip:
         fetch_probability: chance that a node exchanges in a round.
         seed: seeds the fetch decisions and peer choices.
         pairing: "random" (a peer by score, as a node draws it) or "hypercube" (dpwa.mixing.pairing).
+        period: exchange every `period` rounds (the nodes train alone in between), as ``period:`` does.
+        outer: "none", "nesterov" or "noloco": the outer step each node takes after each blend, with
+            `outer_settings`, as ``outer:`` does (:meth:`dpwa.mixing.outer.GossipOuter.apply`).
     """
 
     def __init__(
@@ -85,6 +89,9 @@ class Gossip:
         fetch_probability: float = 1.0,
         seed: int = 0,
         pairing: str = "random",
+        period: int = 1,
+        outer: str = "none",
+        outer_settings: OuterSettings | None = None,
     ) -> None:
         if mode not in ("pull", "symmetric") or blend not in ("state", "delta"):
             raise ValueError(f"mode must be pull or symmetric and blend state or delta, got {mode!r}, {blend!r}")
@@ -100,6 +107,11 @@ class Gossip:
         if pairing not in pairings.PAIRINGS:
             raise ValueError(f"pairing must be one of {', '.join(pairings.PAIRINGS)}, got {pairing!r}")
         self.pairing, self.rounds = pairing, 0
+        if not (isinstance(period, int) and period >= 1):
+            raise ValueError(f"period must be a whole number >= 1, got {period!r}")
+        self.period = period
+        settings = outer_settings or OuterSettings()
+        self.outers = None if outer == "none" else [GossipOuter(outer, a, settings) for a in self.arrays]
 
     def choose(self, i: int) -> int:
         chosen = self.selectors[i].choose()
@@ -109,9 +121,14 @@ class Gossip:
     def exchange(self, i: int, j: int, snapshots: Sequence[np.ndarray]) -> None:
         """Node i exchanges with node j, given the snapshots both published."""
         self.blend.apply(self.params[i], snapshots[i], snapshots[j], self.f, "float32")
+        self._blended(i)
         if self.mode == "symmetric":
             mixing.mirror(self.params[j], snapshots[j], snapshots[i], self.f, "float32")
         self.exchanges += 1
+
+    def _blended(self, i: int) -> None:
+        if self.outers is not None:
+            self.outers[i].apply(self.params[i])
 
     def exchange_now(self, i: int, j: int) -> None:
         """One exchange on the current values (nothing trains in between)."""
@@ -124,6 +141,12 @@ class Gossip:
         snapshot serves at most EXCHANGES_PER_SNAPSHOT of them, as on a real node.
         """
         snapshots = [a.copy() for a in self.arrays]
+        if self.rounds % self.period:  # a round of local steps only
+            self.rounds += 1
+            if train is not None:
+                for i, array in enumerate(self.arrays):
+                    train(i, array)
+            return
         if self.pairing == "hypercube":
             partners = [(i, pairings.hypercube_partner(i, self.n, self.rounds)) for i in range(self.n)]
             pairs = [(i, j) for i, j in partners if pairings.initiates(i, j, self.mode)]
@@ -202,6 +225,10 @@ class Rule:
     blend: str = "state"
     p: float = 1.0
     pairing: str = "random"
+    period: int = 1
+    outer: str = "none"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
 
 RULES = (
@@ -214,6 +241,10 @@ RULES = (
     Rule("symmetric, state, p = 1", "symmetric", "state", 1.0),
     Rule("pull, delta, hypercube", "pull", "delta", 1.0, "hypercube"),
     Rule("symmetric, delta, hypercube", "symmetric", "delta", 1.0, "hypercube"),
+    Rule("pull, state, every 8 steps", "pull", "state", period=8),
+    Rule("pull, state, every 8 steps, noloco", "pull", "state", period=8, outer="noloco"),
+    Rule("symmetric, delta, every 8 steps, noloco", "symmetric", "delta", period=8, outer="noloco"),
+    Rule("symmetric, delta, every 8 steps, nesterov", "symmetric", "delta", period=8, outer="nesterov"),
 )
 
 
@@ -236,7 +267,17 @@ def train_run(
     gossip = (
         None
         if rule.mode == "exact"
-        else Gossip(arrays, mode=rule.mode, blend=rule.blend, fetch_probability=rule.p, seed=seed, pairing=rule.pairing)
+        else Gossip(
+            arrays,
+            mode=rule.mode,
+            blend=rule.blend,
+            fetch_probability=rule.p,
+            seed=seed,
+            pairing=rule.pairing,
+            period=rule.period,
+            outer=rule.outer,
+            outer_settings=OuterSettings(rule.outer_lr, rule.outer_momentum),
+        )
     )
 
     def local_step(i: int, w: np.ndarray) -> None:
