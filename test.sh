@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every check: sets up .venv from requirements.txt if needed (and, as root with apt-get,
-# Debian's chromium for the dashboard's browser test), then ruff (lint and format) on dpwa/ and
-# tests/, mypy, then pytest. Extra arguments go to pytest, e.g. ./test.sh -k config -x
+# Debian's chromium for the dashboard's browser test), then ruff (lint and format: dpwa/, tests/,
+# examples/) and mypy (dpwa/ and tests/), then pytest. Extra arguments go to pytest, e.g. ./test.sh -k config -x
 #   ./test.sh            everything (what CI runs)
 #   ./test.sh --quick    the fast lane for the inner loop: the same checks, and the tests not marked slow
 set -euo pipefail

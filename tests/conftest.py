@@ -142,17 +142,22 @@ def endpoint_is_free(config: dict[str, Any], name: str) -> bool:
     return True
 
 
+class ClusterFactory:
+    """make_config with one transport's settings added; `transport` says which ("tcp" or "shm")."""
+
+    def __init__(self, transport: str) -> None:
+        self.transport = transport
+        self._extra = {"same_host": "off", "insecure": True} if transport == "tcp" else {"same_host": "auto"}
+
+    def __call__(self, n: int, **settings: Any) -> dict[str, Any]:
+        return make_config(n, **{**self._extra, **settings})
+
+
 @pytest.fixture(params=["tcp", "shm"])
-def make_cluster(request):
+def make_cluster(request) -> ClusterFactory:
     """make_config, run once over TCP (insecure: true, payloads over TCP) and once the default
     way (a loopback cluster: ipc sockets, payloads through shared memory)."""
-    extra = {"same_host": "off", "insecure": True} if request.param == "tcp" else {"same_host": "auto"}
-
-    def make(n: int, **settings: Any) -> dict[str, Any]:
-        return make_config(n, **{**extra, **settings})
-
-    make.transport = request.param
-    return make
+    return ClusterFactory(request.param)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
@@ -230,15 +235,18 @@ def filled(k: float, size: int = 1000) -> np.ndarray:
 class ChildNode:
     """A node in a child process, driven over stdin/stdout with JSON lines."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None, "the child needs text pipes for stdin and stdout"
         self.proc = proc
+        self._stdin = proc.stdin
+        self._stdout = proc.stdout
         self._lines: list[dict] = []
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             try:
                 message = json.loads(line)
             except ValueError:
@@ -266,15 +274,15 @@ class ChildNode:
                 self._cv.wait(min(remaining, 0.2))
 
     def send(self, **command: Any) -> None:
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
+        self._stdin.write(json.dumps(command) + "\n")
+        self._stdin.flush()
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """Ask the child to close its node and exit; kill it if it does not."""
         if self.proc.poll() is None:
             try:
                 self.send(cmd="exit")
-                self.proc.stdin.close()
+                self._stdin.close()
             except (BrokenPipeError, ValueError):
                 pass
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -14,8 +15,10 @@ sys.path.insert(0, str(EXAMPLE))
 
 CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
+Index = TypeVar("Index", int, np.ndarray)  # one pixel, or np.indices grids of them
 
-def cifar_pixel(i: int, channel: int, y: int, x: int) -> int:
+
+def cifar_pixel(i: Index, channel: Index, y: Index, x: Index) -> Index:
     """The value the tiny files hold at image i, channel, row y, column x: every pixel is known in advance."""
     return (7 * i + 50 * channel + 3 * y + x) % 256
 

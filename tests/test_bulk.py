@@ -51,20 +51,25 @@ def test_bytes_arrive_exactly_checked_block_by_block_over_one_reused_connection(
     bulk = server(sealed=sealed)
     data = np.random.default_rng(0).integers(0, 256, 3 * BLOCK_BYTES + 123, dtype=np.uint8)
     receiver = BulkReceiver("r")
+    blocks: list[tuple[int, int]] = []  # (start, end) of each block checked, this round
+
+    def record(start: int, end: int) -> None:
+        blocks.append((start, end))
+
     try:
         for _ in range(2):
             hold = FakeHold()
             ticket = bulk.offer("w0", [data], hold, ttl_s=10)
             assert (ticket.key is not None) == sealed
             out = np.zeros_like(data)
-            blocks = []
+            blocks.clear()
             receiver.receive(
                 "127.0.0.1",
                 bulk.port,
                 ticket.token,
                 out,
                 time.monotonic() + 10,
-                check=lambda start, end, blocks=blocks: blocks.append((start, end)),
+                check=record,
                 key=ticket.key,
             )
             assert np.array_equal(out, data)

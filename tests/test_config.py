@@ -55,7 +55,7 @@ def test_defaults_and_immutability():
     assert (config.fetch_probability, config.timeout_ms, config.interpolation) == (1.0, 2500, "constant")
     assert config.divergence_threshold == 0.0 and config.constant.value == 0.5
     with pytest.raises(AttributeError):
-        config.timeout_ms = 5  # frozen
+        config.timeout_ms = 5  # type: ignore[misc]  # frozen: the test checks that assigning fails
 
 
 def test_peers_and_lookup():

@@ -79,6 +79,7 @@ class DomRecorder(html.parser.HTMLParser):
         self.elements: list[tuple[str, dict[str, str]]] = []
         self.rows: dict[str, dict[str, str]] = {}
         self.texts: list[str] = []
+        self.html = ""  # the DOM as Chromium serialized it
         self._row: str | None = None
         self._field: str | None = None
         self._stack: list[tuple[str, str | None]] = []  # (tag, svg id) of open elements
@@ -120,6 +121,7 @@ class DomRecorder(html.parser.HTMLParser):
 
 def dump_dom(url: str, tmp_path: Path, budget_ms: int = 4000) -> DomRecorder:
     """The page's DOM after its scripts ran, from headless Chromium; parsed."""
+    assert CHROMIUM is not None  # the tests that call this are skipped without it
     profile = tmp_path / f"chromium-{time.monotonic_ns()}"
     argv = [
         CHROMIUM,
@@ -147,7 +149,7 @@ def dump_dom(url: str, tmp_path: Path, budget_ms: int = 4000) -> DomRecorder:
     assert proc.returncode == 0 and "<html" in out, f"chromium failed ({proc.returncode}): {err[-2000:]}"
     dom = DomRecorder()
     dom.feed(out)
-    dom.html = out  # type: ignore[attr-defined]
+    dom.html = out
     return dom
 
 
@@ -346,22 +348,24 @@ def test_python_m_dpwa_dashboard_prints_its_url_and_ctrl_c_stops_it(tmp_path):
         text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
+    stdout, stderr = proc.stdout, proc.stderr
+    assert stdout is not None and stderr is not None
     try:
-        first = proc.stdout.readline()
+        first = stdout.readline()
         assert first.startswith("dpwa dashboard: http://127.0.0.1:") and "/?token=" in first, first
         url = first.split()[2]
         status, _, body = http(url.split("?")[0] + "api/state")
         assert status == 200 and json.loads(body)["kill"] is True and json.loads(body)["nodes"] == ["w1", "w2"]
-        assert "keep it private" in proc.stdout.readline()
+        assert "keep it private" in stdout.readline()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 130
-        assert proc.stderr.read() == ""  # no traceback
+        assert stderr.read() == ""  # no traceback
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        proc.stdout.close()
-        proc.stderr.close()
+        stdout.close()
+        stderr.close()
     assert port_is_free(int(url.split(":")[2].split("/")[0]))
 
 
@@ -386,7 +390,7 @@ def sleepers(tmp_path):
 def test_the_kill_button_kills_exactly_the_node_asked_by_its_pid(sleepers):
     run_dir, procs = sleepers
     with Dashboard(run_dir, allow_kill=True, timeout_s=0.3) as board:
-        assert board.url.endswith(f"/?token={board.token}") and len(board.token) >= 32
+        assert board.token is not None and board.url.endswith(f"/?token={board.token}") and len(board.token) >= 32
         kill = f"http://127.0.0.1:{board.port}/api/kill?node=w2&token={board.token}"
         status, _, body = http(kill, method="POST", headers={"Origin": f"http://127.0.0.1:{board.port}"})
         assert status == 200, body
@@ -413,6 +417,7 @@ def test_the_kill_button_refuses_everything_else(sleepers):
                 return status, json.loads(body)["error"]
 
             token = board.token
+            assert token is not None
             assert refused("?node=w1") == (403, "no token: open the URL the dashboard printed (it ends in ?token=...)")
             assert refused("?node=w1&token=" + "x" * len(token)) == (
                 403,
@@ -539,6 +544,7 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
 
         assert wait_until(lambda: url() is not None, 60), "".join(run.out)
         page = url()
+        assert page is not None
         port = int(page.split(":")[2].split("/")[0])
         run_dir = (runs / "latest").resolve()
         events = run_dir / "events.jsonl"

@@ -34,6 +34,7 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -134,9 +135,10 @@ class RequestFuzzer:
         self.rng = random.Random(seed)
         self.fp, self.nbytes, self.snapshot, self.symmetric = fp, nbytes, snapshot, symmetric
         self.given: dict[int, str] = {}  # xid -> the sender the server gave it to
-        self.decided: dict[str, OrderedDict] = {}  # sender -> xid -> outcome, as the server remembers them
+        # sender -> xid -> outcome, as the server remembers them
+        self.decided: dict[str, OrderedDict[Hashable, str]] = {}
         self.followups: list[Case] = []
-        self.families = Counter()
+        self.families: Counter[str] = Counter()
         families = [
             (self.valid_fetch, 6),
             (self.wrong_version, 3),
@@ -195,7 +197,7 @@ class RequestFuzzer:
         return self.rng.choice(NAMES)
 
     def fetch_fields(self, sender: str, shm: bool = False) -> dict:
-        fields = {"from": sender, "fp": self.fp, "dtype": "float32"}
+        fields: dict[str, object] = {"from": sender, "fp": self.fp, "dtype": "float32"}
         if shm:
             fields["shm"] = True
         return fields
@@ -484,7 +486,7 @@ class RequestFuzzer:
         )
 
     def remembered(self, sender: str, xid: int) -> str:
-        return self.decided.get(sender, {}).get(xid, "unknown")
+        return self.decided.get(sender, OrderedDict()).get(xid, "unknown")
 
     def confirm_random_xid(self) -> Case:
         xid = self.rng.choice([1, MAX_ID, self.rng.randrange(1, MAX_ID)])
@@ -538,8 +540,10 @@ class RequestFuzzer:
             self.confirm("repeated confirm of an own xid", sender, xid, Expect("decision", outcome="commit")),
         ]
 
-    def decision(self, sender: str, xid: int, outcome: str) -> None:
-        """Mirror the server's memory of decisions: the last DECISIONS_PER_PEER per sender."""
+    def decision(self, sender: str, xid: Hashable, outcome: str) -> None:
+        """Mirror the server's memory of decisions: the last DECISIONS_PER_PEER per sender.
+
+        `xid` is an int, or an object() that stands for an exchange whose xid we never learned."""
         if outcome == "unknown":
             return
         table = self.decided.setdefault(sender, OrderedDict())
@@ -809,10 +813,10 @@ def bad_snapshot_replies(rng: random.Random, fp: bytes, good: bytes):
         return array.tobytes()
 
     def flipped(data: bytes) -> bytes:
-        data = bytearray(data)
+        bits = bytearray(data)
         for _ in range(rng.randrange(1, 6)):
-            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-        return bytes(data)
+            bits[rng.randrange(len(bits))] ^= 1 << rng.randrange(8)
+        return bytes(bits)
 
     def oversized(request):
         header = params(request, pad="")
@@ -955,7 +959,8 @@ def test_a_thousand_bad_replies_are_never_applied(nodes, tmp_path):
 
     ctx = zmq.Context()
     fake = FakePeer(ctx, node.config.endpoint(node.config.node("w1")), respond)
-    outcomes, reasons = Counter(), Counter()
+    outcomes: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
     try:
         for i, (name, outcome, reason, _) in enumerate(plan):
             node.update_send()
@@ -1120,7 +1125,7 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
     assert not any(plan[i][1] == plan[i - 1][1] == "in_doubt" for i in range(1, len(plan)))
     queue = list(plan)
     pending: dict[int, tuple] = {}  # xid -> its case, until its first confirm
-    asked_again = Counter()
+    asked_again: Counter[str] = Counter()
 
     def respond(request):
         assert request.header["from"] == "w0"
@@ -1141,7 +1146,7 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
 
     ctx = zmq.Context()
     fake = FakePeer(ctx, node.config.endpoint(node.config.node("w1")), respond)
-    outcomes = Counter()
+    outcomes: Counter[str] = Counter()
     try:
         for i, (name, expected, _, _) in enumerate(plan):
             assert wait_until(lambda: node.update_wait() and node.stats()["exchanges_unsettled"] == 0, 20), (

@@ -129,7 +129,8 @@ def test_a_donor_killed_during_the_transfer_is_replaced_by_another(children, nod
     for donor in donors.values():
         donor.expect("ready")
         donor.send(cmd="churn")  # training: a clock above 0, and a step that makes an offer when asked
-    proxies, killed = {}, []
+    proxies: dict[str, ChaosProxy] = {}
+    killed: list[str] = []
     try:
         entries = []
         for spec in cfg["nodes"]:

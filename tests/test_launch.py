@@ -215,7 +215,7 @@ def test_metrics_tail_reads_complete_lines_only(tmp_path):
     with open(path, "a") as fh:
         fh.write(line[10:] + "\nnot json\n")
     nodes = tail.poll()
-    assert nodes["w1"].step["step"] == 7 and nodes["w1"].bad_lines == 1
+    assert nodes["w1"].step is not None and nodes["w1"].step["step"] == 7 and nodes["w1"].bad_lines == 1
 
 
 def test_live_view_redraws_in_place_on_a_terminal_and_prints_lines_otherwise(tmp_path):

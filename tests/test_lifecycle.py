@@ -30,7 +30,9 @@ class Foreground:
     def __init__(self, runs: Path, *args: str) -> None:
         self.proc = run_sh(runs, *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.out: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.out.extend(self.proc.stdout))
+        stdout = self.proc.stdout
+        assert stdout is not None
+        self.reader = threading.Thread(target=lambda: self.out.extend(stdout))
         self.reader.start()
 
     def wait(self, timeout_s: float) -> str:
@@ -46,6 +48,12 @@ def run_dir_of(runs: Path) -> Path | None:
 
 def epoch_reached(run_dir: Path, node: str) -> int:
     return max([r["epoch"] for r in metrics(run_dir, node) if r["kind"] == "step"], default=0)
+
+
+def every_node_reached(runs: Path, nodes: tuple[str, ...], epoch: int) -> bool:
+    """True once the latest run exists and each of `nodes` trains epoch `epoch` or later."""
+    run_dir = run_dir_of(runs)
+    return run_dir is not None and all(epoch_reached(run_dir, n) >= epoch for n in nodes)
 
 
 def check_finished(run_dir: Path, nodes: list[str]) -> dict:
@@ -73,14 +81,9 @@ def test_a_node_killed_mid_run_rejoins_from_a_peer_and_the_run_finishes(tmp_path
     runs = tmp_path / "runs"
     run = Foreground(runs, "--nodes", "3", "--epochs", "10", "--restarts", "1", "--print-every", "5")
     try:
-        assert wait_until(
-            lambda: (
-                run_dir_of(runs) is not None
-                and all(epoch_reached(run_dir_of(runs), n) >= 2 for n in ("w1", "w2", "w3"))
-            ),
-            90,
-        ), "".join(run.out)
+        assert wait_until(lambda: every_node_reached(runs, ("w1", "w2", "w3"), 2), 90), "".join(run.out)
         run_dir = run_dir_of(runs)
+        assert run_dir is not None
         pid, _ = read_pid_file(run_dir / "pids" / "w2.pid")
         os.kill(pid, signal.SIGKILL)
         out = run.wait(150)
@@ -128,6 +131,7 @@ def test_chaos_mode_kills_nodes_now_and_then_and_they_rejoin(tmp_path):
         reap(run.proc, runs)
     assert run.proc.returncode == 0, out
     run_dir = run_dir_of(runs)
+    assert run_dir is not None
     summary = check_finished(run_dir, ["w1", "w2", "w3"])
     assert summary["kills"] >= 1 and summary["restarts"] == summary["kills"], summary
     assert summary["rejoins"] == summary["kills"]
@@ -170,6 +174,7 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         run_dir = run_dir_of(runs)
+        assert run_dir is not None
         from dpwa.cluster import checkpoints
 
         assert wait_until(

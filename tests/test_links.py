@@ -114,7 +114,7 @@ def test_a_delay_is_refused_with_the_kernels_answer_when_netem_is_missing():
 @pytest.mark.slow
 def test_hosts_talk_over_shaped_links_and_everything_goes_even_after_a_sigkill():
     net = Links(["a", "b"], LinkSpec(20))
-    procs = []
+    procs: list[subprocess.Popen] = []
     with net:
         assert sorted(namespaces(net.prefix)) == sorted(net.namespaces)
         qdiscs = subprocess.run(
@@ -136,6 +136,7 @@ def test_hosts_talk_over_shaped_links_and_everything_goes_even_after_a_sigkill()
             text=True,
         )
         procs.append(server)
+        assert server.stdout is not None
         assert server.stdout.readline().strip() == "up"
         client = subprocess.run(
             net.run_prefix("a")
@@ -193,6 +194,7 @@ time.sleep(120)
 def test_the_reaper_tears_down_when_the_owner_itself_is_sigkilled(tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", OWNER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True)
     try:
+        assert owner.stdout is not None
         prefix = owner.stdout.readline().strip()
         assert prefix.startswith(f"dpwa{owner.pid}x") and len(namespaces(prefix)) == 3
         owner.kill()

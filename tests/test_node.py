@@ -45,7 +45,7 @@ def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
 def test_a_fetch_returns_the_peers_exact_bytes(nodes, make_cluster):
     cfg = make_cluster(2, constant={"value": 1.0})
     theirs = np.random.default_rng(3).standard_normal(100_003).astype(np.float32)
-    theirs[:4] = [-1e18, np.finfo(np.float32).tiny, -0.0, 1e-45]  # extremes (within MAX_VALUE) survive the wire
+    theirs[:4] = [-1e18, float(np.finfo(np.float32).tiny), -0.0, 1e-45]  # extremes (within MAX_VALUE) survive the wire
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs.copy()))
     publish(peer)
     mine = RecordingParams(np.zeros_like(theirs))

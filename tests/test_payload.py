@@ -4,6 +4,7 @@ the receive-buffer pool, and large payloads through a real server and client."""
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import numpy as np
 import pytest
@@ -35,8 +36,13 @@ class FakeFrame:
         return self.buffer.nbytes
 
 
-def frames_of(*buffers: bytes, chunk: int = C) -> list[FakeFrame]:
-    return [FakeFrame(bytes(memoryview(f))) for f in chunks(buffers, chunk)]
+def as_frames(fakes: list[FakeFrame]) -> list[zmq.Frame]:
+    """FakeFrames where group() and Payload take zmq.Frames: they stand in for them."""
+    return cast(list[zmq.Frame], fakes)
+
+
+def frames_of(*buffers: bytes, chunk: int = C) -> list[zmq.Frame]:
+    return as_frames([FakeFrame(bytes(memoryview(f))) for f in chunks(buffers, chunk)])
 
 
 @pytest.mark.parametrize("sizes", [(0,), (5,), (C - 1,), (C,), (C + 1,), (3 * C,), (0, 0), (C, 0), (2 * C, C + 3, 1)])
@@ -66,12 +72,12 @@ def test_payloads_split_and_group_back_exactly(sizes):
 )
 def test_frame_lists_that_are_not_the_declared_payloads_are_refused(frames, count, detail):
     with pytest.raises(ProtocolError) as err:
-        group([FakeFrame(f) for f in frames], count, chunk_bytes=C)
+        group(as_frames([FakeFrame(f) for f in frames]), count, chunk_bytes=C)
     assert err.value.reason == "bad_frames" and detail in err.value.detail
 
 
 def test_a_single_frame_is_read_in_place_and_chunks_are_copied_into_the_pool():
-    one = Payload([FakeFrame(np.arange(3, dtype=np.float32).tobytes())])
+    one = Payload(as_frames([FakeFrame(np.arange(3, dtype=np.float32).tobytes())]))
     array, release = one.array(np.float32)
     assert one.single and array.tolist() == [0.0, 1.0, 2.0]
     release()

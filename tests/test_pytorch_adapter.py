@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
 
 import dpwa  # noqa: E402
 from conftest import make_config  # noqa: E402
@@ -16,6 +16,8 @@ from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
 
 
 class Net(nn.Module):
+    steps: Tensor  # a registered integer buffer
+
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(2, 4, 3)
@@ -33,6 +35,7 @@ def filled_net(k: float, **kwargs) -> Net:
     with torch.no_grad():
         for t in list(net.parameters()) + [b for b in net.buffers() if b.is_floating_point()]:
             t.fill_(k)
+        assert net.bn.num_batches_tracked is not None
         net.bn.num_batches_tracked.fill_(int(k) * 10)
         net.steps.fill_(int(k))
     return net
@@ -97,7 +100,7 @@ def test_an_optimizer_keeps_working_across_blends(adapters, make_cluster):
         torch.nn.init.normal_(p)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(8, 2, 6, 6), torch.randint(0, 3, (8,))
-    losses = []
+    losses: list[float] = []
     for _ in range(5):
         mine.update_send(losses[-1] if losses else None, batch_size=8)
         opt.zero_grad()
@@ -117,7 +120,8 @@ def test_an_optimizer_keeps_working_across_blends(adapters, make_cluster):
 
 def test_mixed_dtypes_and_channels_last():
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(2, 2).double())
-    net[0].to(memory_format=torch.channels_last)
+    # torch documents Module.to(memory_format=...), but its overloads leave it out
+    net[0].to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     params = TorchParams(net)
     assert params.size == sum(p.numel() for p in net.parameters())
     flat = np.empty(params.size, np.float32)
@@ -132,7 +136,7 @@ def test_mixed_dtypes_and_channels_last():
         ref = (torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) + 100 * i) / 2
         assert torch.allclose(p.double(), ref), i
     assert net[1].weight.dtype == torch.float64
-    assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert net[0].get_parameter("weight").is_contiguous(memory_format=torch.channels_last)
 
 
 def test_fingerprints_tell_models_apart():
@@ -152,7 +156,8 @@ def test_unusable_models_are_refused_with_a_reason():
 
 def test_add_scaled_diff_on_mixed_dtypes_and_layouts():
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Linear(2, 2).double())
-    net[0].to(memory_format=torch.channels_last)
+    # torch documents Module.to(memory_format=...), but its overloads leave it out
+    net[0].to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     params = TorchParams(net)
     with torch.no_grad():
         for p in net.parameters():
@@ -176,8 +181,8 @@ def test_a_delta_blend_keeps_running_statistics_convex():
     with torch.no_grad():
         for p in net.parameters():
             p.fill_(1.0)
-        net[1].running_mean.fill_(0.0)
-        net[1].running_var.fill_(0.01)
+        net[1].get_buffer("running_mean").fill_(0.0)
+        net[1].get_buffer("running_var").fill_(0.01)
     a = np.empty(params.size, np.float32)
     params.copy_to(a)
     b = a.copy()

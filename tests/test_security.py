@@ -162,6 +162,7 @@ def test_parameters_cross_the_network_encrypted(nodes, tmp_path, secure):
         assert client.update_wait().averaged
         assert np.allclose(mine, pattern / 2)
         needle = pattern[:16].tobytes()
+        assert proxy.captured is not None  # capture=True
         assert (needle in bytes(proxy.captured)) is (not secure)
         assert len(proxy.captured) >= pattern.nbytes
     finally:

@@ -99,6 +99,7 @@ def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
         text=True,
     )
     try:
+        assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "locked"
         assert not store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 held by the other process
         holder.kill()
@@ -129,6 +130,7 @@ def test_directories_are_swept_by_their_owner_lock_not_by_pid(root):
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert holder.stdout is not None and holder.stdin is not None
     try:
         assert holder.stdout.readline().strip() == "locked"
         dead = user_dir(root) / "w9-1234-0123456789abcdef"

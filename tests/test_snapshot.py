@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import threading
+from typing import cast
 
 import numpy as np
 import pytest
+import zmq
 
-from dpwa.gossip.snapshots import HeapMemory, SnapshotStore
+from dpwa.gossip.snapshots import HeapMemory, Lease, Snapshot, SnapshotStore
+
+
+def leased(store: SnapshotStore) -> Lease:
+    """A lease of the newest snapshot, which the test has published."""
+    lease = store.lease()
+    assert lease is not None
+    return lease
+
+
+def newest(store: SnapshotStore) -> Snapshot:
+    """The newest snapshot, which the test has published."""
+    snapshot = store.current()
+    assert snapshot is not None
+    return snapshot
 
 
 def fill_with(value):
@@ -18,7 +34,7 @@ def test_publish_and_lease():
     store = SnapshotStore(4, np.float32)
     assert store.lease() is None  # nothing published yet
     assert store.publish(fill_with(1.0), clock=3, loss=0.5)
-    with store.lease() as lease:
+    with leased(store) as lease:
         snap = lease.snapshot
         assert snap.version == 1 and snap.clock == 3.0 and snap.loss == 0.5
         assert np.all(snap.array == 1.0)
@@ -27,24 +43,24 @@ def test_publish_and_lease():
 def test_a_leased_snapshot_is_never_overwritten():
     store = SnapshotStore(1000, np.float32, max_slots=3)
     store.publish(fill_with(1.0), 0, None)
-    lease = store.lease()
+    lease = leased(store)
     for value in range(2, 50):
         store.publish(fill_with(float(value)), 0, None)
         assert np.all(lease.snapshot.array == 1.0)  # untouched while held
-    assert store.current().version == 49
+    assert newest(store).version == 49
     lease.release()
 
 
 def test_publishing_skips_instead_of_waiting_when_every_slot_is_held():
     store = SnapshotStore(10, np.float32, max_slots=2)
     store.publish(fill_with(1.0), 0, None)
-    first = store.lease()
+    first = leased(store)
     store.publish(fill_with(2.0), 0, None)  # second slot
-    second = store.lease()
+    second = leased(store)
     assert store.slots == 2 and store.held() == 2
     assert not store.publish(fill_with(3.0), 0, None)  # both held: skipped, not blocked
     assert store.skipped == 1
-    assert np.all(store.lease().snapshot.array == 2.0)  # the previous snapshot is still served
+    assert np.all(leased(store).snapshot.array == 2.0)  # the previous snapshot is still served
     first.release()
     assert store.publish(fill_with(4.0), 0, None)
     assert np.all(first.snapshot.array == 4.0)  # the freed slot was reused
@@ -62,14 +78,14 @@ def test_a_lease_handed_to_a_tracker_lasts_until_the_send_is_done():
     store = SnapshotStore(10, np.float32, max_slots=2)
     store.publish(fill_with(1.0), 0, None)
     tracker = FakeTracker()
-    store.lease().release_when(tracker)
+    leased(store).release_when(cast(zmq.MessageTracker, tracker))
     store.publish(fill_with(2.0), 0, None)
     assert not store.publish(fill_with(3.0), 0, None)  # slot 1 still being sent
     tracker.done = True
     assert store.publish(fill_with(3.0), 0, None)
 
 
-def counting_memory(allocations):
+def counting_memory(allocations: list[int]):
     def memory(index):
         allocations.append(index)
         return HeapMemory(np.empty(10, np.float32))
@@ -78,15 +94,15 @@ def counting_memory(allocations):
 
 
 def test_slots_are_allocated_lazily_and_bounded():
-    allocations = []
+    allocations: list[int] = []
     store = SnapshotStore(10, np.float32, max_slots=4, memory=counting_memory(allocations))
     for value in range(100):
         store.publish(fill_with(float(value)), 0, None)
     assert allocations == [0, 1]  # nobody reads: two slots suffice
-    leases = [store.lease()]
+    leases = [leased(store)]
     for value in range(10):  # each snapshot leased and kept: the store grows to max_slots, then skips
         store.publish(fill_with(float(value)), 0, None)
-        leases.append(store.lease())
+        leases.append(leased(store))
     assert allocations == [0, 1, 2, 3] and store.slots == 4
     assert store.skipped == 7 and store.retired == 0  # our own leases are never retired
     for lease in leases:
@@ -95,28 +111,28 @@ def test_slots_are_allocated_lazily_and_bounded():
 
 
 def test_a_slot_held_too_long_by_unsent_replies_is_retired_and_publishing_goes_on(monkeypatch):
-    allocations = []
+    allocations: list[int] = []
     store = SnapshotStore(
         10, np.float32, max_slots=2, memory=counting_memory(allocations), hold_limit_s=5.0, max_retired=1
     )
     now = [1000.0]
     monkeypatch.setattr("dpwa.gossip.snapshots.time.monotonic", lambda: now[0])
-    trackers = []
+    trackers: list[FakeTracker] = []
 
     def serve_to_a_client_that_never_reads():
-        lease = store.lease()
+        lease = leased(store)
         trackers.append(FakeTracker())
-        lease.release_when(trackers[-1])
+        lease.release_when(cast(zmq.MessageTracker, trackers[-1]))
 
     store.publish(fill_with(1.0), 0, None)
     serve_to_a_client_that_never_reads()  # slot 0 held
     store.publish(fill_with(2.0), 0, None)  # slot 1
     serve_to_a_client_that_never_reads()  # slot 1 held too
     assert not store.publish(fill_with(3.0), 0, None)  # both held, none for long: skipped
-    assert store.current().array[0] == 2.0
+    assert newest(store).array[0] == 2.0
     now[0] += 5.5  # slot 0 has been held past the limit
     assert store.publish(fill_with(3.0), 0, None)  # retired and replaced by a fresh one
-    assert store.current().array[0] == 3.0 and store.retired == 1 and allocations == [0, 1, 0]
+    assert newest(store).array[0] == 3.0 and store.retired == 1 and allocations == [0, 1, 0]
     assert store.retired_alive() == 1  # its memory lives on for the reader that holds it
     serve_to_a_client_that_never_reads()
     now[0] += 5.5
@@ -134,7 +150,7 @@ def test_concurrent_readers_never_see_a_torn_snapshot():
 
     def reader():
         while not stop.is_set():
-            lease = store.lease()
+            lease = leased(store)
             a = lease.snapshot.array
             first, last = a[0], a[-1]
             if first != last or not np.all(a == first):

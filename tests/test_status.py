@@ -287,6 +287,8 @@ def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it_quietly(tmp_pat
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     os.close(child)
+    stderr = proc.stderr
+    assert stderr is not None
     output = b""
     try:
         while output.count(b"2 of 2 nodes answered") < 2:  # two rounds drawn, then Ctrl-C
@@ -294,12 +296,12 @@ def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it_quietly(tmp_pat
             output += os.read(main, 65536)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130
-        assert proc.stderr.read() == b""  # no traceback
+        assert stderr.read() == b""  # no traceback
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        proc.stderr.close()
+        stderr.close()
         os.close(main)
     assert output.count(b"\x1b[H\x1b[2J") >= 2  # each round clears the screen and draws from the top
     assert b"every 0.1 s, Ctrl-C stops" in output

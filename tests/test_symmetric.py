@@ -208,7 +208,12 @@ def test_a_factor_the_requester_does_not_share_moves_nobody(nodes):
     node.update_send()
     update = node.update_wait()
     assert update.outcome == "rejected" and "bad_factor" in update.reason
-    assert wait_until(lambda: tend(peer) or peer.stats().get("exchanges_expired", 0) == 1, 5)
+
+    def expired() -> bool:
+        tend(peer)
+        return peer.stats().get("exchanges_expired", 0) == 1
+
+    assert wait_until(expired, 5)
     assert np.all(mine == 0) and np.all(theirs == 8)
 
 

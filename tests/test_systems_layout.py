@@ -52,12 +52,12 @@ def test_state_round_trips_and_loads_in_place():
     with torch.no_grad():
         for i, p in enumerate(source.module.parameters()):
             p.fill_(i + 1.0)
-        source.module[1].running_mean.fill_(7.0)
+        source.module.get_buffer("1.running_mean").fill_(7.0)
     storage = [p.data_ptr() for p in target.module.parameters()]
     target.load_state(source.state())
     assert np.array_equal(target.state(), source.state())
     assert [p.data_ptr() for p in target.module.parameters()] == storage  # same tensors, new values
-    assert float(target.module[1].running_mean[0]) == 7.0
+    assert float(target.module.get_buffer("1.running_mean")[0]) == 7.0
     with pytest.raises(ValueError, match="expected a flat vector of"):
         target.load_params(np.zeros(3, np.float32))
 
@@ -81,6 +81,7 @@ def test_flat_sgd_takes_exactly_torch_sgd_steps(algorithm):
     """The master and the servers step flat vectors; a worker's torch optimizer steps the module: equal updates."""
     settings = SGDSettings(lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4, algorithm=algorithm)
     net = small_net()
+    reference: torch.optim.Optimizer
     if algorithm == "sgd":
         reference = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
     else:

@@ -22,6 +22,7 @@ from dpwa.systems.sync.client import MasterClient, MasterUnreachable
 from dpwa.systems.sync.master import (
     Assignment,
     BadRequest,
+    Holding,
     Master,
     NoMoreTask,
     Refusal,
@@ -64,13 +65,27 @@ def master(tasks=4, **kwargs) -> Master:
     return Master(make_tasks(1, tasks), Sums(), **{"lease_s": 10.0, **kwargs})
 
 
+def assigned(mst: Master, worker: str, now: float) -> Assignment:
+    """The task `mst` leases to `worker`, which the test expects to be there."""
+    job = mst.get_task(worker, now)
+    assert isinstance(job, Assignment), job
+    return job
+
+
+def take(board: TaskBoard, worker: str, now: float) -> tuple[Segment, Holding]:
+    """The next task and its lease, which the test expects to be there."""
+    taken = board.take(worker, now)
+    assert taken is not None
+    return taken
+
+
 # --------------------------------------------------------------------------- the task board
 
 
 def test_tasks_flow_from_todo_to_doing_to_done_once():
     board = TaskBoard(make_tasks(2, 2), lease_s=5.0)
     assert [t.id for t in board.tasks.values()] == [0, 1, 2, 3]
-    task, lease = board.take("w1", now=0.0)
+    task, lease = take(board, "w1", now=0.0)
     assert task == Segment(0, 0, 0) and lease.worker == "w1" and lease.expires_at == 5.0
     assert board.finish(0, "w1", lease.token, "done", now=1.0) is True
     assert board.done == {0: ("w1", lease.token)} and board.done_twice == 0
@@ -84,12 +99,12 @@ def test_tasks_flow_from_todo_to_doing_to_done_once():
 
 def test_an_expired_lease_returns_the_task_to_the_front_of_todo_and_its_holder_loses_it():
     board = TaskBoard(make_tasks(1, 3), lease_s=5.0)
-    _, first = board.take("w1", now=0.0)
+    _, first = take(board, "w1", now=0.0)
     board.holding(0, "w1", first.token, now=4.0)  # a call renews the lease to 9.0
     assert board.expire(now=8.9) == []
     assert board.expire(now=9.0) == [0]
     assert list(board.todo) == [0, 1, 2] and board.retried == 1 and board.expired == 1
-    task, second = board.take("w2", now=9.0)
+    task, second = take(board, "w2", now=9.0)
     assert task.id == 0 and second.token != first.token
     with pytest.raises(Refusal, match="not_held"):  # the stalled first holder comes back: refused
         board.finish(0, "w1", first.token, "done", now=9.5)
@@ -99,7 +114,7 @@ def test_an_expired_lease_returns_the_task_to_the_front_of_todo_and_its_holder_l
 
 def test_a_failed_task_goes_back_to_todo_first():
     board = TaskBoard(make_tasks(1, 3), lease_s=5.0)
-    _, lease = board.take("w1", now=0.0)
+    _, lease = take(board, "w1", now=0.0)
     board.finish(0, "w1", lease.token, "failed", now=1.0)
     assert list(board.todo) == [0, 1, 2] and board.failed == 1 and board.retried == 1 and not board.done
 
@@ -124,7 +139,7 @@ def test_enough_gradients_step_the_model_and_old_versions_are_refused():
     assert not mst.report_gradients("w1", a.task.id, a.token, 1, 0, 32, 1 * G, D, now=0.1).stepped
     accepted = mst.report_gradients("w2", b.task.id, b.token, 1, 0, 32, 3 * G, D, now=0.2)
     assert accepted.stepped and accepted.version == 1 and mst.version == 1
-    assert np.array_equal(mst.aggregator.steps[0], 2 * G)  # the mean of the two
+    assert isinstance(mst.aggregator, Sums) and np.array_equal(mst.aggregator.steps[0], 2 * G)  # the mean of the two
     with pytest.raises(Refusal) as refused:  # w1 computed its next gradient on version 0: refused
         mst.report_gradients("w1", a.task.id, a.token, 2, 0, 32, G, D, now=0.3)
     assert refused.value.reason == "stale_version" and type(refused.value) is Refusal
@@ -138,7 +153,7 @@ def test_enough_gradients_step_the_model_and_old_versions_are_refused():
 
 def test_by_default_a_step_needs_one_gradient_per_live_worker():
     mst = master(tasks=4, lease_s=5.0)
-    jobs = {w: mst.get_task(w, now=0.0) for w in ("w1", "w2", "w3")}
+    jobs = {w: assigned(mst, w, now=0.0) for w in ("w1", "w2", "w3")}
     assert mst.sufficient(now=0.0) == 3
     for i, w in enumerate(("w1", "w2")):
         assert not mst.report_gradients(w, jobs[w].task.id, jobs[w].token, 1, 0, 8, G, D, now=1.0 + i).stepped
@@ -154,7 +169,7 @@ def test_by_default_a_step_needs_one_gradient_per_live_worker():
 
 def test_a_resent_report_is_not_counted_twice_and_sequence_numbers_must_follow():
     mst = master(sufficient=3)
-    job = mst.get_task("w1", 0.0)
+    job = assigned(mst, "w1", 0.0)
     mst.report_gradients("w1", job.task.id, job.token, 1, 0, 32, G, D, now=0.1)
     again = mst.report_gradients("w1", job.task.id, job.token, 1, 0, 32, G, D, now=0.2)
     assert again.duplicate and mst.aggregator.count == 1 and mst.samples == 32
@@ -174,7 +189,7 @@ def test_a_resent_report_is_not_counted_twice_and_sequence_numbers_must_follow()
 )
 def test_bad_reports_are_refused_and_change_nothing(change, reason):
     mst = master()
-    job = mst.get_task("w1", 0.0)
+    job = assigned(mst, "w1", 0.0)
     args = {"task": job.task.id, "batch": 32, "grads": G, **change}
     with pytest.raises(BadRequest, match=reason):
         mst.report_gradients("w1", args["task"], job.token, 1, 0, args["batch"], args["grads"], D, now=0.1)
@@ -183,7 +198,7 @@ def test_bad_reports_are_refused_and_change_nothing(change, reason):
 
 def test_reports_for_a_task_not_held_are_refused():
     mst = master()
-    job = mst.get_task("w1", 0.0)
+    job = assigned(mst, "w1", 0.0)
     for worker, token in (("w2", job.token), ("w1", job.token + 1)):
         with pytest.raises(Refusal, match="not_held"):
             mst.report_gradients(worker, job.task.id, token, 1, 0, 32, G, D, now=0.1)
@@ -193,10 +208,10 @@ def test_reports_for_a_task_not_held_are_refused():
 
 def test_the_last_partial_step_is_taken_when_training_completes():
     mst = master(tasks=1, sufficient=4)
-    job = mst.get_task("w1", 0.0)
+    job = assigned(mst, "w1", 0.0)
     mst.report_gradients("w1", job.task.id, job.token, 1, 0, 32, 2 * G, D, now=0.1)
     assert mst.report_task("w1", job.task.id, job.token, "done", now=0.2) is True
-    assert mst.version == 1 and np.array_equal(mst.aggregator.steps[0], 2 * G)
+    assert mst.version == 1 and isinstance(mst.aggregator, Sums) and np.array_equal(mst.aggregator.steps[0], 2 * G)
     status = mst.status(now=0.3)
     assert status["complete"] and status["done"] == status["total"] == 1 and status["done_twice"] == 0
 

@@ -196,7 +196,7 @@ def resolve(name: str, data_dir: Path) -> str:
     return "cifar10" if cifar_is_prepared(data_dir) else "digits"
 
 
-def augment(x: torch.Tensor, padding: int, flip: bool, generator: torch.Generator) -> torch.Tensor:
+def augment(x: torch.Tensor, padding: int, flip: bool, generator: torch.Generator | None) -> torch.Tensor:
     """Random crops (from `x` zero-padded by `padding`) and, if `flip`, random horizontal flips, per image."""
     n, _, h, w = x.shape
     if padding:
@@ -213,9 +213,11 @@ def augment(x: torch.Tensor, padding: int, flip: bool, generator: torch.Generato
 
 
 def batches(
-    data: Dataset, batch_size: int, generator: torch.Generator, train: bool = True
+    data: Dataset, batch_size: int, generator: torch.Generator | None, train: bool = True
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Normalized (input, label) batches: shuffled, augmented and full-sized when training; in order otherwise."""
+    """Normalized (input, label) batches: shuffled, augmented and full-sized when training; in order otherwise.
+
+    `generator` draws the order and the augmentation (None: torch's global one); unused for the test images."""
     if train:
         order = torch.randperm(len(data.train_y), generator=generator)
         for start in range(0, len(order) - batch_size + 1, batch_size):  # a short last batch is dropped

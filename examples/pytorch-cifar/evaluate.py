@@ -103,7 +103,7 @@ def build_from(saved: dict) -> nn.Module:
     if saved["model"].startswith("charlm-"):
         from dpwa.workloads import charlm
 
-        net = charlm.build(saved["model"][len("charlm-") :])
+        net: nn.Module = charlm.build(saved["model"][len("charlm-") :])
         net.load_state_dict(saved["state_dict"])
         return net
     net = models.build(saved["model"], saved["in_channels"], saved["num_classes"], saved["width"])
@@ -145,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = {"val_loss": loss, "bits_per_char": loss / math.log(2)}
         else:
             data = datasets.load(saved["data"], args.data_dir)
-            acc, loss = evaluate(build_from(saved).to(device), data, device)
+            result = evaluate(build_from(saved).to(device), data, device)
+            assert result is not None  # None only when should_stop, which is never here
+            acc, loss = result
             extra = {}
     except (ValueError, FileNotFoundError) as exc:
         print(f"evaluate.py: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ a node, and 55% test accuracy, 35% with the 2-node rate).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 __all__ = [
     "DEFAULTS",
@@ -36,7 +37,7 @@ REFERENCE_NODES = 2  # the defaults' learning rates were tuned for this many nod
 MAX_LR_SCALE = 8.0  # the default learning rate grows with the nodes up to this many times
 # Per dataset: epochs, the steps each node needs (at least), batch size, peak learning rate (for 2 nodes),
 # and whether that learning rate scales with the number of nodes.
-DEFAULTS = {
+DEFAULTS: dict[str, dict[str, Any]] = {
     "digits": {"epochs": 20, "min_steps": 100, "batch_size": 32, "lr": 0.05, "scale_lr": True},
     "cifar10": {"epochs": 30, "min_steps": 0, "batch_size": 128, "lr": 0.1, "scale_lr": False},
     # charlm: an "epoch" is 50 steps of random windows of the node's shard (a whole pass is 500 and more);

@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -99,7 +100,7 @@ class ChaosProxy:
         self.stats: collections.Counter[tuple[str, str]] = collections.Counter()
         self._rng = random.Random(seed)
         self._plans: collections.defaultdict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
-        self._hooks: dict[str, object] = {}
+        self._hooks: dict[str, Callable[[], object]] = {}
         self._lock = threading.Lock()
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -118,7 +119,7 @@ class ChaosProxy:
         with self._lock:
             self._plans[kind].extend(actions)
 
-    def on(self, kind: str, callback) -> None:
+    def on(self, kind: str, callback: Callable[[], object]) -> None:
         """Call `callback()` (on the proxy's thread) each time a message of `kind` has been forwarded."""
         with self._lock:
             self._hooks[kind] = callback

@@ -58,7 +58,9 @@ class Flood:
                         self.closed_by_server += 1
         finally:
             for key in list(selector.get_map().values()):
-                key.fileobj.close()  # type: ignore[union-attr]
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)  # only sockets are registered
+                sock.close()
             selector.close()
 
     def close(self) -> None:

@@ -97,6 +97,7 @@ class Proxy:
             registered = current
             for key, _ in sel.select(timeout=0.02):
                 sock = key.fileobj
+                assert isinstance(sock, socket.socket)  # only sockets are registered
                 if sock is self._listener:
                     self._accept()
                 else:
