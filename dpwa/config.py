@@ -51,10 +51,11 @@ __all__ = [
 INTERPOLATIONS = ("constant", "clock", "loss")
 WIRE_DTYPES = (*WIRE_STORAGE, "int8")  # int8: blockwise 8-bit with error feedback (dpwa.mixing.quantize)
 OUTERS = ("none", "nesterov", "noloco")
-PRESETS = ("none", "low_bandwidth")
+PRESETS = ("none", "low_bandwidth", "original")
 # What a preset sets, for the keys the file does not give itself (docs/configuration.md#presets).
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {
-    "low_bandwidth": {"period": 8, "outer": "noloco", "wire_dtype": "int8"},
+    "low_bandwidth": {"period": 8, "outer": "none", "wire_dtype": "int8"},
+    "original": {"mode": "pull", "blend": "state", "pairing": "random"},
 }
 SAME_HOST_MODES = ("auto", "off")
 BULK_MODES = ("auto", "off")
@@ -224,16 +225,16 @@ class Config:
         ConstantOptions, _constant_options, "`value` in [0, 1]: `f` for constant interpolation", shown="{value: 0.5}"
     )
     mode: str = setting(
-        "pull",
+        "symmetric",
         one_of(MODES),
-        "`pull`: only the requester moves (the original); `symmetric`: both sides move, the mean of all nodes is "
-        "kept ([Mixing modes](design.md#mixing-modes))",
+        "`symmetric`: both sides of an exchange move, and the mean of all nodes is kept; `pull`: only the requester "
+        "moves (the original's) ([Mixing modes](design.md#mixing-modes))",
     )
     blend: str = setting(
-        "state",
+        "delta",
         one_of(BLENDS),
-        "`state`: `x += f (peer - x)` (the original); `delta`: `x += f (peer - own snapshot)`, which keeps the "
-        "local step whole",
+        "`delta`: `x += f (peer - own snapshot)`, which keeps the local step whole; `state`: `x += f (peer - x)` "
+        "(the original's)",
     )
     wire_dtype: str = setting(
         "float32",
@@ -261,10 +262,11 @@ class Config:
         "([Security](security.md)); logged at start",
     )
     pairing: str = setting(
-        "random",
+        "auto",
         one_of(PAIRINGS),
         "whom an exchange goes to: `random`, a peer drawn by flow-control score; `hypercube`, node i (in config "
-        "order) pairs with i XOR 2^(t mod log2 n) at its t-th step, for a power of two of nodes "
+        "order) pairs with i XOR 2^(t mod log2 n) at its t-th exchange, for a power of two of nodes (a partner "
+        "that cannot be reached: a peer by score); `auto`: `hypercube` for 4, 8, 16, ... nodes, else `random` "
         "([Pairing](design.md#pairing))",
     )
     bulk: str = setting(
@@ -290,8 +292,8 @@ class Config:
     preset: str = setting(
         "none",
         one_of(PRESETS),
-        "`low_bandwidth`: `period: 8`, `outer: noloco`, `wire_dtype: int8`, for the keys the file does not set "
-        "itself ([Presets](#presets))",
+        "`low_bandwidth`: `period: 8`, `outer: none`, `wire_dtype: int8`; `original`: the 2017 rule, `mode: pull`, "
+        "`blend: state`, `pairing: random`; each for the keys the file does not set itself ([Presets](#presets))",
     )
     join: str = setting(
         "auto",

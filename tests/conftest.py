@@ -88,7 +88,8 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
         ports.add(free_port())
     nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))]
     # join: never, so that nodes made one after another in a test start from the values the test gives
-    # them; the tests of joining (test_join.py) say join: auto.
+    # them; the tests of joining (test_join.py) say join: auto. The original's rule (pull, state, a random
+    # peer) unless a test says otherwise: most tests state their values for it.
     config = {
         "nodes": nodes,
         "fetch_probability": 1,
@@ -96,6 +97,9 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
         "interpolation": "constant",
         "constant": {"value": 0.5},
         "join": "never",
+        "mode": "pull",
+        "blend": "state",
+        "pairing": "random",
     }
     config.update(settings)
     return config

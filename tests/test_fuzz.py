@@ -46,6 +46,7 @@ from conftest import make_config, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip import exchange as exchange_rules
 from dpwa.gossip.protocol import MAX_CLOCK, MAX_LOSS, MAX_VALUE
+from dpwa.mixing import kernels
 from dpwa.wire.schema import MAX_HEADER_BYTES, MAX_ID, PROTOCOL_VERSION, decode, encode
 from helpers.raw_peer import FakePeer
 
@@ -283,7 +284,7 @@ class RequestFuzzer:
             bad = {
                 "from": ["", "w 1", "w1/..", "x" * 65, 5, None, b"w1"],
                 "fp": [b"\x00" * 15, b"\x00" * 17, "x" * 16, None],
-                "dtype": ["int8", "float64", "", None, 32],
+                "dtype": ["int16", "float64", "", None, 32],
                 "shm": [1, 0, "yes", None],
             }
         key = self.rng.choice(list(bad))
@@ -304,7 +305,7 @@ class RequestFuzzer:
             fields["fp"] = bytes(b ^ 0xFF for b in self.fp) if self.rng.random() < 0.5 else self.rng.randbytes(16)
             reason = "bad_fingerprint"
         else:
-            fields["dtype"] = self.rng.choice(["float16", "bfloat16"])
+            fields["dtype"] = self.rng.choice(["float16", "bfloat16", "int8"])
             reason = "bad_dtype"
         return self.req(
             "wrong fingerprint or dtype",
@@ -470,7 +471,7 @@ class RequestFuzzer:
         if self.rng.random() < 0.5:
             fields["fp"], reason = self.rng.randbytes(16), "bad_fingerprint"
         else:
-            fields["dtype"], reason = self.rng.choice(["float16", "bfloat16"]), "bad_dtype"
+            fields["dtype"], reason = self.rng.choice(["float16", "bfloat16", "int8"]), "bad_dtype"
         return self.exchange("exchange of another model", fields, [self.snapshot], error(reason, busy=True))
 
     def confirm(self, family, sender, xid, expect, extra=()) -> Case:
@@ -841,13 +842,13 @@ def bad_snapshot_replies(rng: random.Random, fp: bytes, good: bytes):
             "wrong dtype",
             "rejected",
             "bad_dtype",
-            lambda r: [params(r, dtype=rng.choice(["float16", "bfloat16"])), good],
+            lambda r: [params(r, dtype=rng.choice(["float16", "bfloat16", "int8"])), good],
         ),
         (
             "dtype not a wire dtype",
             "rejected",
             "bad_header",
-            lambda r: [params(r, dtype=rng.choice(["int8", "", 4])), good],
+            lambda r: [params(r, dtype=rng.choice(["int16", "", 4])), good],
         ),
         (
             "byte count lies",
@@ -1183,3 +1184,124 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
     (tmp_path / "fuzz-exchanges.json").write_text(json.dumps({"outcomes": outcomes}, indent=1))
     print(f"\n{table('fuzz exchange replies (symmetric): by mutation', dict(Counter(c[0] for c in plan)))}")
     print(table("  outcomes", dict(outcomes)))
+
+
+# --------------------------------------------------------------------------- int8 payloads
+
+
+def int8_snapshot(values: np.ndarray) -> bytes:
+    from dpwa.mixing import quantize
+
+    out = np.empty(quantize.encoded_bytes(values.size), np.uint8)
+    quantize.encode(values, out)
+    return out.tobytes()
+
+
+def bad_int8_replies(rng: random.Random, fp: bytes, good: bytes):
+    """(mutation, expected reason, make(request) -> frames): int8 replies, each invalid by construction."""
+    encoded = len(good)
+
+    def params(request, **overrides):
+        return reply_header(
+            "params", request.id, **snapshot_fields(fp, **{"dtype": "int8", "nbytes": encoded, **overrides})
+        )
+
+    def scaled(*bad):
+        data = bytearray(good)
+        scales = np.frombuffer(data, np.float32, count=SIZE // 1024)
+        scales = scales.copy()
+        scales[rng.randrange(scales.size)] = rng.choice(bad)
+        data[: scales.nbytes] = scales.tobytes()
+        return bytes(data)
+
+    return [
+        ("a NaN or infinite scale", "bad_scale", lambda r: [params(r), scaled(np.nan, np.inf, -np.inf)]),
+        ("a negative scale", "bad_scale", lambda r: [params(r), scaled(-1.0, -1e-30)]),
+        ("a scale beyond MAX_VALUE / 128", "bad_scale", lambda r: [params(r), scaled(MAX_VALUE / 127, 1e30)]),
+        ("float32 bytes sent as int8", "bad_size", lambda r: [params(r, nbytes=SIZE * 4), b"\x00" * SIZE * 4]),
+        ("payload truncated", "bad_size", lambda r: [params(r), good[: rng.randrange(encoded)]]),
+        ("float32 sent to an int8 cluster", "bad_dtype", lambda r: [params(r, dtype="float32", nbytes=SIZE * 4), good]),
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_bad_int8_replies_are_never_applied(nodes):
+    """Break: with wire_dtype int8, a fake peer answers 300 fetches with int8 replies whose scales are NaN,
+    infinite, negative or large enough to carry a value past the bound, or whose size or dtype lies.
+    Promises: none is applied (the parameters stay bit-identical), each is rejected for the reason
+    expected, and then an honest int8 reply is applied exactly (scale 2^-7: codes carry k / 128 exactly)."""
+    cfg = make_config(2, same_host="off", insecure=True, timeout_ms=2000, wire_dtype="int8")
+    original = np.random.default_rng(2).standard_normal(SIZE).astype(np.float32)
+    mine = original.copy()
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    rng = random.Random(7)
+    theirs = (np.arange(SIZE) % 255 - 127).astype(np.float32) / np.float32(128)
+    good = int8_snapshot(theirs)
+    makers = bad_int8_replies(rng, node.params.fingerprint, good)
+    plan = [makers[i % len(makers)] for i in range(300)]
+    rng.shuffle(plan)
+    queue = list(plan) + [
+        (
+            "honest",
+            None,
+            lambda r: [
+                reply_header(
+                    "params", r.id, **snapshot_fields(node.params.fingerprint, dtype="int8", nbytes=len(good))
+                ),
+                good,
+            ],
+        )
+    ]
+    ctx = zmq.Context()
+    fake = FakePeer(ctx, node.config.endpoint(node.config.node("w1")), lambda request: queue.pop(0)[2](request))
+    reasons: Counter[str] = Counter()
+    try:
+        for name, reason, _ in plan:
+            node.update_send()
+            update = node.update_wait()
+            assert not update.averaged and update.outcome == "rejected", (name, update)
+            assert update.reason.split(":")[0] == reason, (name, update.reason)
+            reasons[reason] += 1
+        assert mine.tobytes() == original.tobytes()
+        node.update_send()
+        assert node.update_wait().averaged
+        expected = original.copy()
+        kernels.lerp_(expected, theirs, 0.5)  # the blend of exactly `theirs`, with the blend's own rounding
+        assert np.array_equal(mine, expected)
+        assert not fake.errors, fake.errors[0]
+    finally:
+        fake.close()
+        ctx.destroy(linger=0)
+    assert set(reasons) == {"bad_scale", "bad_size", "bad_dtype"} and node.alive
+
+
+@pytest.mark.timeout(60)
+def test_a_symmetric_int8_server_refuses_bad_scales_and_moves_nobody(nodes, zctx):
+    """An exchange request whose int8 snapshot has a NaN, negative or huge scale is refused with bad_scale
+    before anything is held; the server's parameters stay as they were and it still exchanges after."""
+    cfg = make_config(2, mode="symmetric", blend="delta", same_host="off", insecure=True, wire_dtype="int8")
+    theirs = np.zeros(SIZE, np.float32)
+    server = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
+    server.update_send()
+    sock = zctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.config.endpoint(server.config.node("w1")))
+    good = int8_snapshot(np.ones(SIZE, np.float32))
+    for rid, bad in enumerate((np.nan, -1.0, 1e30), start=1):
+        data = bytearray(good)
+        data[:4] = np.float32(bad).tobytes()
+        header = encode(
+            exchange_rules.EXCHANGE,
+            rid,
+            **{"from": "w0"},
+            fp=server.params.fingerprint,
+            dtype="int8",
+            nbytes=len(good),
+            clock=1.0,
+            loss=None,
+        )
+        sock.send_multipart([header, bytes(data)])
+        assert sock.poll(5000), "no answer"
+        answer = decode(sock.recv_multipart()[0])
+        assert answer.kind == "error" and answer.fields["reason"] == "bad_scale", dict(answer.fields)
+    assert not theirs.any() and server.stats().get("exchanges_pending", 0) == 0

@@ -9,8 +9,9 @@ the repository root)::
     python -m dpwa.compare --straggler 4                    # the last worker 4x slower per step
     python -m dpwa.compare --faults --json compare.json     # and kill a process of each system
     python -m dpwa.compare --quick --systems gossip,allreduce   # a short smoke run
-    python -m dpwa.compare --workload charlm --systems gossip,diloco,allreduce          # a character-level LM
-    python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,diloco,allreduce   # slow links (root)
+    python -m dpwa.compare --workload charlm --systems gossip,gossip-lowbw,diloco,allreduce   # a character-level LM
+    python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,gossip-lowbw,diloco,allreduce  # (root)
+    python -m dpwa.compare --gossip-set mode=pull --gossip-set period=4    # try other dpwa settings
 
 It prints a table (time and samples to the target, the final accuracy or
 validation loss, bytes per worker per step, seconds per step, the fraction of
@@ -27,7 +28,11 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from ..config import parse_config
 from ..systems.diloco import DEFAULT_PERIOD
 from .comparison import CompareConfig, run_comparison
 from .links import LinksUnavailable, check_delay, check_root
@@ -161,6 +166,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also kill a sync worker mid-task, a parameter server, a trainer, a gossip node and a rank",
     )
+    p.add_argument(
+        "--gossip-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dpwa config key for every gossip system (its value read as YAML), over the system's own: "
+        "--gossip-set mode=pull --gossip-set period=4; repeatable",
+    )
     p.add_argument("--ps-servers", type=_positive_int, default=2, help="parameter servers (default: %(default)s)")
     p.add_argument("--lease-s", type=float, default=5.0, help="sync master's task lease (default: %(default)s)")
     p.add_argument(
@@ -261,11 +274,27 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
         outer_momentum=args.outer_momentum,
         link_mbit=args.link_mbit or 0.0,
         link_delay_ms=args.link_delay_ms or 0.0,
+        gossip_settings=gossip_settings(args.gossip_set),
     )
     out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     return CompareConfig(
         args.systems, spec, options, target, out, faults=args.faults, keep_snapshots=args.keep_snapshots
     )
+
+
+def gossip_settings(pairs: list[str]) -> tuple[tuple[str, Any], ...]:
+    """--gossip-set KEY=VALUE pairs, each value read as YAML, checked as dpwa's config checks them."""
+    settings: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--gossip-set {pair!r}: expected KEY=VALUE")
+        settings[key.strip()] = yaml.safe_load(text)
+    if "nodes" in settings:
+        raise ValueError("--gossip-set nodes=...: the comparison places the nodes itself")
+    probe = {"nodes": [{"name": f"w{i}", "host": "127.0.0.1", "port": 1 + i} for i in range(2)], **settings}
+    parse_config(probe, source="--gossip-set")  # a bad key or value is named here, before anything runs
+    return tuple(settings.items())
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -24,20 +24,22 @@ from ..systems.ps.sharding import make_plan
 from .evaluation import Point, build_curve, summarize
 from .faults import fault_for
 from .links import BURST_BYTES
-from .runner import COLLECTIVE, SYSTEMS, RunOptions, SystemRun, run_system
+from .runner import COLLECTIVE, GOSSIP_SYSTEMS, SYSTEMS, RunOptions, SystemRun, run_system
 from .workload import WorkloadSpec, load_workload
 
 __all__ = ["CompareConfig", "EVALUATED_MODEL", "FAULT_SCENARIOS", "link_check", "run_comparison"]
 
 EVALUATED_MODEL = {
-    "gossip": "the mean of every node's parameters and buffers (each node's latest snapshot)",
-    "symmetric": "the mean of every node's parameters and buffers (each node's latest snapshot)",
+    **{
+        system: "the mean of every node's parameters and buffers (each node's latest snapshot)"
+        for system in GOSSIP_SYSTEMS
+    },
     "sync-master": "the master's global model",
     "async-ps": "the parameter servers' model (each server's shard)",
     "allreduce": "rank 0's model (every rank holds the same)",
     "diloco": "rank 0's model after a synchronisation (the anchor every rank shares)",
 }
-FAULT_SCENARIOS = ("sync-master", "async-ps", "async-ps/trainer", "gossip", "symmetric", "allreduce", "diloco")
+FAULT_SCENARIOS = ("sync-master", "async-ps", "async-ps/trainer", *GOSSIP_SYSTEMS, "allreduce", "diloco")
 LINK_CHECK_HIGH = 1.5  # measured / expected time in the all-reduce per step, at most, at the shaped rate
 
 
@@ -108,7 +110,7 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
         for key in ("pushes_dropped", "pushes_refused", "pushes_failed", "pulls_failed"):
             out[key] = sum(w["trainer"][key] for w in workers)
         out["io_threads_per_trainer"] = workers[0].get("io_threads") if workers else None
-    elif run.system in ("gossip", "symmetric"):
+    elif run.system in GOSSIP_SYSTEMS:
         out["exchanges_averaged"] = sum(w.get("averaged", 0) for w in workers)
         out["exchanges_failed"] = sum(w.get("failed", 0) for w in workers)
         out["fetches_timed_out"] = {  # by worker that finished: each waited out timeout_ms (a dead peer's, say)
@@ -216,7 +218,7 @@ def _outcome(scenario: str, fault: dict[str, Any], summary: dict[str, Any], base
             f"pushes dropped, {summary.get('pushes_failed')} failed); its blocks kept their last values while the "
             f"other shards trained on; the run {done}; final {name} {acc_text}"
         )
-    if scenario in ("gossip", "symmetric"):
+    if scenario in GOSSIP_SYSTEMS:
         timeouts = ", ".join(f"{n} {k}" for n, k in (summary.get("fetches_timed_out") or {}).items()) or "-"
         return (
             f"the other nodes trained on ({summary.get('exchanges_failed')} exchanges failed, "
@@ -310,8 +312,9 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         report["faults"] = {}
         plain = replace(spec, straggler=1.0)
         scenarios = [s for s in FAULT_SCENARIOS if s.split("/")[0] in config.systems]
-        if "gossip" in scenarios and "symmetric" in scenarios:
-            scenarios.remove("symmetric")  # one gossip node killed is enough
+        gossips = [s for s in scenarios if s in GOSSIP_SYSTEMS]
+        for extra in gossips[1:]:
+            scenarios.remove(extra)  # one gossip node killed is enough
         for scenario in scenarios:
             system = scenario.split("/")[0]
             baseline = report["systems"].get(system)

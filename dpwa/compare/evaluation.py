@@ -15,7 +15,7 @@ evaluated model is the one the system would hand a user at that moment:
 * ``diloco``: rank 0's model right after the first synchronisation that
   reaches the point (the anchor every rank shares; between synchronisations
   each rank holds its own), and after the final synchronisation;
-* ``gossip``, ``symmetric``: the mean of every node's parameters and buffers,
+* ``gossip``, ``gossip-lowbw``, ``gossip-original``: the mean of every node's parameters and buffers,
   each node's latest snapshot at the moment the nodes' trained samples summed
   to the point (a node snapshots every few steps, so its snapshot is at most
   that old; a killed node counts until it was killed).
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .runner import SystemRun
+from .runner import GOSSIP_SYSTEMS, SystemRun
 
 __all__ = ["LearningCurve", "Point", "build_curve", "summarize"]
 
@@ -177,7 +177,7 @@ def _join(run: SystemRun, lines: list[dict[str, Any]]) -> Callable[[], np.ndarra
 
 def states(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
     """(Unix time, samples, state loader) of every point of `run`'s curve, by the module's rule."""
-    if run.system in ("gossip", "symmetric"):
+    if run.system in GOSSIP_SYSTEMS:
         return _states_gossip(run, every)
     if run.system == "sync-master":
         return _states_single(run, "master")

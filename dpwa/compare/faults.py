@@ -26,7 +26,7 @@ from ..systems.sync.client import MasterClient
 from ..systems.sync.master import Refusal
 from ..wire.errors import TransportError
 from .roles.sync import OBSERVER
-from .runner import LiveRun
+from .runner import GOSSIP_SYSTEMS, LiveRun
 
 __all__ = ["FAULTS", "KillProcess", "KillSyncWorkerMidTask", "fault_for"]
 
@@ -124,8 +124,7 @@ class KillSyncWorkerMidTask(KillProcess):
 
 
 FAULTS = {  # system -> (victim, description); sync-master's is KillSyncWorkerMidTask
-    "gossip": ("w{last}", "a gossip node killed"),
-    "symmetric": ("w{last}", "a gossip node killed"),
+    **{system: ("w{last}", "a gossip node killed") for system in GOSSIP_SYSTEMS},
     "async-ps": ("ps{last_server}", "a parameter server killed"),
     "async-ps/trainer": ("w{last}", "a parameter-server trainer killed"),
     "allreduce": ("rank{last}", "an all-reduce rank killed"),

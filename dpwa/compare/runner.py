@@ -35,7 +35,14 @@ from .workload import WorkloadSpec
 
 __all__ = ["SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
 
-SYSTEMS = ("gossip", "symmetric", "sync-master", "async-ps", "allreduce", "diloco")
+# The gossip systems: dpwa as a user gets it (its defaults), and one key away from them: the low-bandwidth
+# preset, and the original's rule (pull, state, a random peer).
+GOSSIP_SYSTEMS: dict[str, dict[str, Any]] = {
+    "gossip": {},
+    "gossip-lowbw": {"preset": "low_bandwidth"},
+    "gossip-original": {"preset": "original"},
+}
+SYSTEMS = (*GOSSIP_SYSTEMS, "sync-master", "async-ps", "allreduce", "diloco")
 COLLECTIVE = ("allreduce", "diloco")  # one process per rank, in one gloo group: a dead rank stops the others
 POLL_S = 0.05
 PORT = 29600  # with slow links: every host has its own address, so one port serves them all
@@ -51,6 +58,7 @@ class RunOptions:
     ps_servers: int = 2  # async-ps: K
     ps_timeout_s: float = 1.0  # async-ps: deadline of a pull or push
     gossip_timeout_ms: int = 1000  # gossip: deadline of a fetch
+    gossip_settings: tuple[tuple[str, Any], ...] = ()  # gossip: config keys set for every gossip system
     gloo_timeout_s: float = 30.0  # all-reduce, DiLoCo: a collective that waits longer fails
     diloco_period: int = DEFAULT_PERIOD  # DiLoCo: H, inner steps between two synchronisations
     outer_lr: float = 0.7  # DiLoCo: the outer Nesterov step's learning rate
@@ -130,7 +138,7 @@ def _endpoints(tag: str, names: list[str], links: Links | None) -> dict[str, str
 def process_names(system: str, spec: WorkloadSpec, options: RunOptions) -> list[str]:
     """The names of `system`'s processes, in start order (each is a host when links are shaped)."""
     workers = [f"w{i}" for i in range(spec.workers)]
-    if system in ("gossip", "symmetric"):
+    if system in GOSSIP_SYSTEMS:
         return workers
     if system == "sync-master":
         return ["master", *workers]
@@ -146,21 +154,18 @@ def plan_processes(
 ) -> tuple[dict, list, list]:
     """(the system's options for the run description, [(name, role, index)] to start, names that must be ready)."""
     workers = [f"w{i}" for i in range(spec.workers)]
-    if system in ("gossip", "symmetric"):
+    if system in GOSSIP_SYSTEMS:
         if links is not None:
             hosts = [(links.address(n), PORT) for n in workers]
         else:
             hosts = [("127.0.0.1", p) for p in free_ports(spec.workers)]
         config = {
             "nodes": [{"name": n, "host": h, "port": p} for n, (h, p) in zip(workers, hosts, strict=True)],
-            "fetch_probability": 1,
             "timeout_ms": options.gossip_timeout_ms,
-            "interpolation": "constant",
-            "constant": {"value": 0.5},
-            "mode": "pull" if system == "gossip" else "symmetric",
-            "blend": "state" if system == "gossip" else "delta",
             "same_host": "off",  # parameters travel over the socket, as they do for every other system
             "join": "never",  # every node starts from the same seed already
+            **GOSSIP_SYSTEMS[system],
+            **dict(options.gossip_settings),
         }
         if links is not None:
             # Reachable addresses: dpwa refuses them without keys unless told. The namespaces are the run's own,

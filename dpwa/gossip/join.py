@@ -129,6 +129,16 @@ class ExtraState(Protocol):
 
 
 @dataclass(eq=False)
+class _Capture:
+    """The extra state as the training thread captured it, with the snapshot published just before."""
+
+    lease: Lease
+    meta: bytes
+    data: np.ndarray  # uint8
+    at: float  # when
+
+
+@dataclass(eq=False)
 class _Offer:
     session: int
     snapshot: Lease  # the parameters: a published snapshot, leased while the offer lives
@@ -192,7 +202,7 @@ class JoinServer:
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
         self._made = -float("inf")  # when the newest offer was made
-        self._captured: tuple[int, bytes, np.ndarray] | None = None  # (snapshot version, meta, bytes)
+        self._captured: _Capture | None = None  # the extra state, and the snapshot it goes with
         self._asked: dict[str, float] = {}  # joiner -> when it first asked for an offer not yet made
         self.wanted = threading.Event()  # a joiner waits for our extra state
 
@@ -209,14 +219,18 @@ class JoinServer:
         if not self.wanted.is_set() or self._extra is None:
             return
         self.wanted.clear()
-        current = self._store.current()
-        if current is None:
+        lease = self._store.lease()  # the snapshot just published: held until an offer takes it, so a donor
+        if lease is None:  # that steps fast (its next snapshot within the joiner's next ask) still pairs them
             return
         meta, data = self._extra.capture()
         if len(meta) > MAX_EXTRA_META:
+            lease.release()
             raise ValueError(f"the extra state's metadata is {len(meta)} bytes, at most {MAX_EXTRA_META}")
+        capture = _Capture(lease, meta, np.ascontiguousarray(data).view(np.uint8).reshape(-1), time.monotonic())
         with self._lock:
-            self._captured = (current.version, meta, np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+            old, self._captured = self._captured, capture
+        if old is not None:
+            old.lease.release()
 
     # ----------------------------------------------------------------- Rx thread
 
@@ -242,17 +256,20 @@ class JoinServer:
         if now - self._made < OFFER_INTERVAL_S:
             return None  # a new offer hashes the whole state: the joiner asks again in a moment
         captured = self._captured if with_extra else None
-        if with_extra and (captured is None or captured[0] != current.version):
-            if not patience_over:
+        if captured is not None and now - captured.at > OFFER_TTL_S:  # from a joiner long gone: ask afresh
+            self._captured = None
+            captured.lease.release()
+            captured = None
+        if with_extra and captured is None and not patience_over:
+            return None  # the donor captures it at its next step
+        if captured is not None:  # the offer takes over its lease
+            self._captured = None
+            lease, meta, extra = captured.lease, captured.meta, captured.data
+        else:  # parameters only (asked so, or the donor makes no step)
+            taken = self._store.lease()
+            if taken is None:
                 return None
-            captured = None  # the donor makes no step: its parameters alone
-        lease = self._store.lease()
-        if lease is None:
-            return None
-        if captured is not None and captured[0] != lease.snapshot.version:
-            lease.release()
-            return None
-        meta, extra = (captured[1], captured[2]) if captured is not None else (b"", np.empty(0, np.uint8))
+            lease, meta, extra = taken, b"", np.empty(0, np.uint8)
         hasher = hashlib.blake2b(lease.snapshot.array.view(np.uint8).data, digest_size=32)
         params_digest = hasher.hexdigest()
         hasher.update(extra.data)
@@ -334,6 +351,9 @@ class JoinServer:
             for offer in self._offers.values():
                 offer.snapshot.release()
             self._offers.clear()
+            captured, self._captured = self._captured, None
+        if captured is not None:
+            captured.lease.release()
 
 
 # --------------------------------------------------------------------------- joiner

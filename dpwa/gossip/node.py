@@ -259,10 +259,8 @@ class Node:
         if self._local_steps < self.config.period:  # a local step: publish (peers may ask), exchange nothing
             self._publish(step.send_loss)
             return False
-        started = self._steps.start(step)
-        if started:
-            self._local_steps = 0
-        return started
+        self._local_steps = 0  # this step's turn is taken (fetch_probability and pairing decide whether it asks)
+        return self._steps.start(step)
 
     def update_wait(self, loss: Any = None) -> Update:
         """Finish the step: wait for the request started by update_send, if any, and blend in place.

@@ -32,15 +32,16 @@ def blend_of(config: Config) -> Blend:
     return DeltaBlend() if config.blend == "delta" else StateBlend()
 
 
-def pairing_of(config: Config, name: str) -> Callable[[int], str | None] | None:
-    """pairing: hypercube: round -> our partner, or None when the partner starts the exchange (random: None)."""
-    if config.pairing != "hypercube":
-        return None
+def pairing_of(config: Config, name: str) -> Callable[[int], tuple[str, bool]] | None:
+    """The hypercube schedule, round -> (our partner, whether we start the exchange), when the config's
+    pairing is one (``hypercube``, or ``auto`` with a power of two of nodes); None: a random peer by score."""
     order = [spec.name for spec in config.nodes]
+    if pairing.resolve(config.pairing, len(order)) != "hypercube":
+        return None
     index, n, mode = order.index(name), len(order), config.mode
 
-    def partner(round_: int) -> str | None:
+    def partner(round_: int) -> tuple[str, bool]:
         other = pairing.hypercube_partner(index, n, round_)
-        return order[other] if pairing.initiates(index, other, mode) else None
+        return order[other], pairing.initiates(index, other, mode)
 
     return partner

@@ -15,9 +15,16 @@ each pair starts it; in mode pull both sides pull from each other.
 
 from __future__ import annotations
 
-__all__ = ["PAIRINGS", "hypercube_partner", "initiates", "is_power_of_two"]
+__all__ = ["PAIRINGS", "hypercube_partner", "initiates", "is_power_of_two", "resolve"]
 
-PAIRINGS = ("random", "hypercube")
+PAIRINGS = ("auto", "random", "hypercube")
+
+
+def resolve(kind: str, n: int) -> str:
+    """What ``pairing: auto`` means for n nodes: hypercube for a power of two of at least 4, else random."""
+    if kind != "auto":
+        return kind
+    return "hypercube" if n >= 4 and is_power_of_two(n) else "random"
 
 
 def is_power_of_two(n: int) -> bool:

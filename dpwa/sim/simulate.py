@@ -73,7 +73,7 @@ class Gossip:
         f: the constant interpolation factor.
         fetch_probability: chance that a node exchanges in a round.
         seed: seeds the fetch decisions and peer choices.
-        pairing: "random" (a peer by score, as a node draws it) or "hypercube" (dpwa.mixing.pairing).
+        pairing: "random" (a peer by score, as a node draws it), "hypercube" or "auto" (dpwa.mixing.pairing).
         period: exchange every `period` rounds (the nodes train alone in between), as ``period:`` does.
         outer: "none", "nesterov" or "noloco": the outer step each node takes after each blend, with
             `outer_settings`, as ``outer:`` does (:meth:`dpwa.mixing.outer.GossipOuter.apply`).
@@ -106,7 +106,7 @@ class Gossip:
         self.refused = 0  # symmetric requests a busy server turned away
         if pairing not in pairings.PAIRINGS:
             raise ValueError(f"pairing must be one of {', '.join(pairings.PAIRINGS)}, got {pairing!r}")
-        self.pairing, self.rounds = pairing, 0
+        self.pairing, self.rounds = pairings.resolve(pairing, self.n), 0
         if not (isinstance(period, int) and period >= 1):
             raise ValueError(f"period must be a whole number >= 1, got {period!r}")
         self.period = period

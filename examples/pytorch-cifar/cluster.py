@@ -33,10 +33,15 @@ import models  # noqa: E402
 import schedule as training_schedule  # noqa: E402
 import text as texts  # noqa: E402
 
+import dpwa.config  # noqa: E402
+import dpwa.mixing.pairing  # noqa: E402
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
 from dpwa.cluster.keys import key_nodes  # noqa: E402
 from dpwa.wire.endpoints import is_loopback  # noqa: E402
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(dpwa.config.Config)}  # dpwa's, shown in --help
+PRESET_KEYS = ("mode", "blend", "pairing", "wire_dtype", "period")  # options that leave a preset's keys alone
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = (
@@ -93,28 +98,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     g.add_argument(
         "--mode",
-        default="pull",
-        choices=("pull", "symmetric"),
-        help="config: pull (only the requester moves) or symmetric (both; default: %(default)s)",
+        default=None,
+        choices=dpwa.config.MODES,
+        help=f"config: symmetric (both sides move) or pull (only the requester; the original's) "
+        f"(default: {DEFAULTS['mode']})",
     )
     g.add_argument(
         "--blend",
-        default="state",
-        choices=("state", "delta"),
-        help="config: state (the original rule) or delta (keeps the local step; default: %(default)s)",
+        default=None,
+        choices=("delta", "state"),
+        help=f"config: delta (keeps the local step) or state (the original's) (default: {DEFAULTS['blend']})",
     )
     g.add_argument(
         "--pairing",
-        default="random",
-        choices=("random", "hypercube"),
-        help="config: a random peer by score, or the hypercube schedule (a power of two of nodes; "
-        "default: %(default)s)",
+        default=None,
+        choices=dpwa.mixing.pairing.PAIRINGS,
+        help="config: auto (hypercube for 4, 8, 16, ... nodes, else random), random (a peer by score), or "
+        f"hypercube (a power of two of nodes) (default: {DEFAULTS['pairing']})",
     )
     g.add_argument(
         "--wire-dtype",
-        default="float32",
-        choices=("float32", "float16", "bfloat16"),
-        help="config: dtype of parameters on the wire (default: %(default)s)",
+        default=None,
+        choices=dpwa.config.WIRE_DTYPES,
+        help=f"config: dtype of parameters on the wire (default: {DEFAULTS['wire_dtype']})",
+    )
+    g.add_argument(
+        "--period",
+        type=int,
+        default=None,
+        help=f"config: start an exchange every PERIOD steps (default: {DEFAULTS['period']})",
+    )
+    g.add_argument(
+        "--preset",
+        default=DEFAULTS["preset"],
+        choices=dpwa.config.PRESETS,
+        help="config: low_bandwidth (period 8, int8) or original (the 2017 rule: pull, state, random); the "
+        "options above given explicitly win (default: %(default)s)",
     )
     g = p.add_argument_group("failures")
     g.add_argument(
@@ -281,10 +300,9 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
         "timeout_ms": args.timeout_ms,
         "interpolation": args.interpolation,
         "constant": {"value": args.factor},
-        "mode": args.mode,
-        "blend": args.blend,
-        "pairing": args.pairing,
-        "wire_dtype": args.wire_dtype,
+        "preset": args.preset,
+        # only the options given: a preset sets the others (and dpwa's defaults the rest)
+        **{key: getattr(args, key) for key in PRESET_KEYS if getattr(args, key) is not None},
     }
     # --fetch-probability 2 fails here, before any file is written (keys come later, in the run folder)
     parse_config({**mapping, "insecure": True}, source="./run.sh options")
