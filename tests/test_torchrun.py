@@ -265,5 +265,7 @@ def test_two_hosts_train_the_digits_example_across_network_namespaces(agents, tm
     assert sorted(hosts) == [f"rank{k}" for k in range(4)], hosts
     assert sorted(hosts.values(), key=str) == ["a", "a", "b", "b"], hosts  # key=str: a None (neither) sorts too
     for name, end in ends.items():
-        other_host = [p for p in end["peers"] if hosts[p] != hosts[name]]
-        assert other_host and all(end["peers"][p] > 0 for p in other_host), (name, end["peers"], hosts)
+        # the node's own per-peer count: exchanges it started and (mode symmetric) those a peer started with it
+        averaged = {p: row["averaged"] for p, row in end["stats"]["peers"].items()}
+        other_host = [p for p in averaged if hosts[p] != hosts[name]]
+        assert other_host and all(averaged[p] > 0 for p in other_host), (name, averaged, hosts)

@@ -397,6 +397,11 @@ def write_pair_config(
         "insecure": not same_host and not curve,
         "join": "never",  # each side starts from its own values; joining is not what is measured
         "bulk": bulk,
+        # one fetch per exchange, the transfer every mode is built on (a symmetric exchange is a fetch
+        # plus a confirm, and its server refuses "busy" until it publishes again, which this one does not)
+        "mode": "pull",
+        "blend": "state",
+        "pairing": "random",
     }
     tag = f"{'shm' if same_host else 'tcp'}-{wire_dtype}-{bulk}{'-curve' if curve else ''}"
     if curve:  # TCP, authenticated and encrypted
@@ -630,6 +635,8 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
             "same_host": "off",
             "insecure": True,  # TCP, as the table in docs/performance.md says
             "join": "never",
+            "mode": "pull",  # the fetch path, as in the pair rows (the table was measured so)
+            "pairing": "random",
         }
     )
     arrays = [np.full(size, float(i), np.float32) for i in range(n)]

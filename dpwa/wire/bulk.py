@@ -38,8 +38,10 @@ transfer expires). Accepting is fair: at ``max_connections``, a newcomer
 evicts the oldest connection that never presented a valid token (a
 *stranger*) instead of being refused, and a connection that did (it belongs
 to that token's sender) is never evicted by strangers; a sender owns at most
-``max_per_sender`` connections. So a flood of silent connections delays a
-peer's first stream by a round trip, and cannot stop it. Each sender name
+``max_per_sender`` connections. An evicted stranger is reset, and a
+requester reset before its token was read connects again (at most
+:data:`EVICTED_ATTEMPTS` connections). So a flood of silent connections
+delays a peer's stream by a few round trips, and cannot stop it. Each sender name
 has at most ``max_per_sender`` transfers offered and unclaimed. Only the
 requester that got the token (and key) over the authenticated ZeroMQ
 channel can claim the transfer, and under CURVE only it can read it.
@@ -50,6 +52,7 @@ from __future__ import annotations
 import secrets
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -318,6 +321,9 @@ class BulkServer:
                     sock.close()
                     continue
                 victim = min(strangers, key=lambda c: c.opened)
+                # closed with a reset: a requester whose token was not read yet learns that it was evicted
+                # (its token is still good, so it connects again), not that its transfer is gone
+                victim.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self._drop(selector, connections, victim, "evicted: the oldest that sent no token", "bulk_evicted")
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -502,6 +508,9 @@ def _release(transfer: _Transfer) -> None:
         hold.release()
 
 
+EVICTED_ATTEMPTS = 4  # connections one receive() opens at most while each is reset before its first byte
+
+
 class _Closed(Exception):
     def __init__(self, got: int) -> None:
         self.got = got
@@ -549,7 +558,7 @@ class BulkReceiver:
         """
         where = (host, port)
         view = out.reshape(-1).view(np.uint8).data
-        for attempt in (1, 2):
+        for attempt in range(1, EVICTED_ATTEMPTS + 1):
             reused = where in self._socks
             progress = _Progress(view.nbytes, first_byte_by if first_byte_by is not None else deadline, deadline)
             try:
@@ -570,6 +579,11 @@ class BulkReceiver:
             except (TransportError, ProtocolError):
                 self.forget(where)
                 raise
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                self.forget(where)
+                if progress.got == 0 and attempt < EVICTED_ATTEMPTS and time.monotonic() < deadline:
+                    continue  # reset before a byte came: evicted by a flood of silent connections; again
+                raise BulkError(f"{self.name}: bulk transfer from {host}:{port} failed: {exc}") from None
             except OSError as exc:
                 self.forget(where)
                 raise BulkError(f"{self.name}: bulk transfer from {host}:{port} failed: {exc}") from None
