@@ -6,6 +6,7 @@ fallback to ZeroMQ when a stream fails, and `bind` with an interface name.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -16,7 +17,15 @@ from conftest import make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
-from dpwa.wire.bulk import BLOCK_BYTES, HELLO_TIMEOUT_S, TOKEN_BYTES, BulkError, BulkReceiver, BulkServer
+from dpwa.wire.bulk import (
+    BLOCK_BYTES,
+    EVICTED_ATTEMPTS,
+    HELLO_TIMEOUT_S,
+    TOKEN_BYTES,
+    BulkError,
+    BulkReceiver,
+    BulkServer,
+)
 from dpwa.wire.curve import generate
 from dpwa.wire.errors import ProtocolError, Refused
 from helpers.flood import Flood
@@ -118,6 +127,82 @@ def test_each_sender_has_a_budget_of_pending_transfers(server):
     bulk.offer("b", [b"4"], holds[3], 10)
     with pytest.raises(Refused, match="busy"):
         bulk.offer("c", [b"5"], FakeHold(), 10)  # the total
+
+
+class ResettingServer:
+    """A bulk server stand-in on its own thread: resets its first `resets` connections once it has read their
+    token (as an eviction does), then streams `data` to the next one. Records every token it read."""
+
+    def __init__(self, data: bytes, resets: int) -> None:
+        self.data, self.resets = data, resets
+        self.tokens: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> socket.socket | None:
+        deadline = time.monotonic() + 15
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            try:
+                return self.listener.accept()[0]
+            except TimeoutError:
+                continue
+        return None
+
+    def _serve(self) -> None:
+        for k in range(self.resets + 1):
+            conn = self._accept()
+            if conn is None:  # stopped: the receiver has given up
+                return
+            with conn:
+                conn.settimeout(10)
+                token = b""
+                while len(token) < TOKEN_BYTES and (chunk := conn.recv(TOKEN_BYTES - len(token))):
+                    token += chunk
+                self.tokens.append(token)
+                if k < self.resets:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    continue  # closed with a reset
+                conn.sendall(self.data)
+                conn.recv(1)  # until the receiver closes
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(20)
+        self.listener.close()
+        assert not self.thread.is_alive()
+
+
+@pytest.mark.parametrize("resets", [1, 3])
+def test_a_requester_reset_before_its_first_byte_connects_again_with_the_same_token(resets):
+    """An evicted connection is reset; the requester's token is still unused, so it connects again (up to
+    EVICTED_ATTEMPTS connections in all) and gets its bytes."""
+    data = np.random.default_rng(2).integers(0, 256, BLOCK_BYTES + 5, dtype=np.uint8)
+    fake = ResettingServer(data.tobytes(), resets)
+    receiver = BulkReceiver("r")
+    try:
+        out = np.zeros_like(data)
+        receiver.receive("127.0.0.1", fake.port, b"t" * TOKEN_BYTES, out, time.monotonic() + 10)
+        assert np.array_equal(out, data)
+    finally:
+        receiver.close()
+        fake.close()
+    assert fake.tokens == [b"t" * TOKEN_BYTES] * (resets + 1)
+
+
+def test_a_requester_reset_every_time_gives_up_after_the_allowed_connections():
+    fake = ResettingServer(b"", EVICTED_ATTEMPTS + 5)
+    receiver = BulkReceiver("r")
+    try:
+        with pytest.raises(BulkError, match="failed"):
+            receiver.receive("127.0.0.1", fake.port, b"t" * TOKEN_BYTES, np.zeros(10, np.uint8), time.monotonic() + 10)
+    finally:
+        receiver.close()
+        fake.close()
+    assert len(fake.tokens) == EVICTED_ATTEMPTS
 
 
 def test_silent_flooding_and_never_reading_clients_cost_bounded_time_and_nobody_else_waits(server):
