@@ -5,7 +5,8 @@ read here (any others are kept but ignored):
 
 * ``{"kind": "start", "epochs": 20, "steps_per_epoch": 22, ...}`` once, at start;
 * ``{"kind": "step", "epoch", "step", "loss", "exchanges_per_s", "averaged", "failed", "peers": {peer: n}}``
-  per logged step (``averaged``, ``failed`` and ``peers`` count since start);
+  per logged step (``averaged``, ``failed`` and ``peers`` count since start; ``averaged`` and ``peers``
+  count the exchanges that moved the node, those a peer started included);
 * ``{"kind": "eval", "epoch", "step", "test_acc", "test_loss"}`` per evaluation;
 * ``{"kind": "linger"}`` when the node has finished training and only serves peers;
 * ``{"kind": "end", "reason", "averaged", "failed", "peers", "stats": {...}}`` once, at the end.
@@ -263,7 +264,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.insert(1, "-" * len(lines[0]))
     notes = [
         f"run folder {summary['run_dir']}, {summary['elapsed_s']:.0f} s; "
-        f"exchanges: {summary['exchanges']} done (averaged), {summary['failed']} failed"
+        f"averaged: {summary['exchanges']} in all (each node's count: a symmetric exchange moves both its nodes), "
+        f"{summary['failed']} failed"
     ]
     if summary.get("kills") or summary.get("restarts"):
         notes.append(

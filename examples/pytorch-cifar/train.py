@@ -30,7 +30,6 @@ the adapter; a second signal stops it at once.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import hashlib
 import io
@@ -488,7 +487,17 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     step, loss_value = progress["step"], None
-    averaged, failed, averaged_with = progress["averaged"], progress["failed"], collections.Counter()
+    averaged_before, failed = progress["averaged"], progress["failed"]
+
+    def exchanges(counts: dict[str, Any] | None = None) -> tuple[int, dict[str, int]]:
+        """Exchanges that moved this node since the run began, in all and per peer: those it started and, in
+        mode symmetric, those a peer started with it (the node's own counters, on top of what the run had
+        counted before a resume)."""
+        counts = conn.stats() if counts is None else counts
+        moved = counts.get("averaged", 0) + counts.get("mirrored", 0)
+        return averaged_before + moved, {p: row["averaged"] for p, row in counts["peers"].items() if row["averaged"]}
+
+    averaged, averaged_with = exchanges()
     window_losses: list[float] = []
     window_start, window_averaged = time.monotonic(), averaged
     train_start = time.monotonic()
@@ -529,15 +538,13 @@ def main(argv: list[str] | None = None) -> int:
                 schedule.step()
                 loss_value = loss.item()
                 update = conn.update_wait(loss_value)
-                if update.averaged:
-                    averaged += 1
-                    averaged_with[update.peer] += 1
-                elif update.outcome != "no_fetch":
+                if not update.averaged and update.outcome != "no_fetch":
                     failed += 1
                 step += 1
                 window_losses.append(loss_value)
                 if step % args.log_every == 0 or epoch_step == steps:
                     now = time.monotonic()
+                    averaged, averaged_with = exchanges()
                     metrics.write(
                         "step",
                         epoch=epoch,
@@ -556,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             completed = epoch  # counted at the barrier below: a node stopped there resumes with the next epoch
             barrier("epoch")  # every node ends epoch `epoch` here, so all evaluate the same boundary
+            averaged, averaged_with = exchanges()
             if stop:
                 break
             if args.run_dir is not None:
@@ -630,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = "stopped at once by a second SIGINT"
     finally:
         stats = conn.stats()
+        averaged, averaged_with = exchanges(stats)
         conn.close()
         if args.run_dir is not None:
             saved = args.run_dir / "models" / f"{args.name}.pt"
