@@ -567,6 +567,20 @@ def test_a_bulk_server_out_of_budget_answers_over_zeromq(nodes):
     assert peer.stats()["bulk_declined"] == 1
 
 
+# the fields of a bulk reply (BULK_PARAMS) for a 4 KiB model, without a key
+BULK_REPLY_FIELDS = {
+    "from": "w1",
+    "fp": b"f" * 16,
+    "dtype": "float32",
+    "nbytes": 4096,
+    "clock": 0.0,
+    "loss": None,
+    "version": 1,
+    "port": 1,
+    "token": b"t" * TOKEN_BYTES,
+}
+
+
 def test_a_keyed_requester_refuses_a_plain_stream():
     """With keys, a bulk reply without a key would stream the snapshot in the clear: refused."""
     from dpwa.gossip.protocol import BULK_PARAMS
@@ -576,17 +590,7 @@ def test_a_keyed_requester_refuses_a_plain_stream():
     from dpwa.wire.calls import Response
     from dpwa.wire.schema import decode, encode
 
-    fields = {
-        "from": "w1",
-        "fp": b"f" * 16,
-        "dtype": "float32",
-        "nbytes": 4096,
-        "clock": 0.0,
-        "loss": None,
-        "version": 1,
-        "port": 1,
-        "token": b"t" * TOKEN_BYTES,
-    }
+    fields = dict(BULK_REPLY_FIELDS)
     header = decode(encode(BULK_PARAMS, 7, **fields))
     reader = ReplyReader(
         WireModel(b"f" * 16, "float32", 1024),
@@ -638,17 +642,7 @@ def test_a_bulk_reply_whose_key_is_not_32_bytes_is_refused_by_its_schema(key):
     from dpwa.gossip.protocol import BULK_PARAMS
     from dpwa.wire.schema import decode, encode
 
-    fields = {
-        "from": "w1",
-        "fp": b"f" * 16,
-        "dtype": "float32",
-        "nbytes": 4096,
-        "clock": 0.0,
-        "loss": None,
-        "version": 1,
-        "port": 1,
-        "token": b"t" * TOKEN_BYTES,
-    }
+    fields = dict(BULK_REPLY_FIELDS)
     good = msgpack.unpackb(encode(BULK_PARAMS, 7, **fields, key=b"k" * 32))
     assert decode(msgpack.packb({**good})).get("key") == b"k" * 32
     with pytest.raises(ProtocolError, match="key"):

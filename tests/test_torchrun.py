@@ -66,27 +66,24 @@ def metrics(run_dir: Path, node: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def standalone_workers(agents, tmp_path: Path, *worker_args: str) -> dict[str, dict]:
+    """torchrun --standalone --nproc-per-node 3 of tests/helpers/torchrun_worker.py with `worker_args`;
+    each rank's results by name."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = str(ROOT / "tests" / "helpers" / "torchrun_worker.py")
+    argv = TORCHRUN + ["--standalone", "--nproc-per-node", "3", worker, str(out), *worker_args]
+    proc = agents.start(argv, tmp_path / "torchrun.log")
+    assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    return {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+
+
 @pytest.mark.timeout(150)
 def test_standalone_workers_meet_through_the_store_and_every_rank_averages_with_every_other(agents, tmp_path):
     """torchrun --standalone --nproc-per-node 3, a tiny model, `nodes: torchrun`: the workers are
     rank0..rank2, with endpoints and CURVE keys swapped through the store; each averages with both
     others; at the fresh start ranks 1 and 2 took rank 0's initial parameters (their seeds differ)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = agents.start(
-        TORCHRUN
-        + [
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            str(ROOT / "tests" / "helpers" / "torchrun_worker.py"),
-            str(out),
-            "40",
-        ],
-        tmp_path / "torchrun.log",
-    )
-    assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
-    results = {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+    results = standalone_workers(agents, tmp_path, "40")
     assert sorted(results) == ["rank0", "rank1", "rank2"]
     for name, result in results.items():
         others = {"rank0", "rank1", "rank2"} - {name}
@@ -105,23 +102,7 @@ def test_a_plain_loop_without_barriers_starts_every_rank_together_like_ddp(agent
     rank 0 included, and all three start from the same parameters. (Before: rank 0 returned at once,
     trained its 60 steps with every fetch refused not_ready and closed, while ranks 1 and 2 were still
     joining from it; they timed out and started from their own.)"""
-    out = tmp_path / "out"
-    out.mkdir()
-    proc = agents.start(
-        TORCHRUN
-        + [
-            "--standalone",
-            "--nproc-per-node",
-            "3",
-            str(ROOT / "tests" / "helpers" / "torchrun_worker.py"),
-            str(out),
-            "60",
-            "plain",
-        ],
-        tmp_path / "torchrun.log",
-    )
-    assert proc.wait(120) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
-    results = {r["name"]: r for r in (json.loads(p.read_text()) for p in out.glob("rank*.json"))}
+    results = standalone_workers(agents, tmp_path, "60", "plain")
     assert sorted(results) == ["rank0", "rank1", "rank2"]
     assert all(sum(r["peers"].values()) > 0 for r in results.values()), results
     assert results["rank1"]["start"] == results["rank0"]["start"] == results["rank2"]["start"]

@@ -24,6 +24,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -309,6 +310,21 @@ def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
     return mapping, []
 
 
+def supervision(args: argparse.Namespace) -> dict[str, Any]:
+    """How the launcher watches the nodes (restarts, chaos, stopping, printing, the dashboard): this
+    invocation's options, for a new run and a resumed one alike."""
+    return {
+        "restarts": args.restarts,
+        "chaos_s": args.chaos or 0.0,
+        "chaos_seed": args.chaos_seed,
+        "grace_s": args.grace,
+        "print_every_s": args.print_every,
+        "dashboard": args.dashboard,
+        "dashboard_port": args.dashboard_port,
+        "dashboard_kill": args.allow_kill,
+    }
+
+
 def resume(args: argparse.Namespace) -> int:
     """Run RUN_DIR again, every node continuing from the run's latest complete checkpoint.
 
@@ -330,14 +346,7 @@ def resume(args: argparse.Namespace) -> int:
             dataclasses.replace(
                 spec,
                 command=command,
-                restarts=args.restarts,
-                chaos_s=args.chaos or 0.0,
-                chaos_seed=args.chaos_seed,
-                grace_s=args.grace,
-                print_every_s=args.print_every,
-                dashboard=args.dashboard,
-                dashboard_port=args.dashboard_port,
-                dashboard_kill=args.allow_kill,
+                **supervision(args),
             )
         )
     except (ConfigError, OSError, ValueError, checkpoints.CheckpointError) as exc:
@@ -449,14 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 local=local,
                 finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}", *data_dir],
                 pin=not args.no_pin,
-                grace_s=args.grace,
-                print_every_s=args.print_every,
-                restarts=args.restarts,
-                chaos_s=args.chaos or 0.0,
-                chaos_seed=args.chaos_seed,
-                dashboard=args.dashboard,
-                dashboard_port=args.dashboard_port,
-                dashboard_kill=args.allow_kill,
+                **supervision(args),
             )
         )
     except (ConfigError, OSError) as exc:

@@ -585,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             acc, test_loss = result
             if charlm:  # test_acc: next-character accuracy; test_loss: the validation loss
+                bits = test_loss / math.log(2)
                 metrics.write(
                     "eval",
                     epoch=epoch,
@@ -592,36 +593,23 @@ def main(argv: list[str] | None = None) -> int:
                     test_acc=acc,
                     test_loss=test_loss,
                     val_loss=test_loss,
-                    bits_per_char=test_loss / math.log(2),
+                    bits_per_char=bits,
                 )
-                log.info(
-                    "%s: epoch %d/%d step %d: loss %.4f, validation loss %.4f nats/char (%.3f bits/char); "
-                    "averaged %d times, %d fetches failed",
-                    args.name,
-                    epoch,
-                    epochs,
-                    step,
-                    loss_value if loss_value is not None else float("nan"),
-                    test_loss,
-                    test_loss / math.log(2),
-                    averaged,
-                    failed,
-                )
+                measured = f"validation loss {test_loss:.4f} nats/char ({bits:.3f} bits/char)"
             else:
                 metrics.write("eval", epoch=epoch, step=step, test_acc=acc, test_loss=test_loss)
-                log.info(
-                    "%s: epoch %d/%d step %d: loss %.4f, test accuracy %.2f%% (test loss %.4f); "
-                    "averaged %d times, %d fetches failed",
-                    args.name,
-                    epoch,
-                    epochs,
-                    step,
-                    loss_value if loss_value is not None else float("nan"),
-                    100 * acc,
-                    test_loss,
-                    averaged,
-                    failed,
-                )
+                measured = f"test accuracy {100 * acc:.2f}% (test loss {test_loss:.4f})"
+            log.info(
+                "%s: epoch %d/%d step %d: loss %.4f, %s; averaged %d times, %d fetches failed",
+                args.name,
+                epoch,
+                epochs,
+                step,
+                loss_value if loss_value is not None else float("nan"),
+                measured,
+                averaged,
+                failed,
+            )
         # Once per node: a node restarted after its exit barrier (its counters restored) does not wait again.
         skipped = barrier("exit") if not stop and conn.barrier_counters().get("exit", 0) == 0 else []
         if not stop and args.linger_s > 0:

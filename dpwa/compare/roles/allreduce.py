@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 
-import torch.distributed as dist
-
 from ...systems import allreduce
 from ...systems.layout import ModuleView
 from ..recorder import wait_for_go
@@ -23,13 +21,8 @@ from .common import Role, timed
 
 def run_rank(role: Role) -> None:
     """Join the group, train, write the results, and leave with every other rank (this process ends here)."""
-    allreduce.join_group(role.index, role.spec.workers, role.options["store"], role.options["gloo_timeout_s"])
-    try:
-        train(role)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    allreduce.leave_group()
+    opts = role.options
+    allreduce.run_rank(role.index, lambda *_: train(role), role.spec.workers, opts["store"], opts["gloo_timeout_s"], ())
 
 
 def train(role: Role) -> None:

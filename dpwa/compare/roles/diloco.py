@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import time
 
-import torch.distributed as dist
-
 from ...mixing.outer import OuterSettings
 from ...systems import allreduce
 from ...systems.diloco import DiLoCo
@@ -26,13 +24,8 @@ from .common import Role, timed
 
 def run_rank(role: Role) -> None:
     """Join the group, train, write the results, and leave with every other rank (this process ends here)."""
-    allreduce.join_group(role.index, role.spec.workers, role.options["store"], role.options["gloo_timeout_s"])
-    try:
-        train(role)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    allreduce.leave_group()
+    opts = role.options
+    allreduce.run_rank(role.index, lambda *_: train(role), role.spec.workers, opts["store"], opts["gloo_timeout_s"], ())
 
 
 def train(role: Role) -> None:
