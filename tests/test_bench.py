@@ -37,10 +37,21 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
     assert all(r["failed"] == 0 for r in result["scale"])
-    assert [r["workload"] for r in result["training"]] == ["digits, batch 32 (run.sh's default)"]
-    assert result["training"][0]["averaged_fraction"] > 0
-    assert result["training"][0]["raw_step_ms"] > 0 and result["training"][0]["step_with_raw_ms"] > 0
-    assert "x zmq" in proc.stdout and "x tcp" in proc.stdout and "tcp, CURVE, bulk: off" in proc.stdout
+    assert [r["workload"] for r in result["training"]] == [
+        "digits, batch 32, run.sh's defaults",
+        "digits, batch 32, mode pull",
+    ]
+    assert [r["mode"] for r in result["training"]] == ["symmetric", "pull"]
+    for trained in result["training"]:
+        assert trained["averaged_fraction"] > 0
+        assert trained["raw_step_ms"] > 0 and trained["step_with_raw_ms"] > 0
+    assert all(row["router_ms"] > 0 for row in result["sizes"])
+    assert (
+        "x zmq" in proc.stdout
+        and "x tcp" in proc.stdout
+        and "(r) raw pyzmq ROUTER" in proc.stdout
+        and "tcp, CURVE, bulk: off" in proc.stdout
+    )
     # Its own nodes' warnings (deliberately odd configurations) go to the log it names, not between the tables.
     assert proc.stdout.splitlines()[0] == f"dpwa.bench: the benchmark's own nodes log to {log}"
     logged = log.read_text()
@@ -52,5 +63,6 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     assert [line.split(" parameters")[0].strip() for line in sizes] == ["1,000", "100,000", "1,048,576"]
     assert all(": an exchange over TCP takes " in line for line in sizes)
     assert summary[len(sizes)].startswith("  scale: 2 to 4 nodes, ") and summary[len(sizes)].endswith(" 0 failed")
-    assert summary[len(sizes) + 1].startswith("  training, digits, batch 32 (run.sh's default): dpwa adds ")
-    assert summary[len(sizes) + 2] == f"  the benchmark's own nodes' log: {log} ({len(logged.splitlines())} lines)"
+    assert summary[len(sizes) + 1].startswith("  training, digits, batch 32, run.sh's defaults: dpwa adds ")
+    assert summary[len(sizes) + 2].startswith("  training, digits, batch 32, mode pull: dpwa adds ")
+    assert summary[len(sizes) + 3] == f"  the benchmark's own nodes' log: {log} ({len(logged.splitlines())} lines)"

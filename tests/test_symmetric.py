@@ -590,3 +590,39 @@ def test_hypercube_pairing_needs_a_power_of_two_of_nodes():
 
     with pytest.raises(ConfigError, match="pairing: hypercube needs a power of two of nodes"):
         parse_config(make_config(3, pairing="hypercube"))
+
+
+class _Blocker:
+    """A task that holds the Tx thread until released (so the calls queued behind it wait their turn)."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer, self.deadline = peer, time.monotonic() + 30
+        self.running, self.go = threading.Event(), threading.Event()
+
+    def run(self, ask):
+        self.running.set()
+        self.go.wait(20)
+        return None
+
+
+def test_an_exchange_that_never_ran_gives_its_snapshot_back(nodes):
+    """The exchange's task holds a lease on our published snapshot from update_send. A task whose deadline
+    passes while it waits its turn on the Tx thread never runs: its lease must still end, or the slot stays
+    held for ever (and, six such, every publish is skipped)."""
+    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=300)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
+    peer.update_send()
+    node = nodes(cfg, "w0", NumpyParams(filled(0)))
+    blocker = _Blocker("w1")
+    node.parts.client.submit(blocker)
+    assert blocker.running.wait(10)
+    assert node.update_send()  # queued behind the blocker
+    queued = node._step.call
+    deadline = queued.task.deadline
+    wait_until(lambda: time.monotonic() > deadline, timeout_s=10)
+    blocker.go.set()
+    update = node.update_wait()
+    wait_until(queued.done.is_set, timeout_s=10)
+    node.update_wait()  # harvests it, if update_wait did not already
+    assert queued.outcome == "expired", (update, queued.outcome, queued.reason)
+    assert node.parts.store.held() == 0

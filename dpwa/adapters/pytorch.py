@@ -20,7 +20,9 @@ delta``), a buffer moves towards the peer's instead (``x += f (peer - x)``),
 so a running variance stays positive whatever the peers' statistics. On CUDA, snapshots are
 copied into pinned host memory, and received parameters go through one pinned
 staging buffer to one flat device buffer before the in-place blend. Blending
-is done in float32 (or the tensor's own dtype) whatever the wire dtype.
+is done in float32 whatever the wire dtype, over one flat work buffer the
+tensors are gathered into, and the result is written back into each tensor
+(converted to its dtype): a few flat operations, not one per tensor.
 """
 
 from __future__ import annotations
@@ -77,16 +79,20 @@ class TorchParams(FlatParams):
         self._sizes = [t.numel() for t in self._tensors]
         self.size = sum(self._sizes)
         self.fingerprint = fingerprint((n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named)
-        # Contiguous float32 tensors are handled through 1-D views of themselves, with one foreach
-        # call; the rest (another dtype, or a channels_last layout) one by one in their own shape.
+        # Every op is a few flat ones over one work buffer: the tensors are gathered into it with one cat and
+        # written back with one foreach call (a per-tensor op costs microseconds each; a small model has dozens).
+        # Contiguous tensors are read through cached 1-D views of themselves; the rest are flattened per call.
+        self._flat = [t.view(-1) if t.is_contiguous() else None for t in self._tensors]
         self._fast = [i for i, t in enumerate(self._tensors) if t.dtype == torch.float32 and t.is_contiguous()]
         self._fast_targets = [self._tensors[i].view(-1) for i in self._fast]
         self._slow = [i for i in range(len(self._tensors)) if i not in set(self._fast)]
-        # buffers (running statistics) follow the parameters in `named`; delta blends keep them convex
+        # buffers (running statistics) follow the parameters in `named`, so they fill the vector's tail from here
+        self._stats_from = sum(self._sizes[:n_params])
         self._is_stat = [i >= n_params for i in range(len(self._tensors))]
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
+        self._work_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _buffer(self, where: str, wire: str) -> torch.Tensor:
         """A flat work buffer of dtype `wire`: "pinned" (host), or any other name (on the model's device)."""
@@ -99,11 +105,30 @@ class TorchParams(FlatParams):
                 self._buffers[key] = torch.empty(self.size, dtype=dtype, device=self.device)
         return self._buffers[key]
 
-    def _pieces(self, flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """`flat` cut into per-tensor views: 1-D ones for the fast tensors, shaped ones for the rest."""
-        parts = flat.split(self._sizes)
-        fast = list(parts) if len(self._fast) == len(parts) else [parts[i] for i in self._fast]
-        return fast, [parts[i].view(self._tensors[i].shape) for i in self._slow]
+    def _work(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The flat float32 work buffer on the model's device, and its per-tensor views (fast ones 1-D,
+        the rest in their tensor's shape), made once."""
+        work = self._buffer("work", "float32")
+        if self._work_views is None:
+            parts = work.split(self._sizes)
+            fast = [parts[i] for i in self._fast]
+            self._work_views = fast, [parts[i].view(self._tensors[i].shape) for i in self._slow]
+        return work, *self._work_views
+
+    def _gather(self, out: torch.Tensor, first: int = 0) -> None:
+        """Tensors `first`, `first` + 1, ... concatenated into the flat `out` (converted to its dtype): one op."""
+        flats = [t.reshape(-1) if flat is None else flat for t, flat in zip(self._tensors, self._flat, strict=True)]
+        torch.cat(flats[first:] if self._slow else self._fast_targets[first:], out=out)
+
+    def _add(self, pieces: tuple[list[torch.Tensor], list[torch.Tensor]], f: float) -> None:
+        """Each tensor += f * its piece of the work buffer (converted to its dtype): one foreach call for the
+        contiguous float32 tensors, then the others one by one."""
+        fast, slow = pieces
+        if fast:
+            torch._foreach_add_(self._fast_targets, fast, alpha=f)
+        for view, i in zip(slow, self._slow, strict=True):
+            tensor = self._tensors[i]
+            tensor.add_(view.to(tensor.dtype), alpha=f)
 
     def statistics(self) -> list[tuple[int, int]]:
         ends = np.cumsum(self._sizes).tolist()
@@ -118,14 +143,12 @@ class TorchParams(FlatParams):
     @torch.no_grad()
     def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
         host = kernels.as_torch(out, wire)
-        flat = self._buffer("device", wire) if self.device.type == "cuda" else host
-        fast, slow = self._pieces(flat)
-        if fast:
-            torch._foreach_copy_(fast, self._fast_targets)
-        for view, i in zip(slow, self._slow, strict=True):
-            view.copy_(self._tensors[i])
-        if flat is not host:
+        if self.device.type == "cuda":
+            flat = self._buffer("device", wire)
+            self._gather(flat)  # converted on the device, so half-precision wires copy half the bytes
             host.copy_(flat)
+        else:
+            self._gather(host)
 
     def _float32_source(self, peer: np.ndarray, wire: str, slot: str) -> torch.Tensor:
         """`peer` as a flat float32 tensor on the model's device (a view when no conversion is needed)."""
@@ -140,42 +163,31 @@ class TorchParams(FlatParams):
             return self._buffer(slot, "float32").copy_(source)
         return source
 
-    def _apply(self, op, *flats: torch.Tensor, f: float, stats=None) -> None:
-        """op(tensors, *per-tensor views of each flat, f): one foreach call for the fast tensors,
-        then the others one by one (their views converted to their dtype). With `stats`, the
-        buffers get that op instead."""
-        pieces = [self._pieces(flat) for flat in flats]
-        if self._fast:
-            if stats is None:
-                op(self._fast_targets, *[fast for fast, _ in pieces], f)
-            else:
-                for chosen, wanted in ((op, False), (stats, True)):
-                    ks = [k for k, i in enumerate(self._fast) if self._is_stat[i] == wanted]
-                    if ks:
-                        chosen([self._fast_targets[k] for k in ks], *[[fast[k] for k in ks] for fast, _ in pieces], f)
-        for k, i in enumerate(self._slow):
-            tensor = self._tensors[i]
-            chosen = stats if stats is not None and self._is_stat[i] else op
-            chosen([tensor], *[[slow[k].to(tensor.dtype)] for _, slow in pieces], f)
-
     @torch.no_grad()
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
+        """x += f (peer - x), computed flat in float32 (torch's lerp: exact at f = 0 and f = 1)."""
         source = self._float32_source(peer, wire, "device")
-        self._apply(lambda xs, ys, w: torch._foreach_lerp_(xs, ys, w), source, f=float(f))
+        work, fast, slow = self._work()
+        self._gather(work)
+        work.lerp_(source, float(f))
+        if fast:
+            torch._foreach_copy_(self._fast_targets, fast)
+        for view, i in zip(slow, self._slow, strict=True):
+            self._tensors[i].copy_(view)  # converted to the tensor's dtype and layout
 
     @torch.no_grad()
     def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
         """Parameters: ``x += f (a - b)``; buffers (running statistics): ``x += f (a - x)``, convex."""
         first = self._float32_source(a, wire, "device")  # views, or two distinct work buffers
         second = self._float32_source(b, wire, "device2")
-
-        def add_diff(xs, ys, zs, w):
-            torch._foreach_add_(xs, torch._foreach_sub(ys, zs), alpha=w)
-
-        def towards(xs, ys, zs, w):  # running statistics: convex, towards the peer's snapshot
-            torch._foreach_lerp_(xs, ys, w)
-
-        self._apply(add_diff, first, second, f=float(f), stats=towards)
+        work, fast, slow = self._work()
+        torch.sub(first, second, out=work)
+        if self._stats_from < self.size:  # running statistics: towards the peer's snapshot
+            n = self.size - self._stats_from
+            tail = work.narrow(0, self._stats_from, n)
+            self._gather(tail, first=self._is_stat.index(True))
+            torch.sub(first.narrow(0, self._stats_from, n), tail, out=tail)
+        self._add((fast, slow), float(f))
 
 
 _TENSOR_DTYPES = {

@@ -68,9 +68,10 @@ SMALL = 100_000  # parameters of the small model
 STREAMED = 1 << 20  # parameters of the smallest model that streams (4 MiB in float32: BULK_MIN_BYTES), for --quick
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
 # (label, input shape, batch size, steps) of the training-overhead workloads
-WORKLOADS = (
-    ("digits, batch 32 (run.sh's default)", (1, 8, 8), 32, 200),
-    ("CIFAR-sized 3x32x32, batch 128", (3, 32, 32), 128, 40),
+WORKLOADS = (  # label, input shape, batch, steps, mode
+    ("digits, batch 32, run.sh's defaults", (1, 8, 8), 32, 200, "symmetric"),
+    ("digits, batch 32, mode pull", (1, 8, 8), 32, 200, "pull"),
+    ("CIFAR-sized 3x32x32, batch 128, mode pull", (3, 32, 32), 128, 40, "pull"),
 )
 
 
@@ -142,23 +143,43 @@ class Child:
 # --------------------------------------------------------------------------- helper processes
 
 
-def serve_raw(port: int, size: int) -> None:
-    """REP socket that answers every request with `size` float32s, without a copy."""
+def serve_raw(port: int, size: int, router: bool = False) -> None:
+    """REP socket that answers every request with `size` float32s, without a copy.
+
+    `router`: the socket a dpwa node serves with instead, a ROUTER (one socket for every peer, never stuck
+    on one), whose replies are tracked until ZeroMQ has sent them (so a peer that never reads pins a
+    bounded number of them), answering from a thread; nothing is checked or decoded.
+    """
     import zmq
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.REP)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://127.0.0.1:{port}")
-    payload = np.ones(size, np.float32)
-    print("ready", flush=True)
     stdin_closed = threading.Event()
     threading.Thread(target=_set_when_stdin_closes, args=(stdin_closed,), daemon=True).start()
-    while not stdin_closed.is_set():
-        if sock.poll(100):
-            sock.recv()
-            sock.send(payload.data, 0, copy=False)
-    sock.close(0)
+
+    def serve() -> None:
+        sock = ctx.socket(zmq.ROUTER if router else zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        payload = np.ones(size, np.float32)
+        print("ready", flush=True)
+        while not stdin_closed.is_set():
+            if not sock.poll(100):
+                continue
+            if router:
+                envelope = sock.recv_multipart(copy=False)
+                sock.send_multipart([envelope[0], b"", b"params"], zmq.SNDMORE)
+                sock.send(payload.data, 0, copy=False, track=True)
+            else:
+                sock.recv()
+                sock.send(payload.data, 0, copy=False)
+        sock.close(0)
+
+    if router:  # on a thread, as a node's Rx thread serves
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        thread.join()
+    else:
+        serve()
     ctx.term()
 
 
@@ -315,7 +336,7 @@ def _alternate(step: Any, with_exchange: Any, steps: int) -> tuple[list[float], 
     return plain, exchanged, results
 
 
-def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, Any] | None:
+def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "pull") -> dict[str, Any] | None:
     """Median step time of the example with and without dpwa, alternating one step of each; then the
     same against the raw floor: the same bytes fetched every step over plain ZeroMQ (RawExchange)."""
     import torch
@@ -328,7 +349,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
     geometry = "x".join(map(str, shape))
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_pair_config(tmp, same_host=True)
+            path = write_pair_config(tmp, same_host=True, mode=mode)
             net, step = training_setup(shape, batch, seed=0)
             with (
                 Child("--serve-training", path, geometry, str(batch), env=env),
@@ -361,6 +382,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
     a, b = median_ms(plain), median_ms(with_dpwa)
     c, d = median_ms(plain_raw), median_ms(with_raw)
     return {
+        "mode": mode,
         "parameters": sum(p.numel() for p in net.parameters()),
         "batch": batch,
         "shape": list(shape),
@@ -376,8 +398,17 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int) -> dict[str, 
 
 
 def write_pair_config(
-    directory: str, *, same_host: bool, wire_dtype: str = "float32", bulk: str = "auto", curve: bool = False
+    directory: str,
+    *,
+    same_host: bool,
+    wire_dtype: str = "float32",
+    bulk: str = "auto",
+    curve: bool = False,
+    mode: str = "pull",
 ) -> str:
+    """Two nodes exchanging every step. Mode pull: one fetch per exchange, the transfer every mode is built
+    on. Mode symmetric: the defaults as run.sh's cluster has them (blend delta; pairing hypercube, which
+    `auto` picks from 4 nodes: each exchange is started by one side, as in a larger cluster)."""
     import yaml
 
     from dpwa.wire.curve import generate
@@ -397,13 +428,12 @@ def write_pair_config(
         "insecure": not same_host and not curve,
         "join": "never",  # each side starts from its own values; joining is not what is measured
         "bulk": bulk,
-        # one fetch per exchange, the transfer every mode is built on (a symmetric exchange is a fetch
-        # plus a confirm, and its server refuses "busy" until it publishes again, which this one does not)
-        "mode": "pull",
-        "blend": "state",
-        "pairing": "random",
+        # (the exchange rows' serving node publishes once: a symmetric server would refuse "busy" after that)
+        "mode": mode,
+        "blend": "state" if mode == "pull" else "delta",
+        "pairing": "random" if mode == "pull" else "hypercube",
     }
-    tag = f"{'shm' if same_host else 'tcp'}-{wire_dtype}-{bulk}{'-curve' if curve else ''}"
+    tag = f"{'shm' if same_host else 'tcp'}-{wire_dtype}-{bulk}{'-curve' if curve else ''}-{mode}"
     if curve:  # TCP, authenticated and encrypted
         for node in nodes:
             _, secret, pair = generate(f"{node['name']}-{tag}", Path(directory) / "keys")
@@ -433,13 +463,14 @@ class CopyFloor:
 
 
 class ZmqFloor:
-    """(b): a raw pyzmq REQ/REP round trip whose reply carries the model's bytes."""
+    """(b): a raw pyzmq REQ/REP round trip whose reply carries the model's bytes; (r) with `router`, the same
+    from a ROUTER socket whose reply is tracked, as a node's server must answer (see :func:`serve_raw`)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, router: bool = False) -> None:
         import zmq
 
         port = free_port()
-        self.child = Child("--serve-raw", str(port), str(size))
+        self.child = Child("--serve-raw-router" if router else "--serve-raw", str(port), str(size))
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REQ)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -450,7 +481,7 @@ class ZmqFloor:
         self.sock.send(b"fetch")
         if not self.sock.poll(30_000):
             raise RuntimeError("raw zmq server did not answer")
-        frame = self.sock.recv(copy=False)
+        frame = self.sock.recv_multipart(copy=False)[-1]
         np.frombuffer(frame.buffer, np.float32)
         del frame
         return {"ms": time.perf_counter() - t0}
@@ -591,6 +622,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
         try:
             subjects["copy"] = CopyFloor(size)
             subjects["zmq"] = ZmqFloor(size)
+            subjects["router"] = ZmqFloor(size, router=True)
             subjects["raw_tcp"] = RawTcpFloor(size)
             subjects["tcp"] = DpwaPair(size, tmp, same_host=False)
             subjects["node_served"] = RawClientOfNode(subjects["tcp"])
@@ -614,7 +646,9 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
     row: dict[str, Any] = {"parameters": size, "mbytes": size * 4 / 1e6, "reps": reps}
     for name, rows in samples.items():
         medians = {key: median_ms([r[key] for r in rows]) for key in rows[0]}
-        row[f"{name}_ms" if name in ("copy", "zmq", "raw_tcp", "node_served") else name] = medians.get("ms", medians)
+        row[f"{name}_ms" if name in ("copy", "zmq", "router", "raw_tcp", "node_served") else name] = medians.get(
+            "ms", medians
+        )
     return row
 
 
@@ -720,8 +754,8 @@ def run(
         print(format_size_row(row), flush=True)
     for n in scale_sizes:
         results["scale"].append(bench_scale(n, SMALL, scale_steps))
-    for label, shape, batch, steps in workloads:
-        trained = bench_training(shape, batch, max(2, int(steps * training_steps)))
+    for label, shape, batch, steps, mode in workloads:
+        trained = bench_training(shape, batch, max(2, int(steps * training_steps)), mode)
         if trained is not None:
             results["training"].append({"workload": label, **trained})
     return results
@@ -736,6 +770,8 @@ def format_size_row(row: dict[str, Any]) -> str:
         f"  {'(b) raw pyzmq REQ/REP, tcp':<42}{b:>9.2f}{b / a:>9.2f}{1:>9.2f}{b / t:>9.2f}",
         f"  {'(t) raw TCP sendall -> recv_into':<42}{t:>9.2f}{t / a:>9.2f}{t / b:>9.2f}{1:>9.2f}",
     ]
+    r = row["router_ms"]
+    lines.append(f"  {'(r) raw pyzmq ROUTER, tracked reply, tcp':<42}{r:>9.2f}{r / a:>9.2f}{r / b:>9.2f}{r / t:>9.2f}")
     s = row["node_served_ms"]
     lines.append(f"  {'(s) raw REQ client <- dpwa node, tcp':<42}{s:>9.2f}{s / a:>9.2f}{s / b:>9.2f}{s / t:>9.2f}")
     labels = {
@@ -836,12 +872,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions for large models (default 30)")
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-raw-router", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-tcp", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-node", nargs=2, metavar=("CONFIG", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-training", nargs=3, metavar=("CONFIG", "SHAPE", "BATCH"), help=argparse.SUPPRESS)
     parser.add_argument("--raw", metavar="SERVE_AT,FETCH_FROM", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    helper = args.serve_raw or args.serve_raw_tcp or args.serve_node or args.serve_training
+    helper = args.serve_raw or args.serve_raw_router or args.serve_raw_tcp or args.serve_node or args.serve_training
     if helper and os.environ.get(LOG_ENV):
         log_to(Path(os.environ[LOG_ENV]))
     if not helper:
@@ -851,6 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpwa.bench: the benchmark's own nodes log to {log_path}", flush=True)
     if args.serve_raw:
         serve_raw(int(args.serve_raw[0]), int(args.serve_raw[1]))
+        return 0
+    if args.serve_raw_router:
+        serve_raw(int(args.serve_raw_router[0]), int(args.serve_raw_router[1]), router=True)
         return 0
     if args.serve_raw_tcp:
         serve_raw_tcp(int(args.serve_raw_tcp[0]), int(args.serve_raw_tcp[1]))
@@ -863,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:  # STREAMED runs the bulk rows (plain and sealed), with few repetitions
         results = run(
-            [1_000, SMALL, STREAMED], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:1]
+            [1_000, SMALL, STREAMED], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:2]
         )
     else:
         results = run([SMALL, RESNET18], 200, args.reps or 30, [2, 4, 8, 16], 200, ["float16", "bfloat16"])

@@ -200,6 +200,11 @@ class ExchangeTask:
         self._min_confirm_s, self._busy_budget_s = min_confirm_s, busy_budget_s
         self.busy = 0  # busy answers met on the way
 
+    def release(self) -> None:
+        """Let go of our snapshot unless a half took it: for a call that ended without running (cancelled
+        while queued, or its deadline passed first). Idempotent."""
+        self._own.release()
+
     def run(self, ask: Ask) -> ClientHalf | InDoubt:
         with contextlib.ExitStack() as cleanup:
             cleanup.push(self._own)  # released unless a half takes it

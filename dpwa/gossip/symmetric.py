@@ -123,6 +123,7 @@ class SymmetricSteps:
         crew = self._crew
         clock = crew.progress.clock
         if call.outcome != "ok":
+            _exchange(call).release()  # our snapshot, if the task never ran
             crew.outcomes.record(call)
             return Update(
                 False, call.outcome or "failed", call.peer, reason=call.reason, latency_s=call.latency_s, clock=clock
@@ -228,6 +229,7 @@ class SymmetricSteps:
         self.tend()
         for call in self._outstanding:
             call.abandon()
+            _exchange(call).release()
         self._outstanding.clear()
         self.client.close()
         self.server.close()
@@ -238,3 +240,9 @@ class SymmetricSteps:
             "exchanges_pending": self.server.held(),
             "exchanges_unsettled": len(self.client),
         }
+
+
+def _exchange(call: Call) -> ExchangeTask:
+    task = call.task
+    assert isinstance(task, ExchangeTask), task
+    return task
