@@ -67,8 +67,7 @@ import numpy as np
 SMALL = 100_000  # parameters of the small model
 STREAMED = 1 << 20  # parameters of the smallest model that streams (4 MiB in float32: BULK_MIN_BYTES), for --quick
 RESNET18 = 11_173_962  # parameters of torchvision's ResNet-18 (44.7 MB in float32)
-# (label, input shape, batch size, steps) of the training-overhead workloads
-WORKLOADS = (  # label, input shape, batch, steps, mode
+WORKLOADS = (  # the training-overhead workloads: label, input shape, batch size, steps, mode
     ("digits, batch 32, run.sh's defaults", (1, 8, 8), 32, 200, "symmetric"),
     ("digits, batch 32, mode pull", (1, 8, 8), 32, 200, "pull"),
     ("CIFAR-sized 3x32x32, batch 128, mode pull", (3, 32, 32), 128, 40, "pull"),
