@@ -36,7 +36,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
         for path in ("tcp", "curve", "same_host", "tcp_float16", *streamed):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
-    assert all(r["failed"] == 0 for r in result["scale"])
+    assert all(r["failed"] == 0 and r["failed_by"] == {} for r in result["scale"])
     assert [r["workload"] for r in result["training"]] == [
         "digits, batch 32, run.sh's defaults",
         "digits, batch 32, mode pull",

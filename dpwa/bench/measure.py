@@ -48,6 +48,7 @@ and per-node cost.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -651,7 +652,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
     return row
 
 
-def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
+def bench_scale(n: int, size: int, steps: int) -> dict[str, Any]:
     """n nodes as threads in one process, each running `steps` exchanges as fast as it can."""
     from dpwa.config import parse_config
     from dpwa.gossip.node import Node
@@ -680,14 +681,16 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
         for node in nodes:
             node.update_wait()
         barrier = threading.Barrier(n + 1)
-        failures = [0] * n
+        failures: list[collections.Counter[str]] = [collections.Counter() for _ in range(n)]
 
         def run(i: int) -> None:
             barrier.wait()
             for _ in range(steps):
                 nodes[i].update_send()
-                if not nodes[i].update_wait().averaged:
-                    failures[i] += 1
+                update = nodes[i].update_wait()
+                if not update.averaged:
+                    refused = update.outcome == "refused"
+                    failures[i][f"refused {update.reason.split(':')[0]}" if refused else update.outcome] += 1
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
         for t in threads:
@@ -702,11 +705,13 @@ def bench_scale(n: int, size: int, steps: int) -> dict[str, float]:
     finally:
         for node in nodes:
             node.close()
-    exchanges = n * steps - sum(failures)
+    why = sum(failures, collections.Counter())
+    exchanges = n * steps - why.total()
     return {
         "nodes": n,
         "exchanges_per_s": exchanges / elapsed,
-        "failed": sum(failures),
+        "failed": why.total(),
+        "failed_by": dict(why),  # outcome (or the peer's refusal) -> count
         # CPU time of this process per exchange: both sides' work (publish, serve, fetch, blend).
         # Pairwise gossip costs O(1) per exchange, so this stays flat as the cluster grows.
         "cpu_ms_per_exchange": cpu / max(1, exchanges) * 1e3,
@@ -810,7 +815,11 @@ def format_scale(rows: list[dict[str, Any]]) -> str:
         f"  {'nodes':>5}{'exchanges/s':>14}{'CPU ms per exchange':>22}{'failed':>8}",
     ]
     for r in rows:
-        lines.append(f"  {r['nodes']:>5}{r['exchanges_per_s']:>14.0f}{r['cpu_ms_per_exchange']:>22.2f}{r['failed']:>8}")
+        why = ", ".join(f"{reason} {count}" for reason, count in sorted(r["failed_by"].items()))
+        lines.append(
+            f"  {r['nodes']:>5}{r['exchanges_per_s']:>14.0f}{r['cpu_ms_per_exchange']:>22.2f}{r['failed']:>8}"
+            + (f"  ({why})" if why else "")
+        )
     return "\n".join(lines)
 
 
