@@ -60,16 +60,10 @@ def pytest_configure(config):
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, and whose ipc endpoint (where a loopback node
-    listens instead of the port) has no lock file: a live node of another test may hold it, TCP port free."""
-    from dpwa.wire.endpoints import ipc_endpoint
+    listens instead of the port) is unclaimed: a live node of another test may hold it, TCP port free."""
+    from dpwa.cluster.processes import free_ports
 
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not Path(ipc_endpoint(port)[len("ipc://") :] + ".lock").exists():
-            return port
-    raise RuntimeError("no free port in 100 tries whose ipc endpoint is free too")
+    return free_ports(1)[0]
 
 
 def port_is_free(port: int) -> bool:

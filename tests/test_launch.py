@@ -63,6 +63,33 @@ def test_free_ports_are_distinct_and_bindable():
     processes.check_ports_free("127.0.0.1", ports)
 
 
+def test_free_ports_skip_a_port_whose_ipc_endpoint_a_node_holds(tmp_path):
+    """A loopback node listens on ipc://.../node-PORT, not on PORT: a port whose endpoint is locked by a
+    live node is not free though nothing listens on it. Such a port is never handed out."""
+    from dpwa.wire.endpoints import EndpointLock, ipc_endpoint
+
+    held = []
+    try:
+        for port in processes.free_ports(3):  # three live claims on endpoints of ports free over TCP
+            held.append((port, EndpointLock(ipc_endpoint(port))))
+        drawn = {port for port, _ in held}
+        real = socket.socket.getsockname
+        calls = iter(sorted(drawn) + [0] * 100)
+
+        def draw_claimed_first(sock):  # the kernel hands out the claimed ports first, then its own picks
+            host, port = real(sock)
+            wanted = next(calls)
+            return (host, wanted or port)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(socket.socket, "getsockname", draw_claimed_first)
+            ports = processes.free_ports(2)
+        assert len(ports) == 2 and not drawn & set(ports)
+    finally:
+        for _, lock in held:
+            lock.close()
+
+
 def test_a_busy_port_is_named_with_the_way_out():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

@@ -87,8 +87,7 @@ class TorchParams(FlatParams):
         self._fast_targets = [self._tensors[i].view(-1) for i in self._fast]
         self._slow = [i for i in range(len(self._tensors)) if i not in set(self._fast)]
         # buffers (running statistics) follow the parameters in `named`, so they fill the vector's tail from here
-        self._stats_from = sum(self._sizes[:n_params])
-        self._is_stat = [i >= n_params for i in range(len(self._tensors))]
+        self._first_stat, self._stats_from = n_params, sum(self._sizes[:n_params])
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
@@ -117,8 +116,11 @@ class TorchParams(FlatParams):
 
     def _gather(self, out: torch.Tensor, first: int = 0) -> None:
         """Tensors `first`, `first` + 1, ... concatenated into the flat `out` (converted to its dtype): one op."""
-        flats = [t.reshape(-1) if flat is None else flat for t, flat in zip(self._tensors, self._flat, strict=True)]
-        torch.cat(flats[first:] if self._slow else self._fast_targets[first:], out=out)
+        if not self._slow:  # every tensor is a cached 1-D view: nothing to build per call
+            torch.cat(self._fast_targets[first:], out=out)
+            return
+        pairs = zip(self._tensors[first:], self._flat[first:], strict=True)
+        torch.cat([t.reshape(-1) if flat is None else flat for t, flat in pairs], out=out)
 
     def _add(self, pieces: tuple[list[torch.Tensor], list[torch.Tensor]], f: float) -> None:
         """Each tensor += f * its piece of the work buffer (converted to its dtype): one foreach call for the
@@ -132,7 +134,7 @@ class TorchParams(FlatParams):
 
     def statistics(self) -> list[tuple[int, int]]:
         ends = np.cumsum(self._sizes).tolist()
-        return [(end - size, end) for end, size, stat in zip(ends, self._sizes, self._is_stat, strict=True) if stat]
+        return [(end - size, end) for end, size in zip(ends, self._sizes, strict=True)][self._first_stat :]
 
     def allocate(self, size: int, dtype: np.dtype) -> np.ndarray:
         if self.device.type == "cuda":  # pinned, so device-to-host copies run at full speed
@@ -185,7 +187,7 @@ class TorchParams(FlatParams):
         if self._stats_from < self.size:  # running statistics: towards the peer's snapshot
             n = self.size - self._stats_from
             tail = work.narrow(0, self._stats_from, n)
-            self._gather(tail, first=self._is_stat.index(True))
+            self._gather(tail, first=self._first_stat)
             torch.sub(first.narrow(0, self._stats_from, n), tail, out=tail)
         self._add((fast, slow), float(f))
 

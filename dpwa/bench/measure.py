@@ -88,11 +88,9 @@ def median_ms(samples: list[float]) -> float:
 
 
 def free_port() -> int:
-    import socket
+    from dpwa.cluster.processes import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 LOG_ENV = "DPWA_BENCH_LOG"  # the log file, handed to the helper processes

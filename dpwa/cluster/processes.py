@@ -22,6 +22,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..wire.endpoints import ipc_claimed, is_loopback
+
 __all__ = ["Cluster", "free_ports", "check_ports_free", "process_start", "write_pid_file", "read_pid_file", "tail"]
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -31,14 +33,23 @@ THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THRE
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports on `host` that were free a moment ago."""
-    sockets = []
+    """`count` distinct TCP ports on `host` that were free a moment ago. On a loopback host a port whose
+    ipc endpoint is claimed is skipped too: loopback nodes listen there (node-PORT), not on the port."""
+    if count <= 0:
+        return []
+    loopback = is_loopback(host)
+    sockets: list[socket.socket] = []  # all kept open until the end, so no port is drawn twice
+    ports: list[int] = []
     try:
-        for _ in range(count):
+        for _ in range(count + 100):  # bounded: each claimed port costs one more draw
             s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(s)
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
+            port = s.getsockname()[1]
+            if not (loopback and ipc_claimed(port)):
+                ports.append(port)
+                if len(ports) == count:
+                    return ports
     except OSError as exc:
         raise OSError(
             f"cannot bind a port on {host}: {exc.strerror or exc} (is {host} an address of this machine?)"
@@ -46,6 +57,7 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in sockets:
             s.close()
+    raise OSError(f"no {count} ports on {host} whose ipc endpoints are unclaimed in {count + 100} draws")
 
 
 def check_ports_free(host: str, ports: list[int]) -> None:

@@ -27,12 +27,16 @@ __all__ = [
     "EndpointInUse",
     "PrivateDirError",
     "bind_address",
+    "ipc_claimed",
     "ipc_endpoint",
     "is_local_host",
     "is_loopback",
     "private_dir",
     "sweep",
 ]
+
+
+LOCK_SUFFIX = ".lock"  # an ipc endpoint's lock file is its socket's path with this added
 
 
 class PrivateDirError(RuntimeError):
@@ -82,6 +86,12 @@ def ipc_endpoint(port: int, root: Path | None = None) -> str:
     return f"ipc://{private_dir(root) / f'node-{port}'}"
 
 
+def ipc_claimed(port: int, root: Path | None = None) -> bool:
+    """True if the ipc endpoint of 127.0.0.1:`port` has a lock file (:class:`EndpointLock`): a live node
+    may listen there while the TCP port itself is free. Creates nothing."""
+    return ((root or _root()) / f"dpwa-{os.getuid()}" / f"node-{port}{LOCK_SUFFIX}").exists()
+
+
 class EndpointLock:
     """An exclusive lock on an ipc endpoint, held until :meth:`close` (or the process dies).
 
@@ -100,7 +110,7 @@ class EndpointLock:
         if not endpoint.startswith("ipc://"):
             raise ValueError(f"only ipc endpoints are locked, got {endpoint}")
         self.socket_path = Path(endpoint[len("ipc://") :])
-        self.path = self.socket_path.with_name(self.socket_path.name + ".lock")
+        self.path = self.socket_path.with_name(self.socket_path.name + LOCK_SUFFIX)
         sweep(self.path.parent)
         for _ in range(_LOCK_ATTEMPTS):
             fd = _lock(self.path)
