@@ -626,3 +626,180 @@ def test_an_exchange_that_never_ran_gives_its_snapshot_back(nodes):
     node.update_wait()  # harvests it, if update_wait did not already
     assert queued.outcome == "expired", (update, queued.outcome, queued.reason)
     assert node.parts.store.held() == 0
+
+
+# --------------------------------------------------------------------------- same host: the request names a slot
+
+
+def locked_by_a_reader(node) -> bool:
+    """True if someone holds a lock on one of `node`'s snapshot slots (we cannot take it exclusively)."""
+    import fcntl
+    import os
+
+    for path in node.parts.shared.dir.glob("slot-*"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
+def test_a_same_host_exchange_names_the_requesters_slot_and_the_server_holds_it_until_applied(nodes):
+    """Same host: the exchange request carries no payload, only our slot's name; the server reads it in
+    place, and keeps it locked (we cannot rewrite it) until it has applied its half. Values as in
+    test_a_symmetric_exchange_moves_both_sides: w0 5, w1 11 + (0 - 10) / 2 = 6."""
+    cfg = make_config(2, mode="symmetric", blend="delta")
+    theirs = filled(10)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    peer.update_send()
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    node.update_send()
+    update = node.update_wait()
+    assert update.averaged and np.all(mine == 5.0)
+    stats = peer.stats()
+    assert stats["served.shm_exchange"] == 1 and stats["shm_exchanges_served"] == 1
+    assert stats.get("bytes_in", 0) == 0 and stats.get("served.exchange", 0) == 0  # no payload crossed the socket
+    assert node.stats()["shm_bytes_in"] == mine.nbytes and node.stats().get("bytes_out", 0) == 0
+    assert locked_by_a_reader(node)  # the server holds our slot while its half waits to be applied
+    theirs += 1.0
+    tend(peer)
+    assert np.all(theirs == 6.0)
+    assert not locked_by_a_reader(node)  # applied: let go
+
+
+def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exchange(nodes):
+    """A server that reads no slots of ours answers shm_unavailable: the requester asks again at once with
+    its snapshot as the payload (the exchange still commits, with the same values), and from then on
+    sends that server the payload directly."""
+    cfg = make_config(2, mode="symmetric", blend="delta")
+    theirs = filled(10)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    peer._steps.server._slots.clear()  # as if its shared memory were unavailable
+    mine = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    for start, expected in ((10.0, 5.0), (9.0, 7.0)):  # the second: 5 + (9 - 5) / 2
+        theirs[:] = start
+        peer.update_send()
+        node.update_send()
+        update = node.update_wait()
+        assert update.averaged and np.all(mine == expected), (update, mine[:3])
+        tend(peer)
+        assert np.all(theirs == expected)  # the mirror: the mean is kept
+    stats = peer.stats()
+    assert stats["rejected.shm_unavailable"] == 1  # asked by slot once only
+    assert stats["served.exchange"] == 2 and stats.get("served.shm_exchange", 0) == 0
+
+
+class SlotPeer(RawPeer):
+    """A raw peer on this host with a shared-memory slot of its own, named in shm_exchange requests."""
+
+    def __init__(self, ctx, config, name, size=1000, server="w1"):
+        from dpwa import parse_config
+        from dpwa.wire.shm import SharedSlots
+
+        super().__init__(ctx, config, name, server)
+        spec = parse_config(config).node(name)
+        self.slots = SharedSlots(name, spec.port, size * 4, np.dtype(np.float32))
+        self.slot = self.slots.allocate(0)
+
+    def publish(self, values, version):
+        assert self.slot.begin_write()
+        self.slot.array[:] = values
+        self.slot.end_write(version)
+
+    def shm_exchange(self, node, version, slot=0, shm_id=None):
+        from dpwa.gossip.protocol import SHM_EXCHANGE
+
+        header = encode(
+            SHM_EXCHANGE,
+            1,
+            **{"from": self.name},
+            fp=node.params.fingerprint,
+            dtype="float32",
+            nbytes=self.slot.array.nbytes,
+            clock=0.0,
+            loss=None,
+            version=version,
+            shm_slot=slot,
+            shm_id=shm_id or self.slots.id,
+            shm=True,
+        )
+        return self._ask([header])
+
+    def held(self) -> bool:
+        """Does someone (the server) hold our slot's lock?"""
+        if self.slot.begin_write():
+            self.slot.end_write(0)
+            return False
+        return True
+
+    def close(self):
+        self.slots.close()
+
+
+@pytest.fixture
+def slot_peer(zctx):
+    made = []
+
+    def make(config, name):
+        made.append(SlotPeer(zctx, config, name))
+        return made[-1]
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+def test_a_slot_that_does_not_hold_what_the_request_says_is_refused_and_holds_nothing(nodes, slot_peer):
+    """An exchange naming a slot that does not exist, a version the slot does not hold, another node's
+    slot directory, or a slot full of NaN is refused; nothing is pending, nothing stays locked, and the
+    snapshot's one exchange is not used up: an honest request is served next."""
+    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=5000)
+    server = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
+    server.update_send()
+    w0 = slot_peer(cfg, "w0")
+    w0.publish(filled(1), version=3)
+    answers = [
+        w0.shm_exchange(server, version=3, slot=7),  # no such slot
+        w0.shm_exchange(server, version=4),  # rewritten since (or a lie)
+        w0.shm_exchange(server, version=3, shm_id="0" * 16),  # a directory that is not w0's
+    ]
+    assert [a["reason"] for a in answers] == ["shm_unavailable", "shm_stale", "shm_unavailable"], answers
+    poisoned = filled(1)
+    poisoned[2] = np.nan
+    w0.publish(poisoned, version=5)
+    answer = w0.shm_exchange(server, version=5)
+    assert answer.kind == "error" and answer["reason"] == "not_finite"
+    assert not w0.held() and server.stats()["exchanges_pending"] == 0
+    w0.publish(filled(2), version=6)
+    served = w0.shm_exchange(server, version=6)
+    assert served.kind in ("params", "shm_params") and served["f"] == 0.5
+    assert w0.held()  # pending: the server holds the slot
+    assert w0.confirm(served["xid"])["outcome"] == "commit"
+    tend(server)
+    assert np.all(server.params.array == 6.0)  # 10 + (2 - 10) / 2
+    assert not w0.held()
+
+
+def test_a_pending_slot_is_let_go_when_the_exchange_expires(nodes, slot_peer):
+    """A requester that never confirms: its slot stays locked only until the pending exchange expires
+    (its deadline plus a margin), and the server applies nothing."""
+    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=200)
+    theirs = filled(10)
+    server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    server.update_send()
+    w0 = slot_peer(cfg, "w0")
+    w0.publish(filled(0), version=1)
+    assert w0.shm_exchange(server, version=1).kind in ("params", "shm_params")
+    assert w0.held()
+
+    def released() -> bool:
+        tend(server)  # expiry is noticed as the server updates
+        return not w0.held()
+
+    assert wait_until(released, 10.0)
+    assert np.all(theirs == 10.0) and server.stats()["exchanges_expired"] == 1

@@ -198,7 +198,11 @@ def serve_raw_tcp(port: int, size: int) -> None:
 
 
 def serve_node(config_path: str, size: int) -> None:
-    """A dpwa node that publishes `size` float32s and serves them until stdin closes."""
+    """A dpwa node that publishes `size` float32s and serves them until stdin closes.
+
+    In mode symmetric it lingers: it applies each exchange its peer confirms and publishes a fresh snapshot
+    (a snapshot serves one exchange), as a node that makes no steps does.
+    """
     import dataclasses
 
     from dpwa.config import load_config
@@ -210,7 +214,13 @@ def serve_node(config_path: str, size: int) -> None:
         node.update_send()
         node.update_wait()
         print("ready", flush=True)
-        sys.stdin.read()
+        if config.mode != "symmetric":
+            sys.stdin.read()
+            return
+        stdin_closed = threading.Event()
+        threading.Thread(target=_set_when_stdin_closes, args=(stdin_closed,), daemon=True).start()
+        while not stdin_closed.is_set():  # bounded: each linger returns within its limit
+            node.linger(idle_s=3600.0, limit_s=60.0, stop=stdin_closed.is_set)
 
 
 def training_setup(shape: tuple[int, ...], batch: int, seed: int):
@@ -531,6 +541,7 @@ class DpwaPair:
         wire_dtype: str = "float32",
         bulk: str = "auto",
         curve: bool = False,
+        mode: str = "pull",
     ) -> None:
         from dpwa.gossip.node import Node
         from dpwa.gossip.parts import BULK_MIN_BYTES
@@ -538,8 +549,11 @@ class DpwaPair:
 
         self.same_host = same_host
         nbytes = size * (4 if wire_dtype == "float32" else 2)  # float16 and bfloat16: 2 bytes
-        self.streams = not same_host and bulk == "auto" and nbytes >= BULK_MIN_BYTES  # by dpwa.wire.bulk
-        path = write_pair_config(directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve)
+        # by dpwa.wire.bulk (a symmetric exchange's request carries the snapshot: it never streams)
+        self.streams = not same_host and bulk == "auto" and nbytes >= BULK_MIN_BYTES and mode == "pull"
+        path = write_pair_config(
+            directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve, mode=mode
+        )
         self.child = Child("--serve-node", path, str(size))
         try:
             self.node = Node(path, "client", NumpyParams(np.zeros(size, np.float32)), rng=random.Random(0))
@@ -630,6 +644,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
             if size * 4 >= BULK_MIN_BYTES:  # with keys: the sealed stream above, and all over ZeroMQ here
                 subjects["curve_zmq"] = DpwaPair(size, tmp, same_host=False, curve=True, bulk="off")
             subjects["same_host"] = DpwaPair(size, tmp, same_host=True)
+            subjects["same_host_symmetric"] = DpwaPair(size, tmp, same_host=True, mode="symmetric")
             for dtype in wire_dtypes:
                 subjects[f"tcp_{dtype}"] = DpwaPair(size, tmp, same_host=False, wire_dtype=dtype)
             samples: dict[str, list[dict[str, float]]] = {name: [] for name in subjects}
@@ -782,6 +797,7 @@ def format_size_row(row: dict[str, Any]) -> str:
         "curve": "tcp, CURVE",
         "curve_zmq": "tcp, CURVE, bulk: off",
         "same_host": "same-host",
+        "same_host_symmetric": "same-host, symmetric",
     }
     for path in [k for k in row if k in labels or k.startswith("tcp_") or k.startswith("curve_")]:
         label = labels.get(path, path.replace("tcp_", "tcp, wire "))

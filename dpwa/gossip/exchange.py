@@ -5,9 +5,10 @@ can be in::
 
     requester i (client thread, then training thread)   server j (Rx thread, then training thread)
     ─────────────────────────────────────────────────   ────────────────────────────────────────────
-    publish s_i; send exchange(s_i)          ─────────►  cheap checks first (model, closing, this
-                                                         snapshot's one exchange, capacity), then
-                                                         s_i's values; picks a fresh id xid and
+    publish s_i; send exchange(s_i), or      ─────────►  cheap checks first (model, closing, this
+      shm_exchange(s_i's slot) on one host               snapshot's one exchange, capacity), then
+                                                         s_i's values (its slot locked for reading
+                                                         while held); picks a fresh id xid and
                                                          f = symmetric_factor(s_i, s_j) <= 1/2;
                                                          PENDING(i, xid): holds s_i and a lease on
                                                          s_j; expires at receipt + ttl
@@ -88,7 +89,8 @@ from ..wire.calls import Ask, Call, Response
 from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError, refused
 from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
-from .protocol import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SNAPSHOT_REPLIES
+from ..wire.shm import PeerSlots
+from .protocol import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SHM_EXCHANGE, SNAPSHOT_REPLIES
 from .requesting import Arrivals, Received, ReplyReader
 from .serving import Serving
 from .snapshots import Lease
@@ -192,8 +194,12 @@ class ExchangeTask:
         min_confirm_s: float,
         busy_budget_s: float = 0.0,
         encode: Callable[[np.ndarray], Any] | None = None,
+        slot: dict[str, Any] | None = None,
+        slot_peers: frozenset[str] = frozenset(),
     ) -> None:
         self._encode = encode  # wire_dtype int8: our snapshot is encoded as it is sent
+        self._slot, self._slot_peers = slot, slot_peers
+        self.slot_refused: dict[str, str] = {}  # peer -> why it would not read our slot (it got the payload)
         self._peers = list(peers)
         self.peer, self.deadline = self._peers[0], deadline
         self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
@@ -209,8 +215,7 @@ class ExchangeTask:
         with contextlib.ExitStack() as cleanup:
             cleanup.push(self._own)  # released unless a half takes it
             snap = self._own.snapshot
-            payload = self._encode(snap.array) if self._encode is not None else snap.array
-            theirs = self._reader.read(self._find_partner(ask, payload), self.peer)
+            theirs = self._reader.read(self._find_partner(ask, snap.array), self.peer)
             cleanup.push(theirs)
             header = theirs.header
             xid, f = header.get("xid"), header.get("f")
@@ -241,24 +246,44 @@ class ExchangeTask:
         half.release()
         raise refused("aborted", f"the peer decided {outcome} for exchange {xid}")
 
-    def _find_partner(self, ask: Ask, payload: Any) -> Response:
-        """Send the exchange to the first candidate that is not busy."""
+    def _find_partner(self, ask: Ask, array: np.ndarray) -> Response:
+        """Send the exchange to the first candidate that is not busy.
+
+        A same-host peer is asked by naming our snapshot's slot; one that cannot read it (it answers
+        ``shm_*``) is asked again at once with the snapshot as the payload.
+        """
         give_up = min(time.monotonic() + self._busy_budget_s, self.deadline - self._min_confirm_s)
         pause = 0.001
+        payload: list[Any] = []  # encoded once, when a peer first needs it
+
+        def with_payload(rid: int, fields: dict[str, Any]) -> list[Any]:
+            if not payload:
+                payload.append(self._encode(array) if self._encode is not None else array)
+            return [encode(EXCHANGE, rid, **fields), payload[0]]
+
         while True:
             for peer in self._peers:
                 self.peer = peer
                 fields = self._fields(peer)
+                for by_slot in (True, False):  # at most twice: by slot, then with the payload
+                    if by_slot and (self._slot is None or peer not in self._slot_peers):
+                        continue
 
-                def request(rid: int, fields: dict[str, Any] = fields) -> list[Any]:
-                    return [encode(EXCHANGE, rid, **fields), payload]
+                    def request(rid: int, fields: dict[str, Any] = fields, by_slot: bool = by_slot) -> list[Any]:
+                        if by_slot:
+                            return [encode(SHM_EXCHANGE, rid, **fields, **(self._slot or {}))]
+                        return with_payload(rid, fields)
 
-                try:
-                    return ask(request, SNAPSHOT_REPLIES)
-                except Refused as exc:
-                    if exc.reason != "busy":
-                        raise
-                    self.busy += 1
+                    try:
+                        return ask(request, SNAPSHOT_REPLIES)
+                    except Refused as exc:
+                        if by_slot and exc.reason.startswith("shm_"):
+                            self.slot_refused[peer] = exc.reason
+                            continue
+                        if exc.reason != "busy":
+                            raise
+                        self.busy += 1
+                        break
             if time.monotonic() + pause >= give_up:
                 raise refused("busy", f"every peer asked is busy ({', '.join(self._peers)})")
             time.sleep(pause)  # a bounded retry: a busy peer publishes a fresh snapshot at its next step
@@ -488,6 +513,8 @@ class ExchangeServer:
         timeout_s: the requesters' deadline (a pending exchange expires after it plus a margin).
         capacity: requester snapshots held at most (pending and committed together).
         counters: where to count.
+        slots: the same-host peers whose snapshots an exchange may name in their shared-memory slots,
+            each with its own reader (used on the Rx thread only; closed by :meth:`close`).
     """
 
     def __init__(
@@ -499,8 +526,11 @@ class ExchangeServer:
         timeout_s: float,
         capacity: int,
         counters: Counters,
+        slots: dict[str, PeerSlots] | None = None,
     ) -> None:
         self._serving, self._store = serving, serving.store
+        # same-host requesters' slots, read in place (shm_exchange); this thread's own mappings and locks
+        self._slots = dict(slots or {})
         self._values = values
         self._interpolation, self._threshold = interpolation, divergence_threshold
         self.ttl_s = timeout_s + TTL_MARGIN_S
@@ -526,6 +556,7 @@ class ExchangeServer:
             EXCHANGE.name: Route(
                 EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.model.nbytes, bulk=True
             ),
+            SHM_EXCHANGE.name: Route(SHM_EXCHANGE, self.serve_shm_exchange),
             CONFIRM.name: Route(CONFIRM, self.serve_confirm),
             ACK.name: Route(ACK, self.serve_ack),
         }
@@ -533,19 +564,47 @@ class ExchangeServer:
     # ----------------------------------------------------------------- Rx thread
 
     def serve_exchange(self, request: Request) -> Reply:
-        header, peer = request.header, request.sender
-        self._serving.check_request(header)
-        self._serving.check_budget(request)
-        with contextlib.ExitStack() as undo:
-            served = self._reserve(peer)  # cheap refusals before looking at the payload
-            undo.push(served)
-            undo.callback(self._unreserve, served.snapshot.version)
+        """An exchange whose requester's snapshot came with it, as the payload."""
+
+        def receive() -> Received:
             payload = request.payload[0]
             if len(payload) != self._serving.model.nbytes:
                 raise ProtocolError(
                     "bad_size", f"the payload holds {len(payload)} bytes, expected {self._serving.model.nbytes}"
                 )
-            theirs = Received(header, *self._arrivals.take(payload))
+            return Received(request.header, *self._arrivals.take(payload))
+
+        return self._serve(request, receive)
+
+    def serve_shm_exchange(self, request: Request) -> Reply:
+        """An exchange whose requester's snapshot waits in its shared-memory slot (same host): the slot is
+        locked for reading, and stays locked until the exchange is applied or expires, so the requester
+        cannot rewrite it meanwhile. A requester whose slots we cannot read is told ``shm_unavailable``
+        (it sends the payload instead)."""
+        header, peer = request.header, request.sender
+        slots = self._slots.get(peer)
+        if slots is None:
+            raise ProtocolError("shm_unavailable", f"{peer} is not a same-host peer whose slots this node reads")
+
+        def receive() -> Received:
+            model = self._serving.model
+            view = slots.acquire(
+                header["shm_id"], header["shm_slot"], header["version"], model.kept_nbytes, model.storage
+            )
+            self._counters.add("shm_exchanges_served")
+            return Received(header, view.array, view.release)
+
+        return self._serve(request, receive)
+
+    def _serve(self, request: Request, receive: Callable[[], Received]) -> Reply:
+        header, peer = request.header, request.sender
+        self._serving.check_request(header)
+        self._serving.check_budget(request)
+        with contextlib.ExitStack() as undo:
+            served = self._reserve(peer)  # cheap refusals before looking at the requester's snapshot
+            undo.push(served)
+            undo.callback(self._unreserve, served.snapshot.version)
+            theirs = receive()
             undo.push(theirs)
             self._values.check(theirs.array)
             snap = served.snapshot
@@ -709,6 +768,8 @@ class ExchangeServer:
             committed, self._committed = self._committed, []
         for half in pending + committed:
             half.release()
+        for slots in self._slots.values():
+            slots.close()
         if committed:
             logger.error("dpwa: %d committed exchange halves were not applied before close", len(committed))
 

@@ -97,6 +97,7 @@ class Parts:
             # every listener (ZeroMQ and bulk) binds the same address, resolved once
             self.address = config.bind_address(spec) if config.transport == "tcp" else ""
             local = self._same_host_peers()
+            self.local = tuple(local)  # same-host peers: their slots can be read (slot_readers)
             unsent = UNSENT_PER_CLIENT * (len(self.peers) + 1)  # each sender its own budget
             self.store = SnapshotStore(
                 params.size,
@@ -125,7 +126,7 @@ class Parts:
             self.reader = ReplyReader(
                 model,
                 self.values,
-                {peer: PeerSlots(peer, self.peers[peer].port) for peer in local},
+                self.slot_readers(),
                 counters,
                 lambda message: logger.info("%s: %s", name, message),
                 bulk_hosts={p: s.host for p, s in self.peers.items() if p not in local} if streams else {},
@@ -164,6 +165,10 @@ class Parts:
             self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))
             stack.callback(self.joins.close)
             self._stack = stack.pop_all()
+
+    def slot_readers(self) -> dict[str, PeerSlots]:
+        """A fresh reader of each same-host peer's slots, for one thread (the caller owns and closes them)."""
+        return {peer: PeerSlots(peer, self.peers[peer].port) for peer in self.local}
 
     def _same_host_peers(self) -> list[str]:
         """Peers on this machine whose snapshots we read from shared memory (and who read ours)."""

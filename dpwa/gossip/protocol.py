@@ -13,6 +13,9 @@ bulk_params server -> requester    a snapshot waiting at the server's bulk port 
 exchange    requester -> server    (mode symmetric) "here is my snapshot, send yours";
                                    one payload frame; answered params / shm_params
                                    with the server-assigned exchange id `xid` and `f`
+shm_exchange requester -> server   the same from a same-host peer whose snapshot is in
+                                   its shared-memory slot `shm_slot` (no payload); the
+                                   server locks the slot while the exchange is pending
 confirm     requester -> server    "apply exchange `xid`": the server decides
 decision    server -> requester    the server's final word on `xid`: commit, abort,
                                    or unknown (never seen, or forgotten)
@@ -48,6 +51,7 @@ __all__ = [
     "MAX_LOSS",
     "MAX_VALUE",
     "PARAMS",
+    "SHM_EXCHANGE",
     "SHM_PARAMS",
     "SNAPSHOT_REPLIES",
     "check_payload",
@@ -74,13 +78,14 @@ _SNAPSHOT = {
     "loss": LOSS,
     "version": Integer(1, MAX_ID),
 }
+_SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 
 FETCH = message_kind("fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag(), "bulk": Flag()})
 PARAMS = message_kind("params", _SNAPSHOT, _EXCHANGE_REPLY, payload=1)
 SHM_PARAMS = message_kind(
     "shm_params",
-    {**_SNAPSHOT, "shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")},
+    {**_SNAPSHOT, **_SLOT},
     _EXCHANGE_REPLY,
 )
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
@@ -93,6 +98,9 @@ EXCHANGE = message_kind(
     {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE, "nbytes": NBYTES, "clock": CLOCK, "loss": LOSS},
     {"shm": Flag()},
     payload=1,
+)
+SHM_EXCHANGE = message_kind(  # an exchange whose snapshot waits in the requester's slot (same host)
+    "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag()}
 )
 CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})

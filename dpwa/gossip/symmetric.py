@@ -1,7 +1,8 @@
 """Mode symmetric: both sides of an exchange move, and the mean of all nodes is kept.
 
 At update_send a node publishes its snapshot and sends it with an exchange
-request; the server answers with its own and both apply their halves, or
+request (to a peer on the same machine: the name of the shared-memory slot it
+is in); the server answers with its own and both apply their halves, or
 neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange`).
 This module runs that protocol on the node's training thread: it owns the
 exchange server (Rx side) and client (exchanges in doubt), applies committed
@@ -41,11 +42,13 @@ class SymmetricSteps:
             config.timeout_s,
             EXCHANGE_CAPACITY,
             crew.counters,
+            slots=parts.slot_readers(),  # same-host requesters name their snapshot's slot
         )
         self.client = ExchangeClient(
             crew.name, list(parts.peers), config.timeout_s, parts.client.submit, crew.counters, crew.flow.heard
         )
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
+        self._slot_peers = frozenset(parts.local)  # same-host peers we name our slot to (until one refuses)
         self.wakeup = self.server.committed  # set when an exchange commits (a lingering node waits on it)
 
     def routes(self) -> dict[str, Route]:
@@ -83,6 +86,10 @@ class SymmetricSteps:
         # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
         busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * crew.progress.step_s)
         encoder = crew.parts.encoder
+        shm_id = crew.parts.serving.shm_id
+        slot = None  # a same-host peer reads our snapshot in place: the request names its slot
+        if snap.shared and shm_id is not None:
+            slot = {"version": snap.version, "shm_slot": snap.slot, "shm_id": shm_id}
         task = ExchangeTask(
             peers,
             step.deadline,
@@ -93,6 +100,8 @@ class SymmetricSteps:
             crew.config.timeout_s / 10,
             busy_budget,
             encode=encoder.encode if encoder is not None else None,
+            slot=slot,
+            slot_peers=self._slot_peers,
         )
         step.call = crew.parts.client.submit(task)
         self._outstanding.append(step.call)
@@ -122,6 +131,7 @@ class SymmetricSteps:
         """Take an exchange call's result: apply a committed half, keep one in doubt."""
         crew = self._crew
         clock = crew.progress.clock
+        self._no_slot(_exchange(call).slot_refused)
         if call.outcome != "ok":
             _exchange(call).release()  # our snapshot, if the task never ran
             crew.outcomes.record(call)
@@ -143,6 +153,18 @@ class SymmetricSteps:
         crew.outcomes.record(call)
         f = self._apply_client_half(value)
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=crew.progress.clock)
+
+    def _no_slot(self, refused: dict[str, str]) -> None:
+        """Peers that cannot read our slots get the payload from now on; one that could not read it this
+        once (its lock or version check failed) is asked by slot again next time."""
+        gone = {peer for peer, reason in refused.items() if reason == "shm_unavailable"}
+        if gone & self._slot_peers:
+            self._slot_peers -= gone
+            logger.info(
+                "%s: %s cannot read our snapshot slots; sending them the payload",
+                self._crew.name,
+                ", ".join(sorted(gone)),
+            )
 
     def _apply_client_half(self, half: ClientHalf) -> float:
         crew = self._crew
