@@ -90,7 +90,7 @@ class Number(Field):
     def check(self, value: Any) -> float | None:
         if value is None and self.optional:
             return None
-        if not (_is_int(value) or isinstance(value, float)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"expected a number, got {type(value).__name__}")
         number = float(value)
         if not math.isfinite(number) or not self.lo <= number <= self.hi:
@@ -106,7 +106,7 @@ class Integer(Field):
     hi: int = MAX_ID
 
     def check(self, value: Any) -> int:
-        if not _is_int(value) or not self.lo <= value <= self.hi:
+        if not isinstance(value, int) or isinstance(value, bool) or not self.lo <= value <= self.hi:
             raise ValueError(f"expected an integer in [{self.lo}, {self.hi}], got {value!r:.40}")
         return int(value)
 
@@ -117,11 +117,16 @@ class Text(Field):
 
     max_len: int = 256
     pattern: str | None = None
+    _regex: re.Pattern[str] | None = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.pattern is not None:  # compiled once: every header of a kind checks it
+            object.__setattr__(self, "_regex", re.compile(self.pattern))
 
     def check(self, value: Any) -> str:
         if not isinstance(value, str) or len(value) > self.max_len:
             raise ValueError(f"expected a string of at most {self.max_len} characters")
-        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+        if self._regex is not None and not self._regex.fullmatch(value):
             raise ValueError(f"{value[:40]!r} does not match {self.pattern}")
         return value
 
@@ -204,21 +209,31 @@ class Record(Field):
 
 
 def _check_fields(
-    data: Mapping[Any, Any], required: Mapping[str, Field], optional: Mapping[str, Field], where: str
+    data: Mapping[Any, Any],
+    required: Mapping[str, Field],
+    optional: Mapping[str, Field],
+    where: str,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    extra = [k for k in data if k not in required and k not in optional]
-    if extra:
-        raise ValueError(f"{where}unexpected fields {sorted(map(str, extra))[:5]}")
+    """The checked values of `data`'s fields (those in `skip` are checked elsewhere and left out)."""
+    for key in data:  # one pass of lookups: the common case has nothing unexpected
+        if key not in required and key not in optional and key not in skip:
+            extra = sorted(str(k) for k in data if k not in required and k not in optional and k not in skip)
+            raise ValueError(f"{where}unexpected fields {extra[:5]}")
     out: dict[str, Any] = {}
-    for key, spec in list(required.items()) + list(optional.items()):
+    for key, spec in required.items():
         if key not in data:
-            if key in required:
-                raise ValueError(f"{where}missing field {key!r}")
-            continue
+            raise ValueError(f"{where}missing field {key!r}")
         try:
             out[key] = spec.check(data[key])
         except ValueError as exc:
             raise ValueError(f"{where}field {key!r}: {exc}") from None
+    for key, spec in optional.items():
+        if key in data:
+            try:
+                out[key] = spec.check(data[key])
+            except ValueError as exc:
+                raise ValueError(f"{where}field {key!r}: {exc}") from None
     return out
 
 
@@ -324,10 +339,14 @@ def decode(data: bytes | memoryview, accept: Mapping[str, MessageKind] | None = 
     `accept` limits the kinds this caller takes (a server's routes, a client's
     expected replies); ``error`` is always accepted. Size is checked before parsing.
     """
-    limit = max((k.max_header_bytes for k in accept.values()), default=0) if accept else LARGEST_HEADER_BYTES
-    limit = max(limit, MAX_HEADER_BYTES)
+    limit = MAX_HEADER_BYTES  # every kind allows this much; larger frames only if an accepted kind does
     if len(data) > limit:
-        raise ProtocolError("header_too_large", f"header frame is {len(data)} bytes, limit {limit}")
+        if accept:
+            limit = max(limit, max((k.max_header_bytes for k in accept.values()), default=0))
+        else:
+            limit = LARGEST_HEADER_BYTES
+        if len(data) > limit:
+            raise ProtocolError("header_too_large", f"header frame is {len(data)} bytes, limit {limit}")
     try:
         header = msgpack.unpackb(
             data,
@@ -356,15 +375,17 @@ def decode(data: bytes | memoryview, accept: Mapping[str, MessageKind] | None = 
     return Header(kind=spec.name, id=header["id"], fields=fields)
 
 
+_ENVELOPE = frozenset(("v", "kind", "id"))  # every header's own keys, checked apart from its kind's fields
+
+
 def _validate(header: Mapping[str, Any], spec: MessageKind, size: int) -> dict[str, Any]:
     if size > spec.max_header_bytes:
         raise ProtocolError("header_too_large", f"{spec.name} header is {size} bytes, limit {spec.max_header_bytes}")
     request_id = header.get("id")
     if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id <= MAX_ID:
         raise ProtocolError("bad_header", f"{spec.name}: id must be an integer in [0, 2**64), got {request_id!r:.40}")
-    body = {k: v for k, v in header.items() if k not in ("v", "kind", "id")}
     try:
-        return _check_fields(body, spec.fields, spec.optional, f"{spec.name}: ")
+        return _check_fields(header, spec.fields, spec.optional, f"{spec.name}: ", _ENVELOPE)
     except ValueError as exc:
         raise ProtocolError("bad_header", str(exc)) from None
     except Exception as exc:  # any other surprise in hostile input is still just a bad header

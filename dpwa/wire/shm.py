@@ -217,21 +217,26 @@ class PeerSlots:
         self._peer, self._port, self._root = peer, port, root
         self._shm_id: str | None = None
         self._dir: Path | None = None  # the peer's slot directory for _shm_id, checked once
+        self._paths: dict[int, str] = {}  # slot -> its file's path (slots are numbered below 1024)
         self._maps: dict[int, tuple[tuple[int, int], mmap.mmap]] = {}  # slot -> ((dev, inode), mapping)
 
-    def _path(self, shm_id: str, slot: int) -> Path:
+    def _path(self, shm_id: str, slot: int) -> str:
         # Our private directory is checked (ours, 0700, not a link) on first use only: no other user can
         # replace it afterwards, and each slot file is checked again when it is opened. Four system calls
         # per fetch fewer, each of which let the other threads take the GIL from the training thread.
-        if self._dir is None:
-            self._dir = private_dir(self._root) / f"{_node_prefix(self._peer, self._port)}{shm_id}"
-        return self._dir / f"slot-{slot}"
+        path = self._paths.get(slot)
+        if path is None:
+            if self._dir is None:
+                self._dir = private_dir(self._root) / f"{_node_prefix(self._peer, self._port)}{shm_id}"
+            path = self._paths[slot] = str(self._dir / f"slot-{slot}")
+        return path
 
     def acquire(self, shm_id: str, slot: int, version: int, nbytes: int, dtype: np.dtype) -> SharedView:
         """Lock `slot` for reading and check it holds `version`; raise ProtocolError if not."""
         if shm_id != self._shm_id:  # first use, or the peer restarted: its old files are gone
             self.close()
             self._shm_id, self._dir = shm_id, None
+            self._paths.clear()
         try:
             path = self._path(shm_id, slot)
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -255,7 +260,7 @@ class PeerSlots:
             raise
         return SharedView(array, fd)
 
-    def _mapping(self, path: Path, slot: int, locked: os.stat_result) -> mmap.mmap:
+    def _mapping(self, path: str, slot: int, locked: os.stat_result) -> mmap.mmap:
         """The mapping of the file we hold locked: cached, unless the slot's file was replaced."""
         inode = (locked.st_dev, locked.st_ino)
         cached = self._maps.get(slot)
