@@ -33,7 +33,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
         assert row["copy_ms"] > 0 and row["zmq_ms"] > 0 and row["raw_tcp_ms"] > 0 and row["node_served_ms"] > 0
         streamed = ("tcp_zmq", "curve_zmq") if row["parameters"] == 1 << 20 else ()  # bulk: off beside the stream
         assert {"tcp_zmq", "curve_zmq"} & set(row) == set(streamed)
-        for path in ("tcp", "curve", "same_host", "tcp_float16", *streamed):
+        for path in ("tcp", "curve", "same_host", "same_host_symmetric", "tcp_float16", *streamed):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
     assert all(r["failed"] == 0 and r["failed_by"] == {} for r in result["scale"])
@@ -45,12 +45,16 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     for trained in result["training"]:
         assert trained["averaged_fraction"] > 0
         assert trained["raw_step_ms"] > 0 and trained["step_with_raw_ms"] > 0
-    assert all(row["router_ms"] > 0 for row in result["sizes"])
+        assert trained["work_step_ms"] > 0 and trained["step_with_work_ms"] > 0
+    assert all(row["router_ms"] > 0 and row["zmq_curve_ms"] > 0 for row in result["sizes"])
     assert (
         "x zmq" in proc.stdout
         and "x tcp" in proc.stdout
         and "(r) raw pyzmq ROUTER" in proc.stdout
+        and "(k) raw pyzmq REQ/REP, tcp, CURVE" in proc.stdout
         and "tcp, CURVE, bulk: off" in proc.stdout
+        and "(c) dpwa exchange, same-host, symmetric" in proc.stdout
+        and "+work" in proc.stdout
     )
     # Its own nodes' warnings (deliberately odd configurations) go to the log it names, not between the tables.
     assert proc.stdout.splitlines()[0] == f"dpwa.bench: the benchmark's own nodes log to {log}"

@@ -22,6 +22,9 @@ For each model size it measures, in the same run and on the same machine:
     sides): the ZeroMQ floor;
 (t) ``tcp``: the same round trip over a raw TCP socket, the reply written with
     ``sendall`` and read with ``recv_into`` a preallocated buffer: the socket floor;
+(r) ``router``: (b) from a ROUTER socket on a thread, its reply tracked, as a
+    node's server must answer: the floor of the serving socket;
+(k) ``zmq_curve``: (b) under CURVE keys: the floor of a keyed exchange over ZeroMQ;
 (s) ``node_served``: a raw pyzmq REQ client sending a dpwa node the fetch a node
     sends, and reading the reply: the serving side's share of an exchange
     (what it adds to (b)); the rest of (c) is the requesting side's;
@@ -29,14 +32,15 @@ For each model size it measures, in the same run and on the same machine:
     and the full exchange, over TCP (large models by stream, dpwa.wire.bulk;
     and all over ZeroMQ, ``bulk: off``), under CURVE keys (large models by a
     stream sealed per transfer; and all over ZeroMQ, ``bulk: off``), and over
-    the same-host path.
+    the same-host path, in mode pull and in mode symmetric (``run.sh``'s default).
 
 It also times a training step of the example (``examples/pytorch-cifar``,
 the small ResNet, one torch thread per process as ``run.sh`` runs it) with
 dpwa exchanging every step against a second training node, and the same loop
 without dpwa, alternating one step of each so both see the same machine; then
-the same against its floor: the peer's bytes fetched every step over plain
-ZeroMQ, with nothing copied, checked or blended.
+the same against two floors: the peer's bytes fetched every step over plain
+ZeroMQ, with nothing copied, checked or blended; and that plus the work any
+exchange does on the training thread (publish, check, blend), without a protocol.
 
 Every figure is a median over repetitions, and the ratios to (a), (b) and (t) are
 printed beside it. Machines are shared and noisy: compare ratios taken in one
@@ -141,8 +145,13 @@ class Child:
 # --------------------------------------------------------------------------- helper processes
 
 
+CURVE_ENV = "DPWA_BENCH_CURVE_SERVER"  # a raw floor's throwaway server key pair ("public,secret", Z85)
+
+
 def serve_raw(port: int, size: int, router: bool = False) -> None:
     """REP socket that answers every request with `size` float32s, without a copy.
+
+    With a key pair in the environment (:data:`CURVE_ENV`) it is a CURVE server: the keyed floor (k).
 
     `router`: the socket a dpwa node serves with instead, a ROUTER (one socket for every peer, never stuck
     on one), whose replies are tracked until ZeroMQ has sent them (so a peer that never reads pins a
@@ -157,6 +166,11 @@ def serve_raw(port: int, size: int, router: bool = False) -> None:
     def serve() -> None:
         sock = ctx.socket(zmq.ROUTER if router else zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
+        keys = os.environ.get(CURVE_ENV)
+        if keys:
+            public, secret = keys.split(",")
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = public.encode(), secret.encode()
         sock.bind(f"tcp://127.0.0.1:{port}")
         payload = np.ones(size, np.float32)
         print("ready", flush=True)
@@ -282,16 +296,24 @@ class RawExchange:
     def send(self) -> None:
         self.req.send(b"fetch")
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
+        """The peer's bytes, as the frame they arrived in."""
         if not self.req.poll(30_000):
             raise RuntimeError("the raw training peer did not answer")
-        self.req.recv(copy=False)
+        return self.req.recv(copy=False)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
         self.req.close(0)
         self.ctx.term()
+
+
+def _wire_bytes(net: Any) -> int:
+    """The bytes of `net`'s snapshot as dpwa sends it: parameters and floating-point buffers, float32."""
+    from dpwa.adapters.pytorch import TorchParams
+
+    return 4 * TorchParams(net).size
 
 
 def serve_training(config_path: str, shape: str, batch: int, raw: str | None = None) -> None:
@@ -307,7 +329,7 @@ def serve_training(config_path: str, shape: str, batch: int, raw: str | None = N
     threading.Thread(target=_set_when_stdin_closes, args=(stdin_closed,), daemon=True).start()
     if raw is not None:
         serve_at, fetch_from = raw.split(",")
-        exchange = RawExchange(sum(4 * p.numel() for p in net.parameters()), serve_at, fetch_from)
+        exchange = RawExchange(_wire_bytes(net), serve_at, fetch_from)
         try:
             print("ready", flush=True)
             while not stdin_closed.is_set():
@@ -344,9 +366,33 @@ def _alternate(step: Any, with_exchange: Any, steps: int) -> tuple[list[float], 
     return plain, exchanged, results
 
 
+def _work_floor(net: Any, mode: str) -> Any:
+    """The least work any exchange does on the training thread, without a protocol: copy our parameters
+    into a snapshot, check the peer's values (finite, within bounds), blend them in as `mode` does
+    (pull: towards the peer's state; symmetric: by the difference of the two snapshots)."""
+    from dpwa.adapters.pytorch import TorchParams
+    from dpwa.gossip.protocol import MAX_VALUE
+    from dpwa.mixing import kernels
+
+    params = TorchParams(net)
+    snapshot = np.empty(params.size, np.float32)
+
+    def work(frame: Any) -> None:
+        peer = np.frombuffer(frame.buffer, np.float32)
+        if not kernels.within(peer, MAX_VALUE):
+            raise RuntimeError("the raw peer sent values out of bounds")
+        if mode == "pull":
+            params.lerp_from(peer, 0.5)
+        else:
+            params.add_scaled_diff_from(peer, snapshot, 0.5)
+
+    return params, snapshot, work
+
+
 def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "pull") -> dict[str, Any] | None:
     """Median step time of the example with and without dpwa, alternating one step of each; then the
-    same against the raw floor: the same bytes fetched every step over plain ZeroMQ (RawExchange)."""
+    same against two floors: the same bytes fetched every step over plain ZeroMQ (RawExchange), and
+    that plus the work any exchange must do on the training thread (:func:`_work_floor`)."""
     import torch
 
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
@@ -374,7 +420,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
                 plain, with_dpwa, averaged = _alternate(step, dpwa_step, steps)
             ours, theirs = f"ipc://{tmp}/raw-client", f"ipc://{tmp}/raw-server"
             with Child("--serve-training", path, geometry, str(batch), "--raw", f"{theirs},{ours}", env=env):
-                exchange = RawExchange(sum(4 * p.numel() for p in net.parameters()), ours, theirs)
+                exchange = RawExchange(_wire_bytes(net), ours, theirs)
                 try:
 
                     def raw_step() -> None:
@@ -383,12 +429,22 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
                         exchange.wait()
 
                     plain_raw, with_raw, _ = _alternate(step, raw_step, steps)
+                    params, snapshot, work = _work_floor(net, mode)
+
+                    def work_step() -> None:
+                        params.copy_to(snapshot)  # publish
+                        exchange.send()
+                        step()
+                        work(exchange.wait())  # check and blend
+
+                    plain_work, with_work, _ = _alternate(step, work_step, steps)
                 finally:
                     exchange.close()
     finally:
         torch.set_num_threads(threads)
     a, b = median_ms(plain), median_ms(with_dpwa)
     c, d = median_ms(plain_raw), median_ms(with_raw)
+    e, g = median_ms(plain_work), median_ms(with_work)
     return {
         "mode": mode,
         "parameters": sum(p.numel() for p in net.parameters()),
@@ -402,6 +458,9 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
         "raw_step_ms": c,
         "step_with_raw_ms": d,
         "raw_overhead": d / c - 1.0,
+        "work_step_ms": e,
+        "step_with_work_ms": g,
+        "work_overhead": g / e - 1.0,
     }
 
 
@@ -472,16 +531,24 @@ class CopyFloor:
 
 class ZmqFloor:
     """(b): a raw pyzmq REQ/REP round trip whose reply carries the model's bytes; (r) with `router`, the same
-    from a ROUTER socket whose reply is tracked, as a node's server must answer (see :func:`serve_raw`)."""
+    from a ROUTER socket whose reply is tracked, as a node's server must answer (see :func:`serve_raw`);
+    (k) with `curve`, the same REQ/REP under CURVE keys: the floor of a keyed exchange over ZeroMQ."""
 
-    def __init__(self, size: int, router: bool = False) -> None:
+    def __init__(self, size: int, router: bool = False, curve: bool = False) -> None:
         import zmq
 
         port = free_port()
-        self.child = Child("--serve-raw-router" if router else "--serve-raw", str(port), str(size))
+        env = None
+        if curve:  # (k): both ends with throwaway CURVE keys
+            server_public, server_secret = zmq.curve_keypair()
+            env = {CURVE_ENV: f"{server_public.decode()},{server_secret.decode()}"}
+        self.child = Child("--serve-raw-router" if router else "--serve-raw", str(port), str(size), env=env)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REQ)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.sock.curve_serverkey = server_public
+            self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
         self.sock.connect(f"tcp://127.0.0.1:{port}")
 
     def sample(self) -> dict[str, float]:
@@ -635,6 +702,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
             subjects["copy"] = CopyFloor(size)
             subjects["zmq"] = ZmqFloor(size)
             subjects["router"] = ZmqFloor(size, router=True)
+            subjects["zmq_curve"] = ZmqFloor(size, curve=True)
             subjects["raw_tcp"] = RawTcpFloor(size)
             subjects["tcp"] = DpwaPair(size, tmp, same_host=False)
             subjects["node_served"] = RawClientOfNode(subjects["tcp"])
@@ -659,9 +727,8 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
     row: dict[str, Any] = {"parameters": size, "mbytes": size * 4 / 1e6, "reps": reps}
     for name, rows in samples.items():
         medians = {key: median_ms([r[key] for r in rows]) for key in rows[0]}
-        row[f"{name}_ms" if name in ("copy", "zmq", "router", "raw_tcp", "node_served") else name] = medians.get(
-            "ms", medians
-        )
+        floors = ("copy", "zmq", "router", "zmq_curve", "raw_tcp", "node_served")
+        row[f"{name}_ms" if name in floors else name] = medians.get("ms", medians)
     return row
 
 
@@ -789,6 +856,8 @@ def format_size_row(row: dict[str, Any]) -> str:
     ]
     r = row["router_ms"]
     lines.append(f"  {'(r) raw pyzmq ROUTER, tracked reply, tcp':<42}{r:>9.2f}{r / a:>9.2f}{r / b:>9.2f}{r / t:>9.2f}")
+    k = row["zmq_curve_ms"]
+    lines.append(f"  {'(k) raw pyzmq REQ/REP, tcp, CURVE':<42}{k:>9.2f}{k / a:>9.2f}{k / b:>9.2f}{k / t:>9.2f}")
     s = row["node_served_ms"]
     lines.append(f"  {'(s) raw REQ client <- dpwa node, tcp':<42}{s:>9.2f}{s / a:>9.2f}{s / b:>9.2f}{s / t:>9.2f}")
     labels = {
@@ -810,15 +879,17 @@ def format_size_row(row: dict[str, Any]) -> str:
 def format_training(rows: list[dict[str, Any]]) -> str:
     lines = [
         "\nTraining step of the example (small ResNet, one thread per process), exchanging every step;",
-        "raw: the same bytes fetched every step over plain ZeroMQ, nothing copied, checked or blended (the floor)",
+        "raw: the same bytes fetched every step over plain ZeroMQ, nothing copied, checked or blended (the floor);",
+        "+work: raw, plus what any exchange does on the training thread: publish, check and blend (no protocol)",
         f"  {'workload':<38}{'params':>9}{'plain ms':>10}{'dpwa ms':>10}{'overhead':>10}{'averaged':>10}"
-        f"{'plain ms':>10}{'raw ms':>10}{'raw':>8}",
+        f"{'plain ms':>10}{'raw ms':>10}{'raw':>8}{'+work':>8}",
     ]
     for r in rows:
         lines.append(
             f"  {r['workload']:<38}{r['parameters']:>9,}{r['step_ms']:>10.2f}{r['step_with_dpwa_ms']:>10.2f}"
             f"{100 * r['overhead']:>9.1f}%{100 * r['averaged_fraction']:>9.0f}%"
             f"{r['raw_step_ms']:>10.2f}{r['step_with_raw_ms']:>10.2f}{100 * r['raw_overhead']:>7.1f}%"
+            f"{100 * r['work_overhead']:>7.1f}%"
         )
     return "\n".join(lines)
 
@@ -847,7 +918,8 @@ def format_summary(results: dict[str, Any], log_path: Path) -> str:
             f"{tcp:.2f} ms, {tcp / zmq_ms:.2f}x a raw ZeroMQ round trip; same-host {row['same_host']['exchange']:.2f} ms"
         )
         if "curve" in row:
-            text += f"; CURVE {row['curve']['exchange'] / tcp:.2f}x TCP"
+            curve = row["curve"]["exchange"]
+            text += f"; CURVE {curve / tcp:.2f}x TCP, {curve / row['zmq_curve_ms']:.2f}x a raw CURVE round trip"
         lines.append(text)
     if results["scale"]:
         scale = results["scale"]
@@ -859,7 +931,8 @@ def format_summary(results: dict[str, Any], log_path: Path) -> str:
     for r in results["training"]:
         lines.append(
             f"  training, {r['workload']}: dpwa adds {100 * r['overhead']:.1f}% to a step "
-            f"(the raw floor: {100 * r['raw_overhead']:.1f}%), averaging in {100 * r['averaged_fraction']:.0f}% of steps"
+            f"(the raw floor: {100 * r['raw_overhead']:.1f}%, with the work: {100 * r['work_overhead']:.1f}%), "
+            f"averaging in {100 * r['averaged_fraction']:.0f}% of steps"
         )
     lines.append(f"  the benchmark's own nodes' log: {log_path} ({_count_lines(log_path)} lines)")
     return "\n".join(lines)
