@@ -671,14 +671,20 @@ def test_a_same_host_exchange_names_the_requesters_slot_and_the_server_holds_it_
     assert not locked_by_a_reader(node)  # applied: let go
 
 
-def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exchange(nodes):
-    """A server that reads no slots of ours answers shm_unavailable: the requester asks again at once with
-    its snapshot as the payload (the exchange still commits, with the same values), and from then on
-    sends that server the payload directly."""
+@pytest.mark.parametrize("server", ["without shared memory", "of an older dpwa"])
+def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exchange(nodes, server):
+    """A server that reads no slots of ours answers shm_unavailable, one that does not serve shm_exchange
+    unexpected_kind: the requester asks again at once with its snapshot as the payload (the exchange still
+    commits, with the same values), and from then on sends that server the payload directly."""
     cfg = make_config(2, mode="symmetric", blend="delta")
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
-    peer._steps.server._slots.clear()  # as if its shared memory were unavailable
+    if server == "without shared memory":
+        peer._steps.server._slots.clear()
+        refusal = "shm_unavailable"
+    else:  # its Rx thread knows no such request (nothing has asked it anything yet)
+        del peer.parts.server._routes["shm_exchange"], peer.parts.server._accept["shm_exchange"]
+        refusal = "unexpected_kind"
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
     for start, expected in ((10.0, 5.0), (9.0, 7.0)):  # the second: 5 + (9 - 5) / 2
@@ -690,7 +696,7 @@ def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exch
         tend(peer)
         assert np.all(theirs == expected)  # the mirror: the mean is kept
     stats = peer.stats()
-    assert stats["rejected.shm_unavailable"] == 1  # asked by slot once only
+    assert stats[f"rejected.{refusal}"] == 1  # asked by slot once only
     assert stats["served.exchange"] == 2 and stats.get("served.shm_exchange", 0) == 0
 
 

@@ -250,7 +250,8 @@ class ExchangeTask:
         """Send the exchange to the first candidate that is not busy.
 
         A same-host peer is asked by naming our snapshot's slot; one that cannot read it (it answers
-        ``shm_*``) is asked again at once with the snapshot as the payload.
+        ``shm_*``), or does not know that request (an older dpwa), is asked again at once with the
+        snapshot as the payload.
         """
         give_up = min(time.monotonic() + self._busy_budget_s, self.deadline - self._min_confirm_s)
         pause = 0.001
@@ -277,7 +278,7 @@ class ExchangeTask:
                     try:
                         return ask(request, SNAPSHOT_REPLIES)
                     except Refused as exc:
-                        if by_slot and exc.reason.startswith("shm_"):
+                        if by_slot and (exc.reason.startswith("shm_") or exc.reason in _UNKNOWN_KIND):
                             self.slot_refused[peer] = exc.reason
                             continue
                         if exc.reason != "busy":
@@ -291,6 +292,7 @@ class ExchangeTask:
 
 
 _DECISIONS = {DECISION.name: DECISION}
+_UNKNOWN_KIND = ("bad_kind", "unexpected_kind")  # how a server that does not serve shm_exchange answers it
 
 
 class ResolveTask:

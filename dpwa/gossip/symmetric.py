@@ -155,9 +155,9 @@ class SymmetricSteps:
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=crew.progress.clock)
 
     def _no_slot(self, refused: dict[str, str]) -> None:
-        """Peers that cannot read our slots get the payload from now on; one that could not read it this
-        once (its lock or version check failed) is asked by slot again next time."""
-        gone = {peer for peer, reason in refused.items() if reason == "shm_unavailable"}
+        """Peers that cannot read our slots (or do not know the request) get the payload from now on; one
+        that could not read it this once (its lock or version check failed) is asked by slot again."""
+        gone = {peer for peer, reason in refused.items() if reason not in ("shm_stale", "shm_busy")}
         if gone & self._slot_peers:
             self._slot_peers -= gone
             logger.info(
