@@ -33,7 +33,8 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
         assert row["copy_ms"] > 0 and row["zmq_ms"] > 0 and row["raw_tcp_ms"] > 0 and row["node_served_ms"] > 0
         streamed = ("tcp_zmq", "curve_zmq") if row["parameters"] == 1 << 20 else ()  # bulk: off beside the stream
         assert {"tcp_zmq", "curve_zmq"} & set(row) == set(streamed)
-        for path in ("tcp", "curve", "same_host", "same_host_symmetric", "tcp_float16", *streamed):
+        paths = ("tcp", "curve", "same_host", "same_host_symmetric", "tcp_symmetric", "curve_symmetric")
+        for path in (*paths, "tcp_float16", *streamed):
             assert set(row[path]) == {"update_send", "update_wait", "exchange"}
     assert [r["nodes"] for r in result["scale"]] == [2, 4]
     assert all(r["failed"] == 0 and r["failed_by"] == {} for r in result["scale"])
@@ -46,11 +47,15 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
         assert trained["averaged_fraction"] > 0
         assert trained["raw_step_ms"] > 0 and trained["step_with_raw_ms"] > 0
         assert trained["work_step_ms"] > 0 and trained["step_with_work_ms"] > 0
-    assert all(row["router_ms"] > 0 and row["zmq_curve_ms"] > 0 for row in result["sizes"])
+    assert all(
+        row["router_ms"] > 0 and row["router_work_ms"] > 0 and row["zmq_curve_ms"] > 0 for row in result["sizes"]
+    )
     assert (
         "x zmq" in proc.stdout
         and "x tcp" in proc.stdout
         and "(r) raw pyzmq ROUTER" in proc.stdout
+        and "(w) (r) + publish, check, blend" in proc.stdout
+        and "(c) dpwa exchange, tcp, CURVE, symmetric" in proc.stdout
         and "(k) raw pyzmq REQ/REP, tcp, CURVE" in proc.stdout
         and "tcp, CURVE, bulk: off" in proc.stdout
         and "(c) dpwa exchange, same-host, symmetric" in proc.stdout
@@ -66,6 +71,8 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     sizes = [line for line in summary if " parameters (" in line]
     assert [line.split(" parameters")[0].strip() for line in sizes] == ["1,000", "100,000", "1,048,576"]
     assert all(": an exchange over TCP takes " in line for line in sizes)
+    # the floor of an exchange over ZeroMQ, for the sizes that do not stream
+    assert ["(the floor with the work: " in line for line in sizes] == [True, True, False]
     assert summary[len(sizes)].startswith("  scale: 2 to 4 nodes, ") and summary[len(sizes)].endswith(" 0 failed")
     assert summary[len(sizes) + 1].startswith("  training, digits, batch 32, run.sh's defaults: dpwa adds ")
     assert summary[len(sizes) + 2].startswith("  training, digits, batch 32, mode pull: dpwa adds ")

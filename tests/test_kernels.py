@@ -8,10 +8,13 @@ import pytest
 from dpwa.mixing import kernels
 
 
-@pytest.fixture(params=["torch", "numpy"])
+@pytest.fixture(params=["torch", "torch-serial", "numpy"])
 def backend(request, monkeypatch):
-    monkeypatch.setattr(kernels, "use_torch", request.param == "torch")
-    monkeypatch.setattr(kernels, "TORCH_MIN_ELEMENTS", 0)  # whatever the size, use the backend under test
+    monkeypatch.setattr(kernels, "use_torch", request.param != "numpy")
+    if request.param == "torch-serial":  # below TORCH_MIN_ELEMENTS: half precision in blocks, float32 on numpy
+        monkeypatch.setattr(kernels, "TORCH_MIN_ELEMENTS", 1 << 40)
+    else:
+        monkeypatch.setattr(kernels, "TORCH_MIN_ELEMENTS", 0)  # whatever the size, use the backend under test
     return request.param
 
 
@@ -136,3 +139,59 @@ def test_within_on_half_precision(backend, wire):
         y[500] = 3e38
         encode_(buf, y, wire)
         assert not kernels.within(buf, 1e18, wire)
+
+
+@pytest.mark.parametrize("wire", ["float16", "bfloat16"])
+def test_small_half_precision_buffers_run_torch_in_blocks_that_match_numpy(monkeypatch, wire):
+    """Below TORCH_MIN_ELEMENTS a half-precision buffer goes through torch a SERIAL_BLOCK at a time (on the
+    calling thread); every block, the last short one too, gives numpy's values."""
+    from dpwa.mixing.kernels import SERIAL_BLOCK, encode_, storage_dtype
+
+    rng = np.random.default_rng(7)
+    n = 3 * SERIAL_BLOCK + 123
+    src = rng.standard_normal(n).astype(np.float32)
+    x0, a = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    results = {}
+    for use in (True, False):
+        monkeypatch.setattr(kernels, "use_torch", use)
+        assert (kernels._backend(n, wire)[1] == SERIAL_BLOCK) is use
+        wire_buf, other = np.empty(n, storage_dtype(wire)), np.empty(n, storage_dtype(wire))
+        encode_(wire_buf, src, wire)
+        encode_(other, a, wire)
+        lerped, diffed = x0.copy(), x0.copy()
+        kernels.lerp_(lerped, wire_buf, 0.3, wire)
+        kernels.add_scaled_diff_(diffed, wire_buf, other, 0.5, wire)
+        results[use] = (wire_buf, lerped, diffed)
+        assert kernels.within(wire_buf, 1e18, wire)
+        for where in (0, SERIAL_BLOCK, n - 1):  # the first block, a later one, the short last one
+            bad = wire_buf.copy()
+            bad[where] = 0x7FC0 if wire == "bfloat16" else np.nan  # 0x7FC0: a bfloat16 NaN
+            assert not kernels.within(bad, 1e18, wire), where
+    (torch_wire, torch_lerped, torch_diffed), (numpy_wire, numpy_lerped, numpy_diffed) = results[True], results[False]
+    assert torch_wire.tobytes() == numpy_wire.tobytes()  # both round to nearest even
+    # the blends round differently in their last bit (torch's lerp has its own formula)
+    np.testing.assert_allclose(torch_lerped, numpy_lerped, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(torch_diffed, numpy_diffed, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+def test_relative_distance(backend, wire):
+    from dpwa.mixing.kernels import encode_, storage_dtype
+
+    rng = np.random.default_rng(3)
+    ours32 = rng.standard_normal(50_001).astype(np.float32)
+    y32 = ours32 + 0.1 * rng.standard_normal(ours32.size).astype(np.float32)
+    y, ours = np.empty(ours32.size, storage_dtype(wire)), np.empty(ours32.size, storage_dtype(wire))
+    encode_(y, y32, wire)
+    encode_(ours, ours32, wire)
+    decoded = {}
+    for name, buf in (("y", y), ("ours", ours)):
+        out = np.zeros(buf.size, np.float32)
+        kernels.lerp_(out, buf, 1.0, wire)  # the values as the wire holds them
+        decoded[name] = out.astype(np.float64)
+    expected = np.linalg.norm(decoded["y"] - decoded["ours"]) / np.linalg.norm(decoded["ours"])
+    assert kernels.relative_distance(y, ours, wire) == pytest.approx(expected, rel=1e-5)
+    assert kernels.relative_distance(ours, ours, wire) == 0.0
+    zero = np.zeros(ours.size, storage_dtype(wire))
+    assert kernels.relative_distance(zero, zero, wire) == 0.0
+    assert kernels.relative_distance(y, zero, wire) == float("inf")

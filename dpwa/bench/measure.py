@@ -24,6 +24,9 @@ For each model size it measures, in the same run and on the same machine:
     ``sendall`` and read with ``recv_into`` a preallocated buffer: the socket floor;
 (r) ``router``: (b) from a ROUTER socket on a thread, its reply tracked, as a
     node's server must answer: the floor of the serving socket;
+(w) ``router_work``: (r) plus the work any exchange does on the requesting side,
+    with dpwa's own kernels and no protocol: copy its parameters into a snapshot,
+    check the reply's values, blend them in: the floor of an exchange;
 (k) ``zmq_curve``: (b) under CURVE keys: the floor of a keyed exchange over ZeroMQ;
 (s) ``node_served``: a raw pyzmq REQ client sending a dpwa node the fetch a node
     sends, and reading the reply: the serving side's share of an exchange
@@ -32,7 +35,8 @@ For each model size it measures, in the same run and on the same machine:
     and the full exchange, over TCP (large models by stream, dpwa.wire.bulk;
     and all over ZeroMQ, ``bulk: off``), under CURVE keys (large models by a
     stream sealed per transfer; and all over ZeroMQ, ``bulk: off``), and over
-    the same-host path, in mode pull and in mode symmetric (``run.sh``'s default).
+    the same-host path, in mode pull and in mode symmetric (``run.sh``'s default; also over TCP, with and
+    without keys, where the request carries the requester's snapshot over ZeroMQ).
 
 It also times a training step of the example (``examples/pytorch-cifar``,
 the small ResNet, one torch thread per process as ``run.sh`` runs it) with
@@ -571,6 +575,35 @@ class ZmqFloor:
         self.child.stop()
 
 
+class WorkFloor(ZmqFloor):
+    """(w): (r) plus the work any exchange does on the requesting side, with dpwa's own kernels and no
+    protocol: copy our parameters into a snapshot (the publish), check the reply's values (finite, within
+    bounds), blend them in. The requester's threads, headers, checks of ids and outcomes are not in it."""
+
+    def __init__(self, size: int) -> None:
+        from dpwa.mixing.params import NumpyParams
+
+        super().__init__(size, router=True)
+        self.params, self.snapshot = NumpyParams(np.zeros(size, np.float32)), np.empty(size, np.float32)
+
+    def sample(self) -> dict[str, float]:
+        from dpwa.gossip.protocol import MAX_VALUE
+        from dpwa.mixing import kernels
+
+        t0 = time.perf_counter()
+        self.sock.send(b"fetch")
+        self.params.copy_to(self.snapshot)  # as a node publishes: while the request is out
+        if not self.sock.poll(30_000):
+            raise RuntimeError("raw zmq server did not answer")
+        frame = self.sock.recv_multipart(copy=False)[-1]
+        peer = np.frombuffer(frame.buffer, np.float32)
+        if not kernels.within(peer, MAX_VALUE):
+            raise RuntimeError("the raw server sent values out of bounds")
+        self.params.lerp_from(peer, 0.5)
+        del peer, frame
+        return {"ms": time.perf_counter() - t0}
+
+
 class RawTcpFloor:
     """(t): a raw TCP round trip whose reply carries the model's bytes, read into a preallocated buffer."""
 
@@ -718,6 +751,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
             subjects["copy"] = CopyFloor(size)
             subjects["zmq"] = ZmqFloor(size)
             subjects["router"] = ZmqFloor(size, router=True)
+            subjects["router_work"] = WorkFloor(size)
             subjects["zmq_curve"] = ZmqFloor(size, curve=True)
             subjects["raw_tcp"] = RawTcpFloor(size)
             subjects["tcp"] = DpwaPair(size, tmp, same_host=False)
@@ -729,6 +763,9 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
                 subjects["curve_zmq"] = DpwaPair(size, tmp, same_host=False, curve=True, bulk="off")
             subjects["same_host"] = DpwaPair(size, tmp, same_host=True)
             subjects["same_host_symmetric"] = DpwaPair(size, tmp, same_host=True, mode="symmetric")
+            # run.sh's default mode between hosts: the request carries the snapshot over ZeroMQ, both ways
+            subjects["tcp_symmetric"] = DpwaPair(size, tmp, same_host=False, mode="symmetric")
+            subjects["curve_symmetric"] = DpwaPair(size, tmp, same_host=False, curve=True, mode="symmetric")
             for dtype in wire_dtypes:
                 subjects[f"tcp_{dtype}"] = DpwaPair(size, tmp, same_host=False, wire_dtype=dtype)
             samples: dict[str, list[dict[str, float]]] = {name: [] for name in subjects}
@@ -744,7 +781,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
     row["busy_retries"] = {name: s.busy for name, s in subjects.items() if getattr(s, "busy", 0)}
     for name, rows in samples.items():
         medians = {key: median_ms([r[key] for r in rows]) for key in rows[0]}
-        floors = ("copy", "zmq", "router", "zmq_curve", "raw_tcp", "node_served")
+        floors = ("copy", "zmq", "router", "router_work", "zmq_curve", "raw_tcp", "node_served")
         row[f"{name}_ms" if name in floors else name] = medians.get("ms", medians)
     return row
 
@@ -873,6 +910,8 @@ def format_size_row(row: dict[str, Any]) -> str:
     ]
     r = row["router_ms"]
     lines.append(f"  {'(r) raw pyzmq ROUTER, tracked reply, tcp':<42}{r:>9.2f}{r / a:>9.2f}{r / b:>9.2f}{r / t:>9.2f}")
+    w = row["router_work_ms"]
+    lines.append(f"  {'(w) (r) + publish, check, blend':<42}{w:>9.2f}{w / a:>9.2f}{w / b:>9.2f}{w / t:>9.2f}")
     k = row["zmq_curve_ms"]
     lines.append(f"  {'(k) raw pyzmq REQ/REP, tcp, CURVE':<42}{k:>9.2f}{k / a:>9.2f}{k / b:>9.2f}{k / t:>9.2f}")
     s = row["node_served_ms"]
@@ -884,6 +923,8 @@ def format_size_row(row: dict[str, Any]) -> str:
         "curve_zmq": "tcp, CURVE, bulk: off",
         "same_host": "same-host",
         "same_host_symmetric": "same-host, symmetric",
+        "tcp_symmetric": "tcp, symmetric",
+        "curve_symmetric": "tcp, CURVE, symmetric",
     }
     for path in [k for k in row if k in labels or k.startswith("tcp_") or k.startswith("curve_")]:
         label = labels.get(path, path.replace("tcp_", "tcp, wire "))
@@ -933,9 +974,12 @@ def format_summary(results: dict[str, Any], log_path: Path) -> str:
     lines = ["\nSummary"]
     for row in results["sizes"]:
         tcp, zmq_ms = row["tcp"]["exchange"], row["zmq_ms"]
+        # (w) is the floor of an exchange over ZeroMQ; larger snapshots stream instead (dpwa.wire.bulk)
+        floor = f" (the floor with the work: {row['router_work_ms'] / zmq_ms:.2f}x)" if "tcp_zmq" not in row else ""
         text = (
             f"  {row['parameters']:,} parameters ({row['mbytes']:.1f} MB): an exchange over TCP takes "
-            f"{tcp:.2f} ms, {tcp / zmq_ms:.2f}x a raw ZeroMQ round trip; same-host {row['same_host']['exchange']:.2f} ms"
+            f"{tcp:.2f} ms, {tcp / zmq_ms:.2f}x a raw ZeroMQ round trip{floor}; "
+            f"same-host {row['same_host']['exchange']:.2f} ms"
         )
         if "curve" in row:
             curve = row["curve"]["exchange"]

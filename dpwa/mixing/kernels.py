@@ -12,7 +12,10 @@ decoded block by block into a small float32 scratch buffer.
 torch's CPU kernels do ``x += f * (y - x)`` in one pass, about three times
 faster than numpy's three passes, and copy with all of torch's threads, so
 they are used through zero-copy views; the numpy path is the fallback when
-torch is missing, and the reference the tests compare against.
+torch is missing, and the reference the tests compare against. Below
+:data:`TORCH_MIN_ELEMENTS` float32 stays on numpy, and half precision goes
+through torch in blocks small enough that torch runs them on the calling
+thread (:data:`SERIAL_BLOCK`).
 """
 
 from __future__ import annotations
@@ -44,9 +47,15 @@ WIRE_STORAGE: dict[str, np.dtype] = {
 }
 
 _BLOCK = 1 << 18  # elements per block when decoding or blending piecewise (1 MB of float32)
-# Below this many elements numpy is faster: starting torch's thread pool costs more
-# than the work (and stalls for a scheduler time slice when the other cores are busy).
+# Below this many elements torch's thread pool costs more than the work (and stalls for a scheduler time
+# slice when the other cores are busy): float32 goes through numpy, half precision through SERIAL_BLOCKs.
 TORCH_MIN_ELEMENTS = 1 << 20
+
+# torch runs an element-wise kernel or a reduction on the calling thread when it has fewer elements than its
+# grain (32,768): blocks this size never wake its thread pool, so they cannot stall when the cores are busy.
+# Half-precision buffers below TORCH_MIN_ELEMENTS go through torch in such blocks: numpy converts float16
+# 40 times slower than torch (100,000 values: 313 against 8 µs) and cannot read bfloat16.
+SERIAL_BLOCK = 1 << 14
 
 use_torch = True  # set to False to force the numpy path (the tests compare the two)
 _torch_module = None
@@ -68,6 +77,20 @@ def _torch(size: int = TORCH_MIN_ELEMENTS):
     return _torch_module if use_torch else None
 
 
+def _backend(size: int, wire: str):
+    """(torch, block) to work on `size` elements of wire dtype `wire` with torch, a block at a time; or
+    (None, _BLOCK) for numpy. Large buffers: torch with its threads. Smaller half-precision ones: torch in
+    blocks of SERIAL_BLOCK, on this thread. Smaller float32 ones: numpy (no thread pool to wake)."""
+    torch = _torch(size)
+    if torch is not None:
+        return torch, _BLOCK
+    if wire != "float32":
+        torch = _torch()
+        if torch is not None:
+            return torch, SERIAL_BLOCK
+    return None, _BLOCK
+
+
 def storage_dtype(wire: str) -> np.dtype:
     """The numpy dtype that holds a buffer of wire dtype `wire`."""
     try:
@@ -81,7 +104,7 @@ def aligned(array: np.ndarray) -> np.ndarray:
 
     Frames received from ZeroMQ can start at any byte address.
     """
-    if array.ctypes.data % array.dtype.itemsize == 0:
+    if array.flags.aligned:  # aligned for its dtype; asking ``array.ctypes`` costs 30 times as much
         return array
     return array.copy()
 
@@ -97,9 +120,9 @@ def as_torch(array: np.ndarray, wire: str = "float32"):
     return tensor.view(torch.bfloat16) if wire == "bfloat16" else tensor
 
 
-def _blocks(n: int):
-    for start in range(0, n, _BLOCK):
-        yield start, min(n, start + _BLOCK)
+def _blocks(n: int, block: int = _BLOCK):
+    for start in range(0, n, block):
+        yield start, min(n, start + block)
 
 
 # --------------------------------------------------------------------------- numpy codecs
@@ -133,9 +156,14 @@ def encode_(dst: np.ndarray, src: np.ndarray, wire: str = "float32") -> None:
     _check_shapes(dst, src)
     if dst.dtype != storage_dtype(wire) or src.dtype != np.float32:
         raise ValueError(f"encode_ expects float32 -> {wire}, got {src.dtype} -> {dst.dtype}")
-    torch = _torch(src.size)
-    if torch is not None:  # torch copies with all its threads; np.copyto with one
-        as_torch(dst, wire).copy_(as_torch(aligned(src)))
+    torch, block = _backend(src.size, wire)
+    if torch is not None:  # torch copies with all its threads (large buffers); np.copyto with one
+        td, ts = as_torch(dst, wire), as_torch(aligned(src))
+        if block == SERIAL_BLOCK:
+            for s, e in _blocks(src.size, block):
+                td[s:e].copy_(ts[s:e])
+        else:
+            td.copy_(ts)
     elif wire == "float32":
         np.copyto(dst, src)
     elif wire == "bfloat16":
@@ -150,14 +178,14 @@ def lerp_(x: np.ndarray, y: np.ndarray, f: float, wire: str = "float32") -> None
     _check_source(x, y, wire)
     y = aligned(y)
     f = float(f)
-    torch = _torch(x.size)
+    torch, block = _backend(x.size, wire)
     if torch is not None:
         tx, ty = as_torch(x), as_torch(y, wire)
         if wire == "float32":
             tx.lerp_(ty, f)
             return
-        scratch = torch.empty(min(_BLOCK, x.size), dtype=torch.float32)
-        for s, e in _blocks(x.size):
+        scratch = torch.empty(min(block, x.size), dtype=torch.float32)
+        for s, e in _blocks(x.size, block):
             t = scratch[: e - s]
             t.copy_(ty[s:e])
             tx[s:e].lerp_(t, f)
@@ -184,11 +212,11 @@ def add_scaled_diff_(x: np.ndarray, a: np.ndarray, b: np.ndarray, f: float, wire
     _check_source(x, b, wire)
     a, b = aligned(a), aligned(b)
     f = float(f)
-    torch = _torch(x.size)
+    torch, block = _backend(x.size, wire)
     if torch is not None:
         tx, ta, tb = as_torch(x), as_torch(a, wire), as_torch(b, wire)
-        scratch = torch.empty(min(_BLOCK, x.size), dtype=torch.float32)
-        for s, e in _blocks(x.size):
+        scratch = torch.empty(min(block, x.size), dtype=torch.float32)
+        for s, e in _blocks(x.size, block):
             t = scratch[: e - s]
             t.copy_(ta[s:e])
             t.sub_(tb[s:e])
@@ -213,10 +241,18 @@ def relative_distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") ->
     """
     _check_shapes(y, ours)
     y, ours = aligned(y), aligned(ours)
-    scratch = np.empty((2, min(_BLOCK, y.size)), dtype=np.float32)
+    torch, block = _backend(y.size, wire) if wire != "float32" else (None, _BLOCK)
+    scratch = np.empty((2, min(block, y.size)), dtype=np.float32)
+
+    def decode(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if torch is None:
+            return _decode_np(src, wire, out)
+        as_torch(out).copy_(as_torch(src, wire))  # numpy converts float16 40 times slower
+        return out
+
     diff_sq = ours_sq = 0.0
-    for s, e in _blocks(y.size):
-        a, b = _decode_np(y[s:e], wire, scratch[0, : e - s]), _decode_np(ours[s:e], wire, scratch[1, : e - s])
+    for s, e in _blocks(y.size, block):
+        a, b = decode(y[s:e], scratch[0, : e - s]), decode(ours[s:e], scratch[1, : e - s])
         ours_sq += float(np.dot(b, b))
         np.subtract(a, b, out=a)
         diff_sq += float(np.dot(a, a))
@@ -248,13 +284,19 @@ def within(y: np.ndarray, bound: float, wire: str = "float32") -> bool:
         return True
     # numpy's min and max are fast for float32 (small buffers: no thread pool to wake), but 50 times
     # slower than torch's aminmax for float16, and bfloat16 it cannot read at all
-    torch = _torch(y.size) if wire == "float32" else _torch()
+    torch, block = _backend(y.size, wire)
     if torch is None and wire == "float32":
         lo, hi = float(y.min()), float(y.max())
         return math.isfinite(lo) and math.isfinite(hi) and -bound <= lo and hi <= bound
     if torch is not None:
-        lo_t, hi_t = torch.aminmax(as_torch(aligned(y), wire))
-        lo, hi = float(lo_t), float(hi_t)
+        ty = as_torch(aligned(y), wire)
+        lo, hi = math.inf, -math.inf
+        for s, e in _blocks(y.size, block if block == SERIAL_BLOCK else y.size):
+            lo_t, hi_t = torch.aminmax(ty[s:e])
+            block_lo, block_hi = float(lo_t), float(hi_t)
+            if math.isnan(block_lo) or math.isnan(block_hi):
+                return False
+            lo, hi = min(lo, block_lo), max(hi, block_hi)
     else:
         lo, hi = math.inf, -math.inf
         scratch = np.empty(min(_BLOCK, y.size), dtype=np.float32)

@@ -68,12 +68,12 @@ def send_frames(
     frames += chunks(parts[head:])
     trackers = []
     last = len(frames) - 1
+    flags, more = int(flags), int(zmq.SNDMORE)  # plain ints: or-ing pyzmq's enum flags costs a microsecond each
     for i, frame in enumerate(frames):
-        more = zmq.SNDMORE if i < last else 0
         if i < copied:
-            sock.send(frame, flags | more, copy=True)
+            sock.send(frame, flags | more if i < last else flags, copy=True)
         else:
-            tracker = sock.send(frame, flags | more, copy=False, track=track)
+            tracker = sock.send(frame, flags | more if i < last else flags, copy=False, track=track)
             if track and tracker is not None and not tracker.done:
                 trackers.append(tracker)
     if not track:
