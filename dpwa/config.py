@@ -64,7 +64,8 @@ BLENDS = ("state", "delta")
 JOINS = ("auto", "never")
 
 BULK_HELP = (
-    "`auto`: over TCP, snapshots of 4 MiB or more stream over raw TCP from an extra port each node picks free: "
+    "`auto`: over TCP, snapshots of 4 MiB or more (a fetch's; in mode symmetric, both of an exchange's) stream "
+    "over raw TCP from an extra port each node picks free: "
     "plain with `insecure: true`, sealed per transfer with CURVE keys ([the bulk path](design.md#large-snapshots-"
     "over-raw-tcp-the-bulk-path)); `off`: everything over the node's one port"
 )

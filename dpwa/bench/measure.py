@@ -36,7 +36,7 @@ For each model size it measures, in the same run and on the same machine:
     and all over ZeroMQ, ``bulk: off``), under CURVE keys (large models by a
     stream sealed per transfer; and all over ZeroMQ, ``bulk: off``), and over
     the same-host path, in mode pull and in mode symmetric (``run.sh``'s default; also over TCP, with and
-    without keys, where the request carries the requester's snapshot over ZeroMQ).
+    without keys, where a large model's two snapshots stream both ways).
 
 It also times a training step of the example (``examples/pytorch-cifar``,
 the small ResNet, one torch thread per process as ``run.sh`` runs it) with
@@ -654,8 +654,8 @@ class DpwaPair:
         self.same_host = same_host
         self.busy = 0  # samples asked again after a "busy" refusal
         nbytes = size * (4 if wire_dtype == "float32" else 2)  # float16 and bfloat16: 2 bytes
-        # by dpwa.wire.bulk (a symmetric exchange's request carries the snapshot: it never streams)
-        self.streams = not same_host and bulk == "auto" and nbytes >= BULK_MIN_BYTES and mode == "pull"
+        # by dpwa.wire.bulk (in mode symmetric both snapshots stream: the requester's is offered with its request)
+        self.streams = not same_host and bulk == "auto" and nbytes >= BULK_MIN_BYTES
         path = write_pair_config(
             directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve, mode=mode
         )
@@ -763,7 +763,7 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
                 subjects["curve_zmq"] = DpwaPair(size, tmp, same_host=False, curve=True, bulk="off")
             subjects["same_host"] = DpwaPair(size, tmp, same_host=True)
             subjects["same_host_symmetric"] = DpwaPair(size, tmp, same_host=True, mode="symmetric")
-            # run.sh's default mode between hosts: the request carries the snapshot over ZeroMQ, both ways
+            # run.sh's default mode between hosts: large snapshots stream both ways, small ones go over ZeroMQ
             subjects["tcp_symmetric"] = DpwaPair(size, tmp, same_host=False, mode="symmetric")
             subjects["curve_symmetric"] = DpwaPair(size, tmp, same_host=False, curve=True, mode="symmetric")
             for dtype in wire_dtypes:

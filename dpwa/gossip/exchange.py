@@ -71,6 +71,7 @@ a requester at most :data:`MAX_IN_DOUBT` exchanges in doubt.
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import threading
 import time
@@ -85,12 +86,23 @@ from ..logs import logger
 from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..stats import Counters
+from ..wire.bulk import BulkError
 from ..wire.calls import Ask, Call, Response
 from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError, refused
 from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
 from ..wire.shm import PeerSlots
-from .protocol import ACK, CONFIRM, DECISION, EXCHANGE, KNOWN, KNOWN_REPLY, SHM_EXCHANGE, SNAPSHOT_REPLIES
+from .protocol import (
+    ACK,
+    BULK_EXCHANGE,
+    CONFIRM,
+    DECISION,
+    EXCHANGE,
+    KNOWN,
+    KNOWN_REPLY,
+    SHM_EXCHANGE,
+    SNAPSHOT_REPLIES,
+)
 from .requesting import Arrivals, Received, ReplyReader
 from .serving import Serving
 from .snapshots import Lease
@@ -105,6 +117,7 @@ __all__ = [
     "InDoubt",
     "KnownCommits",
     "ServerHalf",
+    "StreamInTask",
 ]
 
 TTL_MARGIN_S = 1.0  # a PENDING exchange expires this long after the requester's deadline would
@@ -149,13 +162,27 @@ class ClientHalf(_Half):
 
 
 class ServerHalf(_Half):
-    """The server's half: the snapshot it served s_j (a lease) and the requester's s_i."""
+    """The server's half: the snapshot it served s_j (a lease) and the requester's s_i (None while it is
+    still streaming in: a ``bulk_exchange``; such a half cannot commit until :meth:`attach`)."""
 
-    def __init__(self, peer: str, xid: int, f: float, served: Lease, theirs: Received, expires: float) -> None:
+    def __init__(self, peer: str, xid: int, f: float, served: Lease, theirs: Received | None, expires: float) -> None:
         super().__init__(peer, xid, f)
         self.served = self._stack.enter_context(served)
-        self.theirs = self._stack.enter_context(theirs)
+        self._theirs = self._stack.enter_context(theirs) if theirs is not None else None
         self.expires = expires
+
+    @property
+    def arrived(self) -> bool:
+        return self._theirs is not None
+
+    @property
+    def theirs(self) -> Received:
+        assert self._theirs is not None, "a half applied before the requester's snapshot arrived"
+        return self._theirs
+
+    def attach(self, theirs: Received) -> None:
+        """The requester's snapshot, streamed in and checked: the half now owns it."""
+        self._theirs = self._stack.enter_context(theirs)
 
 
 @dataclass(eq=False)
@@ -196,10 +223,17 @@ class ExchangeTask:
         encode: Callable[[np.ndarray], Any] | None = None,
         slot: dict[str, Any] | None = None,
         slot_peers: frozenset[str] = frozenset(),
+        offer: Callable[[str], dict[str, Any] | None] | None = None,
+        withdraw: Callable[[bytes], object] = lambda token: None,
     ) -> None:
         self._encode = encode  # wire_dtype int8: our snapshot is encoded as it is sent
         self._slot, self._slot_peers = slot, slot_peers
         self.slot_refused: dict[str, str] = {}  # peer -> why it would not read our slot (it got the payload)
+        # a large snapshot for a peer on another host: offered at our bulk port (the request's fields), or None
+        self._offer, self._withdraw = offer, withdraw  # withdraw: an offer the peer refused is taken back
+        self._streamed = False  # the exchange in the end offered our snapshot by stream
+        self.stream_aborted = False  # ... and the peer aborted it (it may not reach our bulk port)
+        self.stream_refused: dict[str, str] = {}  # peer -> why it would not stream our snapshot (it got the payload)
         self._peers = list(peers)
         self.peer, self.deadline = self._peers[0], deadline
         self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
@@ -215,7 +249,14 @@ class ExchangeTask:
         with contextlib.ExitStack() as cleanup:
             cleanup.push(self._own)  # released unless a half takes it
             snap = self._own.snapshot
-            theirs = self._reader.read(self._find_partner(ask, snap.array), self.peer)
+            response = self._find_partner(ask, snap.array)
+            try:
+                theirs = self._reader.read(response, self.peer, self.deadline)
+            except BulkError as exc:  # nothing applied; the peer's pending exchange expires
+                self._reader.bulk_failed(
+                    self.peer, exc, then="the exchange is dropped", counter="bulk_exchange_streams_failed"
+                )
+                raise
             cleanup.push(theirs)
             header = theirs.header
             xid, f = header.get("xid"), header.get("f")
@@ -229,29 +270,41 @@ class ExchangeTask:
             cleanup.pop_all()
         half = ClientHalf(self.peer, xid, f, self._own, theirs)
         name = self._fields(self.peer)["from"]
-        try:
-            decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": name}, xid=xid)], _DECISIONS)
-        except DeadlinePassed:  # nothing was sent: the server will expire it
-            half.release()
-            raise
-        except TransportError:
-            return InDoubt(half)  # the confirm may have arrived: learn the decision later
-        except (ProtocolError, Refused):
-            return InDoubt(half, answered=True)
+        pause = 0.001
+        while True:  # bounded: "streaming" is asked again only until the deadline
+            try:
+                decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": name}, xid=xid)], _DECISIONS)
+            except DeadlinePassed:  # nothing was sent (or only confirms answered "streaming"): it will expire
+                half.release()
+                raise
+            except TransportError:
+                return InDoubt(half)  # the confirm may have arrived: learn the decision later
+            except Refused as exc:
+                # our snapshot is still streaming in to the peer: nothing is decided yet; confirm again soon
+                if exc.reason == "streaming" and time.monotonic() + pause < self.deadline:
+                    time.sleep(pause)  # a bounded wait, on the Tx thread
+                    pause = min(2 * pause, 0.016)
+                    continue
+                return InDoubt(half, answered=True)
+            except ProtocolError:
+                return InDoubt(half, answered=True)
+            break
         outcome = decision.header["outcome"]
         if decision.header["xid"] != xid:
             return InDoubt(half, answered=True)  # a confused peer: ask again later
         if outcome == "commit":
             return half
         half.release()
+        self.stream_aborted = self._streamed
         raise refused("aborted", f"the peer decided {outcome} for exchange {xid}")
 
     def _find_partner(self, ask: Ask, array: np.ndarray) -> Response:
         """Send the exchange to the first candidate that is not busy.
 
-        A same-host peer is asked by naming our snapshot's slot; one that cannot read it (it answers
-        ``shm_*``), or does not know that request (an older dpwa), is asked again at once with the
-        snapshot as the payload.
+        A same-host peer is asked by naming our snapshot's slot, and a large model's peer on another host
+        by offering it at our bulk port; a peer that cannot read it that way (it answers ``shm_*`` or
+        ``bulk_unavailable``), or does not know that request (an older dpwa), is asked again at once with
+        the snapshot as the payload.
         """
         give_up = min(time.monotonic() + self._busy_budget_s, self.deadline - self._min_confirm_s)
         pause = 0.001
@@ -266,20 +319,34 @@ class ExchangeTask:
             for peer in self._peers:
                 self.peer = peer
                 fields = self._fields(peer)
-                for by_slot in (True, False):  # at most twice: by slot, then with the payload
-                    if by_slot and (self._slot is None or peer not in self._slot_peers):
+                for how in ("slot", "stream", "payload"):  # at most twice: by slot or stream, then the payload
+                    if how == "slot" and (self._slot is None or peer not in self._slot_peers):
+                        continue
+                    ticket = None
+                    if how == "stream" and (self._offer is None or (ticket := self._offer(peer)) is None):
                         continue
 
-                    def request(rid: int, fields: dict[str, Any] = fields, by_slot: bool = by_slot) -> list[Any]:
-                        if by_slot:
+                    def request(
+                        rid: int, fields: dict[str, Any] = fields, how: str = how, ticket: Any = ticket
+                    ) -> list[Any]:
+                        if how == "slot":
                             return [encode(SHM_EXCHANGE, rid, **fields, **(self._slot or {}))]
+                        if how == "stream":
+                            return [encode(BULK_EXCHANGE, rid, **fields, **ticket)]
                         return with_payload(rid, fields)
 
                     try:
-                        return ask(request, SNAPSHOT_REPLIES)
+                        response = ask(request, SNAPSHOT_REPLIES)
+                        self._streamed = ticket is not None
+                        return response
                     except Refused as exc:
-                        if by_slot and (exc.reason.startswith("shm_") or exc.reason in _UNKNOWN_KIND):
+                        if ticket is not None:  # refused before it was streamed: not kept for its expiry
+                            self._withdraw(ticket["token"])
+                        if how == "slot" and (exc.reason.startswith("shm_") or exc.reason in _UNKNOWN_KIND):
                             self.slot_refused[peer] = exc.reason
+                            continue
+                        if how == "stream" and exc.reason in ("bulk_unavailable", *_UNKNOWN_KIND):
+                            self.stream_refused[peer] = exc.reason
                             continue
                         if exc.reason != "busy":
                             raise
@@ -293,6 +360,32 @@ class ExchangeTask:
 
 _DECISIONS = {DECISION.name: DECISION}
 _UNKNOWN_KIND = ("bad_kind", "unexpected_kind")  # how a server that does not serve shm_exchange answers it
+
+
+class StreamInTask:
+    """(Server) stream in the snapshot a requester offered with its ``bulk_exchange``, checked as a reply
+    is, and hand it to `done` (or None and why, when it fails). Runs on its own client thread: it needs no
+    ZeroMQ channel, and must not wait behind our own exchanges on the Tx thread."""
+
+    def __init__(
+        self,
+        peer: str,
+        deadline: float,
+        header: Any,
+        reader: ReplyReader,
+        done: Callable[[Received | None, str], None],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self.peer, self.deadline = peer, deadline
+        self._header, self._reader, self._done, self._cancelled = header, reader, done, cancelled
+
+    def run(self, ask: Ask) -> None:
+        try:
+            received = self._reader.read_offer(self._header, self.peer, self.deadline, self._cancelled)
+        except BaseException as exc:
+            self._done(None, str(exc) or type(exc).__name__)
+            raise
+        self._done(received, "")
 
 
 class ResolveTask:
@@ -517,6 +610,10 @@ class ExchangeServer:
         counters: where to count.
         slots: the same-host peers whose snapshots an exchange may name in their shared-memory slots,
             each with its own reader (used on the Rx thread only; closed by :meth:`close`).
+        streams_in: where requesters' snapshots offered at their bulk ports are read (``bulk_exchange``):
+            a client thread's ``submit`` (never the Tx thread, which may wait on that requester itself) and
+            the reader it streams with; None refuses such exchanges (``bulk_unavailable``: the requester
+            sends the payload instead).
     """
 
     def __init__(
@@ -529,8 +626,11 @@ class ExchangeServer:
         capacity: int,
         counters: Counters,
         slots: dict[str, PeerSlots] | None = None,
+        streams_in: tuple[Callable[[Any], Call], ReplyReader] | None = None,
     ) -> None:
         self._serving, self._store = serving, serving.store
+        self._streams_in = streams_in
+        self._closed = threading.Event()  # set by close(): a stream still coming in stops
         # same-host requesters' slots, read in place (shm_exchange); this thread's own mappings and locks
         self._slots = dict(slots or {})
         self._values = values
@@ -559,6 +659,7 @@ class ExchangeServer:
                 EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.model.nbytes, bulk=True
             ),
             SHM_EXCHANGE.name: Route(SHM_EXCHANGE, self.serve_shm_exchange),
+            BULK_EXCHANGE.name: Route(BULK_EXCHANGE, self.serve_bulk_exchange, bulk=True),
             CONFIRM.name: Route(CONFIRM, self.serve_confirm),
             ACK.name: Route(ACK, self.serve_ack),
         }
@@ -597,6 +698,61 @@ class ExchangeServer:
             return Received(header, view.array, view.release)
 
         return self._serve(request, receive)
+
+    def serve_bulk_exchange(self, request: Request) -> Reply:
+        """An exchange whose requester's snapshot waits at its bulk port (another host, a large model).
+
+        The exchange is PENDING at once, without that snapshot: it streams in on a thread of its own,
+        checked block by block, while the requester reads ours. A confirm that comes before it is in is
+        answered ``streaming`` (confirm again); a stream that fails aborts the exchange.
+        """
+        header, peer = request.header, request.sender
+        if self._streams_in is None or peer not in self._streams_in[1].bulk_hosts:
+            raise ProtocolError("bulk_unavailable", f"this node reads no bulk streams from {peer}; send the payload")
+        submit, reader = self._streams_in
+        self._serving.check_request(header)
+        self._serving.check_budget(request)
+        with contextlib.ExitStack() as undo:
+            served = self._reserve(peer)  # cheap refusals, before anything is streamed
+            undo.push(served)
+            undo.callback(self._unreserve, served.snapshot.version)
+            snap = served.snapshot
+            f = rules.symmetric_factor(
+                self._interpolation, self._threshold, (header["clock"], header["loss"]), (snap.clock, snap.loss)
+            )
+            xid = secrets.randbelow(MAX_ID) + 1
+            now = time.monotonic()
+            half = ServerHalf(peer, xid, f, served, None, expires=now + self.ttl_s)
+            reply = self._serving.exchange_reply(request, half.served.share(), xid=xid, f=f)
+            undo.pop_all()
+        with self._lock:
+            self._pending[(peer, xid)] = half
+        done = functools.partial(self._streamed, peer, xid)
+        submit(StreamInTask(peer, now + self.ttl_s - TTL_MARGIN_S, header, reader, done, self._closed.is_set))
+        self._counters.add("exchanges_served")
+        self._counters.add("bulk_exchanges_served")
+        return reply
+
+    def _streamed(self, peer: str, xid: int, theirs: Received | None, why: str) -> None:
+        """(The stream thread) the requester's snapshot of exchange `xid` is in and checked, or failed."""
+        gone: ServerHalf | None = None
+        with self._lock:
+            half = self._pending.get((peer, xid))
+            if half is not None and theirs is not None:
+                half.attach(theirs)
+                theirs = None
+            elif half is not None:  # the stream failed: nothing can commit
+                gone = self._pending.pop((peer, xid))
+                version = gone.served.snapshot.version
+                if self._uses.get(version):
+                    self._uses[version] -= 1
+                self._decide(peer, xid, "abort", time.monotonic())
+        if theirs is not None:
+            theirs.release()  # the exchange expired (or the node closed) while it streamed in
+        if gone is not None:
+            gone.release()
+            self._counters.add("bulk_exchange_streams_failed")
+            logger.info("dpwa: exchange %d with %s aborted: its snapshot did not stream in (%s)", xid, peer, why)
 
     def _serve(self, request: Request, receive: Callable[[], Received]) -> Reply:
         header, peer = request.header, request.sender
@@ -656,9 +812,12 @@ class ExchangeServer:
             if self._frozen:
                 self._expire(now, everything=True)  # closing: what is still pending is aborted, not committed
             known = self._decisions.get(peer, {}).get(xid)
+            half = self._pending.get((peer, xid)) if known is None else None
+            streaming = half is not None and not half.arrived
+            outcome = ""
             if known is not None:
                 outcome = known[0]
-            else:
+            elif not streaming:
                 half = self._pending.pop((peer, xid), None)
                 if half is None:
                     outcome = "unknown"
@@ -671,6 +830,8 @@ class ExchangeServer:
                     while len(unacked) > KNOWN_PER_PEER:
                         unacked.popitem(last=False)
                     self.committed.set()
+        if streaming:  # nothing decided: its snapshot is still coming in (it expires like any pending one)
+            raise refused("streaming", f"your snapshot for exchange {xid} is still streaming in; confirm again")
         self._counters.add(f"exchanges_decided.{outcome}")
         return Reply(encode(DECISION, request.header.id, xid=xid, outcome=outcome))
 
@@ -765,6 +926,7 @@ class ExchangeServer:
 
     def close(self) -> None:
         """Abort what is still pending (the Rx thread has stopped: no confirm can come)."""
+        self._closed.set()  # a requester's snapshot still streaming in stops
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
             committed, self._committed = self._committed, []

@@ -125,7 +125,8 @@ class Node:
             state=lambda: self.state,
             extra=self._extra,
             direct=not symmetric,
-            stream_to_peers=not symmetric,
+            stream_to_peers=True,
+            exchange_streams=symmetric,
         )
         try:
             crew = Crew(

@@ -2,8 +2,10 @@
 
 In order: the ZeroMQ context, shared-memory slots (when peers share this
 machine), the snapshot store, the reader of peers' replies, the Tx thread
-(and, for a small model in mode pull, the direct client), the bulk server
-(for large models over TCP), what serves our snapshots, and the join server.
+(and, for a small model in mode pull, the direct client; for a large one in
+mode symmetric, the thread that streams in peers' offered snapshots), the
+bulk server (for large models over TCP), what serves our snapshots, and the
+join server.
 The mode's own parts (symmetric exchanges) are added by their owner
 (:meth:`Parts.own`), and the Rx thread starts last (:meth:`Parts.serve`),
 once every route exists. :meth:`Parts.close` releases them in reverse: the
@@ -65,7 +67,9 @@ class Parts:
         state: reads the node's state (the join server reports it).
         extra: what a joiner takes besides the parameters (an optimizer's state).
         direct: use a direct client (mode pull).
-        stream_to_peers: ask peers for streams (mode pull; a symmetric exchange carries its payload).
+        stream_to_peers: ask peers for streams of their snapshots (a fetch, or an exchange's reply).
+        exchange_streams: read peers' snapshots offered with their exchanges (mode symmetric), on a thread of
+            its own (``streams_in``).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Parts:
         extra: ExtraState | None,
         direct: bool,
         stream_to_peers: bool,
+        exchange_streams: bool = False,
     ) -> None:
         self.name, self.config, self.spec, self.curve = name, config, spec, curve
         self.peers = {s.name: s for s in config.peers_of(name)}
@@ -122,14 +127,15 @@ class Parts:
                     max_connections=4 * (len(self.peers) + 1),
                 )
                 stack.callback(self._stop, self.bulk.close)  # after the Rx thread: nothing offers transfers any more
-            streams = self.bulk is not None and stream_to_peers
+            streams = self.bulk is not None and (stream_to_peers or exchange_streams)
+            bulk_hosts = {p: s.host for p, s in self.peers.items() if p not in local} if streams else {}
             self.reader = ReplyReader(
                 model,
                 self.values,
                 self.slot_readers(),
                 counters,
-                lambda message: logger.info("%s: %s", name, message),
-                bulk_hosts={p: s.host for p, s in self.peers.items() if p not in local} if streams else {},
+                functools.partial(self._info, name),
+                bulk_hosts=bulk_hosts,
                 sealed=config.secure,
                 name=name,
             )
@@ -146,6 +152,27 @@ class Parts:
             )
             self.client.start()
             stack.callback(self._stop, self.client.close)
+            # Mode symmetric, large models between hosts: the snapshots peers offer with their exchanges are
+            # streamed in by a thread of their own (never the Tx thread: it may be waiting on that same peer).
+            self.streams_in: tuple[ClientThread, ReplyReader] | None = None
+            if exchange_streams and bulk_hosts:
+                in_reader = ReplyReader(
+                    model,
+                    self.values,
+                    {},
+                    counters,
+                    functools.partial(self._info, name),
+                    bulk_hosts=bulk_hosts,
+                    sealed=config.secure,
+                    name=name,
+                )
+                stack.callback(in_reader.close)
+                in_client = ClientThread(
+                    self.context, endpoints, name=f"{name}-in", max_reply_bytes=max_reply, socket_options=options
+                )
+                in_client.start()
+                stack.callback(self._stop, in_client.close)
+                self.streams_in = (in_client, in_reader)
             self.direct: DirectClient | None = None
             if direct and model.nbytes <= DIRECT_MAX_BYTES:
                 self.direct = DirectClient(
@@ -165,6 +192,10 @@ class Parts:
             self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))
             stack.callback(self.joins.close)
             self._stack = stack.pop_all()
+
+    @staticmethod
+    def _info(name: str, message: str) -> None:
+        logger.info("%s: %s", name, message)
 
     def slot_readers(self) -> dict[str, PeerSlots]:
         """A fresh reader of each same-host peer's slots, for one thread (the caller owns and closes them)."""

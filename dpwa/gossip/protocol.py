@@ -16,6 +16,12 @@ exchange    requester -> server    (mode symmetric) "here is my snapshot, send y
 shm_exchange requester -> server   the same from a same-host peer whose snapshot is in
                                    its shared-memory slot `shm_slot` (no payload); the
                                    server locks the slot while the exchange is pending
+bulk_exchange requester -> server  the same for a large snapshot between hosts: it waits
+                                   at the requester's bulk port for the holder of
+                                   `token` (and `key`, with CURVE keys), and the server
+                                   streams it in while the exchange is pending; with
+                                   ``bulk``, the server's own snapshot is offered by
+                                   stream too (answered bulk_params with `xid` and `f`)
 confirm     requester -> server    "apply exchange `xid`": the server decides
 decision    server -> requester    the server's final word on `xid`: commit, abort,
                                    or unknown (never seen, or forgotten)
@@ -40,6 +46,7 @@ from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Header, Inte
 
 __all__ = [
     "ACK",
+    "BULK_EXCHANGE",
     "BULK_PARAMS",
     "KNOWN",
     "KNOWN_REPLY",
@@ -88,10 +95,10 @@ SHM_PARAMS = message_kind(
     {**_SNAPSHOT, **_SLOT},
     _EXCHANGE_REPLY,
 )
+_TICKET = {"port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}  # a transfer waiting at a bulk port
+_KEY = {"key": Blob(length=KEY_BYTES)}  # a sealed stream's key: only ever sent inside a CURVE-encrypted message
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
-    "bulk_params",
-    {**_SNAPSHOT, "port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)},
-    {"key": Blob(length=KEY_BYTES)},  # a sealed stream's key: only ever sent inside a CURVE-encrypted reply
+    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY}
 )
 EXCHANGE = message_kind(
     "exchange",
@@ -101,6 +108,9 @@ EXCHANGE = message_kind(
 )
 SHM_EXCHANGE = message_kind(  # an exchange whose snapshot waits in the requester's slot (same host)
     "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag()}
+)
+BULK_EXCHANGE = message_kind(  # an exchange whose snapshot waits at the requester's bulk port (another host)
+    "bulk_exchange", {**_SNAPSHOT, **_TICKET}, {**_KEY, "bulk": Flag()}
 )
 CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})

@@ -162,20 +162,23 @@ class ReplyReader:
         paused = self._bulk_paused.get(peer)
         return paused is None or time.monotonic() >= paused[1]
 
-    def bulk_failed(self, peer: str, exc: BulkError) -> None:
-        """A stream from `peer` failed, and the fetch goes over ZeroMQ: count it, say so, pause streams."""
+    def bulk_failed(
+        self, peer: str, why: object, then: str = "fetching over ZeroMQ instead", counter: str = "bulk_fallbacks"
+    ) -> None:
+        """A stream with `peer` failed (`then`: what happens now): count it, say so, and use no streams with
+        that peer for a while (from BULK_PAUSE_S, doubling with each failure in a row)."""
         failures = self._bulk_paused.get(peer, (0, 0.0))[0] + 1
         pause = min(BULK_PAUSE_MAX_S, BULK_PAUSE_S * 2.0 ** min(failures - 1, 16))
         self._bulk_paused[peer] = (failures, time.monotonic() + pause)
-        self._counters.add("bulk_fallbacks")
+        self._counters.add(counter)
         self._limited(
             30,
             ("bulk_fallback", peer),
-            "%s: the bulk stream from %s failed (%s); fetching over ZeroMQ instead, and asking %s for no stream "
-            "for %.1f s (%d failed in a row)",
+            "%s: a bulk stream with %s failed (%s); %s, and no stream with %s for %.1f s (%d failed in a row)",
             self.name,
             peer,
-            exc,
+            why,
+            then,
             peer,
             pause,
             failures,
@@ -205,7 +208,17 @@ class ReplyReader:
             keep.pop_all()
         return received
 
-    def _read_bulk(self, header: Header, peer: str, deadline: float) -> Received:
+    def read_offer(
+        self, header: Header, peer: str, deadline: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> Received:
+        """The snapshot `peer` offered at its bulk port (a ``bulk_exchange``), streamed in and checked as a
+        ``bulk_params`` reply is; ProtocolError if unusable, BulkError if the stream fails."""
+        check_payload(header, self.model)
+        return self._read_bulk(header, peer, deadline, cancelled)
+
+    def _read_bulk(
+        self, header: Header, peer: str, deadline: float, cancelled: Callable[[], bool] = lambda: False
+    ) -> Received:
         """Stream the snapshot straight into a pooled buffer, checking each block as it arrives."""
         host = self.bulk_hosts.get(peer)
         if host is None:
@@ -220,7 +233,14 @@ class ReplyReader:
             keep.callback(give_back)  # given back if anything fails
             if self.model.encoded:  # the values exist once decoded: the scales are checked then, and the values
                 self._bulk.receive(
-                    host, header["port"], header["token"], buffer, deadline, key=key, first_byte_by=first_byte_by
+                    host,
+                    header["port"],
+                    header["token"],
+                    buffer,
+                    deadline,
+                    cancelled=cancelled,
+                    key=key,
+                    first_byte_by=first_byte_by,
                 )
                 array, give_back = self.arrivals.decode(buffer)
                 keep.pop_all()
@@ -234,7 +254,15 @@ class ReplyReader:
                     self.values.check_values(array[start // size : end // size])
 
                 self._bulk.receive(
-                    host, header["port"], header["token"], buffer, deadline, check, key=key, first_byte_by=first_byte_by
+                    host,
+                    header["port"],
+                    header["token"],
+                    buffer,
+                    deadline,
+                    check,
+                    cancelled,
+                    key=key,
+                    first_byte_by=first_byte_by,
                 )
                 self.values.check_distance(array)
             keep.pop_all()

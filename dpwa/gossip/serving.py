@@ -79,14 +79,21 @@ class Serving:
             return self._bulk_reply(request, lease)
         return self.snapshot_reply(request.header, lease)
 
-    def _bulk_reply(self, request: Request, lease: Lease) -> Reply:
+    def exchange_reply(self, request: Request, lease: Lease, **extra: Any) -> Reply:
+        """Our snapshot for a ``bulk_exchange``: by stream if the requester asked for one and we serve
+        streams, else as :meth:`snapshot_reply` gives it (the reply takes over `lease`)."""
+        if request.header.get("bulk") and self._bulk is not None:
+            return self._bulk_reply(request, lease, **extra)
+        return self.snapshot_reply(request.header, lease, **extra)
+
+    def _bulk_reply(self, request: Request, lease: Lease, **extra: Any) -> Reply:
         """The snapshot's header, and the ticket that claims it at our bulk port (the lease goes with it).
 
         When the bulk server refuses, the snapshot goes over ZeroMQ if the sender's unsent budget allows.
         """
         assert self._bulk is not None
         snap = lease.snapshot
-        fields = self._fields(lease)
+        fields = {**self._fields(lease), **extra}
         buffers: list[Any] = [snap.array]
         hold: Lease | None = lease
         if self._encoder is not None:  # int8: the encoded copy streams; the snapshot is free again once offered
@@ -96,7 +103,7 @@ class Serving:
         except Refused:
             if request.may_send_payload:
                 self._counters.add("bulk_declined")
-                return self.snapshot_reply(request.header, lease)
+                return self.snapshot_reply(request.header, lease, **extra)
             lease.release()
             raise
         if hold is None:

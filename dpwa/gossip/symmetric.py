@@ -2,7 +2,8 @@
 
 At update_send a node publishes its snapshot and sends it with an exchange
 request (to a peer on the same machine: the name of the shared-memory slot it
-is in); the server answers with its own and both apply their halves, or
+is in; a large model's to a peer on another host: a ticket to stream it from
+our bulk port); the server answers with its own and both apply their halves, or
 neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange`).
 This module runs that protocol on the node's training thread: it owns the
 exchange server (Rx side) and client (exchanges in doubt), applies committed
@@ -18,8 +19,10 @@ from typing import Any
 from ..logs import logger
 from ..mixing import rules
 from ..wire.calls import Call
+from ..wire.errors import Refused
 from ..wire.server import Route
 from .exchange import SETTLE_QUIET_S, AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .snapshots import Lease
 from .steps import Crew, Step, Update
 
 __all__ = ["BUSY_RETRY_MAX_S", "EXCHANGE_CAPACITY", "SymmetricSteps"]
@@ -43,12 +46,18 @@ class SymmetricSteps:
             EXCHANGE_CAPACITY,
             crew.counters,
             slots=parts.slot_readers(),  # same-host requesters name their snapshot's slot
+            # large models between hosts: requesters offer their snapshots at their bulk ports
+            streams_in=(parts.streams_in[0].submit, parts.streams_in[1]) if parts.streams_in is not None else None,
         )
         self.client = ExchangeClient(
             crew.name, list(parts.peers), config.timeout_s, parts.client.submit, crew.counters, crew.flow.heard
         )
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
         self._slot_peers = frozenset(parts.local)  # same-host peers we name our slot to (until one refuses)
+        # peers on other hosts we offer our snapshot to at our bulk port (until one refuses); int8 snapshots
+        # are encoded as they are sent, with error feedback: they go as the payload
+        streams = parts.bulk is not None and not crew.model.encoded
+        self._stream_peers = frozenset(parts.reader.bulk_hosts) if streams else frozenset()
         self.wakeup = self.server.committed  # set when an exchange commits (a lingering node waits on it)
 
     def routes(self) -> dict[str, Route]:
@@ -102,11 +111,31 @@ class SymmetricSteps:
             encode=encoder.encode if encoder is not None else None,
             slot=slot,
             slot_peers=self._slot_peers,
+            offer=functools.partial(self._offer, own) if self._stream_peers else None,
+            withdraw=crew.parts.bulk.withdraw if crew.parts.bulk is not None else lambda token: None,
         )
         step.call = crew.parts.client.submit(task)
         self._outstanding.append(step.call)
         crew.counters.add("fetches_started")
         return True
+
+    def _offer(self, own: Lease, peer: str) -> dict[str, Any] | None:
+        """(Tx thread) Offer our snapshot to `peer` at our bulk port: the ``bulk_exchange`` request's fields,
+        or None (not a stream peer, or the bulk server's budget for it is spent: the payload goes instead)."""
+        bulk, reader = self._crew.parts.bulk, self._crew.parts.reader
+        if bulk is None or peer not in self._stream_peers or not reader.wants_bulk(peer):
+            return None  # (not now: an exchange by stream with that peer failed lately)
+        hold = own.share()  # the stream's own claim on the snapshot, released once sent or expired
+        try:
+            ticket = bulk.offer(peer, [own.snapshot.array], hold, self._crew.config.timeout_s + 1.0)
+        except Refused:
+            hold.release()
+            return None
+        fields: dict[str, Any] = {"version": own.snapshot.version, "port": bulk.port, "token": ticket.token}
+        if ticket.key is not None:
+            fields["key"] = ticket.key
+        fields["bulk"] = True  # theirs by stream too
+        return fields
 
     def finish(self, step: Step, own_loss: float | None) -> Update:
         clock = self._crew.progress
@@ -131,7 +160,16 @@ class SymmetricSteps:
         """Take an exchange call's result: apply a committed half, keep one in doubt."""
         crew = self._crew
         clock = crew.progress.clock
-        self._no_slot(_exchange(call).slot_refused)
+        task = _exchange(call)
+        self._no_slot(task.slot_refused)
+        self._no_stream(task.stream_refused)
+        if task.stream_aborted:  # the peer may not reach our bulk port: the payload, for a while
+            crew.parts.reader.bulk_failed(
+                call.peer,
+                "the peer aborted an exchange whose snapshot we offered by stream",
+                then="the next exchanges with it carry the snapshot",
+                counter="bulk_exchanges_aborted",
+            )
         if call.outcome != "ok":
             _exchange(call).release()  # our snapshot, if the task never ran
             crew.outcomes.record(call)
@@ -164,6 +202,18 @@ class SymmetricSteps:
                 "%s: %s cannot read our snapshot slots; sending them the payload",
                 self._crew.name,
                 ", ".join(sorted(gone)),
+            )
+
+    def _no_stream(self, refused: dict[str, str]) -> None:
+        """Peers that read no streams of ours (or do not know the request) get the payload from now on."""
+        gone = set(refused) & self._stream_peers
+        if gone:
+            self._stream_peers -= gone
+            logger.info(
+                "%s: %s read no bulk streams of ours (%s); sending them the payload",
+                self._crew.name,
+                ", ".join(sorted(gone)),
+                ", ".join(sorted({refused[p] for p in gone})),
             )
 
     def _apply_client_half(self, half: ClientHalf) -> float:

@@ -245,6 +245,17 @@ class BulkServer:
             )
         return Ticket(token, key)
 
+    def withdraw(self, token: bytes) -> bool:
+        """Take back an offer nobody has claimed (its requester was refused, say), releasing its hold now
+        instead of at its expiry: True if it was still waiting. A claimed one goes on."""
+        with self._lock:
+            transfer = self._transfers.pop(token, None)
+        if transfer is None:
+            return False
+        _release(transfer)
+        self.counters.add("bulk_withdrawn")
+        return True
+
     def pending(self) -> int:
         with self._lock:
             return len(self._transfers)

@@ -32,7 +32,7 @@ class EncodeError(ValueError):
 
 # Why a request was refused ("not now", never "bad"): what dpwa's own services answer. A peer may send any
 # short reason; these are the ones a node gives, and `refused` makes mypy check each use.
-Refusal = Literal["busy", "not_ready", "closing", "aborted", "unknown_session", "unknown_node"]
+Refusal = Literal["busy", "not_ready", "closing", "aborted", "streaming", "unknown_session", "unknown_node"]
 
 
 class TransportError(RuntimeError):
