@@ -193,7 +193,7 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
     """A hostile requester offers its snapshot at a port that accepts and never sends. Its confirm is
     answered ``streaming`` (nothing decided) for as long as the stream is expected; then the exchange
     aborts, the server holds nothing, and its snapshot serves an honest peer's exchange."""
-    cfg = cluster(tmp_path, keys=False, n=3, timeout_ms=1000)
+    cfg = cluster(tmp_path, keys=False, n=3, timeout_ms=3000)
     theirs = np.full(SIZE, 10.0, np.float32)
     server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     server.update_send()
@@ -207,7 +207,7 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
         assert early.kind == "error" and early["reason"] == "streaming"
         assert server.stats()["exchanges_pending"] == 1
         # the first byte is due within half the time left: then the stream fails and the exchange aborts
-        assert wait_until(lambda: server.stats().get("bulk_exchange_streams_failed", 0) == 1, 5)
+        assert wait_until(lambda: server.stats().get("bulk_exchange_streams_failed", 0) == 1, 10)
         late = raw.confirm(xid)
         assert late.kind == "decision" and late["outcome"] == "abort"
         assert server.stats()["exchanges_pending"] == 0
@@ -221,7 +221,7 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
         update = node.update_wait()
         return update.averaged and update.peer == "w1"
 
-    assert wait_until(exchanged_with_w1, 15)
+    assert wait_until(exchanged_with_w1, 30)
     assert np.all(mine == 5.0)  # the same snapshot served this one
     assert wait_until(lambda: server.update_wait() is not None and server.stats()["mirrored"] == 1, 10)
     assert np.all(theirs == 5.0)

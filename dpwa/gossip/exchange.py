@@ -232,7 +232,6 @@ class ExchangeTask:
         # a large snapshot for a peer on another host: offered at our bulk port (the request's fields), or None
         self._offer, self._withdraw = offer, withdraw  # withdraw: an offer the peer refused is taken back
         self._streamed = False  # the exchange in the end offered our snapshot by stream
-        self.stream_aborted = False  # ... and the peer aborted it (it may not reach our bulk port)
         self.stream_refused: dict[str, str] = {}  # peer -> why it would not stream our snapshot (it got the payload)
         self._peers = list(peers)
         self.peer, self.deadline = self._peers[0], deadline
@@ -295,7 +294,13 @@ class ExchangeTask:
         if outcome == "commit":
             return half
         half.release()
-        self.stream_aborted = self._streamed
+        if self._streamed:  # the peer may not reach our bulk port: the payload, for a while
+            self._reader.bulk_failed(
+                self.peer,
+                f"it decided {outcome} for an exchange whose snapshot we offered by stream",
+                then="the next exchanges with it carry the snapshot",
+                counter="bulk_exchanges_aborted",
+            )
         raise refused("aborted", f"the peer decided {outcome} for exchange {xid}")
 
     def _find_partner(self, ask: Ask, array: np.ndarray) -> Response:

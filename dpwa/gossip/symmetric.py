@@ -163,15 +163,8 @@ class SymmetricSteps:
         task = _exchange(call)
         self._no_slot(task.slot_refused)
         self._no_stream(task.stream_refused)
-        if task.stream_aborted:  # the peer may not reach our bulk port: the payload, for a while
-            crew.parts.reader.bulk_failed(
-                call.peer,
-                "the peer aborted an exchange whose snapshot we offered by stream",
-                then="the next exchanges with it carry the snapshot",
-                counter="bulk_exchanges_aborted",
-            )
         if call.outcome != "ok":
-            _exchange(call).release()  # our snapshot, if the task never ran
+            task.release()  # our snapshot, if the task never ran
             crew.outcomes.record(call)
             return Update(
                 False, call.outcome or "failed", call.peer, reason=call.reason, latency_s=call.latency_s, clock=clock
