@@ -28,7 +28,7 @@ from dpwa.wire.bulk import (
 )
 from dpwa.wire.curve import generate
 from dpwa.wire.errors import ProtocolError, Refused
-from helpers.flood import Flood
+from helpers.flood import Flood, SilentListener
 
 
 class FakeHold:
@@ -469,19 +469,6 @@ def test_a_flood_on_the_bulk_port_cannot_keep_a_new_peer_from_averaging(nodes, t
 
 
 # --------------------------------------------------------------------------- falling back to ZeroMQ
-
-
-class SilentListener:
-    """Accepts connections and never sends a byte (a bulk port held up), until closed."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.mark.parametrize("with_keys", [False, True], ids=["insecure", "keys"])

@@ -10,14 +10,13 @@ import time
 
 import numpy as np
 import pytest
-import zmq
 
 from conftest import filled, make_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.protocol import CONFIRM, EXCHANGE
-from dpwa.wire.schema import decode, encode
+from dpwa.wire.schema import encode
 from helpers.chaos import ChaosProxy, Rule
 from helpers.proxy import Proxy
+from helpers.raw_peer import RawPeer
 
 
 def total(arrays) -> np.ndarray:
@@ -472,39 +471,6 @@ def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nod
 
 
 # --------------------------------------------------------------------------- cheap refusals first
-
-
-class RawPeer:
-    """A REQ socket that speaks the exchange protocol by hand, as node `name`."""
-
-    def __init__(self, ctx, config, name, server="w1"):
-        from dpwa import parse_config
-
-        parsed = parse_config(config)
-        self.name, self.sock = name, ctx.socket(zmq.REQ)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(parsed.endpoint(parsed.node(server)))
-
-    def exchange(self, node, payload, clock=0.0):
-        header = encode(
-            EXCHANGE,
-            1,
-            **{"from": self.name},
-            fp=node.params.fingerprint,
-            dtype="float32",
-            nbytes=payload.nbytes,
-            clock=clock,
-            loss=None,
-        )
-        return self._ask([header, payload])
-
-    def confirm(self, xid):
-        return self._ask([encode(CONFIRM, 2, **{"from": self.name}, xid=xid)])
-
-    def _ask(self, frames):
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(5000), "no answer"
-        return decode(self.sock.recv_multipart()[0])
 
 
 def test_busy_is_answered_before_the_payload_is_scanned(nodes, zctx):

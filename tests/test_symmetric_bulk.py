@@ -3,17 +3,20 @@ offered at its own bulk port, and the exchange keeps its both-or-neither guarant
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
-import zmq
 
 from conftest import free_port, make_config, secure_config, serving_only, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.exchange import ExchangeServer
 from dpwa.gossip.parts import BULK_MIN_BYTES
-from dpwa.gossip.protocol import BULK_EXCHANGE, CONFIRM
+from dpwa.gossip.protocol import BULK_EXCHANGE
 from dpwa.wire.bulk import TOKEN_BYTES
 from dpwa.wire.schema import decode, encode
+from helpers.flood import SilentListener
+from helpers.raw_peer import RawPeer
 
 SIZE = BULK_MIN_BYTES // 4  # float32 parameters of the smallest model that streams
 
@@ -88,12 +91,8 @@ def test_a_bulk_port_that_refuses_connections_aborts_the_exchange_and_nothing_mo
     theirs, mine = np.full(SIZE, 10.0, np.float32), np.zeros(SIZE, np.float32)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     node = nodes(cfg, "w0", NumpyParams(mine))
-    real_port = node.parts.bulk.port
-    node.parts.bulk.port = free_port()  # what w0's requests will name
-    try:
+    with bulk_port_named(node, free_port()):  # what w0's requests will name
         update = exchange_once(node, peer, theirs, mine)
-    finally:
-        node.parts.bulk.port = real_port
     assert not update.averaged and "aborted" in update.reason, update
     assert np.all(mine == 0.0) and np.all(theirs == 11.0)
     assert peer.stats()["bulk_exchange_streams_failed"] == 1 and node.stats()["bulk_exchanges_aborted"] == 1
@@ -133,58 +132,38 @@ def test_a_server_that_reads_no_streams_is_sent_the_payload_in_the_same_exchange
     assert peer.stats()[f"rejected.{reason}"] == 1  # not asked by stream again
 
 
-class RawRequester:
-    """A REQ socket that speaks bulk_exchange by hand, as node `name`, offering whatever it says."""
+class BulkRawPeer(RawPeer):
+    """A raw peer that offers its snapshot at whatever port (and token) it says: ``bulk_exchange``."""
 
-    def __init__(self, ctx, config, name, server="w1"):
-        from dpwa import parse_config
-
-        parsed = parse_config(config)
-        self.name, self.sock = name, ctx.socket(zmq.REQ)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if parsed.node(name).public_key:
-            raise AssertionError("a raw requester speaks plain TCP")
-        self.sock.connect(parsed.endpoint(parsed.node(server)))
-
-    def exchange(self, node, port, token=b"t" * TOKEN_BYTES, **extra):
-        header = encode(
-            BULK_EXCHANGE,
-            1,
-            **{"from": self.name},
-            fp=node.params.fingerprint,
-            dtype="float32",
-            nbytes=SIZE * 4,
-            clock=0.0,
-            loss=None,
-            version=1,
-            port=port,
-            token=token,
-            **extra,
-        )
-        return self._ask([header])
-
-    def confirm(self, xid):
-        return self._ask([encode(CONFIRM, 2, **{"from": self.name}, xid=xid)])
-
-    def _ask(self, frames):
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(5000), "no answer"
-        return decode(self.sock.recv_multipart()[0])
+    def bulk_exchange(self, node, port):
+        return self._ask([bulk_exchange_header(node.params.fingerprint, port, name=self.name)])
 
 
-class SilentListener:
-    """Accepts connections and never sends a byte: a bulk port that holds a stream up."""
+def bulk_exchange_header(fingerprint, port, token=b"t" * TOKEN_BYTES, name="w2"):
+    """A ``bulk_exchange`` request from `name` (clock 0, no loss) for a snapshot of SIZE float32s."""
+    return encode(
+        BULK_EXCHANGE,
+        1,
+        **{"from": name},
+        fp=fingerprint,
+        dtype="float32",
+        nbytes=SIZE * 4,
+        clock=0.0,
+        loss=None,
+        version=1,
+        port=port,
+        token=token,
+    )
 
-    def __init__(self) -> None:
-        import socket
 
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-
-    def close(self) -> None:
-        self.sock.close()
+@contextlib.contextmanager
+def bulk_port_named(node, port):
+    """`node`'s requests and replies name `port` as its bulk port, for the block."""
+    real, node.parts.bulk.port = node.parts.bulk.port, port
+    try:
+        yield
+    finally:
+        node.parts.bulk.port = real
 
 
 def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_never_comes_aborts(
@@ -197,10 +176,9 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
     theirs = np.full(SIZE, 10.0, np.float32)
     server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     server.update_send()
-    silent = SilentListener()
-    try:
-        raw = RawRequester(zctx, cfg, "w2")
-        reply = raw.exchange(server, silent.port)
+    with SilentListener() as silent:
+        raw = BulkRawPeer(zctx, cfg, "w2")
+        reply = raw.bulk_exchange(server, silent.port)
         assert reply.kind == "params" and reply["f"] == 0.5, dict(reply.fields)  # no `bulk`: the payload
         xid = reply["xid"]
         early = raw.confirm(xid)
@@ -211,8 +189,6 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
         late = raw.confirm(xid)
         assert late.kind == "decision" and late["outcome"] == "abort"
         assert server.stats()["exchanges_pending"] == 0
-    finally:
-        silent.close()
     mine = np.zeros(SIZE, np.float32)
     node = nodes(cfg, "w0", NumpyParams(mine))  # w2 is not running: w0 may ask it first, and time out
 
@@ -238,21 +214,7 @@ def test_a_hostile_ticket_in_a_keyed_cluster_without_a_key_is_refused_as_it_stre
     server = nodes(serving_only(cfg), "w1", NumpyParams(np.zeros(SIZE, np.float32)))
     _, reader = server.parts.streams_in
     assert isinstance(reader, ReplyReader)
-    header = decode(
-        encode(
-            BULK_EXCHANGE,
-            1,
-            **{"from": "w0"},
-            fp=server.params.fingerprint,
-            dtype="float32",
-            nbytes=SIZE * 4,
-            clock=0.0,
-            loss=None,
-            version=1,
-            port=free_port(),
-            token=b"t" * TOKEN_BYTES,
-        )
-    )
+    header = decode(bulk_exchange_header(server.params.fingerprint, free_port(), name="w0"))
     with pytest.raises(ProtocolError, match="plain bulk stream in a cluster with keys"):
         reader.read_offer(header, "w0", deadline=float("inf"))
 
@@ -265,15 +227,12 @@ def test_closing_while_a_requesters_snapshot_is_still_streaming_in_is_bounded(no
     cfg = cluster(tmp_path, keys=False, n=3, timeout_ms=60_000)
     server = nodes(serving_only(cfg), "w1", NumpyParams(np.full(SIZE, 10.0, np.float32)))
     server.update_send()
-    silent = SilentListener()
-    try:
-        reply = RawRequester(zctx, cfg, "w2").exchange(server, silent.port)
+    with SilentListener() as silent:
+        reply = BulkRawPeer(zctx, cfg, "w2").bulk_exchange(server, silent.port)
         assert reply.kind == "params"
         started = time.monotonic()
         server.close(timeout_s=2.0)
         assert server.closed and time.monotonic() - started < 15.0  # not the stream's 30 s
-    finally:
-        silent.close()
 
 
 def test_a_server_snapshot_that_does_not_stream_drops_the_exchange_and_nothing_moves(nodes, tmp_path):
@@ -284,12 +243,8 @@ def test_a_server_snapshot_that_does_not_stream_drops_the_exchange_and_nothing_m
     theirs, mine = np.full(SIZE, 10.0, np.float32), np.zeros(SIZE, np.float32)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     node = nodes(cfg, "w0", NumpyParams(mine))
-    real_port = peer.parts.bulk.port
-    peer.parts.bulk.port = free_port()  # what w1's replies will name
-    try:
+    with bulk_port_named(peer, free_port()):  # what w1's replies will name
         update = exchange_once(node, peer, theirs, mine)
-    finally:
-        peer.parts.bulk.port = real_port
     assert not update.averaged and update.outcome == "failed", update
     assert np.all(mine == 0.0) and np.all(theirs == 11.0)
     assert node.stats()["bulk_exchange_streams_failed"] == 1

@@ -711,32 +711,11 @@ class ExchangeServer:
         checked block by block, while the requester reads ours. A confirm that comes before it is in is
         answered ``streaming`` (confirm again); a stream that fails aborts the exchange.
         """
-        header, peer = request.header, request.sender
-        if self._streams_in is None or peer not in self._streams_in[1].bulk_hosts:
-            raise ProtocolError("bulk_unavailable", f"this node reads no bulk streams from {peer}; send the payload")
-        submit, reader = self._streams_in
-        self._serving.check_request(header)
-        self._serving.check_budget(request)
-        with contextlib.ExitStack() as undo:
-            served = self._reserve(peer)  # cheap refusals, before anything is streamed
-            undo.push(served)
-            undo.callback(self._unreserve, served.snapshot.version)
-            snap = served.snapshot
-            f = rules.symmetric_factor(
-                self._interpolation, self._threshold, (header["clock"], header["loss"]), (snap.clock, snap.loss)
+        if self._streams_in is None or request.sender not in self._streams_in[1].bulk_hosts:
+            raise ProtocolError(
+                "bulk_unavailable", f"this node reads no bulk streams from {request.sender}; send the payload"
             )
-            xid = secrets.randbelow(MAX_ID) + 1
-            now = time.monotonic()
-            half = ServerHalf(peer, xid, f, served, None, expires=now + self.ttl_s)
-            reply = self._serving.exchange_reply(request, half.served.share(), xid=xid, f=f)
-            undo.pop_all()
-        with self._lock:
-            self._pending[(peer, xid)] = half
-        done = functools.partial(self._streamed, peer, xid)
-        submit(StreamInTask(peer, now + self.ttl_s - TTL_MARGIN_S, header, reader, done, self._closed.is_set))
-        self._counters.add("exchanges_served")
-        self._counters.add("bulk_exchanges_served")
-        return reply
+        return self._serve(request, None)
 
     def _streamed(self, peer: str, xid: int, theirs: Received | None, why: str) -> None:
         """(The stream thread) the requester's snapshot of exchange `xid` is in and checked, or failed."""
@@ -747,11 +726,7 @@ class ExchangeServer:
                 half.attach(theirs)
                 theirs = None
             elif half is not None:  # the stream failed: nothing can commit
-                gone = self._pending.pop((peer, xid))
-                version = gone.served.snapshot.version
-                if self._uses.get(version):
-                    self._uses[version] -= 1
-                self._decide(peer, xid, "abort", time.monotonic())
+                gone = self._abort((peer, xid), time.monotonic())
         if theirs is not None:
             theirs.release()  # the exchange expired (or the node closed) while it streamed in
         if gone is not None:
@@ -759,7 +734,9 @@ class ExchangeServer:
             self._counters.add("bulk_exchange_streams_failed")
             logger.info("dpwa: exchange %d with %s aborted: its snapshot did not stream in (%s)", xid, peer, why)
 
-    def _serve(self, request: Request, receive: Callable[[], Received]) -> Reply:
+    def _serve(self, request: Request, receive: Callable[[], Received] | None) -> Reply:
+        """Hold an exchange PENDING and answer with our snapshot. `receive` takes hold of the requester's
+        snapshot (checked here); None: it streams in from the requester's bulk port (``bulk_exchange``)."""
         header, peer = request.header, request.sender
         self._serving.check_request(header)
         self._serving.check_budget(request)
@@ -767,20 +744,30 @@ class ExchangeServer:
             served = self._reserve(peer)  # cheap refusals before looking at the requester's snapshot
             undo.push(served)
             undo.callback(self._unreserve, served.snapshot.version)
-            theirs = receive()
-            undo.push(theirs)
-            self._values.check(theirs.array)
+            theirs = None
+            if receive is not None:
+                theirs = receive()
+                undo.push(theirs)
+                self._values.check(theirs.array)
             snap = served.snapshot
             f = rules.symmetric_factor(
                 self._interpolation, self._threshold, (header["clock"], header["loss"]), (snap.clock, snap.loss)
             )
             xid = secrets.randbelow(MAX_ID) + 1
-            half = ServerHalf(peer, xid, f, served, theirs, expires=time.monotonic() + self.ttl_s)
+            now = time.monotonic()
+            half = ServerHalf(peer, xid, f, served, theirs, expires=now + self.ttl_s)
+            reply = self._serving.reply(request, half.served.share(), xid=xid, f=f)
             undo.pop_all()
         with self._lock:
             self._pending[(peer, xid)] = half
         self._counters.add("exchanges_served")
-        return self._serving.snapshot_reply(header, half.served.share(), xid=xid, f=f)
+        if receive is None:
+            assert self._streams_in is not None
+            submit, reader = self._streams_in
+            done = functools.partial(self._streamed, peer, xid)
+            submit(StreamInTask(peer, now + self.ttl_s - TTL_MARGIN_S, header, reader, done, self._closed.is_set))
+            self._counters.add("bulk_exchanges_served")
+        return reply
 
     def _reserve(self, peer: str) -> Lease:
         with self._lock:
@@ -861,13 +848,18 @@ class ExchangeServer:
             for xid in [x for x, t in table.items() if now - t > RESOLVE_LIMIT_S]:
                 del table[xid]
         for key in [k for k, half in self._pending.items() if everything or now >= half.expires]:
-            half = self._pending.pop(key)
-            version = half.served.snapshot.version
-            if self._uses.get(version):  # never applied: that snapshot may serve another exchange
-                self._uses[version] -= 1
-            half.release()
-            self._decide(key[0], key[1], "abort", now)
+            self._abort(key, now).release()
             self._counters.add("exchanges_expired")
+
+    def _abort(self, key: tuple[str, int], now: float) -> ServerHalf:
+        """(With the lock held) decide abort for the pending exchange `key`; its half, for the caller to
+        release. Never applied, so its snapshot may serve another exchange."""
+        half = self._pending.pop(key)
+        version = half.served.snapshot.version
+        if self._uses.get(version):
+            self._uses[version] -= 1
+        self._decide(key[0], key[1], "abort", now)
+        return half
 
     # ----------------------------------------------------------------- training thread
 

@@ -75,13 +75,11 @@ class Serving:
         lease = self.store.lease()
         if lease is None:
             raise refused("not_ready", "no snapshot published yet")
-        if request.header.get("bulk") and self._bulk is not None:
-            return self._bulk_reply(request, lease)
-        return self.snapshot_reply(request.header, lease)
+        return self.reply(request, lease)
 
-    def exchange_reply(self, request: Request, lease: Lease, **extra: Any) -> Reply:
-        """Our snapshot for a ``bulk_exchange``: by stream if the requester asked for one and we serve
-        streams, else as :meth:`snapshot_reply` gives it (the reply takes over `lease`)."""
+    def reply(self, request: Request, lease: Lease, **extra: Any) -> Reply:
+        """Our snapshot for `request` (a fetch or an exchange): by stream if the requester asked for one and
+        we serve streams, else as :meth:`snapshot_reply` gives it (the reply takes over `lease`)."""
         if request.header.get("bulk") and self._bulk is not None:
             return self._bulk_reply(request, lease, **extra)
         return self.snapshot_reply(request.header, lease, **extra)

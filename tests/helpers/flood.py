@@ -1,4 +1,5 @@
-"""A flood of silent TCP connections, for tests: each one reopened as soon as the server closes it.
+"""Bulk ports held up, for tests: a flood of silent TCP connections, each one reopened as soon as the
+server closes it (:class:`Flood`), and a listener that accepts and never sends (:class:`SilentListener`).
 
 The attack of issue 16 on a node's bulk port: `count` connections that never
 send a byte, on one thread, each replaced the moment the server closes it (or
@@ -69,6 +70,25 @@ class Flood:
         assert not self._thread.is_alive(), "the flood thread did not stop"
 
     def __enter__(self) -> Flood:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SilentListener:
+    """Accepts connections and never sends a byte (a bulk port held up), until closed. A context manager."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> SilentListener:
         return self
 
     def __exit__(self, *exc: object) -> None:

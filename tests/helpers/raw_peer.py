@@ -1,4 +1,5 @@
-"""A fake dpwa peer for tests: a ROUTER socket that answers each request with crafted frames.
+"""Fake dpwa peers for tests: a ROUTER socket that answers each request with crafted frames
+(:class:`FakePeer`), and a REQ socket that sends a node exchange requests by hand (:class:`RawPeer`).
 
 A real node's config names the fake's endpoint as one of its peers (``insecure:
 true`` TCP, so no keys are needed), and the fake answers the node's fetches,
@@ -17,7 +18,7 @@ from typing import Any
 import msgpack
 import zmq
 
-__all__ = ["FakePeer", "FakeRequest"]
+__all__ = ["FakePeer", "FakeRequest", "RawPeer"]
 
 
 @dataclass
@@ -85,3 +86,44 @@ class FakePeer:
         self._stop.set()
         self._thread.join(10)
         self.sock.close(linger=0)
+
+
+class RawPeer:
+    """A REQ socket that speaks the exchange protocol by hand, as node `name`, to node `server`."""
+
+    def __init__(self, ctx: zmq.Context, config: dict[str, Any], name: str, server: str = "w1") -> None:
+        from dpwa import parse_config
+
+        parsed = parse_config(config)
+        self.name, self.sock = name, ctx.socket(zmq.REQ)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(parsed.endpoint(parsed.node(server)))
+
+    def exchange(self, node: Any, payload: Any, clock: float = 0.0) -> Any:
+        from dpwa.gossip.protocol import EXCHANGE
+        from dpwa.wire.schema import encode
+
+        header = encode(
+            EXCHANGE,
+            1,
+            **{"from": self.name},
+            fp=node.params.fingerprint,
+            dtype="float32",
+            nbytes=payload.nbytes,
+            clock=clock,
+            loss=None,
+        )
+        return self._ask([header, payload])
+
+    def confirm(self, xid: int) -> Any:
+        from dpwa.gossip.protocol import CONFIRM
+        from dpwa.wire.schema import encode
+
+        return self._ask([encode(CONFIRM, 2, **{"from": self.name}, xid=xid)])
+
+    def _ask(self, frames: list[Any]) -> Any:
+        from dpwa.wire.schema import decode
+
+        self.sock.send_multipart(frames)
+        assert self.sock.poll(5000), "no answer"
+        return decode(self.sock.recv_multipart()[0])
