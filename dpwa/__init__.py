@@ -9,7 +9,7 @@ The package, by layer:
   endpoints, shared memory);
 * ``dpwa.mixing``: pure math (the model as a flat vector, kernels, interpolation, mixing rules, pairing schedules);
 * ``dpwa.gossip``: the gossip node, split by concern;
-* ``dpwa.adapters``: framework adapters (PyTorch);
+* ``dpwa.adapters``: framework adapters (PyTorch), and learning-rate schedules driven by the cluster's clock;
 * ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot, checkpoints, status);
 * ``dpwa.systems``: the other training systems on the same transport (a sync master, parameter servers,
   all-reduce);
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .adapters.schedule import ClockSchedule, step_decay
 from .config import Config, ConfigError, load_config, parse_config
 from .gossip.barrier import BarrierTimeout
 from .gossip.node import Node, Update
@@ -30,6 +31,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BarrierTimeout",
+    "ClockSchedule",
     "Config",
     "ConfigError",
     "DpwaPyTorchAdapter",
@@ -40,6 +42,7 @@ __all__ = [
     "Update",
     "load_config",
     "parse_config",
+    "step_decay",
 ]
 
 

@@ -90,7 +90,7 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))]
     # join: never, so that nodes made one after another in a test start from the values the test gives
     # them; the tests of joining (test_join.py) say join: auto. The original's rule (pull, state, a random
-    # peer) unless a test says otherwise: most tests state their values for it.
+    # peer) unless a test says otherwise: most tests state their values for it. Pairing is the default (auto).
     config = {
         "nodes": nodes,
         "fetch_probability": 1,
@@ -100,7 +100,6 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
         "join": "never",
         "mode": "pull",
         "blend": "state",
-        "pairing": "random",
     }
     config.update(settings)
     return config

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import filled, make_config, tcp_endpoint, wait_until
 from dpwa import NumpyParams
+from dpwa.gossip.join import Joined
 from helpers.chaos import ChaosProxy
 from helpers.hostile_donor import HostileDonor, Offer, state_bytes
 
@@ -66,6 +67,9 @@ def test_a_late_node_takes_a_trained_peers_state_before_it_starts(nodes):
         assert w2.clock == joined.clock > 10
         assert w2.barrier_counters() == {"start": 1, "epoch": 3}
         assert w2.stats()["joined"] == 1
+        assert joined.rejoined is True  # the cluster had trained: not a fresh start
+        assert repr(joined).startswith(f"Joined(donor={joined.donor!r}, clock=") and "rejoined=True" in repr(joined)
+        assert len(repr(joined)) < 200 and "10000 float32" in repr(joined)
     finally:
         for t in trainers:
             t.join()
@@ -94,6 +98,55 @@ def test_at_a_fresh_start_every_node_takes_the_first_nodes_initial_parameters(no
     assert all(np.array_equal(v, first) for v in values)
     assert made[0].joined is None and made[1].joined.donor == "w0" and made[2].joined.donor == "w0"
     assert all(made[k].clock == 0 and made[k].barrier_counters() == {} for k in range(3))
+    for k in (1, 2):  # took the first node's initial state: a fresh start, not a rejoin
+        assert made[k].joined.rejoined is False and made[k].joined.clock == 0
+        assert "rejoined=False" in repr(made[k].joined)
+
+
+def test_join_later_takes_a_trained_peers_state_and_says_it_rejoined(nodes):
+    """A node started with join: never, told to join() once its peer trained (as train.py does after a
+    torchrun restart): it takes the peer's state and clock, and `joined` says it is a rejoin."""
+    cfg = make_config(2, join="never", fetch_probability=0, timeout_ms=500)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(1, 1000)))
+    mine = filled(-3, 1000)
+    w1 = nodes(cfg, "w1", NumpyParams(mine))
+    assert w1.joined is None
+    trainer = Training(w0)
+    try:
+        assert wait_until(lambda: w0.clock > 10, 20)
+        assert w1.join(wait_s=20)
+    finally:
+        trainer.join()
+    assert w1.joined is not None and w1.joined.donor == "w0" and w1.joined.rejoined is True
+    assert w1.clock == w1.joined.clock > 10 and mine[0] > 1
+
+
+def test_the_repr_of_what_was_taken_is_one_short_line_without_arrays():
+    """A large model and an optimizer state: the repr names the donor, clock, kind, sizes and parts only."""
+    params = np.zeros(5_000_000, np.float32)
+    extra = np.zeros(40_000_000, np.uint8)
+    fresh = Joined("w0", 0.0, {}, {}, params, b"", np.zeros(0, np.uint8), bytes(range(32)))
+    rejoin = Joined(
+        "w3",
+        12345.5,
+        {"start": 1, "epoch": 7},
+        {"start": 1, "epoch": 6},
+        params,
+        b"meta",
+        extra,
+        bytes(32),
+        extra_state={"optimizer": {"state": {0: {"momentum_buffer": params}}}, "outer": {"anchor": params}},
+        reports=tuple({"epoch": 7} for _ in range(500)),
+        rejoined=True,
+    )
+    assert repr(fresh) == (
+        "Joined(donor='w0', clock=0, rejoined=False, params=5000000 float32, extra=none, digest=000102030405)"
+    )
+    assert repr(rejoin) == (
+        "Joined(donor='w3', clock=12345.5, rejoined=True, params=5000000 float32, "
+        "extra=40000000 bytes [optimizer, outer], digest=000000000000)"
+    )
+    assert all(len(repr(j)) < 200 and "\n" not in repr(j) for j in (fresh, rejoin))
 
 
 def test_without_the_first_node_a_node_starts_from_its_own_and_says_so(nodes, caplog, monkeypatch):

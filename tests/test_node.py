@@ -60,8 +60,9 @@ def test_a_fetch_returns_the_peers_exact_bytes(nodes, make_cluster):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_blends_match_values_known_in_advance(nodes, n, make_cluster):
     """Node k holds k everywhere. w0 pulls with f = 1/2, so after a blend with peer k
-    its value is (x + k) / 2, exactly representable in float32 for these steps."""
-    cfg = make_cluster(n)
+    its value is (x + k) / 2, exactly representable in float32 for these steps. A random peer by score
+    each step (pairing: random), so every peer is used."""
+    cfg = make_cluster(n, pairing="random")
     for k in range(1, n):
         publish(nodes(serving_only(cfg), f"w{k}", NumpyParams(filled(k))))
     mine = filled(0)

@@ -275,6 +275,19 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
     assert dpwa_status(bad, "--count", 2).returncode == 1
 
 
+def test_a_torchrun_config_is_refused_at_once_saying_why_and_what_to_use_instead(tmp_path):
+    """Its nodes and keys live in torchrun's store only: no key file to try, no node to ask."""
+    path = write(tmp_path, {"nodes": "torchrun", "timeout_ms": 2500}, "torchrun.yaml")
+    for args in ((), ("--json",), ("--watch", 0.5, "--count", 2), ("--key", "rank0")):
+        done = dpwa_status(path, *args)
+        assert done.returncode == 1 and done.stdout == "", (args, done)
+        assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr  # one line
+        message = done.stderr.strip()
+        assert message.startswith(f"dpwa status: {path}: nodes: torchrun: status cannot ask this cluster"), message
+        assert "only in torchrun's store for the job's life" in message
+        assert "stats()" in message and "metrics/rank<RANK>.jsonl" in message and "secret key file" not in message
+
+
 def test_watch_redraws_in_place_on_a_terminal_and_ctrl_c_ends_it_quietly(tmp_path, nodes):
     cfg = make_config(2, fetch_probability=0)
     for k in (0, 1):

@@ -1,1 +1,1 @@
-"""Framework adapters: each turns a framework's model into a :class:`dpwa.mixing.params.FlatParams`."""
+"""Framework adapters: each turns a framework's model into a dpwa.mixing.params.FlatParams; and lr schedules."""

@@ -506,7 +506,11 @@ class DpwaPyTorchAdapter:
 
     @property
     def joined(self) -> Any:
-        """The state this node took from a peer at start (None if it did not join). See Node.joined."""
+        """The state this node took from a peer at start or by :meth:`join` (None if it took none).
+
+        ``joined.rejoined`` is True when the cluster had trained (this node started late, or again), False
+        at a fresh start (it took the first node's initial parameters, at clock 0). See Node.joined.
+        """
         return self.node.joined
 
     def close(self) -> None:

@@ -15,6 +15,11 @@ be the name its key belongs to. So the tool asks with one node's key pair:
 the first node of the config whose secret key file is usable on this
 machine, or the one named by ``--key``. Without CURVE it says it is the
 first node of the config (a node only answers names of its cluster).
+
+A ``nodes: torchrun`` config cannot be asked from outside: its node list,
+endpoints and keys exist only in torchrun's store, for the job's life, and
+each worker's secret key only in its memory. :class:`StatusClient` refuses
+it at once (:func:`reachable`), and says what to look at instead.
 """
 
 from __future__ import annotations
@@ -34,13 +39,25 @@ from ..wire.calls import Call
 from ..wire.client import ClientThread
 from ..wire.curve import CurveKeys, KeyFileError
 
-__all__ = ["UNREACHABLE", "StatusClient", "asker", "format_table", "watch"]
+__all__ = ["UNREACHABLE", "StatusClient", "asker", "format_table", "reachable", "watch"]
 
 UNREACHABLE = "unreachable"
 GRACE_S = 1.0  # how long past the deadline a client thread may take to report a timeout
 # every field of a report, in the order the JSON rows give them (peers_omitted: 0 when the table is whole)
 FIELDS = (*STATUS_REPORT.fields, "peers_omitted")
 WIDTH = 120  # the peers section wraps at this many columns
+
+
+def reachable(config: Config) -> None:
+    """Raise ConfigError, one line naming the config, when `config` lists no nodes to ask (``nodes: torchrun``)."""
+    if config.torchrun and not config.resolved:
+        raise ConfigError(
+            f"{config.source}: nodes: torchrun: status cannot ask this cluster from outside: its node list, "
+            "endpoints and keys live only in torchrun's store for the job's life (each worker's secret key only "
+            "in its memory). Instead: each rank's stats() in its own code, the metrics lines train.py --run-dir "
+            "DIR writes to DIR/metrics/rank<RANK>.jsonl (python -m dpwa plot DIR draws them), or the workers' "
+            "output (torchrun --log-dir, --tee)"
+        )
 
 
 def asker(config: Config, key: str | None = None) -> tuple[str, CurveKeys | None]:
@@ -86,6 +103,7 @@ class StatusClient:
     """
 
     def __init__(self, config: Config, key: str | None = None) -> None:
+        reachable(config)
         self.config = config
         self.name, curve = asker(config, key)
         self._ctx = zmq.Context()

@@ -5,8 +5,8 @@ can be in::
 
     requester i (client thread, then training thread)   server j (Rx thread, then training thread)
     ─────────────────────────────────────────────────   ────────────────────────────────────────────
-    publish s_i; send exchange(s_i), or      ─────────►  cheap checks first (model, closing, this
-      shm_exchange(s_i's slot) on one host               snapshot's one exchange, capacity), then
+    publish s_i; send exchange(s_i), or      ─────────►  cheap checks first (model, closing, our one
+      shm_exchange(s_i's slot) on one host               unsettled exchange, a fresh snapshot), then
                                                          s_i's values (its slot locked for reading
                                                          while held); picks a fresh id xid and
                                                          f = symmetric_factor(s_i, s_j) <= 1/2;
@@ -61,11 +61,15 @@ each exchange is applied on both sides exactly once, or on neither:
   committed halves are applied; only what is still unknown or in doubt
   when the deadline passes is logged (a commit's may move the mean).
 
-Each published snapshot serves at most one exchange (see
-:mod:`dpwa.mixing.rules`), and a requester starts no exchange with a peer it
-is in doubt with. Resources: the server holds at most ``capacity`` requester
-snapshots (pending or committed), at most :data:`PENDING_PER_PEER` per peer;
-a requester at most :data:`MAX_IN_DOUBT` exchanges in doubt.
+A node takes part in one unsettled exchange at a time, as requester or as
+server, and each published snapshot in at most one exchange (see
+:mod:`dpwa.mixing.admission`): so a server holds at most one requester
+snapshot, and a requester in doubt starts nothing until it learns the
+decision. A peer whose served exchanges expired unconfirmed
+:data:`EXPIRIES_BEFORE_PAUSE` times in a row is refused ``busy`` for a pause
+(the ttl, doubling with each further expiry up to :data:`RESOLVE_LIMIT_S`,
+reset by its next confirm), so a member that asks and never confirms holds a
+node's one exchange for a shrinking share of the time.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ import numpy as np
 from ..logs import logger
 from ..mixing import interpolation as interp
 from ..mixing import rules
+from ..mixing.admission import Admission
 from ..stats import Counters
 from ..wire.bulk import BulkError
 from ..wire.calls import Ask, Call, Response
@@ -121,8 +126,8 @@ __all__ = [
 ]
 
 TTL_MARGIN_S = 1.0  # a PENDING exchange expires this long after the requester's deadline would
-PENDING_PER_PEER = 2  # PENDING exchanges one peer may have at once
-MAX_IN_DOUBT = 2  # exchanges a requester may be in doubt about at once; it starts none beyond
+EXPIRIES_BEFORE_PAUSE = 3  # a peer whose served exchanges expire unconfirmed this many times in a row is paused
+MAX_IN_DOUBT = 1  # exchanges a requester may be in doubt about at once (one unsettled: dpwa.mixing.admission)
 RESOLVE_RETRY_MAX_S = 0.5  # in doubt: ask again at most this long after the last try
 RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the link is)
 DECISION_RETENTION_S = 2 * RESOLVE_LIMIT_S  # a server remembers a decision this long...
@@ -487,6 +492,8 @@ class ExchangeClient:
         timeout_s: the deadline of one resolve request.
         submit: runs a task on the client thread.
         counters: where to count committed, aborted and dropped exchanges.
+        heard: called with a peer that answered (flow control: it is alive).
+        ended: called when an exchange in doubt ends with nothing applied here (aborted, unknown, dropped).
     """
 
     def __init__(
@@ -497,9 +504,10 @@ class ExchangeClient:
         submit: Callable[[Any], Call],
         counters: Counters,
         heard: Callable[[str], None] = lambda peer: None,
+        ended: Callable[[], None] = lambda: None,
     ) -> None:
         self.name, self._timeout_s, self._submit, self._counters = name, timeout_s, submit, counters
-        self._heard = heard  # a peer answered (flow control: it is alive)
+        self._heard, self._ended = heard, ended
         self._doubts: dict[tuple[str, int], _Doubt] = {}
         self.known = KnownCommits(list(peers))
         self._acks: list[tuple[AckTask, Call, int]] = []  # a closing node's acks on their way (task, call, tries)
@@ -528,8 +536,14 @@ class ExchangeClient:
     def send_acks(self) -> None:
         """Closing: tell each peer we hold its latest commit, so a closing peer need not wait or ask."""
         for peer, xid in self.known.latest(RESOLVE_LIMIT_S).items():
-            task = AckTask(peer, time.monotonic() + self._timeout_s, self.name, xid)
+            task = AckTask(peer, self.closing_deadline(), self.name, xid)
             self._acks.append((task, self._submit(task), 1))
+
+    def closing_deadline(self) -> float:
+        """The deadline of a request a closing node queues now: one request's time from when the acks queued
+        before it are over. The client thread sends one after another, and a request behind an ack to a peer
+        that already closed (which waits its whole deadline) must not expire unsent."""
+        return time.monotonic() + self._timeout_s * (1 + sum(not call.done.is_set() for _, call, _ in self._acks))
 
     def acks_pending(self) -> int:
         return len(self._acks)
@@ -540,7 +554,7 @@ class ExchangeClient:
             if not call.done.is_set():
                 keep.append((task, call, tries))
             elif call.outcome in ("timeout", "failed", "expired") and tries < ACK_TRIES:
-                again = AckTask(task.peer, time.monotonic() + self._timeout_s, self.name, task.xid)
+                again = AckTask(task.peer, self.closing_deadline(), self.name, task.xid)
                 keep.append((again, self._submit(again), tries + 1))
             elif call.outcome in ("timeout", "failed", "expired"):
                 self._counters.add("acks_lost")  # that peer may ask us instead (known), or wait out its close
@@ -565,6 +579,7 @@ class ExchangeClient:
                     else:
                         doubt.half.release()
                         self._counters.add("exchanges_aborted")
+                        self._ended()
                     continue
                 doubt.next_try = now + min(RESOLVE_RETRY_MAX_S, 0.05 * 2**doubt.tries)
             if doubt.call is None:
@@ -582,6 +597,7 @@ class ExchangeClient:
             doubt.call.abandon()
         doubt.half.release()
         self._counters.add("exchanges_dropped")
+        self._ended()
         logger.warning(
             "%s: gave up on exchange %d with %s: %s; if the peer committed it, "
             "the nodes' mean moved by that exchange's correction",
@@ -611,7 +627,6 @@ class ExchangeServer:
         values: the checks the requester's snapshot must pass.
         interpolation, divergence_threshold: how f is computed.
         timeout_s: the requesters' deadline (a pending exchange expires after it plus a margin).
-        capacity: requester snapshots held at most (pending and committed together).
         counters: where to count.
         slots: the same-host peers whose snapshots an exchange may name in their shared-memory slots,
             each with its own reader (used on the Rx thread only; closed by :meth:`close`).
@@ -628,7 +643,6 @@ class ExchangeServer:
         interpolation: interp.Interpolation,
         divergence_threshold: float,
         timeout_s: float,
-        capacity: int,
         counters: Counters,
         slots: dict[str, PeerSlots] | None = None,
         streams_in: tuple[Callable[[Any], Call], ReplyReader] | None = None,
@@ -641,15 +655,16 @@ class ExchangeServer:
         self._values = values
         self._interpolation, self._threshold = interpolation, divergence_threshold
         self.ttl_s = timeout_s + TTL_MARGIN_S
-        self.capacity = capacity
-        # requester snapshots that came in chunks are copied into these (at most `capacity` held at once)
         self._arrivals = Arrivals(serving.model)  # requester snapshots that came in chunks (or encoded)
         self._counters = counters
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], ServerHalf] = {}
         self._committed: list[ServerHalf] = []
         self._decisions: dict[str, OrderedDict[int, tuple[str, float]]] = {}
-        self._uses: dict[int, int] = {}  # snapshot version -> exchanges it served
+        # this node's one unsettled exchange (its own or one it serves), and which snapshots are stale
+        self._admission = Admission()
+        # peers whose served exchanges expired unconfirmed: peer -> (refused until, pause, expiries in a row)
+        self._paused: dict[str, tuple[float, float, int]] = {}
         # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
         # it is in doubt with, so only its latest few can be unknown to it
         self._unacked: dict[str, OrderedDict[int, float]] = {}
@@ -743,7 +758,7 @@ class ExchangeServer:
         with contextlib.ExitStack() as undo:
             served = self._reserve(peer)  # cheap refusals before looking at the requester's snapshot
             undo.push(served)
-            undo.callback(self._unreserve, served.snapshot.version)
+            undo.callback(self._unreserve)
             theirs = None
             if receive is not None:
                 theirs = receive()
@@ -771,29 +786,47 @@ class ExchangeServer:
 
     def _reserve(self, peer: str) -> Lease:
         with self._lock:
-            self._expire(time.monotonic())
+            now = time.monotonic()
+            self._expire(now)
             if self._closing:
                 raise refused("closing", "this node is closing")
-            mine = sum(1 for p, _ in self._pending if p == peer)
-            if mine >= PENDING_PER_PEER:
-                raise refused("busy", f"{mine} exchanges with you are waiting for their confirm")
-            if len(self._pending) + len(self._committed) >= self.capacity:
-                raise refused("busy", f"{self.capacity} exchanges are waiting to be applied")
+            until = self._paused.get(peer, (0.0, 0.0, 0))[0]
+            if now < until:
+                raise refused("busy", f"your last exchanges expired unconfirmed; ask again in {until - now:.1f} s")
             served = self._store.lease()
             if served is None:
                 raise refused("not_ready", "no snapshot published yet")
-            version = served.snapshot.version
-            self._uses = {version: self._uses.get(version, 0)}  # forget older snapshots
-            if self._uses[version] >= rules.EXCHANGES_PER_SNAPSHOT:
-                served.release()  # see dpwa.mixing.rules: more exchanges on one snapshot would overshoot
-                raise refused("busy", "this snapshot already serves an exchange; ask another peer")
-            self._uses[version] += 1
+            # see dpwa.mixing.admission: a second unsettled exchange, or a stale snapshot, could erase our state
+            if not self._admission.take(served.snapshot.version, "served"):
+                why = self._admission.refusal(served.snapshot.version)
+                served.release()
+                raise refused("busy", why)
             return served
 
-    def _unreserve(self, version: int) -> None:
+    def _unreserve(self) -> None:
         with self._lock:
-            if self._uses.get(version):
-                self._uses[version] -= 1
+            self._admission.give_back()
+
+    # ----------------------------------------------------------------- this node's own exchanges
+
+    def take_own(self, version: int) -> bool:
+        """(Training thread) May our own exchange start on snapshot `version`? If so it is our one unsettled
+        exchange until :meth:`own_ended`."""
+        with self._lock:
+            self._expire(time.monotonic())
+            return not self._closing and self._admission.take(version, "own")
+
+    def own_ended(self, applied: bool) -> None:
+        """(Training thread) Our own exchange is over: its half `applied`, or nothing applied on either side."""
+        with self._lock:
+            if applied:
+                self._settle()
+            else:
+                self._admission.give_back()
+
+    def _settle(self) -> None:
+        current = self._store.current()
+        self._admission.settle(current.version if current is not None else 0)
 
     def serve_confirm(self, request: Request) -> Reply:
         peer, xid = request.sender, request.header["xid"]
@@ -815,6 +848,7 @@ class ExchangeServer:
                     outcome = "unknown"
                 else:
                     outcome = "commit"
+                    self._paused.pop(peer, None)
                     self._committed.append(half)
                     self._decide(peer, xid, outcome, now)
                     unacked = self._unacked.setdefault(peer, OrderedDict())
@@ -830,8 +864,7 @@ class ExchangeServer:
     def serve_ack(self, request: Request) -> Reply:
         peer, xid = request.sender, request.header["xid"]
         with self._lock:
-            if peer in self._unacked:
-                self._unacked[peer].pop(xid, None)
+            self._held_up_to(peer, xid)
             known = self._decisions.get(peer, {}).get(xid)
         return Reply(encode(DECISION, request.header.id, xid=xid, outcome=known[0] if known else "unknown"))
 
@@ -850,25 +883,35 @@ class ExchangeServer:
         for key in [k for k, half in self._pending.items() if everything or now >= half.expires]:
             self._abort(key, now).release()
             self._counters.add("exchanges_expired")
+            if not everything:  # its requester never confirmed: after a few in a row, it waits to be served again
+                _, pause, strikes = self._paused.get(key[0], (0.0, 0.0, 0))
+                strikes += 1
+                if strikes >= EXPIRIES_BEFORE_PAUSE:
+                    pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))
+                self._paused[key[0]] = (now + pause if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
 
     def _abort(self, key: tuple[str, int], now: float) -> ServerHalf:
         """(With the lock held) decide abort for the pending exchange `key`; its half, for the caller to
         release. Never applied, so its snapshot may serve another exchange."""
         half = self._pending.pop(key)
-        version = half.served.snapshot.version
-        if self._uses.get(version):
-            self._uses[version] -= 1
+        self._admission.give_back()
         self._decide(key[0], key[1], "abort", now)
         return half
 
     # ----------------------------------------------------------------- training thread
 
     def take_committed(self) -> list[ServerHalf]:
-        """The committed halves, now owned by the caller (who applies, then releases them)."""
+        """The committed halves, now owned by the caller (who applies them, calls :meth:`applied`, then
+        releases them)."""
         with self._lock:
             self._expire(time.monotonic())
             committed, self._committed = self._committed, []
         return committed
+
+    def applied(self) -> None:
+        """(Training thread) A committed half we served is applied: our snapshots so far are stale."""
+        with self._lock:
+            self._settle()
 
     def pending(self) -> int:
         """Exchanges served and not yet decided."""
@@ -877,19 +920,16 @@ class ExchangeServer:
             return len(self._pending)
 
     def spent(self) -> bool:
-        """Has the current snapshot served all its exchanges, and are they all settled?
+        """Has the current snapshot taken part in an applied exchange, with nothing unsettled?
 
         A node that makes no steps (lingering, at a barrier) publishes a fresh
-        snapshot then, or it would answer busy to everyone. Not before they
-        settle: a snapshot per exchange still pending would let the node be in
-        more exchanges at once than convex mixing allows.
+        snapshot then, or it would answer busy to everyone. Not before what is
+        unsettled settles (:mod:`dpwa.mixing.admission`).
         """
         current = self._store.current()
         with self._lock:
             self._expire(time.monotonic())
-            if current is None or self._pending or self._committed:
-                return False
-            return self._uses.get(current.version, 0) >= rules.EXCHANGES_PER_SNAPSHOT
+            return current is not None and self._admission.spent(current.version)
 
     def held(self) -> int:
         """Requester snapshots held: pending and committed-not-applied."""
@@ -916,10 +956,20 @@ class ExchangeServer:
     def acknowledged(self, peer: str, xids: Sequence[int]) -> None:
         """`peer` holds these commits of ours (it said so when asked)."""
         with self._lock:
-            table = self._unacked.get(peer)
             for xid in xids:
-                if table is not None:
-                    table.pop(xid, None)
+                self._held_up_to(peer, xid)
+
+    def _held_up_to(self, peer: str, xid: int) -> None:
+        """(With the lock held) `peer` holds our commit `xid`, so it holds every earlier commit with us too: a
+        requester starts nothing while it is in doubt (dpwa.mixing.admission), so it learned each decision
+        before it started the next exchange. Those need no answer from us any more."""
+        table = self._unacked.get(peer)
+        if table is None or xid not in table:
+            return
+        while table:
+            first, _ = table.popitem(last=False)
+            if first == xid:
+                return
 
     def close(self) -> None:
         """Abort what is still pending (the Rx thread has stopped: no confirm can come)."""
@@ -939,8 +989,10 @@ class AckQueries:
     """A closing server asks each requester whether it holds the commits it has not acknowledged (training
     thread): one ``known`` request per peer at a time, at most every :data:`QUERY_INTERVAL_S`."""
 
-    def __init__(self, server: ExchangeServer, submit: Callable[[Any], Call], name: str, timeout_s: float) -> None:
-        self._server, self._submit, self._name, self._timeout_s = server, submit, name, timeout_s
+    def __init__(
+        self, server: ExchangeServer, submit: Callable[[Any], Call], name: str, deadline: Callable[[], float]
+    ) -> None:
+        self._server, self._submit, self._name, self._deadline = server, submit, name, deadline
         self._calls: dict[str, Call] = {}
         self._next: dict[str, float] = {}
 
@@ -957,7 +1009,7 @@ class AckQueries:
         for peer, xids in asked.items():
             if peer not in self._calls and now >= self._next.get(peer, 0.0):
                 self._next[peer] = now + QUERY_INTERVAL_S
-                self._calls[peer] = self._submit(KnownTask(peer, now + self._timeout_s, self._name, xids))
+                self._calls[peer] = self._submit(KnownTask(peer, self._deadline(), self._name, xids))
 
     def close(self) -> None:
         for call in self._calls.values():

@@ -14,6 +14,9 @@ With ``join: auto`` (the default) a starting node asks its peers for a
   rank 0's; when that node does not answer in time, the node says so and
   keeps its own.
 
+What was taken is a :class:`Joined`; its ``rejoined`` tells the first case
+(True) from the second (False).
+
 A donor never pauses. Its offer's parameters are its latest published
 snapshot (leased: no copy, and no wait for its training thread); its
 optimizer state, which only the training thread may read, is copied at its
@@ -389,9 +392,17 @@ class OfferInfo:
     fields: Mapping[str, Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Joined:
-    """A peer's state, received whole and checked."""
+    """A peer's state, received whole and checked.
+
+    ``rejoined`` tells the two kinds of join apart: True when the cluster had
+    trained (a peer's clock was above 0: this node started late, or again
+    after a crash or a restart, and took the donor's clock and barrier counts
+    too); False at a fresh start, where a node takes the first node's initial
+    parameters at clock 0 (as DDP broadcasts rank 0's). The repr is short: the
+    donor, clock, sizes and the names of the extra state's parts, no arrays.
+    """
 
     donor: str
     clock: float
@@ -403,6 +414,21 @@ class Joined:
     digest: bytes
     extra_state: Any = None  # the optimizer state, checked (ExtraState.check), when one came
     reports: tuple[dict[str, int], ...] = ()  # every answering peer's own barrier counts
+    rejoined: bool = False  # the cluster had trained: not a fresh start (see the class docstring)
+
+    def __repr__(self) -> str:
+        if self.extra_state is None:
+            extra = "none"
+        elif isinstance(self.extra_state, dict):
+            names = ", ".join(f"{name!s:.20}" for name in list(self.extra_state)[:4])
+            more = f", +{len(self.extra_state) - 4}" if len(self.extra_state) > 4 else ""
+            extra = f"{self.extra.nbytes} bytes [{names}{more}]"
+        else:
+            extra = f"{self.extra.nbytes} bytes"
+        return (
+            f"Joined(donor={self.donor!r:.40}, clock={self.clock:g}, rejoined={self.rejoined}, "
+            f"params={self.params.size} {self.params.dtype}, extra={extra}, digest={self.digest.hex()[:12]})"
+        )
 
 
 class OfferTask:
@@ -597,7 +623,7 @@ def join_cluster(
             call = _take(donor, submit, name, terms, timeout_s, log)
             if call.done.is_set() and call.outcome == "ok":
                 joined: Joined = call.take()
-                return dataclasses.replace(joined, reports=reports), trained
+                return dataclasses.replace(joined, reports=reports, rejoined=trained), trained
             failed.add(donor)
             log(f"joining from {donor} failed ({call.outcome or 'timeout'}: {call.reason}); trying the next donor")
         if round_ < JOIN_ROUNDS:

@@ -90,7 +90,9 @@ class Node:
         self.wire, self.nbytes = self.model.dtype, self.model.nbytes
         self.counters = Counters()
         self.state: NodeState = "starting"
-        self.joined: Joined | None = None  # the state this node took from a peer at start, if it did
+        # the state this node took from a peer at start (or by join()), if it did; joined.rejoined tells a
+        # late or restarted node (the cluster had trained) from a fresh start (the first node's initial state)
+        self.joined: Joined | None = None
         self._outer = OuterStep.of(self.config, params)  # before joining: a joiner takes its peer's
         self._extra = Extras.of(optimizer=extra, outer=self._outer)
         self._local_steps = 0  # steps since this node last started an exchange (period)

@@ -25,9 +25,8 @@ from .exchange import SETTLE_QUIET_S, AckQueries, ClientHalf, ExchangeClient, Ex
 from .snapshots import Lease
 from .steps import Crew, Step, Update
 
-__all__ = ["BUSY_RETRY_MAX_S", "EXCHANGE_CAPACITY", "SymmetricSteps"]
+__all__ = ["BUSY_RETRY_MAX_S", "SymmetricSteps"]
 
-EXCHANGE_CAPACITY = 4  # requester snapshots a server holds at most
 BUSY_RETRY_MAX_S = 0.02  # how long an exchange may keep asking busy peers again
 
 
@@ -43,14 +42,19 @@ class SymmetricSteps:
             crew.interpolation,
             config.divergence_threshold,
             config.timeout_s,
-            EXCHANGE_CAPACITY,
             crew.counters,
             slots=parts.slot_readers(),  # same-host requesters name their snapshot's slot
             # large models between hosts: requesters offer their snapshots at their bulk ports
             streams_in=(parts.streams_in[0].submit, parts.streams_in[1]) if parts.streams_in is not None else None,
         )
         self.client = ExchangeClient(
-            crew.name, list(parts.peers), config.timeout_s, parts.client.submit, crew.counters, crew.flow.heard
+            crew.name,
+            list(parts.peers),
+            config.timeout_s,
+            parts.client.submit,
+            crew.counters,
+            crew.flow.heard,
+            ended=functools.partial(self.server.own_ended, False),
         )
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
         self._slot_peers = frozenset(parts.local)  # same-host peers we name our slot to (until one refuses)
@@ -76,6 +80,10 @@ class SymmetricSteps:
             return False
         own = crew.parts.store.lease()
         if own is None:  # nothing published (every slot held at our first publish): nothing to offer
+            return False
+        if not self.server.take_own(own.snapshot.version):  # in an exchange we serve (dpwa.mixing.admission)
+            own.release()
+            crew.counters.add("starts_skipped_in_exchange")
             return False
         snap = own.snapshot
         common = {
@@ -144,7 +152,11 @@ class SymmetricSteps:
         if call is not None and call.done.is_set():
             self._outstanding.remove(call)
             result = self._harvest(call)
-        self.tend()
+        applied = self.tend() + (result.averaged if result is not None else 0)
+        if applied:
+            # Our snapshot is stale now (dpwa.mixing.admission): publish what the next step would, so that a
+            # peer asking before our next update_send (while the loader loads, say) is not refused busy.
+            self._crew.publish(own_loss if own_loss is not None else clock.loss)
         if call is None:
             return Update(False, "no_fetch", reason="no exchange was started this step", clock=clock.clock)
         if result is None:
@@ -165,6 +177,7 @@ class SymmetricSteps:
         self._no_stream(task.stream_refused)
         if call.outcome != "ok":
             task.release()  # our snapshot, if the task never ran
+            self.server.own_ended(False)
             crew.outcomes.record(call)
             return Update(
                 False, call.outcome or "failed", call.peer, reason=call.reason, latency_s=call.latency_s, clock=clock
@@ -215,6 +228,7 @@ class SymmetricSteps:
             own, theirs = half.own.snapshot, half.theirs
             crew.blend.apply(crew.params, own.array, theirs.array, half.f, crew.model.kept)
             crew.progress.set_clock(crew.blend.clock(crew.progress.clock, own.clock, theirs.header["clock"], half.f))
+        self.server.own_ended(True)
         crew.blended()
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{half.peer}.averaged")
@@ -233,6 +247,7 @@ class SymmetricSteps:
                 rules.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.kept)
                 their_clock = half.theirs.header["clock"]
                 crew.progress.set_clock(rules.mirror_clock(crew.progress.clock, served.clock, their_clock, half.f))
+            self.server.applied()
             crew.counters.add("mirrored")
             crew.counters.add(f"peer.{half.peer}.averaged")
             applied += 1
@@ -263,31 +278,38 @@ class SymmetricSteps:
         crew, server, client = self._crew, self.server, self.client
         server.start_closing()
         client.send_acks()
-        queries = AckQueries(server, crew.parts.client.submit, crew.name, crew.config.timeout_s)
+        queries = AckQueries(server, crew.parts.client.submit, crew.name, client.closing_deadline)
         frozen = False
         try:
             while time.monotonic() < deadline:
                 self.tend()
-                ours = bool(self._outstanding or len(client) or client.acks_pending())
-                if not frozen and not ours and time.monotonic() - server.last_confirm >= SETTLE_QUIET_S:
+                # our own exchanges decided (our acks may still be on their way: an ack to a peer that closed
+                # first waits out its deadline, and must not keep us from asking the others about our commits)
+                decided = not (self._outstanding or len(client))
+                if not frozen and decided and time.monotonic() - server.last_confirm >= SETTLE_QUIET_S:
                     server.stop_committing()
                     frozen = True
                 if frozen:
                     queries.tend()
-                    if not ours and not server.unacknowledged():
+                    if not client.acks_pending() and not server.unacknowledged():
                         return
                 time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
         finally:
             queries.close()
         unacked = server.unacknowledged()
-        logger.warning(
-            "%s: closing with exchanges unsettled after the close deadline: %d of ours in doubt, "
-            "%d commits of ours not yet known to %s",
-            crew.name,
-            len(client),
-            len(unacked),
-            ", ".join(sorted({peer for peer, _ in unacked})) or "anyone",
-        )
+        if len(client) or unacked:  # what may still differ between two sides (a commit whose requester never heard)
+            logger.warning(
+                "%s: closing with exchanges unsettled after the close deadline: %d of ours in doubt, "
+                "%d commits of ours not yet known to %s",
+                crew.name,
+                len(client),
+                len(unacked),
+                ", ".join(sorted({peer for peer, _ in unacked})) or "anyone",
+            )
+        else:  # only our acks were not delivered: their peers closed first (or are gone), and need them no more
+            logger.info(
+                "%s: closed with %d acks undelivered (those peers did not answer)", crew.name, client.acks_pending()
+            )
 
     def close(self) -> None:
         """After the Rx thread stopped: apply the last decisions it made, let go of everything else."""

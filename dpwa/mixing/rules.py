@@ -22,12 +22,12 @@ with state it is preserved only when nothing changed between publishing and
 blending (pure averaging).
 
 Every correction is taken relative to a snapshot, so a node that takes part
-in k exchanges in one step ends at ``(1 - k f) s_i + f * sum(partners)``: for
-``k f > 1`` its own weight turns negative and the mixing overshoots instead of
-averaging. So in symmetric mode a published snapshot serves at most one
-exchange (:data:`EXCHANGES_PER_SNAPSHOT`); a node is then in at most two per
-step (the one it starts and one it serves), and any ``f <= 1/2`` mixes
-convexly. Further requests are answered ``busy`` and asked elsewhere.
+in k exchanges on one state ends at ``(1 - k f) s_i + f * sum(partners)``:
+at k = 2 and f = 1/2 its own weight is zero and two nodes swap instead of
+averaging. So in symmetric mode a node takes part in one unsettled exchange
+at a time and each snapshot in one exchange (:mod:`dpwa.mixing.admission`):
+its own weight is then ``1 - f >= 1/2`` after any exchange. Further requests
+are answered ``busy``.
 
 Clocks follow the same rules as the parameters.
 """
@@ -44,7 +44,6 @@ from .params import FlatParams
 __all__ = [
     "Blend",
     "DeltaBlend",
-    "EXCHANGES_PER_SNAPSHOT",
     "MAX_SYMMETRIC_FACTOR",
     "StateBlend",
     "mirror",
@@ -52,7 +51,6 @@ __all__ = [
     "symmetric_factor",
 ]
 
-EXCHANGES_PER_SNAPSHOT = 1  # symmetric exchanges one published snapshot may serve
 MAX_SYMMETRIC_FACTOR = 0.5  # beyond it a symmetric exchange would move a side past its partner
 
 

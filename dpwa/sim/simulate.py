@@ -39,6 +39,7 @@ import numpy as np
 from ..gossip.flow import PeerSelector
 from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
+from ..mixing.admission import Admission
 from ..mixing.outer import GossipOuter, OuterSettings
 from ..mixing.params import NumpyParams
 
@@ -100,7 +101,7 @@ class Gossip:
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
         self.blend = mixing.DeltaBlend() if blend == "delta" else mixing.StateBlend()
-        self.rng = random.Random(seed)
+        self.rng, self.seed = random.Random(seed), seed
         self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]
         self.exchanges = 0
         self.refused = 0  # symmetric requests a busy server turned away
@@ -137,8 +138,8 @@ class Gossip:
     def round(self, train: Callable[[int, np.ndarray], None] | None = None) -> None:
         """Every node publishes, maybe picks a peer, trains one step, then the exchanges apply.
 
-        Requests reach their servers in random order; in symmetric mode a server's
-        snapshot serves at most EXCHANGES_PER_SNAPSHOT of them, as on a real node.
+        Requests reach their servers in random order; in symmetric mode a node takes part in one exchange
+        per round (dpwa.mixing.admission), as on a real node.
         """
         snapshots = [a.copy() for a in self.arrays]
         if self.rounds % self.period:  # a round of local steps only
@@ -147,23 +148,30 @@ class Gossip:
                 for i, array in enumerate(self.arrays):
                     train(i, array)
             return
-        if self.pairing == "hypercube":
-            partners = [(i, pairings.hypercube_partner(i, self.n, self.rounds)) for i in range(self.n)]
-            pairs = [(i, j) for i, j in partners if pairings.initiates(i, j, self.mode)]
-        else:
+        if self.pairing == "random" and self.mode == "pull":  # a peer by score, as a node draws it
             pairs = [(i, self.choose(i)) for i in range(self.n) if self.rng.random() < self.fetch_probability]
+        else:  # a schedule, as the nodes follow it (dpwa.gossip.settings.pairing_of)
+            if self.pairing == "hypercube":
+                partners = [(i, pairings.hypercube_partner(i, self.n, self.rounds)) for i in range(self.n)]
+                pairs = [(i, j) for i, j in partners if pairings.initiates(i, j, self.mode)]
+            else:  # mode symmetric, random: a random matching
+                matched = [(i, pairings.matching_partner(i, self.n, self.rounds, self.seed)) for i in range(self.n)]
+                pairs = [(i, pair[0]) for i, pair in matched if pair is not None and pair[1]]
         self.rounds += 1
         self.rng.shuffle(pairs)
         if train is not None:
             for i, array in enumerate(self.arrays):
                 train(i, array)
-        served = [0] * self.n
+        # mode symmetric: one exchange per node and snapshot (dpwa.mixing.admission), as on a real node
+        admissions = [Admission() for _ in range(self.n)] if self.mode == "symmetric" else None
         for i, j in pairs:
-            if self.mode == "symmetric":
-                if served[j] >= mixing.EXCHANGES_PER_SNAPSHOT:
+            if admissions is not None:
+                if not admissions[i].take(1, "own"):
+                    continue
+                if not admissions[j].take(1, "served"):
+                    admissions[i].give_back()
                     self.refused += 1
                     continue
-                served[j] += 1
             self.exchange(i, j, snapshots)
 
 

@@ -309,9 +309,9 @@ def resume_or_rejoin(
         load_checkpoint(args, epoch, conn, optimizer, schedule, order, progress)
         checkpoints.discard(args.run_dir, checkpoints.LAST, args.name)  # taken up, or older than what was
         return f"{'resumed' if args.resume else 'restarted'} from {describe_checkpoint(epoch)}"
-    if not (conn.joined is not None and conn.clock > 0) and restart_count() > 0:
+    if not (conn.joined is not None and conn.joined.rejoined) and restart_count() > 0:
         conn.join(wait_s=max(60.0, args.barrier_timeout_s / 5))
-    if conn.joined is not None and conn.clock > 0:
+    if conn.joined is not None and conn.joined.rejoined:
         progress["epoch"] = conn.barrier_counters().get("epoch", 0)
         progress["step"] = progress["epoch"] * steps
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": deliberate here
