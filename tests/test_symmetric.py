@@ -518,6 +518,38 @@ def test_a_refused_request_does_not_use_up_the_nodes_one_exchange(nodes, zctx):
     assert stats["exchanges_expired"] == 1 and stats.get("mirrored", 0) == 0 and np.all(mine == 10)
 
 
+def test_an_exchange_left_unconfirmed_gives_way_to_another_peer_after_half_the_deadline(nodes, zctx):
+    """w0 asks and never confirms: the node's one exchange is w0's, and w2 is refused busy; once w0's has
+    waited half the deadline (1 s of 2 s), w2's request preempts it (before it would expire, at 3 s). w0's
+    late confirm is answered abort, and only w2's exchange moves the node."""
+    timeout_s = 2.0
+    cfg = make_config(3, mode="symmetric", blend="delta", timeout_ms=int(timeout_s * 1000))
+    mine = filled(10)
+    server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
+    server.update_send()
+    w0, w2 = RawPeer(zctx, cfg, "w0"), RawPeer(zctx, cfg, "w2")
+    asked = time.monotonic()
+    stalled = w0.exchange(server, filled(0))
+    assert stalled.kind == "params"
+    early = w2.exchange(server, filled(4))
+    assert early.kind == "error" and early["reason"] == "busy"
+    replies = []
+
+    def served() -> bool:
+        replies.append(w2.exchange(server, filled(4)))
+        return replies[-1].kind == "params"
+
+    assert wait_until(served, 10)
+    waited = time.monotonic() - asked
+    assert timeout_s / 2 <= waited < timeout_s + 1.0, waited  # preempted, not expired
+    stats = server.stats()
+    assert stats["exchanges_preempted"] == 1 and stats.get("exchanges_expired", 0) == 0
+    assert w0.confirm(stalled["xid"])["outcome"] == "abort"
+    assert w2.confirm(replies[-1]["xid"])["outcome"] == "commit"
+    server.update_wait()
+    assert np.all(mine == 7.0)  # 10 + (4 - 10) / 2: w2's exchange only
+
+
 def test_exchange_ids_are_the_servers_and_bound_to_the_peer(nodes, zctx):
     """A requester cannot confirm an exchange it was not given, nor another peer's; a repeated
     confirm gets the same decision; nothing leaks (the snapshot slots stay few)."""

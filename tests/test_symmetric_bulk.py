@@ -4,6 +4,9 @@ offered at its own bulk port, and the exchange keeps its both-or-neither guarant
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -203,6 +206,64 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
     assert np.all(theirs == 5.0)
 
 
+class Trickle:
+    """A bulk port that accepts, sends one byte, and then nothing (a stream that stalls once it began)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.05)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-trickle", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.accepted.append(conn)
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("port", ["silent", "one_byte"])
+def test_a_requesters_stream_that_stalls_holds_the_server_half_a_deadline_at_most(nodes, zctx, tmp_path, port):
+    """A requester offers its snapshot at a port that never sends, or sends one byte and then nothing. The
+    server's stream-in gives up within half the exchange's deadline (2 s of 4 s here) and aborts: the stream
+    can be slowed, never stopped. (Before, a port that sent one byte held it for the whole deadline.)"""
+
+    timeout_s = 4.0
+    cfg = cluster(tmp_path, keys=False, n=3, timeout_ms=int(timeout_s * 1000))
+    server = nodes(serving_only(cfg), "w1", NumpyParams(np.full(SIZE, 10.0, np.float32)))
+    server.update_send()
+    listener = SilentListener() if port == "silent" else Trickle()
+    try:
+        started = time.monotonic()
+        reply = BulkRawPeer(zctx, cfg, "w2").bulk_exchange(server, listener.port)
+        assert reply.kind == "params"
+        assert wait_until(lambda: server.stats().get("bulk_exchange_streams_failed", 0) == 1, 3 * timeout_s)
+        held = time.monotonic() - started
+    finally:
+        listener.close()
+    assert held <= timeout_s / 2 + 0.5, held  # half the deadline, and the poll's slack
+    assert server.stats()["exchanges_pending"] == 0
+
+
 def test_a_hostile_ticket_in_a_keyed_cluster_without_a_key_is_refused_as_it_streams(nodes, zctx, tmp_path):
     """In a cluster with keys a stream must be sealed: a bulk_exchange that offers a plain one (no key)
     aborts without a byte being read from it. (A raw requester over plain TCP cannot reach a keyed node,
@@ -222,7 +283,6 @@ def test_a_hostile_ticket_in_a_keyed_cluster_without_a_key_is_refused_as_it_stre
 def test_closing_while_a_requesters_snapshot_is_still_streaming_in_is_bounded(nodes, zctx, tmp_path):
     """The offered stream never sends a byte and would be waited for 30 s: closing the server stops it at
     once, aborts the exchange, and leaves no thread behind (the fixture checks)."""
-    import time
 
     cfg = cluster(tmp_path, keys=False, n=3, timeout_ms=60_000)
     server = nodes(serving_only(cfg), "w1", NumpyParams(np.full(SIZE, 10.0, np.float32)))

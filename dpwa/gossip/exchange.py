@@ -65,7 +65,8 @@ A node takes part in one unsettled exchange at a time, as requester or as
 server, and each published snapshot in at most one exchange (see
 :mod:`dpwa.mixing.admission`): so a server holds at most one requester
 snapshot, and a requester in doubt starts nothing until it learns the
-decision. A peer whose served exchanges expired unconfirmed
+decision. A peer whose served exchanges failed on its side (expired
+unconfirmed, or its offered snapshot did not stream in)
 :data:`EXPIRIES_BEFORE_PAUSE` times in a row is refused ``busy`` for a pause
 (the ttl, doubling with each further expiry up to :data:`RESOLVE_LIMIT_S`,
 reset by its next confirm), so a member that asks and never confirms holds a
@@ -126,7 +127,8 @@ __all__ = [
 ]
 
 TTL_MARGIN_S = 1.0  # a PENDING exchange expires this long after the requester's deadline would
-EXPIRIES_BEFORE_PAUSE = 3  # a peer whose served exchanges expire unconfirmed this many times in a row is paused
+EXPIRIES_BEFORE_PAUSE = 3  # a peer whose served exchanges fail this many times in a row (expired unconfirmed, or
+# its snapshot did not stream in) is paused
 MAX_IN_DOUBT = 1  # exchanges a requester may be in doubt about at once (one unsettled: dpwa.mixing.admission)
 RESOLVE_RETRY_MAX_S = 0.5  # in doubt: ask again at most this long after the last try
 RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the link is)
@@ -655,6 +657,7 @@ class ExchangeServer:
         self._values = values
         self._interpolation, self._threshold = interpolation, divergence_threshold
         self.ttl_s = timeout_s + TTL_MARGIN_S
+        self._preempt_after_s = timeout_s / 2  # a pending exchange this old may give way to another peer's
         self._arrivals = Arrivals(serving.model)  # requester snapshots that came in chunks (or encoded)
         self._counters = counters
         self._lock = threading.Lock()
@@ -742,6 +745,7 @@ class ExchangeServer:
                 theirs = None
             elif half is not None:  # the stream failed: nothing can commit
                 gone = self._abort((peer, xid), time.monotonic())
+                self._strike(peer, time.monotonic())
         if theirs is not None:
             theirs.release()  # the exchange expired (or the node closed) while it streamed in
         if gone is not None:
@@ -797,11 +801,30 @@ class ExchangeServer:
             if served is None:
                 raise refused("not_ready", "no snapshot published yet")
             # see dpwa.mixing.admission: a second unsettled exchange, or a stale snapshot, could erase our state
-            if not self._admission.take(served.snapshot.version, "served"):
-                why = self._admission.refusal(served.snapshot.version)
+            version = served.snapshot.version
+            if not self._admission.take(version, "served") and not self._preempt(peer, now, version):
+                why = self._admission.refusal(version)
                 served.release()
                 raise refused("busy", why)
             return served
+
+    def _preempt(self, peer: str, now: float, version: int) -> bool:
+        """(With the lock held) serve `peer` instead of an exchange of another peer that has waited for its
+        confirm longer than half the requesters' deadline: abort that one (nothing was applied anywhere; its
+        late confirm is answered abort) and take the node's one exchange for `peer`. An honest requester
+        confirms within a round trip, so only a requester that stalls is preempted, and one that never
+        confirms holds a node for at most half a deadline while others ask."""
+        stale = [
+            key
+            for key, half in self._pending.items()
+            if key[0] != peer and now - (half.expires - self.ttl_s) >= self._preempt_after_s
+        ]
+        if not stale or len(self._pending) != 1 or self._committed:
+            return False
+        self._abort(stale[0], now).release()
+        self._strike(stale[0][0], now)
+        self._counters.add("exchanges_preempted")
+        return self._admission.take(version, "served")
 
     def _unreserve(self) -> None:
         with self._lock:
@@ -883,12 +906,17 @@ class ExchangeServer:
         for key in [k for k, half in self._pending.items() if everything or now >= half.expires]:
             self._abort(key, now).release()
             self._counters.add("exchanges_expired")
-            if not everything:  # its requester never confirmed: after a few in a row, it waits to be served again
-                _, pause, strikes = self._paused.get(key[0], (0.0, 0.0, 0))
-                strikes += 1
-                if strikes >= EXPIRIES_BEFORE_PAUSE:
-                    pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))
-                self._paused[key[0]] = (now + pause if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
+            if not everything:  # its requester never confirmed
+                self._strike(key[0], now)
+
+    def _strike(self, peer: str, now: float) -> None:
+        """(With the lock held) an exchange `peer` asked for failed on its side (never confirmed, or its
+        snapshot did not stream in): after a few in a row, it waits to be served again, longer each time."""
+        _, pause, strikes = self._paused.get(peer, (0.0, 0.0, 0))
+        strikes += 1
+        if strikes >= EXPIRIES_BEFORE_PAUSE:
+            pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))
+        self._paused[peer] = (now + pause if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
 
     def _abort(self, key: tuple[str, int], now: float) -> ServerHalf:
         """(With the lock held) decide abort for the pending exchange `key`; its half, for the caller to

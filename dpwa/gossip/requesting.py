@@ -48,8 +48,8 @@ __all__ = ["BULK_PAUSE_MAX_S", "BULK_PAUSE_S", "FetchTask", "Received", "ReplyRe
 SAME_HOST_ATTEMPTS = 4  # asks when a same-host slot was rewritten before we locked it
 BULK_PAUSE_S = 1.0  # after a failed stream, a peer is not asked for one for this long (doubling in a row) ...
 BULK_PAUSE_MAX_S = 60.0  # ... up to this
-BULK_FIRST_BYTE_SHARE = 0.5  # a stream's first byte must come within this share of the time left, so the
-# fetch can still go over ZeroMQ when a flood or a dead port holds it up
+BULK_FIRST_BYTE_SHARE = 0.5  # a stream's first byte, and its last, must come within this share of the time left,
+# so the fetch can still go over ZeroMQ when a flood, a dead port or a stream that stalls holds it up
 _RETRY = ("shm_stale", "shm_busy")
 
 
@@ -227,7 +227,7 @@ class ReplyReader:
         if self._sealed and key is None:
             raise ProtocolError("bad_reply", "a plain bulk stream in a cluster with keys (it would bypass CURVE)")
         now = time.monotonic()
-        first_byte_by = now + BULK_FIRST_BYTE_SHARE * max(0.0, deadline - now)
+        first_byte_by = stream_by = now + BULK_FIRST_BYTE_SHARE * max(0.0, deadline - now)
         buffer, give_back = self.arrivals.wire.take()
         with contextlib.ExitStack() as keep:
             keep.callback(give_back)  # given back if anything fails
@@ -241,6 +241,7 @@ class ReplyReader:
                     cancelled=cancelled,
                     key=key,
                     first_byte_by=first_byte_by,
+                    stream_by=stream_by,
                 )
                 array, give_back = self.arrivals.decode(buffer)
                 keep.pop_all()
@@ -263,6 +264,7 @@ class ReplyReader:
                     cancelled,
                     key=key,
                     first_byte_by=first_byte_by,
+                    stream_by=stream_by,
                 )
                 self.values.check_distance(array)
             keep.pop_all()

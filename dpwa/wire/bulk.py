@@ -528,12 +528,13 @@ class _Closed(Exception):
 
 
 class _Progress:
-    """How far one transfer has come, and by when it must have started."""
+    """How far one transfer has come, by when it must have started, and by when it must be over."""
 
-    __slots__ = ("got", "total", "first_byte_by", "deadline")
+    __slots__ = ("got", "total", "first_byte_by", "stream_by", "deadline")
 
-    def __init__(self, total: int, first_byte_by: float, deadline: float) -> None:
+    def __init__(self, total: int, first_byte_by: float, stream_by: float, deadline: float) -> None:
         self.got, self.total, self.first_byte_by, self.deadline = 0, total, first_byte_by, deadline
+        self.stream_by = stream_by
 
 
 class BulkReceiver:
@@ -556,12 +557,16 @@ class BulkReceiver:
         *,
         key: bytes | None = None,
         first_byte_by: float | None = None,
+        stream_by: float | None = None,
     ) -> None:
         """Claim transfer `token` at host:port and read exactly ``out.nbytes`` bytes into `out` by `deadline`.
 
         With `key` the stream is sealed: each block is authenticated and decrypted into `out` before
         `check` sees it. `check(start, end)` runs on each block as soon as it is in (byte offsets; it may
-        raise ProtocolError to stop). The first byte must arrive by `first_byte_by` (default: the deadline).
+        raise ProtocolError to stop). The first byte must arrive by `first_byte_by`, and the last by
+        `stream_by` (both default to the deadline): a stream that is slower than that, or stalls after any
+        number of bytes, fails then with BulkError, while the caller still has the time from `stream_by`
+        to the deadline to ask over ZeroMQ. A stream can be slowed, never stopped.
 
         Raises BulkError when the stream fails (the caller may ask over ZeroMQ instead), RequestTimeout
         at the deadline, RequestCancelled, or what `check` raises; the connection is forgotten on any
@@ -571,7 +576,12 @@ class BulkReceiver:
         view = out.reshape(-1).view(np.uint8).data
         for attempt in range(1, EVICTED_ATTEMPTS + 1):
             reused = where in self._socks
-            progress = _Progress(view.nbytes, first_byte_by if first_byte_by is not None else deadline, deadline)
+            progress = _Progress(
+                view.nbytes,
+                first_byte_by if first_byte_by is not None else deadline,
+                stream_by if stream_by is not None else deadline,
+                deadline,
+            )
             try:
                 sock = self._socks.get(where) or self._connect(host, port, min(deadline, progress.first_byte_by))
                 self._socks[where] = sock
@@ -654,7 +664,13 @@ class BulkReceiver:
                 )
             if not progress.got and now >= progress.first_byte_by:
                 raise BulkError(f"{self.name}: the bulk stream sent nothing in time")
-            limit = progress.deadline if progress.got else min(progress.deadline, progress.first_byte_by)
+            if now >= progress.stream_by:
+                raise BulkError(
+                    f"{self.name}: the bulk stream was not over in time ({progress.got} of {progress.total} bytes)"
+                )
+            limit = min(progress.deadline, progress.stream_by)
+            if not progress.got:
+                limit = min(limit, progress.first_byte_by)
             sock.settimeout(min(limit - now, POLL_SLICE_S))
             try:
                 n = sock.recv_into(view[got:], view.nbytes - got)

@@ -93,3 +93,82 @@ class SilentListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StallingRelay:
+    """Relays connections to a bulk port, passing the server's first `passed` bytes back and then nothing
+    more (a link or a middlebox that stalls mid-stream), holding the connections open until closed.
+
+    One thread with a selector, bounded by `limit_s`; ``close()`` stops it and closes every socket.
+    """
+
+    def __init__(self, port: int, passed: int = 1, *, limit_s: float = 60.0) -> None:
+        self.target = ("127.0.0.1", port)
+        self.passed = passed
+        self.relayed = 0  # connections relayed
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.setblocking(False)
+        self.port = self.sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + limit_s
+        self._thread = threading.Thread(target=self._run, name="test-stalling-relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.sock, selectors.EVENT_READ, None)
+        pairs: dict[socket.socket, tuple[socket.socket, bool]] = {}  # socket -> (its other end, from the server?)
+        budget: dict[socket.socket, int] = {}  # server side -> bytes it may still pass back
+        try:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                for key, _ in selector.select(0.01):
+                    if key.fileobj is self.sock:
+                        try:
+                            client, _ = self.sock.accept()
+                        except BlockingIOError:
+                            continue
+                        server = socket.create_connection(self.target, timeout=5)
+                        pairs[client], pairs[server] = (server, False), (client, True)
+                        budget[server] = self.passed
+                        for end in (client, server):
+                            end.setblocking(False)
+                            selector.register(end, selectors.EVENT_READ, None)
+                        self.relayed += 1
+                        continue
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    other, from_server = pairs[sock]
+                    size = min(65536, budget[sock]) if from_server else 65536
+                    if size == 0:  # stalled: read nothing more from the server, keep both ends open
+                        selector.unregister(sock)
+                        continue
+                    try:
+                        data = sock.recv(size)
+                    except OSError:
+                        data = b""
+                    if not data:
+                        for end in (sock, other):
+                            if end in selector.get_map():
+                                selector.unregister(end)
+                        continue
+                    if from_server:
+                        budget[sock] -= len(data)
+                    other.sendall(data)
+        finally:
+            for end in pairs:
+                end.close()
+            self.sock.close()
+            selector.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the relay thread did not stop"
+
+    def __enter__(self) -> StallingRelay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -113,7 +113,9 @@ class RawPeer:
             clock=clock,
             loss=None,
         )
-        return self._ask([header, payload])
+        from dpwa.wire.payload import chunks
+
+        return self._ask([header, *chunks([payload])])
 
     def confirm(self, xid: int) -> Any:
         from dpwa.gossip.protocol import CONFIRM
