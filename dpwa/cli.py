@@ -142,18 +142,25 @@ def status(args: argparse.Namespace) -> int:
         names = LaunchSpec.load(target).local_names
     else:  # a PID file per node, besides the launcher's own processes
         names = sorted(p.stem for p in pids.glob("*.pid") if p.stem not in ("launcher", "finish"))
-    nodes = MetricsTail(target, names).poll()
+    nodes = MetricsTail(target, names).poll(final=True)
     for line in table(list(nodes.values())):
         print(line)
+    for node in nodes.values():  # bad lines of the metrics files, with their file and line number
+        for problem in node.problems:
+            print(f"dpwa status: {problem}", file=sys.stderr)
     alive = []
     for path in sorted(pids.glob("*.pid")):
-        pid, start = read_pid_file(path)
+        try:
+            pid, start = read_pid_file(path)
+        except (OSError, ValueError) as exc:  # a PID file cut short or spoiled: say so, go on
+            print(f"dpwa status: {exc}; skipped", file=sys.stderr)
+            continue
         if process_start(pid) == start:
             alive.append(f"{path.stem} (pid {pid})")
     print("running: " + (", ".join(alive) if alive else "nothing"))
     summary = target / "summary.txt"
     if summary.exists() and not alive:
-        print("\n" + summary.read_text().rstrip())
+        print("\n" + summary.read_text(encoding="utf-8", errors="replace").rstrip())
     return 0
 
 

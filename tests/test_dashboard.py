@@ -270,7 +270,18 @@ def test_run_watcher_keeps_only_what_checks_out(tmp_path):
     assert snap["summary"]["test_acc"] is None and snap["summary"]["models"] == 2
     events = board.snapshot()
     kinds = [(e["kind"], e["node"]) for e in events]
-    assert kinds == [("start", "w1"), ("rejoin", "w1"), ("kill", "w1"), ("checkpoint", "w1"), ("barrier", "w1")]
+    assert (
+        kinds
+        == [("start", "w1"), ("rejoin", "w1"), ("kill", "w1"), ("checkpoint", "w1"), ("barrier", "w1")]
+        + [("bad_line", None)] * 2
+        + [("bad_line", "w1")] * 4
+    )  # each skipped line is said, with its file and line (read after the rest)
+    assert [e["text"] for e in events[5:7]] == [
+        "events.jsonl: line 3: node is a list, not a string; skipped",
+        "events.jsonl: line 4: kind is an object, not a string; skipped",
+    ]
+    assert events[7]["text"] == "metrics/w1.jsonl: line 4: averaged is -4, not a count (an integer from 0); skipped"
+    assert w1["bad_lines"] == 4
     assert all(len(e["text"]) <= MAX_TEXT for e in events)
     assert events[3]["text"].startswith("checkpoint not saved: " + HOSTILE_SCRIPT)  # kept as text; the page escapes
     assert events[4]["text"] == "waited 3.5 s at barrier 'epoch'"  # the unknown name is not repeated
@@ -543,10 +554,12 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
             return lines[0].split()[2] if lines else None
 
         assert wait_until(lambda: url() is not None, 60), "".join(run.out)
-        page = url()
-        assert page is not None
-        port = int(page.split(":")[2].split("/")[0])
+        printed = url()
+        assert printed is not None and "token" not in printed  # the launcher never prints the kill token
+        port = int(printed.split(":")[2].split("/")[0])
         run_dir = (runs / "latest").resolve()
+        page = json.loads((run_dir / "dashboard.json").read_text())["url"]  # the token's one place (0600)
+        assert page.startswith(printed + "?token=")
         events = run_dir / "events.jsonl"
 
         def chaos_done() -> bool:  # each node killed once (restarts 1: no more kills) and back to training

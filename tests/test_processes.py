@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_exact_bytes_and_known_blends_across_processes(nodes, children, make_cluster):
-    cfg = make_cluster(4, constant={"value": 0.5})
+    cfg = make_cluster(4, constant={"value": 0.5}, pairing="random")  # a peer by score: every peer is asked
     pattern = children(cfg, "w1", seed=11, size=50_000, fetch=False)
     fills = [children(cfg, f"w{k}", fill=k, size=50_000, fetch=False) for k in (2, 3)]
     for child in [pattern] + fills:

@@ -496,8 +496,8 @@ class DpwaPyTorchAdapter:
     ) -> None:
         """Resume from a checkpoint, after loading the model's weights: the clock, barrier counters and
         the outer step's state (:meth:`outer_state`'s). See Node.restore."""
-        if outer is not None:
-            outer = {k: v.detach().cpu().numpy() if torch.is_tensor(v) else v for k, v in outer.items()}
+        if isinstance(outer, Mapping):  # anything else: the node refuses it, saying what it got
+            outer = {k: _numpy(f"a checkpoint's outer state: {k!r:.40}", v) for k, v in outer.items()}
         self.node.restore(clock, barriers, outer)
 
     def join(self, wait_s: float = 60.0) -> bool:
@@ -521,3 +521,13 @@ class DpwaPyTorchAdapter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _numpy(where: str, value: Any) -> Any:
+    """A tensor as a numpy array (its dtype kept, for the node to check); anything else as it is."""
+    if not torch.is_tensor(value):
+        return value
+    try:
+        return value.detach().cpu().numpy()
+    except (TypeError, RuntimeError) as exc:  # a dtype numpy has not (bfloat16), a tensor that needs grad
+        raise ValueError(f"{where}: {exc}") from None

@@ -15,6 +15,13 @@ A write that fails (a full disk, a quota) raises :class:`CheckpointError`
 naming the file and leaves no partial file and no listing behind: earlier
 checkpoints stay complete and loadable.
 
+The folders are made mode 0700 and every file, the lock included, 0600,
+whatever the umask (:mod:`.private`): another user of the machine can
+neither read a node's state nor open the lock file. The lock is taken with a
+deadline (:data:`LOCK_TIMEOUT_S`): a lock held past it, by a process that hung
+or one that is not ours, is a :class:`CheckpointError` naming the lock file
+and its holder (from ``/proc/locks``), never a wait without end.
+
 An epoch's checkpoint is *complete* when every node's file is listed and
 present; :func:`latest_complete` finds the newest. A manifest is checked
 whole before any of it is used (:func:`manifest`): every entry names a node,
@@ -45,8 +52,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .private import make_private_dir, open_private
+
 __all__ = [
     "LAST",
+    "LOCK_TIMEOUT_S",
     "CheckpointError",
     "checkpoint_dir",
     "discard",
@@ -65,7 +75,12 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged; the message names the file."""
 
 
+class _LockTimeout(CheckpointError):
+    """A manifest's lock was held past the deadline."""
+
+
 LAST = "last"  # the epoch argument for the state a node saves when it is stopped
+LOCK_TIMEOUT_S = 10.0  # how long save() and discard() wait for a manifest's lock (others hold it for milliseconds)
 
 
 def checkpoint_dir(run_dir: str | os.PathLike[str], epoch: int | str) -> Path:
@@ -83,7 +98,7 @@ def _fsync_dir(path: Path) -> None:
 def _write_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with open_private(tmp, "wb") as fh:  # mode 0600
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -93,18 +108,70 @@ def _write_atomically(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    fd = os.open(directory / "manifest.lock", os.O_RDWR | os.O_CREAT, 0o644)
+def _lock_holder(fd: int) -> str:
+    """Who holds the flock on the file open at `fd`, in words, from /proc/locks ('' if it cannot be told)."""
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line has "->" after the number
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == device and fields[4].isdigit():
+            pid = int(fields[4])
+            if pid == os.getpid():
+                continue
+            try:
+                command = Path(f"/proc/{pid}/comm").read_text().strip()
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                return f"pid {pid}"
+            return f"pid {pid} ({command}, uid {uid})"
+    return ""
 
 
-def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: dict[str, Any]) -> Path:
-    """Write `node`'s state for `epoch` (or LAST) atomically and list it in its manifest. Returns the file."""
+@contextlib.contextmanager
+def _locked(directory: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Hold the folder's manifest.lock (mode 0600) for the block; a CheckpointError after `timeout_s`."""
+    path = directory / "manifest.lock"
+    with open_private(path, "ab") as fh:
+        fd = fh.fileno()
+        deadline = time.monotonic() + timeout_s
+        pause = 0.001
+        while True:  # bounded by the deadline
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    holder = _lock_holder(fd)
+                    raise _LockTimeout(
+                        f"{path}: still locked after {timeout_s:g} s"
+                        + (f", by {holder}" if holder else " (the holder is not listed in /proc/locks)")
+                    ) from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.1)
+        yield  # closing the file releases the lock
+
+
+def save(
+    run_dir: str | os.PathLike[str],
+    epoch: int | str,
+    node: str,
+    state: dict[str, Any],
+    *,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> Path:
+    """Write `node`'s state for `epoch` (or LAST) atomically and list it in its manifest. Returns the file.
+
+    The folders are made mode 0700, the files 0600. A CheckpointError names the
+    file when it cannot be written, or the lock when it is held past `lock_timeout_s`;
+    then nothing new is listed and the node's file is removed.
+    """
     import io
 
     import torch
@@ -119,7 +186,7 @@ def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: di
     data = buffer.getvalue()
     path = directory / f"{node}.pt"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(directory, base=run_dir)  # checkpoints/ and epoch-K/: 0700, this user's
         _write_atomically(path, data)
     except OSError as exc:  # ENOSPC, EDQUOT, EIO: the temporary file is gone, nothing was listed
         raise CheckpointError(
@@ -128,11 +195,16 @@ def save(run_dir: str | os.PathLike[str], epoch: int | str, node: str, state: di
     entry = {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "saved": time.time()}
     manifest_path = directory / "manifest.json"
     try:
-        with _locked(directory):
+        with _locked(directory, lock_timeout_s):
             current = manifest(run_dir, epoch)
             current.setdefault("files", {})[node] = entry
             current["epoch"] = epoch
             _write_atomically(manifest_path, (json.dumps(current, indent=2) + "\n").encode())
+    except _LockTimeout as exc:  # not listed, so not part of any checkpoint: removed, as below
+        path.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"{exc}; so {path.name} was not listed and was removed; {node}'s earlier checkpoints are untouched"
+        ) from None
     except OSError as exc:
         # Not listed, so not part of any complete checkpoint: remove it rather than leave it to fill the disk.
         path.unlink(missing_ok=True)
@@ -209,12 +281,17 @@ def latest_complete(run_dir: str | os.PathLike[str], nodes: Iterable[str]) -> in
     return None
 
 
-def discard(run_dir: str | os.PathLike[str], epoch: int | str, node: str) -> None:
-    """Forget `node`'s state for `epoch` (its LAST state, once it was taken up: it is stale from then on)."""
+def discard(
+    run_dir: str | os.PathLike[str], epoch: int | str, node: str, *, lock_timeout_s: float = LOCK_TIMEOUT_S
+) -> None:
+    """Forget `node`'s state for `epoch` (its LAST state, once it was taken up: it is stale from then on).
+
+    A CheckpointError names the lock when it is held past `lock_timeout_s` (then nothing is changed).
+    """
     directory = checkpoint_dir(run_dir, epoch)
     if not directory.is_dir():
         return
-    with _locked(directory):
+    with _locked(directory, lock_timeout_s):
         current = manifest(run_dir, epoch)
         entry = current.get("files", {}).pop(node, None)
         if entry is None:

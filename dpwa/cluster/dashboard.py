@@ -25,18 +25,30 @@ Routes:
 Every request must name this dashboard's own address in its ``Host`` header
 (a page of another site that rebinds its name to 127.0.0.1 is refused), and a
 ``POST`` that carries an ``Origin`` must come from the dashboard's own page.
+
+Each request is bounded as a whole (:class:`_Server`): its line, headers and
+body must all come within REQUEST_DEADLINE_S of its accept and within
+MAX_REQUEST_BYTES (+ MAX_BODY_BYTES); they are read without a thread, so
+connections that trickle bytes (slowloris) never keep a whole request, such as
+the owner's page's, from being answered; and connections still sending their
+request are capped per client address and in all, a newcomer closing the
+oldest.
 """
 
 from __future__ import annotations
 
 import hmac
 import http.server
+import io
 import json
 import logging
 import os
+import queue
 import secrets
+import selectors
 import signal
 import socket
+import struct
 import threading
 import time
 from http import HTTPStatus
@@ -56,8 +68,15 @@ __all__ = ["Dashboard", "Refused", "DEFAULT_HOST"]
 logger = logging.getLogger("dpwa.dashboard")
 
 DEFAULT_HOST = "127.0.0.1"
-MAX_CONNECTIONS = 32  # requests handled at once; more are closed unanswered
-REQUEST_TIMEOUT_S = 5.0  # a client that sends nothing for this long is dropped
+# What one client can cost the dashboard (see _Server, and docs/dashboard.md's threat model).
+REQUEST_DEADLINE_S = 5.0  # a request's line, headers and body must all have come this long after its accept
+RESPONSE_DEADLINE_S = 5.0  # and its answer must be taken (written to the socket) within this
+MAX_REQUEST_BYTES = 16 * 1024  # the request line and headers, at most
+MAX_BODY_BYTES = 1024  # a request body, at most (no route reads one); a larger one is refused unread
+MAX_PENDING = 256  # connections whose request has not come whole; beyond, a newcomer closes the oldest
+MAX_PENDING_PER_ADDRESS = 64  # the same, per client address (the oldest of that address goes first)
+MAX_QUEUED = 64  # whole requests waiting for a worker; more are closed unanswered
+HTTP_WORKERS = 4  # threads that answer whole requests
 MAX_QUERY_BYTES = 1024  # a longer query string is refused
 
 
@@ -174,7 +193,7 @@ class Dashboard:
         if self._thread.is_alive():
             self._server.shutdown()
             self._thread.join(5.0)
-        self._server.server_close()  # joins the request threads still running (each within REQUEST_TIMEOUT_S)
+        self._server.server_close()  # joins the answering threads (each answer ends within RESPONSE_DEADLINE_S)
         self._status.close()
         if self._files is not None:
             self._files.close()
@@ -262,43 +281,265 @@ def _kill_exactly(pid: int, start: str) -> None:
 # --------------------------------------------------------------------------- HTTP
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    """A threading HTTP server that handles at most MAX_CONNECTIONS requests at once."""
+class _Pending:
+    """A connection whose request has not all come yet: what came, and when it must have come by."""
 
-    daemon_threads = False  # server_close() joins them; each ends within REQUEST_TIMEOUT_S
-    block_on_close = True
+    __slots__ = ("sock", "address", "deadline", "data", "need")
+
+    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+        self.sock, self.address, self.deadline = sock, address, deadline
+        self.data = bytearray()
+        self.need = 0  # once the headers are in: the bytes of the whole request (headers and body)
+
+
+class _Server:
+    """The dashboard's HTTP server: requests are read whole before any thread works on them.
+
+    One thread (:meth:`serve_forever`) accepts connections and reads every
+    request's line, headers and body (at most MAX_BODY_BYTES) without blocking,
+    through a selector, within REQUEST_DEADLINE_S of the connection's accept
+    for all of it together, and within MAX_REQUEST_BYTES. A connection that
+    misses its deadline, or sends more, is closed unanswered. So a client that
+    trickles bytes (slowloris) holds a buffer and a file descriptor, never a
+    thread: a request that has come whole is answered by one of HTTP_WORKERS
+    threads at once, however many slow ones are still coming in.
+
+    Connections still coming in are capped: MAX_PENDING_PER_ADDRESS per client
+    address and MAX_PENDING in all; a new connection beyond a cap closes the
+    oldest one still coming in (of its address, then of all), so a newcomer,
+    such as the owner's page, always gets in. Whole requests wait for a worker
+    in a queue of at most MAX_QUEUED (more are closed unanswered), and each
+    answer must be written within RESPONSE_DEADLINE_S (a client that does not
+    read it is dropped).
+    """
 
     def __init__(self, address: tuple[str, int], dashboard: Dashboard) -> None:
         self.dashboard = dashboard
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.request_deadline_s = REQUEST_DEADLINE_S
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
-            super().__init__(address, _Handler)
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(128)
+            self.socket.setblocking(False)
         except OSError as exc:
+            self.socket.close()
             raise OSError(f"cannot serve the dashboard on {address[0]}:{address[1]}: {exc.strerror or exc}") from exc
+        self.server_address = self.socket.getsockname()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.socket, selectors.EVENT_READ)
+        self._pending: dict[socket.socket, _Pending] = {}  # in the order they were accepted
+        self._queue: queue.Queue[tuple[socket.socket, Any, bytes] | None] = queue.Queue(MAX_QUEUED)
+        self._workers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._closed = False
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: closed unanswered
+    # ----------------------------------------------------------------- the loop
+
+    def serve_forever(self, poll_interval: float = 0.2) -> None:
+        """Accept and read requests until :meth:`shutdown`; whole requests go to the workers."""
+        for i in range(HTTP_WORKERS):
+            worker = threading.Thread(target=self._work, name=f"dpwa-dashboard-http-{i}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                self._expire(now)
+                first = next(iter(self._pending.values()), None)  # the oldest has the nearest deadline
+                wait = poll_interval if first is None else min(poll_interval, max(0.0, first.deadline - now))
+                for key, _ in self._selector.select(wait):
+                    if key.fileobj is self.socket:
+                        self._accept()
+                    else:
+                        self._read(key.fileobj)  # type: ignore[arg-type]
+        finally:
+            self._stopped.set()
+
+    def _accept(self) -> None:
+        for _ in range(64):  # at most this many per round: reading the others goes on meanwhile
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, say: try again at the next round
+                logger.warning("dashboard: cannot accept a connection: %s", exc)
+                return
+            host = address[0]
+            mine = [p for p in self._pending.values() if p.address[0] == host]
+            if len(mine) >= MAX_PENDING_PER_ADDRESS:
+                self._drop(mine[0].sock)  # the oldest of this address still coming in
+            if len(self._pending) >= MAX_PENDING:
+                self._drop(next(iter(self._pending)))  # the oldest of all
+            sock.setblocking(False)
+            self._pending[sock] = _Pending(sock, address, time.monotonic() + self.request_deadline_s)
+            self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sock: socket.socket) -> None:
+        pending = self._pending.get(sock)
+        if pending is None:
             return
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+            chunk = sock.recv(8192)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # the client gave up (or reset)
+            self._drop(sock)
+            return
+        start = max(0, len(pending.data) - 3)
+        pending.data += chunk
+        if not pending.need:
+            end = _end_of_headers(pending.data, start)
+            if end < 0:
+                if len(pending.data) > MAX_REQUEST_BYTES:  # headers that never end: closed unanswered
+                    self._drop(sock)
+                return
+            if end > MAX_REQUEST_BYTES:
+                self._drop(sock)
+                return
+            body = _content_length(pending.data[:end])
+            pending.need = end + (body if 0 < body <= MAX_BODY_BYTES else 0)  # a larger body: refused unread
+        if len(pending.data) < pending.need:
+            return
+        self._selector.unregister(sock)
+        del self._pending[sock]
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+            self._queue.put_nowait((sock, pending.address, bytes(pending.data)))
+        except queue.Full:  # more whole requests than the workers take: closed unanswered
+            _close(sock)
+
+    def _expire(self, now: float) -> None:
+        """Close every connection whose request has not come whole by its deadline."""
+        for _ in range(len(self._pending)):
+            first = next(iter(self._pending.values()), None)
+            if first is None or first.deadline > now:
+                return
+            self._drop(first.sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._pending.pop(sock, None)
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        _close(sock, reset=True)
+
+    # ----------------------------------------------------------------- the workers
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            sock, address, data = item
+            try:
+                sock.setblocking(True)
+                _Handler(sock, address, self, data, time.monotonic() + RESPONSE_DEADLINE_S)
+            except Exception as exc:  # a client gone, a write past its deadline: that request only
+                logger.debug("dashboard: a request from %s failed: %r", address[0], exc)
+            finally:
+                _close(sock)
+
+    # ----------------------------------------------------------------- stopping
+
+    def shutdown(self) -> None:
+        """Stop :meth:`serve_forever` (it returns within its poll interval); returns once it has."""
+        self._stop.set()
+        self._stopped.wait(10.0)
+
+    def server_close(self) -> None:
+        """Close the port and every connection; join the workers (each ends within RESPONSE_DEADLINE_S)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for sock in list(self._pending):
+            self._drop(sock)
+        self._selector.close()
+        self.socket.close()
+        for _ in self._workers:
+            self._queue.put(None)  # after any request still queued: each is answered or fails in time
+        for worker in self._workers:
+            worker.join(RESPONSE_DEADLINE_S * (MAX_QUEUED // HTTP_WORKERS + 2))
+
+
+def _end_of_headers(data: bytearray, start: int) -> int:
+    """Where the request's headers end (just past the blank line), or -1 if they have not yet."""
+    ends = [(i + n) for i, n in ((data.find(b"\r\n\r\n", start), 4), (data.find(b"\n\n", start), 2)) if i >= 0]
+    return min(ends) if ends else -1
+
+
+def _content_length(head: bytes | bytearray) -> int:
+    """The Content-Length a request's headers give (0 if none; -1 if it is not a number, or chunked)."""
+    length = 0
+    for raw in bytes(head).split(b"\n")[1:]:
+        name, _, value = raw.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            return -1
+        if name == b"content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                return -1
+    return length
+
+
+def _close(sock: socket.socket, reset: bool = False) -> None:
+    """Close a client's connection: after the answer, its end first; unanswered, at once (a reset)."""
+    try:
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        else:
+            sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    sock.close()
+
+
+class _DeadlineWriter:
+    """The handler's wfile: every write must be done by one deadline (the answer's, in all)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def write(self, data: bytes) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the answer was not taken in time")
+        self._sock.settimeout(left)
+        self._sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-    timeout = REQUEST_TIMEOUT_S
+    """One request, read whole already (by :class:`_Server`); the answer is written within its deadline."""
+
+    server: _Server  # type: ignore[assignment]
     server_version = "dpwa-dashboard"
     sys_version = ""
+
+    def __init__(self, sock: socket.socket, address: Any, server: _Server, data: bytes, deadline: float) -> None:
+        self._data, self._deadline = data, deadline
+        super().__init__(sock, address, server)  # type: ignore[arg-type]
+
+    def setup(self) -> None:
+        self.connection = self.request
+        self.rfile = io.BytesIO(self._data)
+        self.wfile = _DeadlineWriter(self.request, self._deadline)  # type: ignore[assignment]
+
+    def finish(self) -> None:
+        pass
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s %s", self.address_string(), format % args)
@@ -315,6 +556,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         try:
             self._check_host()
+            self._check_body()
             path, query = self._split()
             if path in ("/", "/index.html"):
                 self._only(method, "GET")
@@ -364,6 +606,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         allowed = {f"{name}:{dashboard.port}" for name in ("127.0.0.1", "localhost", "[::1]", dashboard.host)}
         if host not in allowed:
             raise Refused(HTTPStatus.FORBIDDEN, f"Host {host[:100]!r} is not this dashboard's address")
+
+    def _check_body(self) -> None:
+        """No route reads a body: one of at most MAX_BODY_BYTES was read with the request and is ignored;
+        a larger or chunked one is refused (it was never read)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise Refused(HTTPStatus.LENGTH_REQUIRED, "a chunked body is not taken: no route reads a body")
+        given = self.headers.get_all("Content-Length") or []
+        try:
+            lengths = {int(value) for value in given}
+        except ValueError:
+            raise Refused(HTTPStatus.BAD_REQUEST, "Content-Length is not a number") from None
+        if len(lengths) > 1 or any(not 0 <= n <= MAX_BODY_BYTES for n in lengths):
+            raise Refused(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"a body of at most {MAX_BODY_BYTES} bytes is taken")
 
     def _check_origin(self) -> None:
         origin = self.headers.get("Origin")

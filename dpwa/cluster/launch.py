@@ -18,9 +18,16 @@ The run folder::
         logs/<node>.log       each node's stdout and stderr (launcher.log: detached launcher)
         metrics/<node>.jsonl  written by the nodes (fields: see dpwa.monitor)
         events.jsonl          what the launcher did and saw: starts, kills, exits, restarts (dpwa.cluster.events)
-        dashboard.json        with --dashboard: its URL (mode 0600: with the kill button it holds the token)
+        dashboard.json        with --dashboard: its URL; with the kill button the URL holds the token,
+                              which is written nowhere else (no log, no output)
         models/<node>.pt      written by the nodes
         summary.json, summary.txt, curves.png   written at the end
+
+The run folder is this user's alone (:mod:`.private`): it and every folder in
+it are mode 0700, its files 0600, whatever the umask; a run folder that
+belongs to another user or that others may write to is refused, naming it.
+Node processes, the finish command and the detached launcher run with umask
+077, so what they write is private too.
 
 The processes themselves (pinning, PID files, SIGTERM then SIGKILL) are
 :mod:`dpwa.processes`; the live view and the summary are :mod:`dpwa.monitor`.
@@ -50,7 +57,8 @@ import yaml
 from ..config import ConfigError, parse_config
 from .events import EventLog
 from .monitor import LiveView, MetricsTail, format_summary, summarize
-from .processes import Cluster, tail, write_pid_file
+from .private import make_private_dir, make_private_file, open_private, write_private
+from .processes import PRIVATE_UMASK, Cluster, tail, write_pid_file
 
 __all__ = ["LaunchSpec", "new_run_dir", "prepare", "run", "detach", "supervise"]
 
@@ -96,7 +104,7 @@ class LaunchSpec:
         return out
 
     def save(self) -> None:
-        Path(self.run_dir, "launch.json").write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        write_private(Path(self.run_dir, "launch.json"), json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, run_dir: str | Path) -> LaunchSpec:
@@ -111,19 +119,24 @@ class LaunchSpec:
 
 
 def new_run_dir(runs_dir: str | Path) -> Path:
-    """A fresh runs_dir/<YYYYmmdd-HHMMSS> (with a suffix if that exists), and runs_dir/latest pointing to it."""
+    """A fresh runs_dir/<YYYYmmdd-HHMMSS> (with a suffix if that exists), and runs_dir/latest pointing to it.
+
+    The run folder is made by this call, mode 0700 (runs_dir too, when it is made here).
+    """
     runs = Path(runs_dir)
-    runs.mkdir(parents=True, exist_ok=True)
+    if not runs.is_dir():
+        make_private_dir(runs)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(1, 1000):
         path = runs / (stamp if attempt == 1 else f"{stamp}-{attempt}")
         try:
-            path.mkdir()
+            os.mkdir(path, 0o700)  # ours only if we made it: one that exists is never taken over
             break
         except FileExistsError:
             continue
     else:
         raise OSError(f"{runs}: cannot make a new run folder")
+    make_private_dir(path)  # exactly 0700, whatever the umask
     latest = runs / "latest"
     tmp = runs / f".latest-{os.getpid()}"
     try:
@@ -136,7 +149,11 @@ def new_run_dir(runs_dir: str | Path) -> Path:
 
 
 def prepare(spec: LaunchSpec) -> LaunchSpec:
-    """Check the configuration and write config.yaml and launch.json into the run folder."""
+    """Check the configuration and write config.yaml and launch.json into the run folder.
+
+    The run folder and its folders are made (or set to) mode 0700; one that belongs to another user, or
+    that others may write to, is a NotPrivateError (an OSError) naming it.
+    """
     run_dir = Path(spec.run_dir)
     parse_config(spec.config, source=str(run_dir / "config.yaml"))  # a ConfigError names what is wrong
     unknown = [n for n in spec.local if n not in spec.names]
@@ -144,9 +161,12 @@ def prepare(spec: LaunchSpec) -> LaunchSpec:
         raise ConfigError(
             f"{run_dir / 'config.yaml'}: no node named {', '.join(unknown)} (known: {', '.join(spec.names)})"
         )
+    make_private_dir(run_dir)
     for sub in ("pids", "logs", "metrics", "models"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "config.yaml", "w", encoding="utf-8") as fh:
+        make_private_dir(run_dir / sub, base=run_dir)
+    if (run_dir / "checkpoints").is_dir():  # a resumed run's (made 0644 by an older dpwa, maybe): 0700 now
+        make_private_dir(run_dir / "checkpoints", base=run_dir)
+    with open_private(run_dir / "config.yaml", "w") as fh:
         fh.write("# written by the dpwa launcher; every node of this run reads it\n")
         yaml.safe_dump(spec.config, fh, sort_keys=False, default_flow_style=None)
     spec.save()
@@ -203,7 +223,7 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
             except (OSError, ValueError) as exc:
                 view.message(f"dpwa: the dashboard cannot start: {exc}")
                 return 2
-            view.message(f"dpwa: dashboard: {board.url}  (it stops with the cluster)")
+            view.message(f"dpwa: dashboard: {_dashboard_where(board.url, run_dir)}  (it stops with the cluster)")
         else:
             view.message(f"dpwa: to watch it in a browser: {_python()} -m dpwa dashboard {run_dir}  (prints its URL)")
         signals = _Signals()
@@ -231,6 +251,20 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     return code
 
 
+def _dashboard_where(url: str, run_dir: Path) -> str:
+    """What the launcher prints for the dashboard at `url`: the URL itself, unless it holds the kill token.
+
+    Then the URL without it, and where the whole one is: RUN_DIR/dashboard.json, which only this user can
+    read. The launcher's output may go to a log (logs/launcher.log under --detach, a pipe to tee): the
+    token never does.
+    """
+    if "?" not in url:
+        return url
+    return (
+        f"{url.split('?', 1)[0]} (read-only; the URL with the kill button's token is in {run_dir / 'dashboard.json'})"
+    )
+
+
 @contextlib.contextmanager
 def _start_dashboard(spec: LaunchSpec) -> Iterator[Any]:
     """The run's dashboard, serving until the block ends; its URL in RUN_DIR/dashboard.json (mode 0600)."""
@@ -239,9 +273,8 @@ def _start_dashboard(spec: LaunchSpec) -> Iterator[Any]:
     run_dir = Path(spec.run_dir)
     record = run_dir / "dashboard.json"
     with Dashboard(run_dir, port=spec.dashboard_port, allow_kill=spec.dashboard_kill) as board:
-        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"url": board.url, "pid": os.getpid()}, fh)
+        # The only place the token is written: mode 0600, in a 0700 folder; whole or not at all for a reader.
+        write_private(record, json.dumps({"url": board.url, "pid": os.getpid()}))
         try:
             yield board
         finally:
@@ -355,14 +388,14 @@ def _conclude(spec: LaunchSpec, nodes: list, view: LiveView, signals: _Signals, 
     elif spec.finish_command:
         average = {"error": f"the run was stopped; to evaluate it anyway: {shlex.join(spec.argv(spec.finish_command))}"}
     summary = summarize(nodes, average, elapsed, run_dir)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_private(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     text = format_summary(summary)
-    (run_dir / "summary.txt").write_text(text + "\n")
+    write_private(run_dir / "summary.txt", text + "\n")
     out.write("\n" + text + "\n")
     try:
         from .plot import draw
 
-        out.write(f"curves: {draw(run_dir)}\n")
+        out.write(f"curves: {make_private_file(draw(run_dir))}\n")
     except Exception as exc:  # the plot is a convenience: say why it is missing, keep the run's result
         out.write(f"curves.png not drawn: {exc}\n")
     out.flush()
@@ -402,6 +435,7 @@ def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, An
             text=True,
             env={**os.environ, **spec.env},
             start_new_session=True,
+            umask=PRIVATE_UMASK,
         )
     except OSError as exc:
         return {"error": f"cannot run {spec.finish_command[0]}: {exc}"}
@@ -436,7 +470,7 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
     """Start a background supervisor that runs the cluster; return once every node has started."""
     out = out or sys.stdout
     run_dir = Path(spec.run_dir)
-    with open(run_dir / "logs" / "launcher.log", "ab") as log:
+    with open_private(run_dir / "logs" / "launcher.log", "ab") as log:
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "dpwa.cluster.launch", str(run_dir)],
             stdin=subprocess.DEVNULL,
@@ -444,6 +478,7 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            umask=PRIVATE_UMASK,
         )
     pid_files = [run_dir / "pids" / f"{n}.pid" for n in spec.local_names]
     waiting_for = pid_files + ([run_dir / "dashboard.json"] if spec.dashboard else [])
@@ -465,7 +500,8 @@ def detach(spec: LaunchSpec, out: TextIO | None = None, timeout_s: float = 60.0)
     python = _python()
     if spec.dashboard:
         try:
-            dashboard = "  dashboard: " + json.loads((run_dir / "dashboard.json").read_text())["url"]
+            url = json.loads((run_dir / "dashboard.json").read_text())["url"]
+            dashboard = "  dashboard: " + _dashboard_where(str(url), run_dir)
         except (OSError, ValueError, KeyError, TypeError):  # it stopped already: the run ended at once
             dashboard = f"  dashboard: see {run_dir / 'logs' / 'launcher.log'}"
     else:

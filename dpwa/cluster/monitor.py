@@ -14,15 +14,22 @@ read here (any others are kept but ignored):
 Every line has ``t`` (Unix time, s) and ``node``.
 
     python -m dpwa status runs/latest      # this module's table for a run, once
+
+Lines are read and checked by :mod:`.events` (:class:`~.events.JsonlFollower`,
+:func:`~.events.check_metrics`), as the dashboard and ``python -m dpwa plot``
+read them: a bad line (too long, not UTF-8, not JSON, a field of the wrong
+type) is skipped, counted, and reported with its file and line number
+(:attr:`NodeState.problems`; the live view prints them above its table).
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from .events import READ_CHUNK_BYTES, BadLine, JsonlFollower, check_metrics
 
 __all__ = ["NodeState", "MetricsTail", "LiveView", "table", "summarize", "format_summary"]
 
@@ -38,7 +45,8 @@ class NodeState:
     end: dict[str, Any] | None = None
     lingering: bool = False
     exit_code: int | None = None  # set by the launcher once the process is gone
-    bad_lines: int = 0
+    bad_lines: int = 0  # lines of its metrics file skipped as bad
+    problems: list[BadLine] = field(default_factory=list)  # bad lines reported, not yet shown
     starts: int = 0  # start lines seen: more than one when the node was started again
     rejoins: int = 0  # starts that took the cluster's state from a peer
     restarts: int = 0  # set by the launcher
@@ -64,46 +72,50 @@ class NodeState:
 
 
 class MetricsTail:
-    """Reads the lines nodes append to ``metrics/<node>.jsonl``, keeping the latest per kind."""
+    """Reads the lines nodes append to ``metrics/<node>.jsonl``, keeping the latest per kind.
 
-    def __init__(self, run_dir: str | Path, names: list[str]) -> None:
+    Each file is read with a :class:`~.events.JsonlFollower` (checked by
+    :func:`~.events.check_metrics`): one poll reads at most `max_bytes` of a
+    file (the rest comes at the next polls), and a bad line is skipped, counted
+    in :attr:`NodeState.bad_lines`, and reported in :attr:`NodeState.problems`.
+    """
+
+    def __init__(self, run_dir: str | Path, names: list[str], max_bytes: int = 64 << 20) -> None:
         self.dir = Path(run_dir) / "metrics"
         self.nodes = {name: NodeState(name) for name in names}
-        self._offsets = {name: 0 for name in names}
-        self._partial = {name: b"" for name in names}
+        self._followers = {name: JsonlFollower(self.dir / f"{name}.jsonl", check=check_metrics) for name in names}
+        self._max_chunks = max(1, max_bytes // READ_CHUNK_BYTES)
 
-    def poll(self) -> dict[str, NodeState]:
-        """Read what was appended since the last call (complete lines only)."""
+    def poll(self, final: bool = False) -> dict[str, NodeState]:
+        """Read what was appended since the last call (complete lines only; with `final`, the file is read
+        to its end once, and a last line without its newline counts too)."""
         for name, node in self.nodes.items():
-            try:
-                with open(self.dir / f"{name}.jsonl", "rb") as fh:
-                    fh.seek(self._offsets[name])
-                    chunk = fh.read()
-            except FileNotFoundError:
-                continue
-            self._offsets[name] += len(chunk)
-            *lines, self._partial[name] = (self._partial[name] + chunk).split(b"\n")
-            for line in lines:
-                self._apply(node, line)
+            follower = self._followers[name]
+            records = follower.poll_all(1 << 40 if final else self._max_chunks)
+            if final:
+                records += follower.finish()
+            for record in records:
+                self._apply(node, record)
+            node.bad_lines = follower.bad_lines
+            node.problems += follower.take_problems()
         return self.nodes
 
     @staticmethod
-    def _apply(node: NodeState, line: bytes) -> None:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            node.bad_lines += 1
-            return
-        kind = record.get("kind") if isinstance(record, dict) else None
+    def _apply(node: NodeState, record: dict[str, Any]) -> None:
+        kind = record["kind"]  # checked: a string
         if kind in ("start", "step", "eval", "end"):
             setattr(node, kind, record)
         if kind == "start":
             node.starts += 1
             node.lingering = False
             node.end = None
-            node.rejoins += str(record.get("started", "")).startswith("joined the cluster")
+            node.rejoins += (record.get("started") or "").startswith("joined the cluster")
         elif kind == "linger":
             node.lingering = True
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _fmt(value: Any, spec: str, empty: str = "-") -> str:
@@ -161,6 +173,10 @@ class LiveView:
 
     def update(self, nodes: list[NodeState], force: bool = False, final: bool = False) -> None:
         """Show the table: always on a terminal, when due (or `force`) otherwise. `final`: the last one."""
+        for node in nodes:  # bad lines of the metrics files: said once each, above the table
+            problems, node.problems = node.problems, []
+            for problem in problems:
+                self.message(f"dpwa: {problem}")
         lines = table(nodes)
         if self.tty:
             self._erase()
@@ -205,7 +221,7 @@ def summarize(
                 "test_loss": ev.get("test_loss"),
                 "averaged": end.get("averaged", step.get("averaged", 0)),
                 "failed": end.get("failed", step.get("failed", 0)),
-                "served": stats.get("requests_served"),
+                "served": _count(stats.get("requests_served")) if isinstance(stats, dict) else None,
                 "peers": end.get("peers", step.get("peers", {})),
                 "kills": node.kills,
                 "restarts": node.restarts,

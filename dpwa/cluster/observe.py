@@ -12,7 +12,12 @@ Two watchers, each on its own thread, each publishing an immutable snapshot
   launcher's ``events.jsonl``, ``summary.json``, and the last lines of each
   node's log.
 
-Events from every source meet on one :class:`EventBoard`. Nothing read is
+Events from every source meet on one :class:`EventBoard`. Lines are parsed
+and checked as every tool parses them (:mod:`.events`: :func:`~.events.check_metrics`
+for metrics files, :func:`~.events.check_event` for ``events.jsonl``); a bad
+line is skipped and becomes a ``bad_line`` event naming the file and the line
+number (the first :data:`~.events.MAX_REPORTS` of each file; later ones are
+counted in the node's ``bad_lines``). Nothing read is
 trusted: node names are only those of the config, numbers must be finite,
 text is cut to :data:`MAX_TEXT` characters (the page shows it as text, never
 as markup), and everything kept is bounded: :data:`MAX_POINTS` points per
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from .events import EVENTS_FILE, JsonlFollower
+from .events import EVENTS_FILE, BadLine, JsonlFollower, check_event, check_metrics
 from .status import UNREACHABLE, StatusClient
 
 __all__ = ["EventBoard", "Series", "StatusPoller", "RunWatcher", "MAX_POINTS", "MAX_EVENTS_KEPT"]
@@ -258,8 +263,11 @@ class RunWatcher:
         self.events = events
         self.every_s = every_s
         known = set(self.names)
-        self.nodes = {n: _Node(n, known, JsonlFollower(self.run_dir / "metrics" / f"{n}.jsonl")) for n in self.names}
-        self._launcher = JsonlFollower(self.run_dir / EVENTS_FILE)
+        self.nodes = {
+            n: _Node(n, known, JsonlFollower(self.run_dir / "metrics" / f"{n}.jsonl", check=check_metrics))
+            for n in self.names
+        }
+        self._launcher = JsonlFollower(self.run_dir / EVENTS_FILE, check=check_event)
         self.eval_metric: str | None = None  # test_acc, or val_loss / test_loss when there is no accuracy
         self._epochs: dict[int, dict[str, tuple[float, float]]] = {}  # epoch -> node -> (t, value)
         self._summary: dict[str, Any] | None = None
@@ -294,12 +302,26 @@ class RunWatcher:
         """Read what is new in every file, then publish a new snapshot."""
         for record in self._launcher.poll():
             self._launcher_event(record)
+        self._report(None, self._launcher.take_problems())
         for node in self.nodes.values():
             for record in node.follower.poll():
                 self._metrics_line(node, record)
+            self._report(node.name, node.follower.take_problems())
             node.log = _log_tail(self.run_dir / "logs" / f"{node.name}.log")
         self._read_summary()
         self._publish()
+
+    def _report(self, node: str | None, problems: list[BadLine]) -> None:
+        """Each bad line read: an event (the page lists it) and a log line, naming the file and the line."""
+        now = time.time()
+        for problem in problems:
+            try:
+                where = str(problem.path.relative_to(self.run_dir))
+            except ValueError:
+                where = str(problem.path)
+            message = f"{where}: line {problem.line}: {problem.reason}; skipped"
+            self.events.add(now, "bad_line", node, message)
+            logger.warning("dashboard: %s", text(message))
 
     def _launcher_event(self, record: dict[str, Any]) -> None:
         t, kind = number(record.get("t")), text(record.get("kind"), 32)
@@ -400,7 +422,7 @@ class RunWatcher:
             if stat.st_mtime == self._summary_mtime or stat.st_size > SUMMARY_MAX_BYTES:
                 return
             data = json.loads(path.read_bytes()[:SUMMARY_MAX_BYTES])
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nesting too deep for the parser
             return
         self._summary_mtime = stat.st_mtime
         average = data.get("average") if isinstance(data, dict) else None
@@ -424,6 +446,7 @@ class RunWatcher:
                 "starts": node.starts,
                 "peers": dict(node.peers),
                 "log": list(node.log),
+                "bad_lines": node.follower.bad_lines,
                 **{k: v for k, v in node.latest.items() if v is not None},
             }
         losses = {name: node.loss.points for name, node in self.nodes.items()}

@@ -10,19 +10,38 @@ A run whose eval lines carry ``val_loss`` (``--workload charlm``) gets its
 validation loss (nats per character) on the right instead of the accuracy.
 Time is in seconds since the first node started. matplotlib is imported here
 only, with the file-only Agg backend.
+
+The files are read and checked as every tool reads them
+(:func:`dpwa.cluster.events.read_jsonl`, :func:`~dpwa.cluster.events.check_metrics`):
+a bad line (cut short, not UTF-8, too long, a loss that is not a number, ...)
+is skipped and reported with its file and line number, and the good lines are
+drawn.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .events import BadLine, check_metrics, read_jsonl
+
 __all__ = ["load_metrics", "draw"]
 
+Report = Callable[[BadLine], None]
 
-def load_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """Every node's metrics lines, by node name. Lines that are not JSON objects are skipped."""
+
+def _to_stderr(problem: BadLine) -> None:
+    print(f"dpwa plot: {problem}", file=sys.stderr)
+
+
+def load_metrics(run_dir: str | Path, report: Report | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every node's metrics lines, by node name. A bad line is skipped and given to `report` (default: a
+    line on stderr); after the first few of a file, bad lines are counted and the count reported."""
+    report = report or _to_stderr
     folder = Path(run_dir) / "metrics"
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run folder")
@@ -31,35 +50,42 @@ def load_metrics(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
         raise FileNotFoundError(f"{folder}: no metrics files (*.jsonl); did any node start?")
     out: dict[str, list[dict[str, Any]]] = {}
     for path in files:
-        records = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a killed node
-            if isinstance(record, dict) and isinstance(record.get("t"), (int, float)):
-                records.append(record)
+        records, reader = read_jsonl(path, check_metrics)
+        for problem in reader.take_problems():
+            report(problem)
+        if reader.bad_lines > reader.max_reports:
+            report(BadLine(path, reader.line, f"{reader.bad_lines} bad lines in all, through the last line"))
         out[path.stem] = records
     return out
 
 
-def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw loss and accuracy per node over time into `out` (default RUN_DIR/curves.png); returns the path."""
+def _finite(value: Any) -> bool:
+    """A number matplotlib can place: finite, and far enough from overflow that differences stay finite."""
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and abs(value) < 1e300
+    )
+
+
+def draw(run_dir: str | Path, out: str | Path | None = None, report: Report | None = None) -> Path:
+    """Draw loss and accuracy per node over time into `out` (default RUN_DIR/curves.png); returns the path.
+
+    Bad lines of the metrics files are skipped and given to `report` (default: a line each on stderr).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    metrics = load_metrics(run_dir)
+    metrics = load_metrics(run_dir, report)
     t0 = min((r["t"] for records in metrics.values() for r in records), default=0.0)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
     by_loss = any(r.get("kind") == "eval" and "val_loss" in r for records in metrics.values() for r in records)
     key = "val_loss" if by_loss else "test_acc"
     scale = 1.0 if by_loss else 100.0
     for node, records in metrics.items():
-        steps = [r for r in records if r.get("kind") == "step" and r.get("loss") is not None]
-        evals = [r for r in records if r.get("kind") == "eval" and isinstance(r.get(key), (int, float))]
+        steps = [r for r in records if r.get("kind") == "step" and _finite(r.get("loss"))]
+        evals = [r for r in records if r.get("kind") == "eval" and _finite(r.get(key))]
         (line,) = ax_loss.plot([r["t"] - t0 for r in steps], [r["loss"] for r in steps], label=node, linewidth=1)
         ax_acc.plot(
             [r["t"] - t0 for r in evals],
@@ -82,10 +108,7 @@ def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     losses = [
-        r["loss"]
-        for records in metrics.values()
-        for r in records
-        if r.get("kind") == "step" and isinstance(r.get("loss"), (int, float))
+        r["loss"] for records in metrics.values() for r in records if r.get("kind") == "step" and _finite(r.get("loss"))
     ]
     if losses and min(losses) > 0:
         ax_loss.set_yscale("log")
@@ -100,7 +123,8 @@ def draw(run_dir: str | Path, out: str | Path | None = None) -> Path:
 def _average(run_dir: Path, key: str = "test_acc") -> float | None:
     """The parameter average's `key` (test_acc, val_loss) from summary.json, if there is one."""
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-        return float(summary["average"][key])
-    except (OSError, ValueError, KeyError, TypeError):
+        summary = json.loads((run_dir / "summary.json").read_bytes()[: 1 << 20])
+        value = summary["average"][key]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
         return None
+    return float(value) if _finite(value) and abs(value) < 1e12 else None

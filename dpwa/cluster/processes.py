@@ -10,6 +10,10 @@ Each node runs in its own session (a terminal's Ctrl-C reaches only the
 launcher, which then stops the nodes in order), pinned to one core with
 ``taskset`` where it exists, with ``OMP_NUM_THREADS=1``. Stopping sends
 SIGTERM to every node, waits `grace_s`, then sends SIGKILL to any left.
+
+PID files and logs are mode 0600 in folders of mode 0700 (:mod:`.private`), and
+every node runs with umask 077 (:data:`PRIVATE_UMASK`): what it writes into
+the run folder is this user's alone too.
 """
 
 from __future__ import annotations
@@ -23,10 +27,21 @@ import time
 from pathlib import Path
 
 from ..wire.endpoints import ipc_claimed, is_loopback
+from .private import make_private_dir, open_private, write_private
 
-__all__ = ["Cluster", "free_ports", "check_ports_free", "process_start", "write_pid_file", "read_pid_file", "tail"]
+__all__ = [
+    "PRIVATE_UMASK",
+    "Cluster",
+    "free_ports",
+    "check_ports_free",
+    "process_start",
+    "write_pid_file",
+    "read_pid_file",
+    "tail",
+]
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+PRIVATE_UMASK = 0o077  # the processes a launcher starts create files 0600 and folders 0700 unless they say otherwise
 
 
 # --------------------------------------------------------------------------- ports
@@ -93,10 +108,9 @@ def process_start(pid: int) -> str | None:
 
 
 def write_pid_file(path: Path, pid: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{pid} {process_start(pid) or '-'}\n")
-    tmp.replace(path)
+    """Write "PID START" to `path` atomically, mode 0600 (its folder made 0700 if missing)."""
+    make_private_dir(path.parent)
+    write_private(path, f"{pid} {process_start(pid) or '-'}\n")
 
 
 def read_pid_file(path: str | Path) -> tuple[int, str]:
@@ -159,9 +173,15 @@ class Cluster:
         if self.taskset:
             i = list(self.commands).index(name)
             argv = [self.taskset, "-c", str(self.cores[i % len(self.cores)])] + argv
-        with open(self.run_dir / "logs" / f"{name}.log", "ab") as log:
+        with open_private(self.run_dir / "logs" / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                umask=PRIVATE_UMASK,
             )
         self.procs[name] = proc
         write_pid_file(self.run_dir / "pids" / f"{name}.pid", proc.pid)

@@ -408,25 +408,33 @@ class Node:
     ) -> None:
         """Resume from a checkpoint, after the model's parameters were loaded: set the clock, barrier
         counters (a count never goes down) and the outer step's state (:meth:`outer_state`'s; without
-        it, an outer step starts afresh from the parameters as they are now)."""
+        it, an outer step starts afresh from the parameters as they are now).
+
+        Everything is checked before anything is taken: the outer state exactly as a donor's is
+        (:func:`~dpwa.gossip.outer.checked_outer_state`: this node's rule and size, finite values within
+        ±1e18, a step count). A ValueError names what is wrong, and the node is left as it was."""
         self._check_open()
         if clock is not None and not (
-            isinstance(clock, (int, float)) and math.isfinite(clock) and 0 <= clock <= MAX_CLOCK
+            isinstance(clock, (int, float))
+            and not isinstance(clock, bool)
+            and math.isfinite(clock)
+            and 0 <= clock <= MAX_CLOCK
         ):
-            raise ValueError(f"clock must be a number in [0, {MAX_CLOCK:g}], got {clock!r}")
+            raise ValueError(f"clock must be a number in [0, {MAX_CLOCK:g}], got {clock!r:.40}")
         if outer is not None and self._outer is None:
             logger.warning(
                 "%s: the checkpoint holds an outer step's state; outer: none here, so it is unused", self.name
             )
+        checked = self._outer.checked(outer) if self._outer is not None and outer is not None else None
+        if barriers is not None:
+            self._barriers.restore(barriers)  # checked whole: takes nothing if it raises
         if self._outer is not None:
-            if outer is not None:
-                self._outer.restore(dict(outer))  # checked first: nothing is taken from a bad one
+            if checked is not None:
+                self._outer.load(checked)
             else:
                 self._outer.reanchor()
         if clock is not None:
             self._progress.set_clock(float(clock))
-        if barriers is not None:
-            self._barriers.restore(barriers)
 
     # ----------------------------------------------------------------- reporting
 

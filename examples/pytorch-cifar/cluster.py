@@ -39,6 +39,7 @@ import dpwa.mixing.pairing  # noqa: E402
 from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
 from dpwa.cluster.keys import key_nodes  # noqa: E402
+from dpwa.cluster.private import make_private_dir, make_private_file  # noqa: E402
 from dpwa.wire.endpoints import is_loopback  # noqa: E402
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(dpwa.config.Config)}  # dpwa's, shown in --help
@@ -423,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = launch.new_run_dir(args.runs_dir)
         if args.config is None and not is_loopback(args.host):
             # Other machines can reach these nodes: they authenticate and encrypt with keys made for this run.
-            key_nodes(config["nodes"], run_dir / "keys")
+            make_private_dir(run_dir / "keys", base=run_dir)
+            for key_file in key_nodes(config["nodes"], run_dir / "keys"):  # the secret ones are 0600 already
+                make_private_file(key_file.with_suffix(".key"))  # and the public ones too: a run folder's files
             print(
                 f"dpwa: {args.host} can be reached from other machines: CURVE keys for every node are in "
                 f"{run_dir / 'keys'}",

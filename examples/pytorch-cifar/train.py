@@ -56,6 +56,7 @@ from evaluate import checkpoint, evaluate
 import dpwa
 from dpwa import DpwaPyTorchAdapter, TransportError
 from dpwa.cluster import checkpoints
+from dpwa.cluster.private import make_private_dir, open_private, write_private
 
 # Defaults per dataset (digits, cifar10, charlm), and how they change with the number of nodes:
 # schedule.py (on digits the learning rate grows with the nodes, with a warm-up; the warning when --epochs
@@ -201,9 +202,9 @@ class Metrics:
         self.node = node
         self.dropped = 0  # lines lost to write errors (a full disk)
         self._fh = None
-        if run_dir is not None:
-            (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
-            self._fh = open(run_dir / "metrics" / f"{node}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        if run_dir is not None:  # the folder 0700, the file 0600: this user's alone
+            make_private_dir(run_dir / "metrics", base=run_dir)
+            self._fh = open_private(run_dir / "metrics" / f"{node}.jsonl", "a")  # closed by close()
 
     def write(self, kind: str, **fields: object) -> None:
         if self._fh is None:
@@ -631,13 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None:
             saved = args.run_dir / "models" / f"{args.name}.pt"
             try:
-                saved.parent.mkdir(parents=True, exist_ok=True)
+                make_private_dir(saved.parent, base=args.run_dir)
                 buffer = io.BytesIO()  # torch.save into a file turns a full disk into a RuntimeError
                 torch.save(data.checkpoint(net) if charlm else checkpoint(net, model_name, args.width, data), buffer)
-                saved.with_suffix(".tmp").write_bytes(buffer.getvalue())
-                saved.with_suffix(".tmp").replace(saved)  # never a half-written file
+                write_private(saved, buffer.getvalue())  # mode 0600, never a half-written file
             except OSError as exc:
-                saved.with_suffix(".tmp").unlink(missing_ok=True)
                 log.error("%s: %s: final weights not saved (%s)", args.name, saved, exc.strerror or exc)
         if stop and args.run_dir is not None:  # stopped mid-run: keep our state for a restart (torchrun's, say)
             progress.update(epoch=completed, step=step, averaged=averaged, failed=failed)
