@@ -265,9 +265,8 @@ class Config:
     pairing: str = setting(
         "auto",
         one_of(PAIRINGS),
-        "whom an exchange goes to: `random`, in mode pull a peer drawn by flow-control score, in mode symmetric "
-        "a random matching each round that every node draws from a shared seed (one partner per round; with an "
-        "odd count one node rests); `hypercube`, node i (in config order) pairs with i XOR 2^(t mod log2 n) at "
+        "whom an exchange goes to: `random`, a peer drawn by flow-control score (in mode symmetric a node starts "
+        "an exchange in half its steps, by a coin, and serves in the others); `hypercube`, node i (in config order) pairs with i XOR 2^(t mod log2 n) at "
         "its t-th exchange, for a power of two of nodes (a partner that cannot be reached: a peer by score); "
         "`auto`: `hypercube` for 2, 4, 8, ... nodes, else `random` ([Pairing](design.md#pairing))",
     )

@@ -752,7 +752,8 @@ def test_ten_thousand_requests_get_the_answer_the_protocol_prescribes(nodes, tmp
     assert node.alive
 
     # The node still serves and averages: an honest peer at 0 meets it with f = 1/2.
-    honest_cfg = {**cfg, "nodes": cfg["nodes"][:2], "fetch_probability": 1}
+    # (w1 first: with two nodes the first starts every exchange, pairing auto being a hypercube)
+    honest_cfg = {**cfg, "nodes": [cfg["nodes"][1], cfg["nodes"][0]], "fetch_probability": 1}
     theirs = np.zeros(SIZE, np.float32)
     peer = nodes(honest_cfg, "w1", NumpyParams(theirs))
     assert step_until_averaged(peer, 30, peer="w0") is not None

@@ -232,7 +232,11 @@ class ExchangeTask:
         slot_peers: frozenset[str] = frozenset(),
         offer: Callable[[str], dict[str, Any] | None] | None = None,
         withdraw: Callable[[bytes], object] = lambda token: None,
+        ended: Callable[[], None] = lambda: None,
+        ticket: int = 0,
     ) -> None:
+        self._ended = ended  # called (on the Tx thread) as soon as the exchange ends with nothing applied anywhere
+        self.ticket = ticket  # the owner's mark of this exchange (ExchangeServer.take_own)
         self._encode = encode  # wire_dtype int8: our snapshot is encoded as it is sent
         self._slot, self._slot_peers = slot, slot_peers
         self.slot_refused: dict[str, str] = {}  # peer -> why it would not read our slot (it got the payload)
@@ -252,6 +256,15 @@ class ExchangeTask:
         self._own.release()
 
     def run(self, ask: Ask) -> ClientHalf | InDoubt:
+        try:
+            return self._run(ask)
+        except BaseException:
+            # Refused, failed, or aborted by the peer: nothing applied on either side (an answer that may have
+            # committed is InDoubt, not an exception). Our node may serve again now, not at its next step.
+            self._ended()
+            raise
+
+    def _run(self, ask: Ask) -> ClientHalf | InDoubt:
         with contextlib.ExitStack() as cleanup:
             cleanup.push(self._own)  # released unless a half takes it
             snap = self._own.snapshot
@@ -666,6 +679,7 @@ class ExchangeServer:
         self._decisions: dict[str, OrderedDict[int, tuple[str, float]]] = {}
         # this node's one unsettled exchange (its own or one it serves), and which snapshots are stale
         self._admission = Admission()
+        self._own_ticket = 0  # the ticket of our own unsettled exchange (see take_own)
         # peers whose served exchanges expired unconfirmed: peer -> (refused until, pause, expiries in a row)
         self._paused: dict[str, tuple[float, float, int]] = {}
         # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
@@ -832,16 +846,23 @@ class ExchangeServer:
 
     # ----------------------------------------------------------------- this node's own exchanges
 
-    def take_own(self, version: int) -> bool:
-        """(Training thread) May our own exchange start on snapshot `version`? If so it is our one unsettled
-        exchange until :meth:`own_ended`."""
+    def take_own(self, version: int) -> int:
+        """(Training thread) May our own exchange start on snapshot `version`? If so (a ticket > 0) it is our
+        one unsettled exchange until :meth:`own_ended` with that ticket."""
         with self._lock:
             self._expire(time.monotonic())
-            return not self._closing and self._admission.take(version, "own")
+            if self._closing or not self._admission.take(version, "own"):
+                return 0
+            self._own_ticket += 1
+            return self._own_ticket
 
-    def own_ended(self, applied: bool) -> None:
-        """(Training thread) Our own exchange is over: its half `applied`, or nothing applied on either side."""
+    def own_ended(self, ticket: int, applied: bool) -> None:
+        """Our own exchange `ticket` is over: its half `applied` (training thread), or nothing applied on
+        either side (any thread, as soon as that is known; again later, harmlessly)."""
         with self._lock:
+            if ticket != self._own_ticket or self._admission.unsettled != "own":
+                return  # ended already
+            self._own_ticket += 1
             if applied:
                 self._settle()
             else:

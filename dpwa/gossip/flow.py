@@ -129,8 +129,8 @@ class FlowControl:
         fetch_probability: the chance that a step asks anyone.
         timeout_s: one request's deadline (the first back-off interval).
         rng: randomness for the coin and the choice.
-        schedule: round -> (the scheduled partner or None to rest, whether this node starts the exchange)
-            (dpwa.gossip.settings.pairing_of); None: a random peer by score.
+        schedule: round -> (the scheduled partner, whether this node starts the exchange)
+            (pairing: hypercube); None: a random peer by score.
         clock: the time source (tests pass a fake one).
     """
 
@@ -141,7 +141,7 @@ class FlowControl:
         fetch_probability: float,
         timeout_s: float,
         rng: random.Random,
-        schedule: Callable[[int], tuple[str | None, bool]] | None = None,
+        schedule: Callable[[int], tuple[str, bool]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
@@ -167,7 +167,7 @@ class FlowControl:
     def candidates(self, exclude: frozenset[str] = frozenset()) -> list[str]:
         """The peers to ask this step, best first (see PeerSelector.ranked); empty when none is to be asked.
 
-        With a schedule (dpwa.gossip.settings.pairing_of) only this round's partner, when it is this node's turn. When the
+        With a schedule (pairing: hypercube) only this round's partner, when it is this node's turn. When the
         partner cannot be asked (unreachable, resting, or excluded), a peer by score instead: a dead node costs
         its partners nothing but the schedule."""
         round_, self.rounds = self.rounds, self.rounds + 1
@@ -176,8 +176,6 @@ class FlowControl:
         blocked = exclude | self._resting()
         if self._schedule is not None:
             partner, ours = self._schedule(round_)
-            if partner is None:  # this round's matching leaves us out
-                return []
             if partner not in blocked and partner not in self.unreachable():
                 return [partner] if ours else []
         return self.selector.ranked(blocked)

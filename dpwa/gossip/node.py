@@ -53,7 +53,7 @@ from .progress import Progress, loss_value
 from .protocol import MAX_CLOCK
 from .pull import PullSteps
 from .reporting import NodeState, Reporter, StatusServer
-from .settings import blend_of, interpolation_of, pairing_of
+from .settings import blend_of, interpolation_of, pairing_of, start_share_of
 from .setup import ConfigSource, identify, node_keys
 from .start import join_wait_s, start_together, take_state
 from .steps import WAIT_SLACK_S, Crew, Step, Steps, Update
@@ -101,7 +101,7 @@ class Node:
         self._flow = FlowControl(
             self.name,
             list(self.peers),
-            self.config.fetch_probability,
+            self.config.fetch_probability * start_share_of(self.config),
             self.config.timeout_s,
             rng or random.Random(),
             schedule=pairing_of(self.config, self.name),

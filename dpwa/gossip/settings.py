@@ -13,7 +13,7 @@ from ..mixing import pairing
 from ..mixing.interpolation import ClockWeighted, Constant, Interpolation, LossWeighted
 from ..mixing.rules import Blend, DeltaBlend, StateBlend
 
-__all__ = ["blend_of", "interpolation_of", "pairing_of"]
+__all__ = ["blend_of", "interpolation_of", "pairing_of", "start_share_of"]
 
 
 def interpolation_of(config: Config) -> Interpolation:
@@ -32,26 +32,21 @@ def blend_of(config: Config) -> Blend:
     return DeltaBlend() if config.blend == "delta" else StateBlend()
 
 
-def pairing_of(config: Config, name: str) -> Callable[[int], tuple[str | None, bool]] | None:
-    """The schedule, round -> (our partner or None to rest, whether we start the exchange), when the config's
-    pairing has one: ``hypercube`` (or ``auto`` with a power of two of nodes), and in mode symmetric also
-    ``random`` (a random matching each round, from a seed every node shares). None: a random peer by score."""
+def pairing_of(config: Config, name: str) -> Callable[[int], tuple[str, bool]] | None:
+    """The hypercube schedule, round -> (our partner, whether we start the exchange), when the config's
+    pairing is one (``hypercube``, or ``auto`` with a power of two of nodes); None: a random peer by score."""
     order = [spec.name for spec in config.nodes]
-    kind = pairing.resolve(config.pairing, len(order))
-    index, n, mode = order.index(name), len(order), config.mode
-    if kind == "hypercube":
-
-        def partner(round_: int) -> tuple[str | None, bool]:
-            other = pairing.hypercube_partner(index, n, round_)
-            return order[other], pairing.initiates(index, other, mode)
-
-        return partner
-    if mode != "symmetric":
+    if pairing.resolve(config.pairing, len(order)) != "hypercube":
         return None
-    seed = pairing.seed_of(order)
+    index, n, mode = order.index(name), len(order), config.mode
 
-    def matched(round_: int) -> tuple[str | None, bool]:
-        pair = pairing.matching_partner(index, n, round_, seed)
-        return (None, False) if pair is None else (order[pair[0]], pair[1])
+    def partner(round_: int) -> tuple[str, bool]:
+        other = pairing.hypercube_partner(index, n, round_)
+        return order[other], pairing.initiates(index, other, mode)
 
-    return matched
+    return partner
+
+
+def start_share_of(config: Config) -> float:
+    """The share of steps in which a node starts an exchange, besides fetch_probability (dpwa.mixing.pairing)."""
+    return pairing.start_share(pairing.resolve(config.pairing, len(config.nodes)), config.mode)

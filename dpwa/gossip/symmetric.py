@@ -54,8 +54,9 @@ class SymmetricSteps:
             parts.client.submit,
             crew.counters,
             crew.flow.heard,
-            ended=functools.partial(self.server.own_ended, False),
+            ended=lambda: self.server.own_ended(self._ticket, False),
         )
+        self._ticket = 0  # our own unsettled exchange's (ExchangeServer.take_own)
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
         self._slot_peers = frozenset(parts.local)  # same-host peers we name our slot to (until one refuses)
         # peers on other hosts we offer our snapshot to at our bulk port (until one refuses); int8 snapshots
@@ -81,10 +82,12 @@ class SymmetricSteps:
         own = crew.parts.store.lease()
         if own is None:  # nothing published (every slot held at our first publish): nothing to offer
             return False
-        if not self.server.take_own(own.snapshot.version):  # in an exchange we serve (dpwa.mixing.admission)
+        ticket = self.server.take_own(own.snapshot.version)
+        if not ticket:  # in an exchange we serve (dpwa.mixing.admission)
             own.release()
             crew.counters.add("starts_skipped_in_exchange")
             return False
+        self._ticket = ticket
         snap = own.snapshot
         common = {
             "from": crew.name,
@@ -121,6 +124,8 @@ class SymmetricSteps:
             slot_peers=self._slot_peers,
             offer=functools.partial(self._offer, own) if self._stream_peers else None,
             withdraw=crew.parts.bulk.withdraw if crew.parts.bulk is not None else lambda token: None,
+            ended=functools.partial(self.server.own_ended, ticket, False),
+            ticket=ticket,
         )
         step.call = crew.parts.client.submit(task)
         self._outstanding.append(step.call)
@@ -177,7 +182,7 @@ class SymmetricSteps:
         self._no_stream(task.stream_refused)
         if call.outcome != "ok":
             task.release()  # our snapshot, if the task never ran
-            self.server.own_ended(False)
+            self.server.own_ended(task.ticket, False)
             crew.outcomes.record(call)
             return Update(
                 False, call.outcome or "failed", call.peer, reason=call.reason, latency_s=call.latency_s, clock=clock
@@ -195,7 +200,7 @@ class SymmetricSteps:
                 clock=clock,
             )
         crew.outcomes.record(call)
-        f = self._apply_client_half(value)
+        f = self._apply_client_half(value, task.ticket)
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=crew.progress.clock)
 
     def _no_slot(self, refused: dict[str, str]) -> None:
@@ -222,13 +227,13 @@ class SymmetricSteps:
                 ", ".join(sorted({refused[p] for p in gone})),
             )
 
-    def _apply_client_half(self, half: ClientHalf) -> float:
+    def _apply_client_half(self, half: ClientHalf, ticket: int) -> float:
         crew = self._crew
         with half:
             own, theirs = half.own.snapshot, half.theirs
             crew.blend.apply(crew.params, own.array, theirs.array, half.f, crew.model.kept)
             crew.progress.set_clock(crew.blend.clock(crew.progress.clock, own.clock, theirs.header["clock"], half.f))
-        self.server.own_ended(True)
+        self.server.own_ended(ticket, True)
         crew.blended()
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{half.peer}.averaged")
@@ -254,8 +259,8 @@ class SymmetricSteps:
         for call in [c for c in self._outstanding if c.done.is_set()]:
             self._outstanding.remove(call)
             applied += self._harvest(call).averaged
-        for client_half in self.client.poll():
-            self._apply_client_half(client_half)
+        for client_half in self.client.poll():  # in doubt until now: our latest own exchange (nothing else started)
+            self._apply_client_half(client_half, self._ticket)
             applied += 1
         return applied
 

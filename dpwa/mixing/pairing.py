@@ -13,23 +13,37 @@ In mode symmetric one exchange moves both sides, so only the lower index of
 each pair starts it; in mode pull both sides pull from each other.
 
 In mode symmetric a node takes part in one exchange at a time
-(:mod:`dpwa.mixing.admission`), so a node that asks a random peer while
-that peer asks someone else is refused: ``pairing: random`` there means a
-random *matching* each round, drawn by every node from a seed they share
-(:func:`matching_partner`), one exchange per pair and, for an odd count,
-one node resting. In mode pull ``random`` is a peer drawn by flow-control
-score, as in 2017.
+(:mod:`dpwa.mixing.admission`), so a node that starts an exchange cannot
+serve one meanwhile: if every node started one each step, every request
+would find its peer busy. With ``pairing: random`` there, each step a node
+starts an exchange only with probability :data:`SYMMETRIC_START_SHARE` (a
+coin of its own) and otherwise serves; the ones it starts go to peers by
+flow-control score, the next candidate when one is busy. No round has to
+agree between nodes, so nodes that drift apart lose nothing. In mode pull
+``random`` is a peer drawn by score at every step, as in 2017.
 """
 
 from __future__ import annotations
 
-import random
-import zlib
-from collections.abc import Sequence
-
-__all__ = ["PAIRINGS", "hypercube_partner", "initiates", "is_power_of_two", "matching_partner", "resolve", "seed_of"]
+__all__ = [
+    "PAIRINGS",
+    "SYMMETRIC_START_SHARE",
+    "hypercube_partner",
+    "initiates",
+    "is_power_of_two",
+    "resolve",
+    "start_share",
+]
 
 PAIRINGS = ("auto", "random", "hypercube")
+SYMMETRIC_START_SHARE = 0.5  # mode symmetric, pairing random: the share of steps in which a node starts an exchange
+
+
+def start_share(kind: str, mode: str) -> float:
+    """The share of its steps in which a node starts an exchange (times fetch_probability), for a resolved
+    pairing `kind`: :data:`SYMMETRIC_START_SHARE` for random pairing in mode symmetric, else 1 (a schedule
+    says who starts; in mode pull everyone does)."""
+    return SYMMETRIC_START_SHARE if kind == "random" and mode == "symmetric" else 1.0
 
 
 def resolve(kind: str, n: int) -> str:
@@ -56,25 +70,3 @@ def hypercube_partner(index: int, n: int, round_: int) -> int:
 def initiates(index: int, partner: int, mode: str) -> bool:
     """Does node `index` start this round's exchange with `partner`? (Symmetric: only the lower index.)"""
     return mode != "symmetric" or index < partner
-
-
-def seed_of(names: Sequence[str]) -> int:
-    """The seed every node of a cluster draws its random matchings from: its node names, in config order."""
-    return zlib.crc32("\n".join(names).encode())
-
-
-def matching_partner(index: int, n: int, round_: int, seed: int) -> tuple[int, bool] | None:
-    """Node `index`'s partner in round `round_` of a random matching of n nodes, and whether `index` is the
-    one that starts a symmetric exchange; None: it rests this round.
-
-    Every node draws the same permutation from (`seed`, `round_`) and pairs its neighbours: positions 0 and
-    1, 2 and 3, ... (the even position starts); with an odd n the last position rests. So each node is in
-    at most one pair per round, and starts about half of its exchanges.
-    """
-    if not 0 <= index < n:
-        raise ValueError(f"index must be in [0, {n}), got {index}")
-    order = list(range(n))
-    random.Random(seed * 1_000_003 + round_).shuffle(order)
-    at = order.index(index)
-    mate = at ^ 1
-    return (order[mate], at % 2 == 0) if mate < n else None

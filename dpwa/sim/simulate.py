@@ -101,7 +101,7 @@ class Gossip:
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
         self.blend = mixing.DeltaBlend() if blend == "delta" else mixing.StateBlend()
-        self.rng, self.seed = random.Random(seed), seed
+        self.rng = random.Random(seed)
         self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]
         self.exchanges = 0
         self.refused = 0  # symmetric requests a busy server turned away
@@ -148,15 +148,25 @@ class Gossip:
                 for i, array in enumerate(self.arrays):
                     train(i, array)
             return
-        if self.pairing == "random" and self.mode == "pull":  # a peer by score, as a node draws it
+        if self.pairing == "hypercube":  # the schedule, as the nodes follow it (dpwa.gossip.settings.pairing_of)
+            partners = [(i, pairings.hypercube_partner(i, self.n, self.rounds)) for i in range(self.n)]
+            pairs = [(i, j) for i, j in partners if pairings.initiates(i, j, self.mode)]
+        elif self.mode == "pull":  # a peer by score, as a node draws it
             pairs = [(i, self.choose(i)) for i in range(self.n) if self.rng.random() < self.fetch_probability]
-        else:  # a schedule, as the nodes follow it (dpwa.gossip.settings.pairing_of)
-            if self.pairing == "hypercube":
-                partners = [(i, pairings.hypercube_partner(i, self.n, self.rounds)) for i in range(self.n)]
-                pairs = [(i, j) for i, j in partners if pairings.initiates(i, j, self.mode)]
-            else:  # mode symmetric, random: a random matching
-                matched = [(i, pairings.matching_partner(i, self.n, self.rounds, self.seed)) for i in range(self.n)]
-                pairs = [(i, pair[0]) for i, pair in matched if pair is not None and pair[1]]
+        else:  # symmetric, random: a node starts with its coin and asks peers by score until one is free
+            share = self.fetch_probability * pairings.SYMMETRIC_START_SHARE
+            starters = [i for i in range(self.n) if self.rng.random() < share]
+            self.rng.shuffle(starters)
+            taken = set(starters)  # a node in its own exchange serves none (dpwa.mixing.admission)
+            pairs = []
+            for i in starters:
+                for name in self.selectors[i].ranked():
+                    j = int(name)
+                    if j not in taken:
+                        taken.add(j)
+                        pairs.append((i, j))
+                        break
+                    self.refused += 1
         self.rounds += 1
         self.rng.shuffle(pairs)
         if train is not None:

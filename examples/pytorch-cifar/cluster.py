@@ -115,8 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pairing",
         default=None,
         choices=dpwa.mixing.pairing.PAIRINGS,
-        help="config: auto (hypercube for 4, 8, 16, ... nodes, else random), random (a peer by score), or "
-        f"hypercube (a power of two of nodes) (default: {DEFAULTS['pairing']})",
+        help="config: auto (hypercube for 2, 4, 8, ... nodes, else random), random (a peer by score; in mode "
+        "symmetric a node starts in half its steps), or hypercube (a power of two of nodes) "
+        f"(default: {DEFAULTS['pairing']})",
     )
     g.add_argument(
         "--wire-dtype",

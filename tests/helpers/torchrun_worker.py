@@ -8,6 +8,7 @@
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,15 +29,15 @@ def main() -> int:
         start = [p.detach().clone() for p in net.parameters()]
         if not plain:
             conn.barrier("start", timeout_s=60)  # every worker is up (and has joined) before anyone trains
-        peers: dict[str, int] = {}
         for _ in range(steps):
             conn.update_send(None)
             with torch.no_grad():
                 for p in net.parameters():
                     p.add_(0.01 * (rank + 1))  # a known step per rank
-            update = conn.update_wait(None)
-            if update.averaged:
-                peers[update.peer] = peers.get(update.peer, 0) + 1
+            time.sleep(0.005)  # the step's compute: a real one takes longer than an exchange (not a synchronization)
+            conn.update_wait(None)
+        # every exchange that moved this rank, started by it or by the peer (mode symmetric moves both sides)
+        peers = {name: peer["averaged"] for name, peer in conn.stats()["peers"].items() if peer.get("averaged")}
         if not plain:
             conn.barrier("exit", timeout_s=60)
         result = {
