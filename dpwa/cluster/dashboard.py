@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import queue
+import re
 import secrets
 import selectors
 import signal
@@ -542,7 +543,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
     def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s %s", self.address_string(), format % args)
+        # the query string may hold the kill token: it never goes into a log
+        logger.debug("%s %s", self.address_string(), re.sub(r"\?\S*", "?...", format % args))
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -580,7 +582,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except Refused as exc:
             self._send_error(exc)
         except Exception:  # a bug: say so, keep serving
-            logger.exception("dashboard: %s %s failed", method, self.path[:200])
+            logger.exception("dashboard: %s %s failed", method, self.path.split("?")[0][:200])
             self._send_error(Refused(HTTPStatus.INTERNAL_SERVER_ERROR, "the dashboard failed; see its log"))
 
     def _split(self) -> tuple[str, dict[str, list[str]]]:
