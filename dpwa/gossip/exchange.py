@@ -680,7 +680,7 @@ class ExchangeServer:
         # this node's one unsettled exchange (its own or one it serves), and which snapshots are stale
         self._admission = Admission()
         self._own_ticket = 0  # the ticket of our own unsettled exchange (see take_own)
-        # peers whose served exchanges expired unconfirmed: peer -> (refused until, pause, expiries in a row)
+        # peers whose served exchanges failed on their side: peer -> (refused until, pause, failures in a row)
         self._paused: dict[str, tuple[float, float, int]] = {}
         # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
         # it is in doubt with, so only its latest few can be unknown to it
@@ -810,7 +810,7 @@ class ExchangeServer:
                 raise refused("closing", "this node is closing")
             until = self._paused.get(peer, (0.0, 0.0, 0))[0]
             if now < until:
-                raise refused("busy", f"your last exchanges expired unconfirmed; ask again in {until - now:.1f} s")
+                raise refused("busy", f"your last exchanges failed on your side; ask again in {until - now:.1f} s")
             served = self._store.lease()
             if served is None:
                 raise refused("not_ready", "no snapshot published yet")
@@ -828,15 +828,13 @@ class ExchangeServer:
         late confirm is answered abort) and take the node's one exchange for `peer`. An honest requester
         confirms within a round trip, so only a requester that stalls is preempted, and one that never
         confirms holds a node for at most half a deadline while others ask."""
-        stale = [
-            key
-            for key, half in self._pending.items()
-            if key[0] != peer and now - (half.expires - self.ttl_s) >= self._preempt_after_s
-        ]
-        if not stale or len(self._pending) != 1 or self._committed:
+        if len(self._pending) != 1 or self._committed:
             return False
-        self._abort(stale[0], now).release()
-        self._strike(stale[0][0], now)
+        key, half = next(iter(self._pending.items()))
+        if key[0] == peer or now - (half.expires - self.ttl_s) < self._preempt_after_s:
+            return False
+        self._abort(key, now).release()
+        self._strike(key[0], now)
         self._counters.add("exchanges_preempted")
         return self._admission.take(version, "served")
 
