@@ -4,8 +4,6 @@ offered at its own bulk port, and the exchange keeps its both-or-neither guarant
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 
 import numpy as np
@@ -16,10 +14,9 @@ from dpwa import NumpyParams
 from dpwa.gossip.exchange import ExchangeServer
 from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.gossip.protocol import BULK_EXCHANGE
-from dpwa.wire.bulk import TOKEN_BYTES
-from dpwa.wire.schema import decode, encode
-from helpers.flood import SilentListener
-from helpers.raw_peer import RawPeer
+from dpwa.wire.schema import decode
+from helpers.flood import SilentListener, Trickle
+from helpers.raw_peer import BulkRawPeer, bulk_exchange_header
 
 SIZE = BULK_MIN_BYTES // 4  # float32 parameters of the smallest model that streams
 
@@ -135,30 +132,6 @@ def test_a_server_that_reads_no_streams_is_sent_the_payload_in_the_same_exchange
     assert peer.stats()[f"rejected.{reason}"] == 1  # not asked by stream again
 
 
-class BulkRawPeer(RawPeer):
-    """A raw peer that offers its snapshot at whatever port (and token) it says: ``bulk_exchange``."""
-
-    def bulk_exchange(self, node, port):
-        return self._ask([bulk_exchange_header(node.params.fingerprint, port, name=self.name)])
-
-
-def bulk_exchange_header(fingerprint, port, token=b"t" * TOKEN_BYTES, name="w2"):
-    """A ``bulk_exchange`` request from `name` (clock 0, no loss) for a snapshot of SIZE float32s."""
-    return encode(
-        BULK_EXCHANGE,
-        1,
-        **{"from": name},
-        fp=fingerprint,
-        dtype="float32",
-        nbytes=SIZE * 4,
-        clock=0.0,
-        loss=None,
-        version=1,
-        port=port,
-        token=token,
-    )
-
-
 @contextlib.contextmanager
 def bulk_port_named(node, port):
     """`node`'s requests and replies name `port` as its bulk port, for the block."""
@@ -204,41 +177,6 @@ def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_n
     assert np.all(mine == 5.0)  # the same snapshot served this one
     assert wait_until(lambda: server.update_wait() is not None and server.stats()["mirrored"] == 1, 10)
     assert np.all(theirs == 5.0)
-
-
-class Trickle:
-    """A bulk port that accepts, sends one byte, and then nothing (a stream that stalls once it began)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.sock.settimeout(0.05)
-        self.port = self.sock.getsockname()[1]
-        self.accepted: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="test-trickle", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        deadline = time.monotonic() + 120
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            self.accepted.append(conn)
-            try:
-                conn.sendall(b"x")
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for conn in self.accepted:
-            conn.close()
-        self.sock.close()
 
 
 @pytest.mark.parametrize("port", ["silent", "one_byte"])

@@ -65,12 +65,18 @@ A node takes part in one unsettled exchange at a time, as requester or as
 server, and each published snapshot in at most one exchange (see
 :mod:`dpwa.mixing.admission`): so a server holds at most one requester
 snapshot, and a requester in doubt starts nothing until it learns the
-decision. A peer whose served exchanges failed on its side (expired
-unconfirmed, or its offered snapshot did not stream in)
-:data:`EXPIRIES_BEFORE_PAUSE` times in a row is refused ``busy`` for a pause
-(the ttl, doubling with each further expiry up to :data:`RESOLVE_LIMIT_S`,
-reset by its next confirm), so a member that asks and never confirms holds a
-node's one exchange for a shrinking share of the time.
+decision.
+
+Nobody holds that one exchange against others for long. One still
+unconfirmed after a few times the slowest recent confirm gives way to
+another peer's request (:meth:`ExchangeServer._preempt`), at once if its
+requester failed recently. A peer whose served exchanges failed on its side
+(expired or preempted unconfirmed, or its offered snapshot did not stream
+in) :data:`EXPIRIES_BEFORE_PAUSE` times in a row is refused ``busy`` for a
+pause (the ttl, doubling with each further failure up to
+:data:`RESOLVE_LIMIT_S`, reset by its next confirm). So one member that asks
+and never confirms cuts an honest peer's rate with a node by less than half
+(tests/test_hostile_member_rate.py).
 """
 
 from __future__ import annotations
@@ -129,6 +135,10 @@ __all__ = [
 TTL_MARGIN_S = 1.0  # a PENDING exchange expires this long after the requester's deadline would
 EXPIRIES_BEFORE_PAUSE = 3  # a peer whose served exchanges fail this many times in a row (expired unconfirmed, or
 # its snapshot did not stream in) is paused
+FAILURE_MEMORY_S = 60.0  # a peer one of whose served exchanges failed this recently holds no exchange against others
+PREEMPT_MARGIN = 4.0  # an unconfirmed exchange may give way after this many times the slowest recent confirm...
+PREEMPT_FLOOR_S = 0.05  # ... but not sooner than this, nor later than half the requesters' deadline
+CONFIRM_MEMORY_S = 60.0  # recent: each peer's latest commit, if this recent
 MAX_IN_DOUBT = 1  # exchanges a requester may be in doubt about at once (one unsettled: dpwa.mixing.admission)
 RESOLVE_RETRY_MAX_S = 0.5  # in doubt: ask again at most this long after the last try
 RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the link is)
@@ -405,6 +415,9 @@ class StreamInTask:
         self._header, self._reader, self._done, self._cancelled = header, reader, done, cancelled
 
     def run(self, ask: Ask) -> None:
+        if self._cancelled():  # its exchange ended while it waited in the queue
+            self._done(None, "cancelled")
+            return
         try:
             received = self._reader.read_offer(self._header, self.peer, self.deadline, self._cancelled)
         except BaseException as exc:
@@ -670,7 +683,9 @@ class ExchangeServer:
         self._values = values
         self._interpolation, self._threshold = interpolation, divergence_threshold
         self.ttl_s = timeout_s + TTL_MARGIN_S
-        self._preempt_after_s = timeout_s / 2  # a pending exchange this old may give way to another peer's
+        self._preempt_limit_s = timeout_s / 2  # a pending exchange this old may always give way to another peer's
+        # peer -> (seconds from its request to its confirm, when) of its latest commit
+        self._confirm_took: dict[str, tuple[float, float]] = {}
         self._arrivals = Arrivals(serving.model)  # requester snapshots that came in chunks (or encoded)
         self._counters = counters
         self._lock = threading.Lock()
@@ -682,6 +697,8 @@ class ExchangeServer:
         self._own_ticket = 0  # the ticket of our own unsettled exchange (see take_own)
         # peers whose served exchanges failed on their side: peer -> (refused until, pause, failures in a row)
         self._paused: dict[str, tuple[float, float, int]] = {}
+        # peer -> when one of its served exchanges last failed on its side (not forgotten at its next confirm)
+        self._failed_at: dict[str, float] = {}
         # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
         # it is in doubt with, so only its latest few can be unknown to it
         self._unacked: dict[str, OrderedDict[int, float]] = {}
@@ -798,7 +815,12 @@ class ExchangeServer:
             assert self._streams_in is not None
             submit, reader = self._streams_in
             done = functools.partial(self._streamed, peer, xid)
-            submit(StreamInTask(peer, now + self.ttl_s - TTL_MARGIN_S, header, reader, done, self._closed.is_set))
+            key = (peer, xid)
+
+            def cancelled() -> bool:  # closing, or the exchange is over (aborted, preempted, expired)
+                return self._closed.is_set() or key not in self._pending
+
+            submit(StreamInTask(peer, now + self.ttl_s - TTL_MARGIN_S, header, reader, done, cancelled))
             self._counters.add("bulk_exchanges_served")
         return reply
 
@@ -823,20 +845,37 @@ class ExchangeServer:
             return served
 
     def _preempt(self, peer: str, now: float, version: int) -> bool:
-        """(With the lock held) serve `peer` instead of an exchange of another peer that has waited for its
-        confirm longer than half the requesters' deadline: abort that one (nothing was applied anywhere; its
-        late confirm is answered abort) and take the node's one exchange for `peer`. An honest requester
-        confirms within a round trip, so only a requester that stalls is preempted, and one that never
-        confirms holds a node for at most half a deadline while others ask."""
+        """(With the lock held) serve `peer` instead of another peer's exchange that is still unconfirmed
+        after :meth:`_preempt_after`, or whose requester had an exchange fail on its side in the last
+        :data:`FAILURE_MEMORY_S`: abort that one (nothing was applied anywhere; its late confirm is answered
+        abort, its stream in stops), count it as that requester's failure, and take the node's one
+        exchange for `peer`.
+
+        Honest requesters confirm about as fast as each other (a round trip, and the transfers), so only a
+        requester that stalls is preempted. One that never confirms (or offers streams that stall) holds a
+        node a few confirm times once; from then on only while nobody else asks, until its pause."""
         if len(self._pending) != 1 or self._committed:
             return False
         key, half = next(iter(self._pending.items()))
-        if key[0] == peer or now - (half.expires - self.ttl_s) < self._preempt_after_s:
+        if key[0] == peer:
+            return False
+        suspect = key[0] in self._failed_at and now - self._failed_at[key[0]] < FAILURE_MEMORY_S
+        if not suspect and now - (half.expires - self.ttl_s) < self._preempt_after():
             return False
         self._abort(key, now).release()
         self._strike(key[0], now)
         self._counters.add("exchanges_preempted")
         return self._admission.take(version, "served")
+
+    def _preempt_after(self) -> float:
+        """(With the lock held) how long an unconfirmed exchange is held against other peers: a few times
+        the slowest recent confirm (honest requesters confirm about as fast as each other), and half the
+        requesters' deadline before any commit."""
+        now = time.monotonic()
+        recent = [took for took, at in self._confirm_took.values() if now - at < CONFIRM_MEMORY_S]
+        if not recent:
+            return self._preempt_limit_s
+        return min(self._preempt_limit_s, max(PREEMPT_FLOOR_S, PREEMPT_MARGIN * max(recent)))
 
     def _unreserve(self) -> None:
         with self._lock:
@@ -891,6 +930,7 @@ class ExchangeServer:
                 else:
                     outcome = "commit"
                     self._paused.pop(peer, None)
+                    self._confirm_took[peer] = (now - (half.expires - self.ttl_s), now)
                     self._committed.append(half)
                     self._decide(peer, xid, outcome, now)
                     unacked = self._unacked.setdefault(peer, OrderedDict())
@@ -931,6 +971,7 @@ class ExchangeServer:
     def _strike(self, peer: str, now: float) -> None:
         """(With the lock held) an exchange `peer` asked for failed on its side (never confirmed, or its
         snapshot did not stream in): after a few in a row, it waits to be served again, longer each time."""
+        self._failed_at[peer] = now
         _, pause, strikes = self._paused.get(peer, (0.0, 0.0, 0))
         strikes += 1
         if strikes >= EXPIRIES_BEFORE_PAUSE:

@@ -1,5 +1,6 @@
 """Bulk ports held up, for tests: a flood of silent TCP connections, each one reopened as soon as the
-server closes it (:class:`Flood`), and a listener that accepts and never sends (:class:`SilentListener`).
+server closes it (:class:`Flood`), a listener that accepts and never sends (:class:`SilentListener`), and
+one that sends one byte and then nothing (:class:`Trickle`).
 
 The attack of issue 16 on a node's bulk port: `count` connections that never
 send a byte, on one thread, each replaced the moment the server closes it (or
@@ -172,3 +173,38 @@ class StallingRelay:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Trickle:
+    """A bulk port that accepts, sends one byte, and then nothing (a stream that stalls once it began)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.05)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-trickle", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.accepted.append(conn)
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for conn in self.accepted:
+            conn.close()
+        self.sock.close()

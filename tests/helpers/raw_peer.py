@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import zmq
 
-__all__ = ["FakePeer", "FakeRequest", "RawPeer"]
+__all__ = ["BulkRawPeer", "FakePeer", "FakeRequest", "RawPeer", "bulk_exchange_header"]
 
 
 @dataclass
@@ -100,6 +100,10 @@ class RawPeer:
         self.sock.connect(parsed.endpoint(parsed.node(server)))
 
     def exchange(self, node: Any, payload: Any, clock: float = 0.0) -> Any:
+        return self.exchange_with(node.params.fingerprint, payload, clock)
+
+    def exchange_with(self, fingerprint: bytes, payload: Any, clock: float = 0.0) -> Any:
+        """An exchange that offers `payload` for a model whose layout has `fingerprint`."""
         from dpwa.gossip.protocol import EXCHANGE
         from dpwa.wire.schema import encode
 
@@ -107,7 +111,7 @@ class RawPeer:
             EXCHANGE,
             1,
             **{"from": self.name},
-            fp=node.params.fingerprint,
+            fp=fingerprint,
             dtype="float32",
             nbytes=payload.nbytes,
             clock=clock,
@@ -129,3 +133,33 @@ class RawPeer:
         self.sock.send_multipart(frames)
         assert self.sock.poll(5000), "no answer"
         return decode(self.sock.recv_multipart()[0])
+
+
+class BulkRawPeer(RawPeer):
+    """A raw peer that offers its snapshot at whatever port (and token) it says: ``bulk_exchange``."""
+
+    def bulk_exchange(self, node, port):
+        return self._ask([bulk_exchange_header(node.params.fingerprint, port, name=self.name)])
+
+
+def bulk_exchange_header(fingerprint, port, token=None, name="w2", nbytes=None):
+    """A ``bulk_exchange`` request from `name` (clock 0, no loss) for a snapshot of `nbytes` (by default
+    the smallest model that streams), offered at `port` with `token` (by default a fixed one)."""
+    from dpwa.gossip.parts import BULK_MIN_BYTES
+    from dpwa.gossip.protocol import BULK_EXCHANGE
+    from dpwa.wire.bulk import TOKEN_BYTES
+    from dpwa.wire.schema import encode
+
+    return encode(
+        BULK_EXCHANGE,
+        1,
+        **{"from": name},
+        fp=fingerprint,
+        dtype="float32",
+        nbytes=BULK_MIN_BYTES if nbytes is None else nbytes,
+        clock=0.0,
+        loss=None,
+        version=1,
+        port=port,
+        token=b"t" * TOKEN_BYTES if token is None else token,
+    )
