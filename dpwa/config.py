@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from .mixing import rules
 from .mixing.kernels import WIRE_STORAGE
 from .mixing.pairing import PAIRINGS
 from .wire.curve import valid_public_key
@@ -55,12 +56,11 @@ PRESETS = ("none", "low_bandwidth", "original")
 # What a preset sets, for the keys the file does not give itself (docs/configuration.md#presets).
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     "low_bandwidth": {"period": 8, "outer": "none", "wire_dtype": "int8"},
-    "original": {"mode": "pull", "blend": "state", "pairing": "random"},
+    "original": {"mode": "pull", "rule": "state", "pairing": "random"},
 }
 SAME_HOST_MODES = ("auto", "off")
 BULK_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
-BLENDS = ("state", "delta")
 JOINS = ("auto", "never")
 
 BULK_HELP = (
@@ -160,6 +160,24 @@ def _constant_options(value: Any, key: str, source: str) -> ConstantOptions:
     return ConstantOptions() if raw is None else ConstantOptions(value=number(0.0, 1.0)(raw, "constant.value", source))
 
 
+def _rule(value: Any, key: str, source: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{source}: {key} must be a rule's name or module.path:ClassName, got {value!r}")
+    try:
+        rules.rule_class(value)  # imported now: a rule that cannot be used fails at load, named
+    except rules.RuleError as exc:
+        raise ConfigError(f"{source}: {key}: {exc}") from None
+    return value
+
+
+def _rule_options(value: Any, key: str, source: str) -> tuple[tuple[str, Any], ...]:
+    if value == 0 or value == {}:
+        return ()
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{source}: {key} must be a map of the rule's settings, like {{radius: 1.0}}, got {value!r}")
+    return tuple(sorted(value.items()))
+
+
 def _interface(value: Any, key: str, source: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{source}: interface must be auto, an address or an interface name, got {value!r}")
@@ -231,11 +249,24 @@ class Config:
         "`symmetric`: both sides of an exchange move, and the mean of all nodes is kept; `pull`: only the requester "
         "moves (the original's) ([Mixing modes](design.md#mixing-modes))",
     )
-    blend: str = setting(
+    rule: str = setting(
         "delta",
-        one_of(BLENDS),
-        "`delta`: `x += f (peer - own snapshot)`, which keeps the local step whole; `state`: `x += f (peer - x)` "
-        "(the original's)",
+        _rule,
+        "the mixing rule: "
+        + "; ".join(f"`{name}`: {cls.summary}" for name, cls in sorted(rules.builtin().items()))
+        + "; or `module.path:ClassName`, a rule of your own, imported when the config loads "
+        "([Writing a rule](rules.md)). `blend` is its older name",
+    )
+    rule_options: tuple[tuple[str, Any], ...] = setting(
+        tuple,
+        _rule_options,
+        "the rule's own settings, a map checked by the rule: "
+        + "; ".join(
+            f"`{name}`: " + ", ".join(f"`{key}` ({option.help})" for key, option in cls.options.items())
+            for name, cls in sorted(rules.builtin().items())
+            if cls.options
+        ),
+        shown="{}",
     )
     wire_dtype: str = setting(
         "float32",
@@ -294,7 +325,7 @@ class Config:
         "none",
         one_of(PRESETS),
         "`low_bandwidth`: `period: 8`, `outer: none`, `wire_dtype: int8`; `original`: the 2017 rule, `mode: pull`, "
-        "`blend: state`, `pairing: random`; each for the keys the file does not set itself ([Presets](#presets))",
+        "`rule: state`, `pairing: random`; each for the keys the file does not set itself ([Presets](#presets))",
     )
     join: str = setting(
         "auto",
@@ -395,6 +426,8 @@ class Config:
             if name == "interface" and not (self.torchrun and not self.resolved):
                 continue  # a key of torchrun configs only
             value = getattr(self, name)
+            if name == "rule_options":
+                value = dict(value)
             out[name] = {"value": value.value} if isinstance(value, ConstantOptions) else value
         return out
 
@@ -447,6 +480,7 @@ def key_table() -> str:
 _PLACEHOLDERS = ("clock", "loss")  # interpolations without options: accepted, checked, not kept
 _NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
 _CONSTANT_KEYS = ("value",)
+_OLD_NAMES = {"blend": "rule"}  # keys renamed: still read, under the new name
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:
@@ -476,8 +510,13 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     if isinstance(data, str):
         data = _parse_yaml(data, source)
     raw = _flatten(data, source)
-    known = ("nodes", *(name for name, _ in settings()), *_PLACEHOLDERS)
+    known = ("nodes", *(name for name, _ in settings()), *_PLACEHOLDERS, *_OLD_NAMES)
     _reject_unknown(raw, known, source, where="")
+    for old, new in _OLD_NAMES.items():
+        if old in raw:
+            if new in raw:
+                raise ConfigError(f"{source}: {old} is the older name of {new}: give one of them")
+            raw[new] = raw.pop(old)
 
     torchrun = raw.get("nodes") == "torchrun"
     nodes = () if torchrun else _parse_nodes(raw.get("nodes"), source, base_dir=_base_dir(source))
@@ -489,6 +528,11 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     for key in _PLACEHOLDERS:
         _parse_no_options(raw, key, source)
     config = Config(nodes=nodes, torchrun=torchrun, source=source, **values)
+    rule = rules.rule_class(config.rule)
+    try:
+        rule.check_mode(config.mode, rule.checked_options(dict(config.rule_options)))
+    except rules.RuleError as exc:
+        raise ConfigError(f"{source}: rule_options: {exc}") from None
     if config.pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
         raise ConfigError(
             f"{source}: pairing: hypercube needs a power of two of nodes (2, 4, 8, ...), got {len(nodes)}"
@@ -681,10 +725,10 @@ def pointless_settings(config: Config) -> list[str]:
             f"{config.source}: fetch_probability is 0 with {len(config.nodes)} nodes: "
             "no node ever fetches, so the nodes train independently"
         )
-    if config.mode == "symmetric" and config.blend == "state":
+    if config.mode == "symmetric" and config.rule == "state":
         notes.append(
-            f"{config.source}: mode symmetric with blend state keeps the nodes' mean only when nothing "
-            "trains between update_send and update_wait; use blend: delta to keep it while training"
+            f"{config.source}: mode symmetric with rule state keeps the nodes' mean only when nothing "
+            "trains between update_send and update_wait; use rule: delta to keep it while training"
         )
     if config.interpolation == "constant" and config.constant.value == 0:
         notes.append(

@@ -99,8 +99,10 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
         "constant": {"value": 0.5},
         "join": "never",
         "mode": "pull",
-        "blend": "state",
+        "rule": "state",
     }
+    if "blend" in settings:  # the older name of rule, as some tests still say
+        settings["rule"] = settings.pop("blend")
     config.update(settings)
     return config
 

@@ -84,9 +84,9 @@ def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Bl
             before, partner_before = x.copy(), partners[e].copy()
             peer = partners[e].copy()  # the partner's snapshot: it has not moved
             if roles[e] == "own":
-                blend.apply(node, own, peer, f, "float32")
+                blend.blend(node, own, peer, f, "float32")
             else:
-                rules.mirror(node, own, peer, f, "float32")
+                blend.mirror(node, own, peer, f, "float32")
             partners[e] += np.float32(f) * (own - peer)  # the partner's half: always the mirror of ours
             admission.settle(version)
             # x = a * before + b * peer: solve on the coordinates of the node's own state and of this partner
@@ -98,7 +98,7 @@ def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Bl
     return seen
 
 
-@pytest.mark.parametrize("blend", [rules.StateBlend(), rules.DeltaBlend()], ids=["state", "delta"])
+@pytest.mark.parametrize("blend", [rules.rule_class("state")(), rules.rule_class("delta")()], ids=["state", "delta"])
 @pytest.mark.parametrize("f", [0.1, 0.25, 0.5])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_a_nodes_own_weight_stays_at_or_above_the_floor_in_every_pattern(k, f, blend):
@@ -122,7 +122,7 @@ def test_without_the_rule_two_exchanges_on_one_snapshot_swap_the_models():
     f = 1/2, leaves the node with none of its own state (two nodes asking each other swap their models)."""
     steps = [("publish", -1), ("begin", 0), ("begin", 1), ("end", 0), ("end", 1)]
     (a0, _, exact0, kept0), (a1, _, _, kept1) = play(
-        Everything(), steps, ["own", "served"], [True, True], 0.5, rules.DeltaBlend()
+        Everything(), steps, ["own", "served"], [True, True], 0.5, rules.rule_class("delta")()
     )
     assert exact0 and a0 == pytest.approx(0.5) and kept0 and kept1  # the first is fine; the mean is kept
     assert a1 == pytest.approx(0.0, abs=1e-6)  # the second erases what was left of the node's own state

@@ -346,7 +346,7 @@ def test_a_preset_sets_its_keys_and_a_key_in_the_file_wins():
     a key the file gives itself wins over its preset."""
     nodes = {"nodes": make_config(4)["nodes"]}
     cfg = parse_config(nodes)
-    assert (cfg.mode, cfg.blend, cfg.pairing, cfg.period, cfg.outer, cfg.wire_dtype) == (
+    assert (cfg.mode, cfg.rule, cfg.pairing, cfg.period, cfg.outer, cfg.wire_dtype) == (
         "symmetric",
         "delta",
         "auto",
@@ -355,7 +355,7 @@ def test_a_preset_sets_its_keys_and_a_key_in_the_file_wins():
         "float32",
     )
     cfg = parse_config({**nodes, "preset": "original"})
-    assert (cfg.mode, cfg.blend, cfg.pairing) == ("pull", "state", "random")
+    assert (cfg.mode, cfg.rule, cfg.pairing) == ("pull", "state", "random")
     cfg = parse_config({**nodes, "preset": "low_bandwidth"})
     assert (cfg.period, cfg.outer, cfg.wire_dtype, cfg.mode) == (8, "none", "int8", "symmetric")
     cfg = parse_config({**nodes, "preset": "low_bandwidth", "period": 2, "wire_dtype": "bfloat16"})

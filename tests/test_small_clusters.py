@@ -41,7 +41,7 @@ def rounds_until(group, arrays, target: float, limit: int) -> int:
 
 def test_the_defaults_are_what_these_tests_run():
     cfg = parse_config(defaults(2, join="never"))
-    assert (cfg.mode, cfg.blend, cfg.pairing, cfg.interpolation, cfg.constant.value) == (
+    assert (cfg.mode, cfg.rule, cfg.pairing, cfg.interpolation, cfg.constant.value) == (
         "symmetric",
         "delta",
         "auto",

@@ -200,8 +200,9 @@ def test_interpolation_works_in_symmetric_mode(nodes, settings, f):
 
 
 def test_a_factor_the_requester_does_not_share_moves_nobody(nodes):
-    """The nodes disagree on constant.value (not one config): the requester refuses the server's f,
-    never confirms, and the server's pending exchange expires."""
+    """The nodes disagree on constant.value (not one config): the server refuses the request at once, since
+    the rules' fingerprints differ (bad_rule); nothing is pending, nothing moves. (A requester that sent no
+    fingerprint would still refuse the server's f: bad_factor, never confirming.)"""
     cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=300)
     theirs = filled(8)
     peer = nodes(serving_only({**cfg, "constant": {"value": 0.25}}), "w1", NumpyParams(theirs))
@@ -210,13 +211,9 @@ def test_a_factor_the_requester_does_not_share_moves_nobody(nodes):
     node = nodes(cfg, "w0", NumpyParams(mine))
     node.update_send()
     update = node.update_wait()
-    assert update.outcome == "rejected" and "bad_factor" in update.reason
-
-    def expired() -> bool:
-        tend(peer)
-        return peer.stats().get("exchanges_expired", 0) == 1
-
-    assert wait_until(expired, 5)
+    assert update.outcome == "refused" and "bad_rule" in update.reason, update
+    assert peer.stats()["rejected.bad_rule"] == 1 and peer.stats().get("exchanges_pending", 0) == 0
+    tend(peer)
     assert np.all(mine == 0) and np.all(theirs == 8)
 
 

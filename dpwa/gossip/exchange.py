@@ -9,7 +9,7 @@ can be in::
       shm_exchange(s_i's slot) on one host               unsettled exchange, a fresh snapshot), then
                                                          s_i's values (its slot locked for reading
                                                          while held); picks a fresh id xid and
-                                                         f = symmetric_factor(s_i, s_j) <= 1/2;
+                                                         f = rule.factor(s_i, s_j) <= 1/2;
                                                          PENDING(i, xid): holds s_i and a lease on
                                                          s_j; expires at receipt + ttl
                  ◄─────────  params(s_j, xid, f)  or  error(busy | not_ready | closing | ...)
@@ -94,7 +94,6 @@ from typing import Any
 import numpy as np
 
 from ..logs import logger
-from ..mixing import interpolation as interp
 from ..mixing import rules
 from ..mixing.admission import Admission
 from ..stats import Counters
@@ -653,7 +652,7 @@ class ExchangeServer:
     Args:
         serving: builds the snapshot replies, and checks the requester's model.
         values: the checks the requester's snapshot must pass.
-        interpolation, divergence_threshold: how f is computed.
+        rule: the mixing rule (how f is computed, and checked against the requester's).
         timeout_s: the requesters' deadline (a pending exchange expires after it plus a margin).
         counters: where to count.
         slots: the same-host peers whose snapshots an exchange may name in their shared-memory slots,
@@ -668,8 +667,7 @@ class ExchangeServer:
         self,
         serving: Serving,
         values: PeerValues,
-        interpolation: interp.Interpolation,
-        divergence_threshold: float,
+        rule: rules.Rule,
         timeout_s: float,
         counters: Counters,
         slots: dict[str, PeerSlots] | None = None,
@@ -681,7 +679,7 @@ class ExchangeServer:
         # same-host requesters' slots, read in place (shm_exchange); this thread's own mappings and locks
         self._slots = dict(slots or {})
         self._values = values
-        self._interpolation, self._threshold = interpolation, divergence_threshold
+        self._rule = rule
         self.ttl_s = timeout_s + TTL_MARGIN_S
         self._preempt_limit_s = timeout_s / 2  # a pending exchange this old may always give way to another peer's
         # peer -> (seconds from its request to its confirm, when) of its latest commit
@@ -800,9 +798,8 @@ class ExchangeServer:
                 undo.push(theirs)
                 self._values.check(theirs.array)
             snap = served.snapshot
-            f = rules.symmetric_factor(
-                self._interpolation, self._threshold, (header["clock"], header["loss"]), (snap.clock, snap.loss)
-            )
+            requester = rules.Side(header["clock"], header["loss"])
+            f = self._rule.factor(requester, rules.Side(snap.clock, snap.loss), symmetric=True)
             xid = secrets.randbelow(MAX_ID) + 1
             now = time.monotonic()
             half = ServerHalf(peer, xid, f, served, theirs, expires=now + self.ttl_s)

@@ -53,7 +53,7 @@ from .progress import Progress, loss_value
 from .protocol import MAX_CLOCK
 from .pull import PullSteps
 from .reporting import NodeState, Reporter, StatusServer
-from .settings import blend_of, interpolation_of, pairing_of, start_share_of
+from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys
 from .start import join_wait_s, start_together, take_state
 from .steps import WAIT_SLACK_S, Crew, Step, Steps, Update
@@ -86,7 +86,8 @@ class Node:
         self.config, self.name, self.spec = who.config, who.name, who.spec
         self.params = params
         self.peers = {spec.name: spec for spec in self.config.peers_of(self.name)}
-        self.model = WireModel(params.fingerprint, self.config.wire_dtype, params.size)
+        self.rule = rule_of(self.config)  # how this node mixes; peers that mix otherwise are refused (bad_rule)
+        self.model = WireModel(params.fingerprint, self.config.wire_dtype, params.size, self.rule.fingerprint())
         self.wire, self.nbytes = self.model.dtype, self.model.nbytes
         self.counters = Counters()
         self.state: NodeState = "starting"
@@ -141,8 +142,7 @@ class Node:
                 progress=self._progress,
                 counters=self.counters,
                 outcomes=Outcomes(self.name, self._flow, self.counters),
-                interpolation=interpolation_of(self.config),
-                blend=blend_of(self.config),
+                rule=self.rule,
                 publish=self._publish,
                 outer=self._outer,
             )

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from ..mixing.kernels import WIRE_STORAGE
 from ..mixing.model import WireModel
-from ..mixing.rules import MAX_SYMMETRIC_FACTOR
+from ..mixing.rules import FINGERPRINT_BYTES, MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
 from ..wire.errors import ProtocolError
 from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Header, Integer, ListOf, Number, Text, message_kind
@@ -85,32 +85,35 @@ _SNAPSHOT = {
     "loss": LOSS,
     "version": Integer(1, MAX_ID),
 }
+_RULE = {"rule": Blob(length=FINGERPRINT_BYTES)}  # the sender's mixing rule and its settings (optional: tools omit it)
 _SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 
-FETCH = message_kind("fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag(), "bulk": Flag()})
-PARAMS = message_kind("params", _SNAPSHOT, _EXCHANGE_REPLY, payload=1)
+FETCH = message_kind(
+    "fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag(), "bulk": Flag(), **_RULE}
+)
+PARAMS = message_kind("params", _SNAPSHOT, {**_EXCHANGE_REPLY, **_RULE}, payload=1)
 SHM_PARAMS = message_kind(
     "shm_params",
     {**_SNAPSHOT, **_SLOT},
-    _EXCHANGE_REPLY,
+    {**_EXCHANGE_REPLY, **_RULE},
 )
 _TICKET = {"port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}  # a transfer waiting at a bulk port
 _KEY = {"key": Blob(length=KEY_BYTES)}  # a sealed stream's key: only ever sent inside a CURVE-encrypted message
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
-    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY}
+    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY, **_RULE}
 )
 EXCHANGE = message_kind(
     "exchange",
     {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE, "nbytes": NBYTES, "clock": CLOCK, "loss": LOSS},
-    {"shm": Flag()},
+    {"shm": Flag(), **_RULE},
     payload=1,
 )
 SHM_EXCHANGE = message_kind(  # an exchange whose snapshot waits in the requester's slot (same host)
-    "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag()}
+    "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag(), **_RULE}
 )
 BULK_EXCHANGE = message_kind(  # an exchange whose snapshot waits at the requester's bulk port (another host)
-    "bulk_exchange", {**_SNAPSHOT, **_TICKET}, {**_KEY, "bulk": Flag()}
+    "bulk_exchange", {**_SNAPSHOT, **_TICKET}, {**_KEY, "bulk": Flag(), **_RULE}
 )
 CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})
@@ -122,7 +125,8 @@ SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAM
 
 
 def check_payload(header: Header, model: WireModel) -> None:
-    """Check that a snapshot-carrying header describes a model like ours: fingerprint, dtype, size."""
+    """Check that a snapshot-carrying header describes a model like ours: fingerprint, dtype, size, and
+    that its sender mixes by our rule with our settings (when it says: tools and older nodes do not)."""
     if header["fp"] != model.fingerprint:
         raise ProtocolError(
             "bad_fingerprint",
@@ -132,6 +136,13 @@ def check_payload(header: Header, model: WireModel) -> None:
     if header["dtype"] != model.dtype:
         raise ProtocolError(
             "bad_dtype", f"dtype {header['dtype']!r}, this node uses {model.dtype!r} (do the nodes share one config?)"
+        )
+    theirs = header.get("rule")
+    if model.rule is not None and theirs is not None and theirs != model.rule:
+        raise ProtocolError(
+            "bad_rule",
+            f"mixing rule fingerprint {theirs.hex()} differs from ours {model.rule.hex()} "
+            "(another rule, rule_options, interpolation or divergence_threshold: do the nodes share one config?)",
         )
     if header.get("nbytes", model.nbytes) != model.nbytes:
         raise ProtocolError("bad_size", f"the header announces {header['nbytes']} bytes, expected {model.nbytes}")

@@ -12,8 +12,7 @@ import threading
 import time
 from typing import Any
 
-from ..mixing import interpolation as interp
-from ..mixing.rules import DeltaBlend
+from ..mixing.rules import Side
 from ..wire.server import Route
 from .requesting import FetchTask
 from .steps import Crew, Step, Update
@@ -45,7 +44,7 @@ class PullSteps:
             step.call = direct.start(task) if direct is not None else parts.client.submit(task)
             crew.counters.add("fetches_started")
         crew.publish(step.send_loss)  # after the fetch started: the copy overlaps with the request
-        if step.call is not None and isinstance(crew.blend, DeltaBlend):
+        if step.call is not None and crew.rule.uses_own_snapshot:
             step.own = parts.store.lease()  # the snapshot the delta is taken from
         return step.call is not None
 
@@ -74,11 +73,10 @@ class PullSteps:
         own = step.own.snapshot if step.own is not None else None
         with call.take() as received:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
-            f = crew.interpolation.factor(progress.clock, peer_clock, own_loss, peer_loss)
-            f = interp.damp_by_divergence(f, own_loss, crew.config.divergence_threshold)
-            crew.blend.apply(crew.params, own.array if own else None, received.array, f, crew.model.kept)
+            f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss))
+            f = crew.rule.blend(crew.params, own.array if own else None, received.array, f, crew.model.kept)
         crew.blended()
-        progress.set_clock(crew.blend.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
+        progress.set_clock(crew.rule.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{call.peer}.averaged")
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=progress.clock)

@@ -305,6 +305,8 @@ class FetchTask:
         self.peer, self.deadline = peer, deadline
         self._reader = reader
         self._fields: dict[str, Any] = {"from": name, "fp": reader.model.fingerprint, "dtype": reader.model.dtype}
+        if reader.model.rule is not None:
+            self._fields["rule"] = reader.model.rule
         if reader.wants_shm(peer):
             self._fields["shm"] = True
         self._bulk: bool | None = None  # ask for a stream? Decided by the reader's thread, at the first request

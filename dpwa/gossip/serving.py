@@ -151,4 +151,5 @@ class Serving:
             "clock": snap.clock,
             "loss": snap.loss,
             "version": snap.version,
+            **({"rule": self.model.rule} if self.model.rule is not None else {}),
         }

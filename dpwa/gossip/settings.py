@@ -1,4 +1,4 @@
-"""The mixing layer's objects a configuration names: the interpolation, the blend rule, the pairing.
+"""The mixing layer's objects a configuration names: the interpolation, the rule, the pairing.
 
 :mod:`dpwa.mixing` is pure math and knows nothing of configuration files; this is
 where a :class:`~dpwa.config.Config`'s words become its objects.
@@ -11,9 +11,9 @@ from collections.abc import Callable
 from ..config import Config
 from ..mixing import pairing
 from ..mixing.interpolation import ClockWeighted, Constant, Interpolation, LossWeighted
-from ..mixing.rules import Blend, DeltaBlend, StateBlend
+from ..mixing.rules import Rule, rule_class
 
-__all__ = ["blend_of", "interpolation_of", "pairing_of", "start_share_of"]
+__all__ = ["interpolation_of", "pairing_of", "rule_of", "start_share_of"]
 
 
 def interpolation_of(config: Config) -> Interpolation:
@@ -27,9 +27,10 @@ def interpolation_of(config: Config) -> Interpolation:
     raise ValueError(f"unknown interpolation {config.interpolation!r}")
 
 
-def blend_of(config: Config) -> Blend:
-    """The blend rule named by ``config.blend``."""
-    return DeltaBlend() if config.blend == "delta" else StateBlend()
+def rule_of(config: Config) -> Rule:
+    """The mixing rule named by ``config.rule``, with its options, the interpolation and the threshold."""
+    rule = rule_class(config.rule)
+    return rule(interpolation_of(config), config.divergence_threshold, **dict(config.rule_options))
 
 
 def pairing_of(config: Config, name: str) -> Callable[[int], tuple[str, bool]] | None:

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from ..config import Config
-from ..mixing.interpolation import Interpolation
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
-from ..mixing.rules import Blend
+from ..mixing.rules import Rule
 from ..stats import Counters
 from ..wire.calls import Call
 from ..wire.server import Route
@@ -77,8 +76,7 @@ class Crew:
     progress: Progress
     counters: Counters
     outcomes: Outcomes
-    interpolation: Interpolation
-    blend: Blend
+    rule: Rule  # how f is chosen and each half applied (dpwa.mixing.rules)
     publish: Callable[[float | None], None]  # publish a snapshot with this loss (and the clock as it is)
     state: Callable[[], str] = field(default=lambda: "training")
     outer: OuterStep | None = None  # outer: nesterov or noloco

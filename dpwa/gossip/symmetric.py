@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from ..logs import logger
-from ..mixing import rules
+from ..mixing.rules import Side
 from ..wire.calls import Call
 from ..wire.errors import Refused
 from ..wire.server import Route
@@ -39,8 +39,7 @@ class SymmetricSteps:
         self.server = ExchangeServer(
             parts.serving,
             parts.values,
-            crew.interpolation,
-            config.divergence_threshold,
+            crew.rule,
             config.timeout_s,
             crew.counters,
             slots=parts.slot_readers(),  # same-host requesters name their snapshot's slot
@@ -92,6 +91,7 @@ class SymmetricSteps:
         common = {
             "from": crew.name,
             "fp": crew.model.fingerprint,
+            **({"rule": crew.model.rule} if crew.model.rule is not None else {}),
             "dtype": crew.model.dtype,
             "nbytes": crew.model.nbytes,
             "clock": snap.clock,
@@ -101,7 +101,9 @@ class SymmetricSteps:
         def fields(peer: str) -> dict[str, Any]:
             return {**common, "shm": True} if reader.wants_shm(peer) else common
 
-        factor = functools.partial(rules.symmetric_factor, crew.interpolation, crew.config.divergence_threshold)
+        def factor(requester: tuple[float, float | None], server: tuple[float, float | None]) -> float:
+            return crew.rule.factor(Side(*requester), Side(*server), symmetric=True)
+
         step.deadline = time.monotonic() + crew.config.timeout_s
         # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
         busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * crew.progress.step_s)
@@ -231,14 +233,14 @@ class SymmetricSteps:
         crew = self._crew
         with half:
             own, theirs = half.own.snapshot, half.theirs
-            crew.blend.apply(crew.params, own.array, theirs.array, half.f, crew.model.kept)
-            crew.progress.set_clock(crew.blend.clock(crew.progress.clock, own.clock, theirs.header["clock"], half.f))
+            w = crew.rule.blend(crew.params, own.array, theirs.array, half.f, crew.model.kept)
+            crew.progress.set_clock(crew.rule.clock(crew.progress.clock, own.clock, theirs.header["clock"], w))
         self.server.own_ended(ticket, True)
         crew.blended()
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{half.peer}.averaged")
         self.client.hold(half)  # a closing peer that asks learns we hold its commit
-        return half.f
+        return w
 
     # ----------------------------------------------------------------- in the background
 
@@ -249,9 +251,9 @@ class SymmetricSteps:
         for half in self.server.take_committed():
             with half:
                 served = half.served.snapshot
-                rules.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.kept)
+                w = crew.rule.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.kept)
                 their_clock = half.theirs.header["clock"]
-                crew.progress.set_clock(rules.mirror_clock(crew.progress.clock, served.clock, their_clock, half.f))
+                crew.progress.set_clock(crew.rule.mirror_clock(crew.progress.clock, served.clock, their_clock, w))
             self.server.applied()
             crew.counters.add("mirrored")
             crew.counters.add(f"peer.{half.peer}.averaged")

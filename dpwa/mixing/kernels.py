@@ -32,6 +32,7 @@ __all__ = [
     "as_torch",
     "encode_",
     "lerp_",
+    "distance",
     "relative_distance",
     "storage_dtype",
     "prepare",
@@ -239,6 +240,19 @@ def relative_distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") ->
 
     Returns 0.0 when both are zero, and inf when only `ours` is zero.
     """
+    diff_sq, ours_sq = _squares(y, ours, wire)
+    if ours_sq == 0.0:
+        return 0.0 if diff_sq == 0.0 else float("inf")
+    return (diff_sq / ours_sq) ** 0.5
+
+
+def distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") -> float:
+    """||y - ours|| for two wire buffers, computed block by block in float32 (no model-sized temporary)."""
+    return _squares(y, ours, wire)[0] ** 0.5
+
+
+def _squares(y: np.ndarray, ours: np.ndarray, wire: str) -> tuple[float, float]:
+    """(||y - ours||^2, ||ours||^2), block by block."""
     _check_shapes(y, ours)
     y, ours = aligned(y), aligned(ours)
     torch, block = _backend(y.size, wire) if wire != "float32" else (None, _BLOCK)
@@ -256,9 +270,7 @@ def relative_distance(y: np.ndarray, ours: np.ndarray, wire: str = "float32") ->
         ours_sq += float(np.dot(b, b))
         np.subtract(a, b, out=a)
         diff_sq += float(np.dot(a, a))
-    if ours_sq == 0.0:
-        return 0.0 if diff_sq == 0.0 else float("inf")
-    return (diff_sq / ours_sq) ** 0.5
+    return diff_sq, ours_sq
 
 
 def prepare(wire: str) -> None:

@@ -28,6 +28,7 @@ class WireModel:
     fingerprint: bytes  # a digest of every tensor's name, shape and dtype (dpwa.mixing.params.fingerprint)
     dtype: str  # the wire dtype: float32, float16, bfloat16 or int8
     size: int  # elements
+    rule: bytes | None = None  # the mixing rule's fingerprint (dpwa.mixing.rules), sent with every request and reply
 
     @property
     def encoded(self) -> bool:

@@ -40,6 +40,7 @@ from ..gossip.flow import PeerSelector
 from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
 from ..mixing.admission import Admission
+from ..mixing.interpolation import Constant
 from ..mixing.outer import GossipOuter, OuterSettings
 from ..mixing.params import NumpyParams
 
@@ -70,7 +71,7 @@ class Gossip:
     Args:
         arrays: one flat float32 array per node; updated in place.
         mode: "pull" or "symmetric".
-        blend: "state" or "delta".
+        blend: the rule's name (dpwa.mixing.rules: "state", "delta", "clipped", ...), with `rule_options`.
         f: the constant interpolation factor.
         fetch_probability: chance that a node exchanges in a round.
         seed: seeds the fetch decisions and peer choices.
@@ -93,14 +94,16 @@ class Gossip:
         period: int = 1,
         outer: str = "none",
         outer_settings: OuterSettings | None = None,
+        rule_options: dict | None = None,
     ) -> None:
-        if mode not in ("pull", "symmetric") or blend not in ("state", "delta"):
-            raise ValueError(f"mode must be pull or symmetric and blend state or delta, got {mode!r}, {blend!r}")
+        if mode not in ("pull", "symmetric"):
+            raise ValueError(f"mode must be pull or symmetric, got {mode!r}")
+        rule = mixing.rule_class(blend)  # RuleError (a ValueError) names what is wrong
         self.arrays = list(arrays)
         self.params = [NumpyParams(a) for a in self.arrays]
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
-        self.blend = mixing.DeltaBlend() if blend == "delta" else mixing.StateBlend()
+        self.rules = [rule(Constant(f), **(rule_options or {})) for _ in self.arrays]  # one per node: its state
         self.rng = random.Random(seed)
         self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]
         self.exchanges = 0
@@ -121,10 +124,10 @@ class Gossip:
 
     def exchange(self, i: int, j: int, snapshots: Sequence[np.ndarray]) -> None:
         """Node i exchanges with node j, given the snapshots both published."""
-        self.blend.apply(self.params[i], snapshots[i], snapshots[j], self.f, "float32")
+        self.rules[i].blend(self.params[i], snapshots[i], snapshots[j], self.f, "float32")
         self._blended(i)
         if self.mode == "symmetric":
-            mixing.mirror(self.params[j], snapshots[j], snapshots[i], self.f, "float32")
+            self.rules[j].mirror(self.params[j], snapshots[j], snapshots[i], self.f, "float32")
         self.exchanges += 1
 
     def _blended(self, i: int) -> None:

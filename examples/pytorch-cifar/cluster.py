@@ -40,10 +40,11 @@ from dpwa import ConfigError, load_config, parse_config  # noqa: E402
 from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
 from dpwa.cluster.keys import key_nodes  # noqa: E402
 from dpwa.cluster.private import make_private_dir, make_private_file  # noqa: E402
+from dpwa.mixing import rules  # noqa: E402
 from dpwa.wire.endpoints import is_loopback  # noqa: E402
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(dpwa.config.Config)}  # dpwa's, shown in --help
-PRESET_KEYS = ("mode", "blend", "pairing", "wire_dtype", "period")  # options that leave a preset's keys alone
+PRESET_KEYS = ("mode", "rule", "pairing", "wire_dtype", "period")  # options that leave a preset's keys alone
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = (
@@ -106,10 +107,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"(default: {DEFAULTS['mode']})",
     )
     g.add_argument(
+        "--rule",
         "--blend",
+        dest="rule",
         default=None,
-        choices=("delta", "state"),
-        help=f"config: delta (keeps the local step) or state (the original's) (default: {DEFAULTS['blend']})",
+        help=f"config: the mixing rule: {', '.join(sorted(rules.builtin()))}, or module.path:ClassName "
+        f"(docs/rules.md); --blend is its older name (default: {DEFAULTS['rule']})",
     )
     g.add_argument(
         "--pairing",

@@ -1,0 +1,84 @@
+"""Mixing rules: the interface (:mod:`.base`) and one module per rule, found by name.
+
+Each module here other than ``base`` defines ``RULE``, a :class:`Rule` subclass,
+and is found by that class's ``name``: adding a rule is adding a file.
+A config may also name a rule in the user's own code, ``module.path:ClassName``;
+it is imported when the config loads (:func:`rule_class`). Peers never send
+code: only a node's own config names its rule, and a peer whose rule or
+settings differ is refused (the fingerprint in every request).
+
+=====================  =======================================  ==========================================
+rule                   requester i                              server j (mode symmetric)
+=====================  =======================================  ==========================================
+delta (the default)    x_i += f (s_j - s_i)                      x_j += f (s_i - s_j), once i confirms
+state (2017)           x_i += f (s_j - x_i)                      x_j += f (s_i - s_j), once i confirms
+clipped                x_i += f clip(s_j - s_i, tau)            x_j += f clip(s_i - s_j, tau)
+=====================  =======================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from .base import FINGERPRINT_BYTES, MAX_SYMMETRIC_FACTOR, Option, Rule, RuleError, Side
+
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "MAX_SYMMETRIC_FACTOR",
+    "Option",
+    "Rule",
+    "RuleError",
+    "Side",
+    "builtin",
+    "rule_class",
+]
+
+DEFAULT = "delta"
+
+
+def builtin() -> dict[str, type[Rule]]:
+    """The rules that ship with dpwa, by name: one module of this package each."""
+    found: dict[str, type[Rule]] = {}
+    for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if module.name == "base":
+            continue
+        rule = getattr(importlib.import_module(f"{__name__}.{module.name}"), "RULE", None)
+        if isinstance(rule, type) and issubclass(rule, Rule):
+            found[rule.name] = rule
+    return found
+
+
+def rule_class(spec: str) -> type[Rule]:
+    """The rule a config names: a built-in name, or ``module.path:ClassName`` in the user's own code.
+
+    Raises RuleError saying what is wrong: not found, not importable, not a Rule subclass, or a part of
+    the interface it does not implement.
+    """
+    rules = builtin()
+    if ":" not in spec:
+        if spec in rules:
+            return rules[spec]
+        raise RuleError(
+            f"expected one of {', '.join(sorted(rules))}, or module.path:ClassName for a rule of your own; got {spec!r}"
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any failure of the user's module: say which, and why
+        raise RuleError(
+            f"cannot import module {module_name!r} for rule {spec!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    rule = getattr(module, attr, None)
+    if rule is None:
+        raise RuleError(f"module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(rule, type) and issubclass(rule, Rule)):
+        raise RuleError(f"{spec} is not a subclass of dpwa.mixing.rules.Rule")
+    missing = sorted(getattr(rule, "__abstractmethods__", ()))
+    if missing:
+        raise RuleError(f"{spec} does not implement {', '.join(missing)}")
+    if not rule.name or not isinstance(rule.name, str):
+        raise RuleError(f"{spec} sets no name (a class attribute: name = '...')")
+    if rule.name in rules:
+        raise RuleError(f"{spec} is named {rule.name!r}, the name of a built-in rule: choose another")
+    return rule

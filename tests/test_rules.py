@@ -1,0 +1,173 @@
+"""Mixing rules: one interface, one file per rule, found by name; a rule of the user's own named in a config;
+peers that mix by another rule refused. And ClippedGossip, the first rule added through the interface."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, filled, make_config, serving_only, wait_until
+from dpwa import NumpyParams, parse_config
+from dpwa.config import ConfigError
+from dpwa.mixing.interpolation import Constant
+from dpwa.mixing.rules import Rule, RuleError, Side, builtin, rule_class
+from dpwa.mixing.rules.clipped import ClippedGossip
+from dpwa.sim.simulate import Gossip
+
+DOCS = ROOT / "docs" / "rules.md"
+
+
+def test_the_built_in_rules_are_found_by_name_one_file_each():
+    rules = builtin()
+    assert set(rules) == {"delta", "state", "clipped"}
+    for name, cls in rules.items():
+        assert cls.__module__ == f"dpwa.mixing.rules.{name}" and issubclass(cls, Rule)
+        assert f"`{name}`" in DOCS.read_text(encoding="utf-8")  # a row in the docs' list
+
+
+def example_module(tmp_path, monkeypatch, name="myrules"):
+    """The complete rule that docs/rules.md shows, written to a module outside the package."""
+    page = DOCS.read_text(encoding="utf-8")
+    code = re.search(r"<!-- rules-example -->\n```python\n(.*?)```", page, flags=re.DOTALL)
+    assert code, "docs/rules.md shows no rules-example block"
+    assert len(code.group(1).splitlines()) <= 60
+    (tmp_path / f"{name}.py").write_text(code.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_the_rule_written_in_the_docs_runs_from_the_users_module_in_a_config(nodes, tmp_path, monkeypatch):
+    """rule: myrules:ScaledDelta, scale 1/2, f = 1/2 (symmetric, two nodes: w0 starts). w0 (0) moves by
+    0.25 (10 - 0) = 2.5; w1 (10) by 0.25 (0 - 10) to 7.5: the pair keeps its sum."""
+    module = example_module(tmp_path, monkeypatch)
+    cfg = make_config(2, mode="symmetric", rule=f"{module}:ScaledDelta", rule_options={"scale": 0.5})
+    theirs, mine = filled(10), filled(0)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    peer.update_send()
+    node.update_send()
+    update = node.update_wait()
+    assert update.averaged and update.factor == 0.25, update
+    assert np.all(mine == 2.5)
+    assert wait_until(lambda: peer.update_wait() is not None and peer.stats().get("mirrored", 0) == 1, 10)
+    assert np.all(theirs == 7.5)
+    assert type(node.rule).__name__ == "ScaledDelta" and node.rule.settings == {"scale": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("rule", "options", "expected"),
+    [
+        ("nowhere_at_all:Rule", {}, "cannot import module 'nowhere_at_all'"),
+        ("{m}:Missing", {}, "module '{m}' has no attribute 'Missing'"),
+        ("{m}:scale_in_0_1", {}, "is not a subclass of dpwa.mixing.rules.Rule"),
+        ("{m}:NoBlend", {}, "does not implement blend"),
+        ("{m}:ScaledDelta", {"scale": 2}, "option 'scale': expected a number in (0, 1], got 2"),
+        ("{m}:ScaledDelta", {"sclae": 0.5}, "has no option 'sclae' (its options: scale)"),
+        ("clipped", {"radius": -1}, "option 'radius': expected a finite number > 0, got -1"),
+        ("clipped", {}, "radius auto needs mode pull"),
+        ("delat", {}, "expected one of clipped, delta, state, or module.path:ClassName"),
+    ],
+)
+def test_a_rule_that_cannot_be_used_fails_the_config_naming_the_file_the_key_and_what_is_missing(
+    tmp_path, monkeypatch, rule, options, expected
+):
+    module = example_module(tmp_path, monkeypatch, name="badrules")
+    with open(tmp_path / "badrules.py", "a") as fh:
+        fh.write("\n\nclass NoBlend(Rule):\n    name = 'no_blend'\n")
+    cfg = make_config(2, mode="symmetric", rule=rule.format(m=module), rule_options=options)
+    with pytest.raises(ConfigError) as err:
+        parse_config(cfg, source="cluster.yaml")
+    message = str(err.value)
+    assert message.startswith("cluster.yaml: rule") and expected.format(m=module) in message, message
+
+
+def test_blend_is_read_as_the_older_name_of_rule():
+    cfg = {k: v for k, v in make_config(2).items() if k != "rule"}
+    assert parse_config({**cfg, "blend": "delta"}).rule == "delta"
+    with pytest.raises(ConfigError, match="blend is the older name of rule: give one of them"):
+        parse_config({**cfg, "blend": "state", "rule": "delta"})
+
+
+def test_a_peer_that_mixes_by_another_rule_or_settings_is_refused_and_nothing_moves(nodes):
+    """w1 clips at radius 1; w0 runs plain delta: w0's exchanges are refused bad_rule, counted on w1."""
+    cfg = make_config(2, mode="symmetric")
+    other = {**cfg, "rule": "clipped", "rule_options": {"radius": 1.0}}
+    theirs, mine = filled(10), filled(0)
+    peer = nodes(serving_only(other), "w1", NumpyParams(theirs))
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    peer.update_send()
+    node.update_send()
+    update = node.update_wait()
+    assert not update.averaged and "bad_rule" in (update.reason or "") + update.outcome, update
+    assert peer.stats()["rejected.bad_rule"] == 1
+    assert np.all(mine == 0) and np.all(theirs == 10)
+
+
+def test_the_fingerprint_covers_the_rule_its_settings_and_how_f_is_chosen():
+    fps = {
+        rule_class("delta")().fingerprint(),
+        rule_class("state")().fingerprint(),
+        ClippedGossip(radius=1.0).fingerprint(),
+        ClippedGossip(radius=2.0).fingerprint(),
+        rule_class("delta")(Constant(0.3)).fingerprint(),
+        rule_class("delta")(divergence_threshold=0.1).fingerprint(),
+    }
+    assert len(fps) == 6
+    assert ClippedGossip(radius=1.0).fingerprint() == ClippedGossip(radius=1.0).fingerprint()
+
+
+def test_clipped_gossip_moves_a_far_peer_by_at_most_f_times_the_radius_and_keeps_the_pairs_sum(nodes):
+    """Four elements, w0 at 0 and w1 at 10: the distance is 20; radius 4, f = 1/2: the weight is
+    0.5 * 4 / 20 = 0.1. w0 moves to 1, w1 to 9 (the sum, 10, kept); each moved by f * radius = 2 in norm."""
+    cfg = make_config(2, mode="symmetric", rule="clipped", rule_options={"radius": 4.0})
+    theirs, mine = filled(10, 4), filled(0, 4)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    peer.update_send()
+    node.update_send()
+    update = node.update_wait()
+    assert update.averaged and update.factor == pytest.approx(0.1), update
+    np.testing.assert_allclose(mine, 1.0, rtol=1e-6)
+    assert wait_until(lambda: peer.update_wait() is not None and peer.stats().get("mirrored", 0) == 1, 10)
+    np.testing.assert_allclose(theirs, 9.0, rtol=1e-6)
+
+
+def test_clipped_gossip_leaves_a_near_peer_alone():
+    rule = ClippedGossip(radius=100.0)
+    x = filled(0, 4)
+    w = rule.blend(NumpyParams(x), filled(0, 4), filled(10, 4), 0.5, "float32")
+    assert w == 0.5 and np.all(x == 5.0) and rule.clipped == 0
+
+
+def test_clipped_gossip_auto_clips_an_outlier_to_the_median_of_recent_distances():
+    """radius auto, in mode pull: distances 2, 2, 2 seen (each within the median), then a peer 1000 away is
+    clipped to the median, 2: the node moves f * 2 = 1 in norm, not 500."""
+    rule = ClippedGossip(radius="auto")
+    own = filled(0, 1)
+    for _ in range(3):
+        x = filled(0, 1)
+        assert rule.blend(NumpyParams(x), own, filled(2, 1), 0.5, "float32") == 0.5
+    x = filled(0, 1)
+    w = rule.blend(NumpyParams(x), own, filled(1000, 1), 0.5, "float32")
+    assert w == pytest.approx(0.5 * 2 / 1000) and x[0] == pytest.approx(1.0) and rule.clipped == 1
+
+
+def test_the_simulator_runs_any_rule_by_name_and_clipped_symmetric_keeps_the_mean():
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=16).astype(np.float32) for _ in range(4)]
+    mean = np.mean(arrays, axis=0)
+    gossip = Gossip(arrays, mode="symmetric", blend="clipped", rule_options={"radius": 0.5}, seed=1)
+    for i in range(4):
+        gossip.exchange_now(i, (i + 1) % 4)
+    np.testing.assert_allclose(np.mean(gossip.arrays, axis=0), mean, atol=1e-6)
+    assert any(r.clipped for r in gossip.rules)
+    with pytest.raises(RuleError, match="expected one of"):
+        Gossip(arrays, blend="nope")
+
+
+def test_the_default_factor_is_the_interpolation_damped_and_capped_in_mode_symmetric():
+    rule = rule_class("delta")(Constant(0.8), divergence_threshold=2.0)
+    assert rule.factor(Side(0.0, 1.0), Side(0.0, 1.0)) == pytest.approx(0.4)  # 0.8 * 1 / 2
+    assert rule.factor(Side(0.0, 5.0), Side(0.0, 1.0), symmetric=True) == 0.5  # capped
