@@ -57,7 +57,7 @@ def schedules(k: int, count: int, seed: int) -> list[list[tuple[str, int]]]:
     return with_publishes
 
 
-def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Blend):
+def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Rule):
     """Run one schedule. Returns, for each applied exchange, (a, b, exact, kept): the node is now
     a * (its state just before) + b * (the partner's snapshot), exactly so (`exact`: nothing else in it),
     and the pair's sum is what it was (`kept`)."""

@@ -162,7 +162,7 @@ def test_the_simulator_runs_any_rule_by_name_and_clipped_symmetric_keeps_the_mea
     for i in range(4):
         gossip.exchange_now(i, (i + 1) % 4)
     np.testing.assert_allclose(np.mean(gossip.arrays, axis=0), mean, atol=1e-6)
-    assert any(r.clipped for r in gossip.rules)
+    assert any(isinstance(r, ClippedGossip) and r.clipped for r in gossip.rules)
     with pytest.raises(RuleError, match="expected one of"):
         Gossip(arrays, blend="nope")
 
