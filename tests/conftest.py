@@ -82,25 +82,20 @@ def port_is_free(port: int) -> bool:
         return True
 
 
+ORIGINAL = {"mode": "pull", "rule": "state", "pairing": "random"}  # the 2017 rule (preset: original), for tests of it
+
+
 def make_config(n: int, **settings: Any) -> dict[str, Any]:
     """A mapping-form config for nodes w0..w{n-1} on free loopback ports."""
     ports: set[int] = set()
     while len(ports) < n:
         ports.add(free_port())
     nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(sorted(ports))]
-    # join: never, so that nodes made one after another in a test start from the values the test gives
-    # them; the tests of joining (test_join.py) say join: auto. The original's rule (pull, state, a random
-    # peer) unless a test says otherwise: most tests state their values for it. Pairing is the default (auto).
-    config = {
-        "nodes": nodes,
-        "fetch_probability": 1,
-        "timeout_ms": 1000,
-        "interpolation": "constant",
-        "constant": {"value": 0.5},
-        "join": "never",
-        "mode": "pull",
-        "rule": "state",
-    }
+    # The library's defaults (mode symmetric, rule delta, pairing auto, f = 1/2), as a user gets them, but
+    # two: join: never, so that nodes made one after another in a test start from the values the test gives
+    # them (the tests of joining say join: auto), and a 1 s deadline instead of 2.5 s, so that tests of
+    # failures end sooner. A test of the 2017 rule says so: make_config(n, **ORIGINAL).
+    config = {"nodes": nodes, "timeout_ms": 1000, "join": "never"}
     if "blend" in settings:  # the older name of rule, as some tests still say
         settings["rule"] = settings.pop("blend")
     config.update(settings)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import filled, make_config, wait_until
+from conftest import ORIGINAL, filled, make_config, wait_until
 from dpwa import BarrierTimeout, NumpyParams
 
 
@@ -110,7 +110,7 @@ def test_a_stop_ends_the_wait_at_once_and_names_the_missing(nodes):
 def test_serving_goes_on_at_a_barrier_and_a_lingering_node_still_answers(nodes):
     """w1 waits at a barrier while w0 trains and fetches from it; then w0 arrives late and both pass.
     w0 then lingers, and w1's next barrier call still hears from it."""
-    cfg = make_config(2, timeout_ms=500)
+    cfg = make_config(2, **ORIGINAL, timeout_ms=500)
     w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
     theirs = filled(8)
     w1 = nodes(cfg, "w1", NumpyParams(theirs))

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import make_config, wait_until
+from conftest import ORIGINAL, make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
@@ -446,7 +446,7 @@ def test_a_flood_on_the_bulk_port_cannot_keep_a_new_peer_from_averaging(nodes, t
     kept a newly started peer from averaging at all (0 of 35,444 steps in 12 s, measured on the
     code before the fix). Now the new peer averages every step, by stream."""
     size = BULK_MIN_BYTES // 4
-    cfg = make_config(2, insecure=True, same_host="off")
+    cfg = make_config(2, **ORIGINAL, insecure=True, same_host="off")
     if with_keys:
         del cfg["insecure"]
         keyed(cfg, tmp_path / "keys")
@@ -484,7 +484,7 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
 
     monkeypatch.setattr(requesting, "BULK_PAUSE_S", 0.5)
     size = BULK_MIN_BYTES // 4
-    cfg = make_config(2, insecure=True, same_host="off", timeout_ms=2000)
+    cfg = make_config(2, **ORIGINAL, insecure=True, same_host="off", timeout_ms=2000)
     if with_keys:
         del cfg["insecure"]
         keyed(cfg, tmp_path / "keys")

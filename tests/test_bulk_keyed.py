@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_bulk import FakeHold, keyed
 
-from conftest import make_config, wait_until
+from conftest import ORIGINAL, make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import BULK_MIN_BYTES
 from dpwa.stats import Counters
@@ -240,7 +240,7 @@ def test_a_tampered_sealed_stream_makes_the_node_fetch_over_zeromq(nodes, tmp_pa
     flipped in block 2, or block 1 sent again in its place): the requester refuses the stream,
     asks again over ZeroMQ (CURVE) within the deadline, and blends exactly the honest values;
     the tampered bytes never reach its model."""
-    cfg = keyed(make_config(2, same_host="off"), tmp_path / "keys")
+    cfg = keyed(make_config(2, **ORIGINAL, same_host="off"), tmp_path / "keys")
     size = BULK_MIN_BYTES // 4
     theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from test_node import disagreement
 
-from conftest import endpoint_is_free, filled, make_config, port_is_free, step_until_averaged, wait_until
+from conftest import ORIGINAL, endpoint_is_free, filled, make_config, port_is_free, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.node import WAIT_SLACK_S
 from dpwa.wire.endpoints import private_dir as user_dir
@@ -97,7 +97,7 @@ def test_a_peer_killed_mid_transfer(nodes, children, proxies):
 
 
 def test_a_peer_slower_than_the_timeout_never_delivers_a_stale_reply(nodes, proxies):
-    base, configs = proxied_configs(proxies, 2, timeout_ms=300, constant={"value": 1.0})
+    base, configs = proxied_configs(proxies, 2, **ORIGINAL, timeout_ms=300, constant={"value": 1.0})
     peer_values = filled(1)
     peer = nodes({**configs[1], "fetch_probability": 0}, "w1", NumpyParams(peer_values))
     peer.update_send()
@@ -168,7 +168,7 @@ def test_all_peers_down_train_alone_warn_once_back_off_and_resume(nodes, caplog)
     """With every peer down the node trains alone, says so once, and backs off: it probes a
     peer now and then (the interval doubles from timeout_ms) instead of paying a timeout
     every step. When a peer returns, a probe finds it and averaging resumes."""
-    cfg = make_config(3, timeout_ms=150)
+    cfg = make_config(3, **ORIGINAL, timeout_ms=150)
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
     caplog.set_level(logging.WARNING, logger="dpwa")

@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import make_config, step_until_averaged, wait_until
+from conftest import ORIGINAL, make_config, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip import exchange as exchange_rules
 from dpwa.gossip.protocol import MAX_CLOCK, MAX_LOSS, MAX_VALUE
@@ -944,7 +944,7 @@ def test_a_thousand_bad_replies_are_never_applied(nodes, tmp_path):
     construction (or a refusal). Promises: none is ever applied (the parameters stay bit-identical),
     each outcome and reason is the one expected, the node's counters count them, the node stays
     alive, and then it averages with an honest peer on the same port to values known in advance."""
-    cfg = make_config(2, same_host="off", insecure=True, timeout_ms=2000)
+    cfg = make_config(2, **ORIGINAL, same_host="off", insecure=True, timeout_ms=2000)
     original = np.random.default_rng(1).standard_normal(SIZE).astype(np.float32)
     mine = original.copy()
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -1231,7 +1231,7 @@ def test_bad_int8_replies_are_never_applied(nodes):
     infinite, negative or large enough to carry a value past the bound, or whose size or dtype lies.
     Promises: none is applied (the parameters stay bit-identical), each is rejected for the reason
     expected, and then an honest int8 reply is applied exactly (scale 2^-7: codes carry k / 128 exactly)."""
-    cfg = make_config(2, same_host="off", insecure=True, timeout_ms=2000, wire_dtype="int8")
+    cfg = make_config(2, **ORIGINAL, same_host="off", insecure=True, timeout_ms=2000, wire_dtype="int8")
     original = np.random.default_rng(2).standard_normal(SIZE).astype(np.float32)
     mine = original.copy()
     node = nodes(cfg, "w0", NumpyParams(mine))

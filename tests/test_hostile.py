@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import filled, make_config, secure_config, serving_only, step_until_averaged, wait_until
+from conftest import ORIGINAL, filled, make_config, secure_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
 from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, PARAMS
@@ -135,7 +135,7 @@ def test_bad_requests_get_their_reason_and_change_nothing(nodes, zctx, make_clus
     """Break: malformed requests over each transport. Promise: each is answered with an error of
     exactly its reason, counted once under that reason, no parameters go out, nothing changes,
     and a good fetch right after is served the exact parameters."""
-    cfg = make_cluster(2)
+    cfg = make_cluster(2, **ORIGINAL)
     mine = filled(5, SIZE)
     node = nodes(serving_only(cfg), "w0", NumpyParams(mine))
     node.update_send()
@@ -274,8 +274,10 @@ ATTACKERS = BUDGET // UNSENT_PER_CLIENT + 2  # two more than the budget can serv
 
 
 def attack_cluster(transport: str) -> dict:
+    """The attackers fetch, and so does the honest peer: the 2017 rule (a node of the default mode serves
+    fetches the same way, but its peers exchange instead)."""
     extra = {"insecure": True, "same_host": "off"} if transport == "tcp" else {}
-    return make_config(ATTACK_PEERS + 1, timeout_ms=300, **extra)
+    return make_config(ATTACK_PEERS + 1, **ORIGINAL, timeout_ms=300, **extra)
 
 
 def start_attack(node, mine) -> Attack:
@@ -541,7 +543,7 @@ def test_max_peer_distance_refuses_far_peers_and_applies_near_ones(nodes):
     """Break: with max_peer_distance 0.5, a node at 2 pulls from a far peer (10: distance 4)
     and a near one (2.5: distance 0.25). Promise: the far peer's snapshot is rejected too_far
     and never applied; the near one is blended exactly (2 + (2.5 - 2) / 2 = 2.25)."""
-    cfg = make_config(3, max_peer_distance=0.5, timeout_ms=2000)
+    cfg = make_config(3, **ORIGINAL, max_peer_distance=0.5, timeout_ms=2000)
     nodes(serving_only(cfg), "w1", NumpyParams(filled(10))).update_send()
     nodes(serving_only(cfg), "w2", NumpyParams(filled(2.5))).update_send()
     mine = filled(2)
@@ -785,7 +787,7 @@ def test_a_peer_that_answers_every_confirm_is_not_treated_as_gone(nodes, zctx):
 def test_bad_replies_from_a_peer_are_rejected_and_never_applied(nodes, zctx):
     """Break: a fake w1 answers each fetch with one malformed reply, then a good one. Promise:
     each bad one is rejected with its reason and never applied; the good one is blended."""
-    cfg = make_config(2, timeout_ms=1000, insecure=True, same_host="off")
+    cfg = make_config(2, **ORIGINAL, timeout_ms=1000, insecure=True, same_host="off")
     mine = filled(2)
     node = nodes(cfg, "w0", NumpyParams(mine))
     fp = node.params.fingerprint

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import filled, make_config, tcp_endpoint, wait_until
+from conftest import ORIGINAL, filled, make_config, tcp_endpoint, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.join import Joined
 from helpers.chaos import ChaosProxy
@@ -458,7 +458,7 @@ def test_at_a_fresh_start_no_node_trains_before_every_node_holds_the_first_nodes
     from dpwa import parse_config
     from dpwa.cluster.status import StatusClient
 
-    cfg = make_config(3, join="auto", timeout_ms=500)
+    cfg = make_config(3, **ORIGINAL, join="auto", timeout_ms=500)
     values = [np.full(1000, float(k + 1), np.float32) for k in range(3)]
     made, errors, returned = {}, [], {k: threading.Event() for k in range(3)}
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import (
+    ORIGINAL,
     endpoint_is_free,
     filled,
     free_port,
@@ -43,7 +44,7 @@ def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
 
 
 def test_a_fetch_returns_the_peers_exact_bytes(nodes, make_cluster):
-    cfg = make_cluster(2, constant={"value": 1.0})
+    cfg = make_cluster(2, **ORIGINAL, constant={"value": 1.0})
     theirs = np.random.default_rng(3).standard_normal(100_003).astype(np.float32)
     theirs[:4] = [-1e18, float(np.finfo(np.float32).tiny), -0.0, 1e-45]  # extremes (within MAX_VALUE) survive the wire
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs.copy()))
@@ -62,7 +63,7 @@ def test_blends_match_values_known_in_advance(nodes, n, make_cluster):
     """Node k holds k everywhere. w0 pulls with f = 1/2, so after a blend with peer k
     its value is (x + k) / 2, exactly representable in float32 for these steps. A random peer by score
     each step (pairing: random), so every peer is used."""
-    cfg = make_cluster(n, pairing="random")
+    cfg = make_cluster(n, **ORIGINAL)
     for k in range(1, n):
         publish(nodes(serving_only(cfg), f"w{k}", NumpyParams(filled(k))))
     mine = filled(0)
@@ -88,7 +89,7 @@ def test_blends_match_values_known_in_advance(nodes, n, make_cluster):
 
 
 def test_clock_interpolation_and_clock_blend(nodes, make_cluster):
-    cfg = make_cluster(2, interpolation="clock")
+    cfg = make_cluster(2, **ORIGINAL, interpolation="clock")
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(4)))
     publish(peer, batch_size=10, steps=3)  # clock 30
     peer.update_send(batch_size=10)  # publishes clock 30
@@ -102,7 +103,7 @@ def test_clock_interpolation_and_clock_blend(nodes, make_cluster):
 
 
 def test_loss_interpolation_and_divergence(nodes, make_cluster):
-    cfg = make_cluster(2, interpolation="loss")
+    cfg = make_cluster(2, **ORIGINAL, interpolation="loss")
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(8)))
     peer.update_send(loss=1.0)  # the peer's snapshot carries loss 1.0
     mine = filled(0)
@@ -111,7 +112,7 @@ def test_loss_interpolation_and_divergence(nodes, make_cluster):
     update = node.update_wait(loss=3.0)  # the newest loss counts: f = 3 / (3 + 1)
     assert update.factor == pytest.approx(0.75) and np.all(mine == 6.0)
 
-    cfg = make_cluster(2, divergence_threshold=0.2)
+    cfg = make_cluster(2, **ORIGINAL, divergence_threshold=0.2)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(8)))
     publish(peer)
     mine = filled(0)
@@ -135,7 +136,7 @@ def test_update_wait_returns_at_once_without_a_fetch(nodes):
 
 
 def test_a_skipped_update_wait_still_counts_the_batch(nodes):
-    cfg = make_config(2, timeout_ms=200)  # w1 never starts: every fetch fails
+    cfg = make_config(2, **ORIGINAL, timeout_ms=200)  # w1 never starts: every fetch fails
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
     node.update_send(batch_size=5)
     node.update_send(batch_size=5)  # no update_wait in between: the first fetch is abandoned
@@ -147,7 +148,7 @@ def test_a_skipped_update_wait_still_counts_the_batch(nodes):
 def test_a_node_serves_its_initial_values_from_the_moment_it_is_made(nodes):
     """A node publishes once in its constructor: a peer that fetches before its first step gets
     its initial parameters, never "not ready"."""
-    cfg = make_config(2, constant={"value": 1.0})
+    cfg = make_config(2, **ORIGINAL, constant={"value": 1.0})
     nodes(serving_only(cfg), "w1", NumpyParams(filled(7)))  # never steps
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -173,7 +174,7 @@ def test_averaging_alone_reaches_consensus_geometrically(nodes, n, make_cluster)
     contraction; the test asserts the weaker D_r <= D_0 * 0.7^r for every
     round r, and a 1000-fold drop over 30 rounds (theory: about 10^-14).
     """
-    cfg = make_cluster(n)
+    cfg = make_cluster(n, **ORIGINAL)
     arrays = [filled(k) for k in range(n)]
     group = [nodes(cfg, f"w{k}", NumpyParams(arrays[k]), rng=random.Random(100 + k)) for k in range(n)]
     for node in group:  # first snapshots
@@ -272,7 +273,7 @@ def test_a_port_in_use_is_a_clear_error_and_leaves_nothing_behind(nodes, insecur
 
 
 def test_mismatched_models_never_blend(nodes, make_cluster):
-    cfg = make_cluster(2)
+    cfg = make_cluster(2, **ORIGINAL)
     publish(nodes(serving_only(cfg), "w1", NumpyParams(filled(1, size=999))))
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -314,7 +315,7 @@ def test_a_half_precision_wire_halves_the_bytes_and_blends_in_float32(nodes, mak
 
 
 def test_nodes_with_different_wire_dtypes_refuse_each_other(nodes):
-    cfg = make_config(2, same_host="off")
+    cfg = make_config(2, **ORIGINAL, same_host="off")
     publish(nodes({**serving_only(cfg), "wire_dtype": "float16"}, "w1", NumpyParams(filled(8))))
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))

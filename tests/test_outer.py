@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import filled, make_config, step_until_averaged, wait_until
+from conftest import ORIGINAL, filled, make_config, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
 from dpwa.gossip.extras import Extras
 from dpwa.gossip.outer import OuterStep
@@ -223,7 +223,7 @@ def test_extras_check_each_part_and_refuse_what_does_not_add_up():
 
 def test_the_period_starts_an_exchange_every_h_steps(nodes):
     """period 3 with fetch_probability 1: steps 3, 6, 9 start a fetch, the others are local only."""
-    cfg = make_config(2, period=3, insecure=True, same_host="off")
+    cfg = make_config(2, **ORIGINAL, period=3, insecure=True, same_host="off")
     nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(0, 100)))
     node = nodes(cfg, "w0", NumpyParams(filled(1, 100)))
     started = []
@@ -261,7 +261,7 @@ def test_a_pull_with_an_outer_step_lands_on_the_hand_computed_anchor(nodes):
     """noloco, lr 0.5, momentum 0.5, f = 1/2: w0 at 2 fetches w1 at 0. mixed = 1, anchor 2:
     buf = 0.5 (1 - 2) = -0.5, anchor = 1.5. Then w0 trains +1 (2.5) and fetches again: mixed = 1.25,
     buf = 0.5 (-0.5) + 0.5 (1.25 - 1.5) = -0.375, anchor = 1.125."""
-    cfg = make_config(2, period=1, outer="noloco", outer_lr=0.5, outer_momentum=0.5, insecure=True)
+    cfg = make_config(2, **ORIGINAL, period=1, outer="noloco", outer_lr=0.5, outer_momentum=0.5, insecure=True)
     mine = filled(2, 100)
     nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(0, 100)))
     node = nodes(cfg, "w0", NumpyParams(mine))

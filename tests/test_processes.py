@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_node import RecordingParams, disagreement
 
-from conftest import filled, port_is_free, step_until_averaged, wait_until
+from conftest import ORIGINAL, filled, port_is_free, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.node import WAIT_SLACK_S
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_exact_bytes_and_known_blends_across_processes(nodes, children, make_cluster):
-    cfg = make_cluster(4, constant={"value": 0.5}, pairing="random")  # a peer by score: every peer is asked
+    cfg = make_cluster(4, **ORIGINAL, constant={"value": 0.5})  # a peer by score: every peer is asked
     pattern = children(cfg, "w1", seed=11, size=50_000, fetch=False)
     fills = [children(cfg, f"w{k}", fill=k, size=50_000, fetch=False) for k in (2, 3)]
     for child in [pattern] + fills:
@@ -53,7 +53,7 @@ def test_four_processes_gossip_to_consensus(children, make_cluster):
     disagreement by 1/3 per round; with the nodes running freely (stale snapshots,
     uneven speed) we assert only a 100-fold drop over 40 steps (theory: 1e-19)."""
     n = 4
-    cfg = make_cluster(n, timeout_ms=2000)
+    cfg = make_cluster(n, **ORIGINAL, timeout_ms=2000)
     group = [children(cfg, f"w{k}", fill=k, size=10_000, rng_seed=k) for k in range(n)]
     for child in group:
         child.expect("ready")

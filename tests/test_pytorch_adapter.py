@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 
 import dpwa  # noqa: E402
-from conftest import make_config  # noqa: E402
+from conftest import ORIGINAL, make_config  # noqa: E402
 from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def test_buffers_can_be_excluded(adapters, make_cluster):
 
 def test_an_optimizer_keeps_working_across_blends(adapters, make_cluster):
     torch.manual_seed(0)
-    mine, net, _ = pair(adapters, make_cluster(2), 0.0, 1.0)
+    mine, net, _ = pair(adapters, make_cluster(2, **ORIGINAL), 0.0, 1.0)
     for p in net.parameters():
         torch.nn.init.normal_(p)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

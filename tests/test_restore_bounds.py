@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from conftest import filled, make_config, step_until_averaged
+from conftest import ORIGINAL, filled, make_config, step_until_averaged
 from dpwa import NumpyParams
 from dpwa.gossip.outer import OuterStep, checked_outer_state
 from dpwa.mixing.outer import OuterSettings
@@ -106,7 +106,7 @@ def test_a_checkpoint_outer_state_without_a_rule_is_still_taken(nodes):
 def test_after_a_refused_3e38_anchor_the_parameters_stay_finite_through_outer_steps(nodes):
     """The reproduction of the issue: restore(outer=...) with an anchor of 3e38, then steps with
     exchanges (each takes an outer step). Before, the parameters were inf five steps later."""
-    cfg = make_config(2, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, insecure=True)
+    cfg = make_config(2, **ORIGINAL, outer="nesterov", outer_lr=0.7, outer_momentum=0.9, insecure=True)
     nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(0, SIZE)))
     mine = filled(1, SIZE)
     node = nodes(cfg, "w0", NumpyParams(mine))

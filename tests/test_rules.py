@@ -21,7 +21,7 @@ DOCS = ROOT / "docs" / "rules.md"
 
 def test_the_built_in_rules_are_found_by_name_one_file_each():
     rules = builtin()
-    assert set(rules) == {"delta", "state", "clipped"}
+    assert set(rules) == {"delta", "state", "clipped", "pushsum"}
     for name, cls in rules.items():
         assert cls.__module__ == f"dpwa.mixing.rules.{name}" and issubclass(cls, Rule)
         assert f"`{name}`" in DOCS.read_text(encoding="utf-8")  # a row in the docs' list
@@ -67,7 +67,7 @@ def test_the_rule_written_in_the_docs_runs_from_the_users_module_in_a_config(nod
         ("{m}:ScaledDelta", {"sclae": 0.5}, "has no option 'sclae' (its options: scale)"),
         ("clipped", {"radius": -1}, "option 'radius': expected a finite number > 0, got -1"),
         ("clipped", {}, "radius auto needs mode pull"),
-        ("delat", {}, "expected one of clipped, delta, state, or module.path:ClassName"),
+        ("delat", {}, "expected one of clipped, delta, pushsum, state, or module.path:ClassName"),
     ],
 )
 def test_a_rule_that_cannot_be_used_fails_the_config_naming_the_file_the_key_and_what_is_missing(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import filled, make_config, port_is_free, secure_config, serving_only, wait_until
+from conftest import ORIGINAL, filled, make_config, port_is_free, secure_config, serving_only, wait_until
 from dpwa import ConfigError, Node, NumpyParams, parse_config
 from dpwa.gossip.protocol import FETCH
 from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
@@ -77,7 +77,7 @@ def test_a_readable_secret_key_stops_the_node_before_it_opens_a_socket(tmp_path)
 
 @pytest.mark.parametrize("same_host", ["off", "auto"])
 def test_a_curve_cluster_averages(nodes, tmp_path, same_host):
-    cfg = secure_config(tmp_path, 3, same_host=same_host)
+    cfg = secure_config(tmp_path, 3, **ORIGINAL, same_host=same_host)
     size = 300_000  # 1.2 MB: encrypted frames are larger than the payload, and must still fit the size limit
     for k in (1, 2):
         peer = nodes(serving_only(cfg), f"w{k}", NumpyParams(filled(4, size)))
@@ -105,7 +105,7 @@ def raw_fetch(ctx, port, fp, timeout_ms, sender="intruder", **curve):
 
 
 def test_an_unlisted_key_and_a_plain_client_get_nothing_and_are_counted(nodes, tmp_path):
-    cfg = secure_config(tmp_path, 2)
+    cfg = secure_config(tmp_path, 2, **ORIGINAL)
     server = nodes(serving_only(cfg), "w0", NumpyParams(filled(7)))
     server.update_send()
     server_key = cfg["nodes"][0]["public_key"].encode()

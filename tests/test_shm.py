@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_node import RecordingParams
 
-from conftest import HELPERS, ROOT, filled, make_config
+from conftest import HELPERS, ORIGINAL, ROOT, filled, make_config
 from dpwa import NumpyParams
 from dpwa.gossip.snapshots import SnapshotStore
 from dpwa.wire.endpoints import PrivateDirError
@@ -155,7 +155,7 @@ def test_directories_are_swept_by_their_owner_lock_not_by_pid(root):
 def test_a_churning_peer_is_never_read_torn(nodes, children, same_host):
     """The peer republishes as fast as it can, the k-th snapshot holding k everywhere;
     every snapshot this node receives must hold one value everywhere."""
-    cfg = make_config(2, constant={"value": 1.0}, same_host=same_host, timeout_ms=2000)
+    cfg = make_config(2, **ORIGINAL, constant={"value": 1.0}, same_host=same_host, timeout_ms=2000)
     peer = children(cfg, "w1", fill=0, size=200_000, fetch=False)
     peer.expect("ready")
     mine = RecordingParams(filled(0, 200_000))
@@ -200,7 +200,7 @@ def test_a_full_dev_shm_falls_back_to_tcp_and_never_kills_the_node(tmp_path):
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"unshare -m is not allowed here: {probe.stderr.decode().strip()}")
-    cfg = make_config(2, fetch_probability=1, timeout_ms=5000)
+    cfg = make_config(2, **ORIGINAL, fetch_probability=1, timeout_ms=5000)
     script = (
         f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {shlex.quote(sys.executable)} "
         f"{shlex.quote(str(HELPERS / 'small_shm_nodes.py'))} {shlex.quote(json.dumps(cfg))}"

@@ -17,7 +17,7 @@ import time
 
 import yaml
 
-from conftest import ROOT, filled, make_config, secure_config, step_until_averaged, wait_until
+from conftest import ORIGINAL, ROOT, filled, make_config, secure_config, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
 from dpwa.cluster.status import FIELDS, StatusClient
 from dpwa.gossip.reporting import STATUS, STATUS_REPORT, StatusServer
@@ -114,7 +114,7 @@ def test_a_node_that_does_not_answer_is_unreachable_and_the_exit_status_says_so(
 def test_bytes_through_shared_memory_count_and_so_do_each_peers_averages(tmp_path, nodes):
     """A loopback cluster moves parameters through shared memory: status counts those bytes too, on both
     sides, and each peer's number of averages (the dashboard's mixing graph)."""
-    cfg = make_config(3)  # loopback, no keys: ipc sockets, parameters through shared memory
+    cfg = make_config(3, **ORIGINAL)  # loopback, no keys: ipc sockets, parameters through shared memory
     w1 = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
     w2 = nodes({**cfg, "fetch_probability": 0}, "w2", NumpyParams(filled(2)))
     for node in (w1, w2):
@@ -328,7 +328,7 @@ def test_a_loss_beyond_what_the_wire_carries_does_not_silence_the_node(nodes):
     is reported, so its replies still encode: w0 averages with it every step, and its status says
     1e30. (Before: its replies no longer encoded, w0 averaged 0 of 10, status called it unreachable,
     and the rejections were blamed on the requester.)"""
-    cfg = make_config(2, insecure=True, same_host="off")
+    cfg = make_config(2, **ORIGINAL, insecure=True, same_host="off")
     w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
     w1 = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
     w1.update_send(loss=1e35)

@@ -1,1 +1,2 @@
-"""Framework adapters: each turns a framework's model into a dpwa.mixing.params.FlatParams; and lr schedules."""
+"""Framework adapters: each turns a framework's model into a dpwa.mixing.params.FlatParams; lr schedules;
+and an outer step by any torch optimizer (:mod:`.outer`)."""

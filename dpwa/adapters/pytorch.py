@@ -42,8 +42,10 @@ from torch import nn
 from ..config import Config
 from ..gossip.node import Node, Update
 from ..gossip.protocol import MAX_VALUE
+from ..gossip.setup import as_config
 from ..mixing import kernels
 from ..mixing.params import FlatParams, fingerprint
+from .outer import OuterOptimizerFactory, TorchOuter
 
 __all__ = ["DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
 
@@ -427,6 +429,13 @@ class DpwaPyTorchAdapter:
         rng: seed the fetch decisions and peer choice (tests, reproducibility).
         optimizer: give it, and a node that joins a running cluster takes
             its donor's optimizer state (momentum) too, not only the parameters.
+        outer_optimizer: an outer step by any ``torch.optim.Optimizer``: a callable that takes
+            the anchor tensors (a copy of each parameter) and returns an optimizer over them, e.g.
+            ``lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)``. After
+            each blend of an exchange this node started, each anchor's ``.grad`` is set to
+            ``anchor - parameter``, the optimizer steps, and the parameters become the anchors
+            (:class:`~dpwa.adapters.outer.TorchOuter`: parameters only; its state is not carried by
+            joins nor by :meth:`outer_state`). ValueError if the config also sets ``outer:``.
     """
 
     def __init__(
@@ -438,11 +447,23 @@ class DpwaPyTorchAdapter:
         include_buffers: bool = True,
         rng: random.Random | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
         self.net = net
         self.params = TorchParams(net, include_buffers=include_buffers)
         extra = OptimizerState(optimizer) if optimizer is not None else None
-        self.node = Node(config_file, name, self.params, rng=rng, extra=extra)
+        outer = None
+        if outer_optimizer is not None:
+            config = config_file = as_config(config_file)  # parsed once, here: the node takes it as it is
+            if config.outer != "none":
+                raise ValueError(
+                    f"{config.source}: outer_optimizer and outer: {config.outer} both set an outer step; "
+                    "give one (outer: none with outer_optimizer)"
+                )
+            outer = TorchOuter(net, outer_optimizer)
+        #: the outer optimizer ``outer_optimizer`` made (None without one): for an lr schedule, or its state_dict
+        self.outer_optimizer = outer.optimizer if outer is not None else None
+        self.node = Node(config_file, name, self.params, rng=rng, extra=extra, outer=outer)
 
     @property
     def name(self) -> str:
@@ -482,7 +503,8 @@ class DpwaPyTorchAdapter:
 
     def outer_state(self) -> dict[str, Any] | None:
         """For a checkpoint: the outer step's anchor and momentum (CPU tensors) and step count; None
-        with ``outer: none``. See Node.outer_state."""
+        with ``outer: none`` (with ``outer_optimizer`` too: see :class:`~dpwa.adapters.outer.TorchOuter`).
+        See Node.outer_state."""
         state = self.node.outer_state()
         if state is None:
             return None
@@ -495,7 +517,8 @@ class DpwaPyTorchAdapter:
         outer: Mapping[str, Any] | None = None,
     ) -> None:
         """Resume from a checkpoint, after loading the model's weights: the clock, barrier counters and
-        the outer step's state (:meth:`outer_state`'s). See Node.restore."""
+        the outer step's state (:meth:`outer_state`'s; ``outer_optimizer``'s starts afresh from the
+        loaded weights: load its ``state_dict`` after this to keep its momentum). See Node.restore."""
         if isinstance(outer, Mapping):  # anything else: the node refuses it, saying what it got
             outer = {k: _numpy(f"a checkpoint's outer state: {k!r:.40}", v) for k, v in outer.items()}
         self.node.restore(clock, barriers, outer)

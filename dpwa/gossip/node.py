@@ -56,7 +56,7 @@ from .reporting import NodeState, Reporter, StatusServer
 from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys
 from .start import join_wait_s, start_together, take_state
-from .steps import WAIT_SLACK_S, Crew, Step, Steps, Update
+from .steps import WAIT_SLACK_S, Crew, OuterHook, Step, Steps, Update
 from .symmetric import SymmetricSteps
 
 __all__ = ["Node", "Update", "WAIT_SLACK_S"]
@@ -71,6 +71,10 @@ class Node:
         params: the model as a :class:`~dpwa.mixing.params.FlatParams`.
         rng: randomness for fetch decisions and peer choice (seed it for tests).
         extra: state a joining peer takes too, besides the parameters (an optimizer's).
+        outer: an outer step of the caller's, taken after each blend of an exchange this node
+            started, instead of the one ``outer:`` names (which must then be ``none``); restarted
+            (:meth:`OuterHook.reanchor`) after a join or a restore, its state never sent to a joiner
+            nor kept by :meth:`outer_state`. The PyTorch adapter's ``outer_optimizer`` is one.
     """
 
     def __init__(
@@ -81,9 +85,16 @@ class Node:
         *,
         rng: random.Random | None = None,
         extra: ExtraState | None = None,
+        outer: OuterHook | None = None,
     ) -> None:
         who = identify(config, name)  # raises before any socket exists
         self.config, self.name, self.spec = who.config, who.name, who.spec
+        if outer is not None and self.config.outer != "none":
+            raise ValueError(
+                f"{self.config.source}: outer: {self.config.outer} and an outer step given to the node "
+                "(outer_optimizer) both ask for an outer step; set outer: none, or give none"
+            )
+        self._own_outer = outer  # the caller's outer step (not sent to joiners, not in outer_state)
         self.params = params
         self.peers = {spec.name: spec for spec in self.config.peers_of(self.name)}
         self.rule = rule_of(self.config)  # how this node mixes; peers that mix otherwise are refused (bad_rule)
@@ -130,6 +141,7 @@ class Node:
             direct=not symmetric,
             stream_to_peers=True,
             exchange_streams=symmetric,
+            carry=self.rule.served if self.rule.carries else None,
         )
         try:
             crew = Crew(
@@ -144,7 +156,7 @@ class Node:
                 outcomes=Outcomes(self.name, self._flow, self.counters),
                 rule=self.rule,
                 publish=self._publish,
-                outer=self._outer,
+                outer=self._outer if self._outer is not None else outer,
             )
             self._steps: Steps = SymmetricSteps(crew) if symmetric else PullSteps(crew)
             self.parts.own(self._steps.close)  # after the Rx thread stops: the last decisions it made
@@ -233,10 +245,13 @@ class Node:
         return joined is not None
 
     def _took_state(self, joined: Joined | None) -> None:
-        """After a join: an outer step the donor's state did not include starts afresh from its parameters."""
+        """After a join: an outer step the donor's state did not include starts afresh from its parameters
+        (the caller's own always does)."""
         taken = joined.extra_state if joined is not None else None
         if self._outer is not None and joined is not None and not (isinstance(taken, dict) and "outer" in taken):
             self._outer.reanchor()
+        if self._own_outer is not None and joined is not None:
+            self._own_outer.reanchor()
 
     def _publish(self, loss: float | None) -> None:
         self.parts.publish(self._progress.clock, loss)
@@ -408,7 +423,8 @@ class Node:
     ) -> None:
         """Resume from a checkpoint, after the model's parameters were loaded: set the clock, barrier
         counters (a count never goes down) and the outer step's state (:meth:`outer_state`'s; without
-        it, an outer step starts afresh from the parameters as they are now).
+        it, an outer step starts afresh from the parameters as they are now; an outer step given to the
+        constructor always does).
 
         Everything is checked before anything is taken: the outer state exactly as a donor's is
         (:func:`~dpwa.gossip.outer.checked_outer_state`: this node's rule and size, finite values within
@@ -433,6 +449,8 @@ class Node:
                 self._outer.load(checked)
             else:
                 self._outer.reanchor()
+        if self._own_outer is not None:  # the caller's outer step keeps no checkpoint state here
+            self._own_outer.reanchor()
         if clock is not None:
             self._progress.set_clock(float(clock))
 

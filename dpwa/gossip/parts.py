@@ -70,6 +70,7 @@ class Parts:
         stream_to_peers: ask peers for streams of their snapshots (a fetch, or an exchange's reply).
         exchange_streams: read peers' snapshots offered with their exchanges (mode symmetric), on a thread of
             its own (``streams_in``).
+        carry: the scalars the node's rule sends with each fetch it serves (dpwa.mixing.rules), or None.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class Parts:
         direct: bool,
         stream_to_peers: bool,
         exchange_streams: bool = False,
+        carry: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.name, self.config, self.spec, self.curve = name, config, spec, curve
         self.peers = {s.name: s for s in config.peers_of(name)}
@@ -188,6 +190,7 @@ class Parts:
                 bulk=self.bulk,
                 bulk_ttl_s=config.timeout_s + 1.0,
                 encoder=self.encoder,
+                carry=carry,
             )
             self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))
             stack.callback(self.joins.close)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from ..mixing.kernels import WIRE_STORAGE
 from ..mixing.model import WireModel
-from ..mixing.rules import FINGERPRINT_BYTES, MAX_SYMMETRIC_FACTOR
+from ..mixing.rules import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
 from ..wire.errors import ProtocolError
 from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Header, Integer, ListOf, Number, Text, message_kind
@@ -86,22 +86,24 @@ _SNAPSHOT = {
     "version": Integer(1, MAX_ID),
 }
 _RULE = {"rule": Blob(length=FINGERPRINT_BYTES)}  # the sender's mixing rule and its settings (optional: tools omit it)
+# scalars the server's rule sends with a snapshot it serves (a push-sum weight); each rule checks its own bounds
+_CARRY = {"carry": ListOf(Number(-MAX_VALUE, MAX_VALUE), max_len=MAX_CARRIED)}
 _SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 
 FETCH = message_kind(
     "fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag(), "bulk": Flag(), **_RULE}
 )
-PARAMS = message_kind("params", _SNAPSHOT, {**_EXCHANGE_REPLY, **_RULE}, payload=1)
+PARAMS = message_kind("params", _SNAPSHOT, {**_EXCHANGE_REPLY, **_RULE, **_CARRY}, payload=1)
 SHM_PARAMS = message_kind(
     "shm_params",
     {**_SNAPSHOT, **_SLOT},
-    {**_EXCHANGE_REPLY, **_RULE},
+    {**_EXCHANGE_REPLY, **_RULE, **_CARRY},
 )
 _TICKET = {"port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}  # a transfer waiting at a bulk port
 _KEY = {"key": Blob(length=KEY_BYTES)}  # a sealed stream's key: only ever sent inside a CURVE-encrypted message
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
-    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY, **_RULE}
+    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY, **_RULE, **_CARRY}
 )
 EXCHANGE = message_kind(
     "exchange",

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any
 
+from ..logs import logger
 from ..mixing.rules import Side
 from ..wire.server import Route
 from .requesting import FetchTask
@@ -73,7 +74,14 @@ class PullSteps:
         own = step.own.snapshot if step.own is not None else None
         with call.take() as received:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
-            f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss))
+            try:
+                carried = crew.rule.checked_carried(received.header.get("carry"))
+            except ValueError as exc:  # nothing of it is used
+                crew.counters.add("rejected.bad_carry")
+                crew.flow.record(call.peer, "rejected")
+                logger.warning("%s: snapshot from %s refused: bad_carry: %s", crew.name, call.peer, exc)
+                return Update(False, "rejected", call.peer, reason=f"bad_carry: {exc}", clock=progress.clock)
+            f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss, carried))
             f = crew.rule.blend(crew.params, own.array if own else None, received.array, f, crew.model.kept)
         crew.blended()
         progress.set_clock(crew.rule.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))

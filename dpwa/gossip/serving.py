@@ -15,6 +15,7 @@ replies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..mixing.model import WireModel
@@ -42,6 +43,7 @@ class Serving:
         bulk: streams snapshots to peers that ask for a bulk transfer (sealed in clusters with keys).
         bulk_ttl_s: how long a bulk transfer waits for its requester.
         encoder: encodes snapshots as they are sent (``wire_dtype: int8``), with error feedback.
+        carry: the scalars the node's rule sends with each snapshot a fetch is served (its ``served``), or None.
     """
 
     def __init__(
@@ -54,8 +56,10 @@ class Serving:
         bulk: BulkServer | None = None,
         bulk_ttl_s: float = 0.0,
         encoder: Encoder | None = None,
+        carry: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.name, self.store = name, store
+        self._carry = carry
         self.model = model
         self.shm_id = shm_id
         self._counters = counters
@@ -75,7 +79,9 @@ class Serving:
         lease = self.store.lease()
         if lease is None:
             raise refused("not_ready", "no snapshot published yet")
-        return self.reply(request, lease)
+        if self._carry is None:
+            return self.reply(request, lease)
+        return self.reply(request, lease, carry=list(self._carry().values()))  # asked once per fetch served
 
     def reply(self, request: Request, lease: Lease, **extra: Any) -> Reply:
         """Our snapshot for `request` (a fetch or an exchange): by stream if the requester asked for one and

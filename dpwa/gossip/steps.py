@@ -26,12 +26,11 @@ from ..wire.calls import Call
 from ..wire.server import Route
 from .flow import FlowControl
 from .outcomes import Outcomes
-from .outer import OuterStep
 from .parts import Parts
 from .progress import Progress
 from .snapshots import Lease
 
-__all__ = ["WAIT_SLACK_S", "Crew", "Step", "StepOutcome", "Steps", "Update"]
+__all__ = ["WAIT_SLACK_S", "Crew", "OuterHook", "Step", "StepOutcome", "Steps", "Update"]
 
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
 
@@ -63,6 +62,18 @@ class Step:
     own: Lease | None = None  # pull/delta: our snapshot of this step, which the delta is taken from
 
 
+class OuterHook(Protocol):
+    """An outer step, taken after each blend of an exchange the node started (training thread): the
+    named one (:class:`~dpwa.gossip.outer.OuterStep`, ``outer:``), or one given to the node (the
+    PyTorch adapter's ``outer_optimizer``)."""
+
+    def apply(self) -> None:
+        """After a blend: one outer step; the parameters continue from its result."""
+
+    def reanchor(self) -> None:
+        """The parameters were replaced (a join, a restore): start afresh from them."""
+
+
 @dataclass
 class Crew:
     """What a mode's steps work with: the node's parts and the state they share (training thread)."""
@@ -79,7 +90,7 @@ class Crew:
     rule: Rule  # how f is chosen and each half applied (dpwa.mixing.rules)
     publish: Callable[[float | None], None]  # publish a snapshot with this loss (and the clock as it is)
     state: Callable[[], str] = field(default=lambda: "training")
-    outer: OuterStep | None = None  # outer: nesterov or noloco
+    outer: OuterHook | None = None  # outer: nesterov or noloco, or one given to the node
 
     def blended(self) -> None:
         """After each blend of an exchange this node started: the outer step, if it takes one. (A half

@@ -2,7 +2,7 @@
 
 Commands (they run as written from the repository root)::
 
-    python -m dpwa.sim consensus --nodes 8 --mode symmetric --blend delta
+    python -m dpwa.sim consensus --nodes 8 --mode symmetric --rule delta
     python -m dpwa.sim consensus --nodes 16 --mode pull --exchanges 2000
     python -m dpwa.sim study                  # the convergence study in docs/design.md (about a minute)
     python -m dpwa.sim study --seeds 2 --json study.json
@@ -39,6 +39,7 @@ import numpy as np
 from ..gossip.flow import PeerSelector
 from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
+from ..mixing.rules import Side
 from ..mixing.admission import Admission
 from ..mixing.interpolation import Constant
 from ..mixing.outer import GossipOuter, OuterSettings
@@ -117,6 +118,13 @@ class Gossip:
         settings = outer_settings or OuterSettings()
         self.outers = None if outer == "none" else [GossipOuter(outer, a, settings) for a in self.arrays]
 
+    def mean(self) -> np.ndarray:
+        """The nodes' mean, each weighted by its rule's :meth:`~dpwa.mixing.rules.Rule.mass` (1 but for push-sum):
+        what the rules keep."""
+        masses = np.array([rule.mass() for rule in self.rules], dtype=np.float64)
+        stacked = np.stack(self.arrays).astype(np.float64)
+        return (masses[:, None] * stacked).sum(axis=0) / masses.sum()
+
     def choose(self, i: int) -> int:
         chosen = self.selectors[i].choose()
         assert chosen is not None, "every node has peers"
@@ -124,10 +132,14 @@ class Gossip:
 
     def exchange(self, i: int, j: int, snapshots: Sequence[np.ndarray]) -> None:
         """Node i exchanges with node j, given the snapshots both published."""
-        self.rules[i].blend(self.params[i], snapshots[i], snapshots[j], self.f, "float32")
+        requester, server = self.rules[i], self.rules[j]
+        carried = requester.checked_carried(list(server.served().values()) or None)  # what a reply would carry
+        symmetric = self.mode == "symmetric"
+        f = requester.factor(Side(0.0, None), Side(0.0, None, carried), symmetric=symmetric)
+        requester.blend(self.params[i], snapshots[i], snapshots[j], f, "float32")
         self._blended(i)
-        if self.mode == "symmetric":
-            self.rules[j].mirror(self.params[j], snapshots[j], snapshots[i], self.f, "float32")
+        if symmetric:
+            server.mirror(self.params[j], snapshots[j], snapshots[i], f, "float32")
         self.exchanges += 1
 
     def _blended(self, i: int) -> None:
@@ -433,7 +445,7 @@ def consensus(
         after = disagreement(gossip.arrays)
         ratios.append(after / before)
         before = after
-        drifts.append(float(np.abs(np.mean(np.stack(gossip.arrays).astype(np.float64), axis=0) - start_mean).max()))
+        drifts.append(float(np.abs(gossip.mean() - start_mean).max()))
     mean = statistics.fmean(ratios)
     return {
         "nodes": nodes,
@@ -470,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consensus", help="mix random models without training; compare with theory")
     c.add_argument("--nodes", type=int, default=8)
     c.add_argument("--mode", choices=("pull", "symmetric"), default="symmetric")
-    c.add_argument("--blend", choices=("state", "delta"), default="delta")
+    c.add_argument("--rule", "--blend", dest="blend", default="delta", help="a rule's name (dpwa.mixing.rules): delta, state, clipped, pushsum")
     c.add_argument("--f", type=float, default=0.5, help="the constant interpolation factor")
     c.add_argument("--exchanges", type=int, default=3000)
     c.add_argument("--seed", type=int, default=0)

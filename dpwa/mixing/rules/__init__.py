@@ -13,6 +13,7 @@ rule                   requester i                              server j (mode s
 delta (the default)    x_i += f (s_j - s_i)                      x_j += f (s_i - s_j), once i confirms
 state (2017)           x_i += f (s_j - x_i)                      x_j += f (s_i - s_j), once i confirms
 clipped                x_i += f clip(s_j - s_i, tau)            x_j += f clip(s_i - s_j, tau)
+pushsum (mode pull)    x_i += g/(w_i+g) (x_j - x_i), w_i += g   gives g = w_j/2 of its weight with the reply
 =====================  =======================================  ==========================================
 """
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import FINGERPRINT_BYTES, MAX_SYMMETRIC_FACTOR, Option, Rule, RuleError, Side
+from .base import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR, Option, Rule, RuleError, Side
 
 __all__ = [
     "FINGERPRINT_BYTES",
+    "MAX_CARRIED",
     "MAX_SYMMETRIC_FACTOR",
     "Option",
     "Rule",
@@ -79,6 +81,8 @@ def rule_class(spec: str) -> type[Rule]:
         raise RuleError(f"{spec} does not implement {', '.join(missing)}")
     if not rule.name or not isinstance(rule.name, str):
         raise RuleError(f"{spec} sets no name (a class attribute: name = '...')")
+    if len(rule.carries) > MAX_CARRIED:
+        raise RuleError(f"{spec} carries {len(rule.carries)} scalars with a snapshot, at most {MAX_CARRIED}")
     if rule.name in rules:
         raise RuleError(f"{spec} is named {rule.name!r}, the name of a built-in rule: choose another")
     return rule

@@ -17,7 +17,11 @@ A rule owns, in one class:
   ``x_j += f (s_i - s_j)``, the exact opposite of a delta blend);
 - :meth:`Rule.clock` and :meth:`Rule.mirror_clock`: the clocks after each half;
 - :meth:`Rule.fingerprint`: the rule and its settings, sent with every request
-  so that a peer running anything else is refused (``bad_rule``).
+  so that a peer running anything else is refused (``bad_rule``);
+- ``carries`` and :meth:`Rule.served`: the scalars it sends with each
+  snapshot it serves (a push-sum weight), each declared with its bounds: a
+  peer's values outside them are refused before the rule sees them
+  (:meth:`Rule.checked_carried`), and the rule reads them in ``peer.carried``.
 
 Both halves return the weight they actually gave the peer, which may differ
 from f (a rule that clips scales it down); the clock follows that weight.
@@ -44,10 +48,11 @@ import numpy as np
 from .. import interpolation as interp
 from ..params import FlatParams
 
-__all__ = ["FINGERPRINT_BYTES", "MAX_SYMMETRIC_FACTOR", "Option", "Rule", "RuleError", "Side"]
+__all__ = ["FINGERPRINT_BYTES", "MAX_CARRIED", "MAX_SYMMETRIC_FACTOR", "Option", "Rule", "RuleError", "Side"]
 
 MAX_SYMMETRIC_FACTOR = 0.5  # beyond it a symmetric exchange would move a side past its partner
 FINGERPRINT_BYTES = 8
+MAX_CARRIED = 8  # scalars a rule may send with a snapshot
 
 
 class RuleError(ValueError):
@@ -60,6 +65,7 @@ class Side(NamedTuple):
 
     clock: float
     loss: float | None
+    carried: Mapping[str, float] | None = None  # the scalars the snapshot came with (Rule.carries), checked
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class Rule(ABC):
     summary: ClassVar[str] = ""
     options: ClassVar[Mapping[str, Option]] = {}
     uses_own_snapshot: ClassVar[bool] = True  # blend reads our own snapshot (mode pull keeps it for the step)
+    carries: ClassVar[Mapping[str, tuple[float, float]]] = {}  # scalars sent with each served snapshot: [lo, hi]
 
     def __init__(
         self,
@@ -160,6 +167,33 @@ class Rule(ABC):
     def mirror_clock(self, clock: float, served_clock: float, requester_clock: float, f: float) -> float:
         """The server's clock after its half gave the requester weight f."""
         return clock + f * (requester_clock - served_clock)
+
+    # ----------------------------------------------------------------- scalars that travel with a snapshot
+
+    def served(self) -> dict[str, float]:
+        """(The Rx thread) the scalars to send with a snapshot served now, one per name in :attr:`carries`. It may
+        change the rule's own state (push-sum gives half its weight away): guard that state with a lock."""
+        return {}
+
+    def checked_carried(self, values: Any) -> dict[str, float]:
+        """A peer's carried scalars (a list in :attr:`carries` order, or None), checked against their bounds.
+        Raises ValueError naming the scalar and the bound."""
+        names = list(self.carries)
+        if values is None:
+            values = []
+        if not isinstance(values, list) or len(values) != len(names):
+            raise ValueError(f"rule {self.name!r} expects {len(names)} carried values ({', '.join(names)})")
+        checked: dict[str, float] = {}
+        for name, value in zip(names, values, strict=True):
+            lo, hi = self.carries[name]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ValueError(f"carried {name} = {value!r} is outside [{lo:g}, {hi:g}]")
+            checked[name] = float(value)
+        return checked
+
+    def mass(self) -> float:
+        """This node's weight in the cluster's mean (the quantity a rule keeps): 1, but for push-sum's weight."""
+        return 1.0
 
     # ----------------------------------------------------------------- identity
 

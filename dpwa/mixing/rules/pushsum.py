@@ -1,0 +1,83 @@
+"""pushsum: push-sum averaging (Kempe, Dobra and Gehrke 2003; SGP, Assran et al. 2019) over one-sided pulls.
+
+Each node i holds a weight w_i (1 at start) besides its parameters x_i, and
+the pair (w_i x_i, w_i) is its mass. When node j serves a fetch, it gives
+half its weight away with the snapshot (``carried weight = w_j / 2``; it keeps
+``w_j / 2``, and its parameters do not move). The requester adds that mass to
+its own:
+
+    x_i = (w_i x_i + g x_j) / (w_i + g),   w_i = w_i + g,   g = w_j / 2
+
+that is ``x_i += f (x_j - x_i)`` with ``f = g / (w_i + g)``. Every transfer
+keeps the sums of w and of w x, so with nothing trained in between the
+nodes' weighted mean ``sum w x / sum w`` never drifts, as it does under the
+plain pull rules, and there is no confirm round trip: the mass moves with the
+reply. A reply that is lost loses its mass (the weights then sum to less than
+n and the mean shifts by what that mass held); a requester starts again from
+weight 1 when it restarts.
+
+Mode pull only (the server's half is giving weight, which a pull does). The
+weight a peer claims is checked against [:data:`MIN_WEIGHT`,
+:data:`MAX_WEIGHT`]; a node's own weight is kept in the same range, so no
+peer can take more than ``MAX_WEIGHT / (MAX_WEIGHT + MIN_WEIGHT)`` of a node.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import interpolation as interp
+from .base import Rule, RuleError, Side
+
+MIN_WEIGHT = 1e-6  # below this a node gives nothing more away
+MAX_WEIGHT = 1e6
+
+
+class PushSum(Rule):
+    name = "pushsum"
+    summary = "push-sum: one-sided pulls that move half the server's weight with its snapshot, keeping the mean"
+    uses_own_snapshot = False
+    carries = {"weight": (0.0, MAX_WEIGHT)}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()  # the Rx thread gives weight away while the training thread takes some in
+        self.weight = 1.0
+        self._given = 0.0  # the weight the snapshot being blended came with
+
+    @classmethod
+    def check_mode(cls, mode: str, settings: dict[str, Any]) -> None:
+        if mode != "pull":
+            raise RuleError("rule 'pushsum' needs mode pull (the weight moves with a fetched snapshot)")
+
+    def served(self) -> dict[str, float]:
+        with self._lock:
+            given = self.weight / 2 if self.weight / 2 >= MIN_WEIGHT else 0.0
+            self.weight -= given
+        return {"weight": given}
+
+    def factor(self, own: Side, peer: Side, symmetric: bool = False) -> float:
+        self._given = (peer.carried or {}).get("weight", 0.0)  # for blend (the training thread calls both)
+        with self._lock:
+            return self._given / (self.weight + self._given) if self._given > 0 else 0.0
+
+    def blend(self, params, own, peer, f, wire):
+        given, self._given = self._given, 0.0
+        if given <= 0.0:
+            return 0.0
+        with self._lock:  # the weight as it is now: the Rx thread may have given some away since factor
+            f = given / (self.weight + given)
+            self.weight = min(MAX_WEIGHT, self.weight + given)
+        params.lerp_from(peer, f, wire)
+        return f
+
+    def mass(self) -> float:
+        with self._lock:
+            return self.weight
+
+    def clock(self, clock, own_clock, peer_clock, f):
+        return interp.blend_clock(f, clock, peer_clock)
+
+
+RULE = PushSum

@@ -1,0 +1,116 @@
+"""Push-sum over one-sided pulls (dpwa/mixing/rules/pushsum.py): the server's weight travels with its snapshot,
+so the weighted mean never drifts, and a peer's claimed weight is checked before it is used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import filled, make_config, serving_only
+from dpwa import NumpyParams, parse_config
+from dpwa.config import ConfigError
+from dpwa.gossip.protocol import PARAMS
+from dpwa.mixing.rules import Side
+from dpwa.mixing.rules.pushsum import MAX_WEIGHT, PushSum
+from dpwa.sim.simulate import Gossip
+from dpwa.wire.schema import encode
+from helpers.raw_peer import FakePeer
+
+SIZE = 4
+
+
+def pull_config(n: int, **settings):
+    return make_config(n, mode="pull", rule="pushsum", pairing="random", **settings)
+
+
+def test_a_fetch_moves_half_the_servers_weight_with_its_snapshot(nodes):
+    """w1 (10, weight 1) serves w0 (0, weight 1): w1 gives 1/2 and keeps 1/2 (its parameters stay 10); w0 takes
+    f = 0.5 / (1 + 0.5) = 1/3 of it: 10/3, weight 3/2. Both sums are kept: weights 2, and w x: 0 + 10 = 10."""
+    cfg = pull_config(2)
+    theirs, mine = filled(10, SIZE), filled(0, SIZE)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    peer.update_send()
+    node.update_send()
+    update = node.update_wait()
+    assert update.averaged and update.factor == pytest.approx(1 / 3), update
+    np.testing.assert_allclose(mine, 10 / 3, rtol=1e-6)
+    assert np.all(theirs == 10)
+    assert node.rule.weight == pytest.approx(1.5) and peer.rule.weight == pytest.approx(0.5)
+    assert node.rule.weight + peer.rule.weight == pytest.approx(2.0)
+    total = node.rule.weight * mine[0] + peer.rule.weight * theirs[0]
+    assert total == pytest.approx(10.0, rel=1e-6)
+
+
+def test_in_the_simulator_the_weighted_mean_never_drifts_and_the_nodes_agree():
+    """8 nodes, random one-sided pulls, nothing trained: sum w x / sum w stays the initial mean to float
+    rounding, and after 400 pulls every node is within 1e-3 of it (plain pull drifts: the control)."""
+    rng = np.random.default_rng(3)
+    start = [rng.normal(size=32).astype(np.float32) for _ in range(8)]
+    mean = np.mean(start, axis=0)
+    gossip = Gossip([a.copy() for a in start], mode="pull", blend="pushsum", seed=5)
+    plain = Gossip([a.copy() for a in start], mode="pull", blend="delta", seed=5)
+    for _ in range(400):
+        i = gossip.rng.randrange(8)
+        j = gossip.choose(i)
+        gossip.exchange_now(i, j)
+        plain.exchange_now(i, j)
+    assert sum(r.mass() for r in gossip.rules) == pytest.approx(8.0)
+    np.testing.assert_allclose(gossip.mean(), mean, atol=1e-5)
+    assert max(float(np.abs(a - mean).max()) for a in gossip.arrays) < 1e-3
+    assert float(np.abs(np.mean(plain.arrays, axis=0) - mean).max()) > 1e-3  # the plain pull's mean moved
+
+
+def test_pushsum_needs_mode_pull():
+    with pytest.raises(ConfigError, match="rule 'pushsum' needs mode pull"):
+        parse_config(make_config(2, mode="symmetric", rule="pushsum"))
+
+
+@pytest.mark.parametrize(
+    ("carry", "why"),
+    [([MAX_WEIGHT * 10], "outside"), ([1.0, 1.0], "expects 1 carried values"), (None, "expects 1 carried values")],
+    ids=["too_heavy", "two_values", "none"],
+)
+def test_a_weight_a_peer_claims_outside_its_bounds_is_refused_and_nothing_moves(nodes, zctx, carry, why):
+    """A fake w1 answers w0's fetch with a snapshot of 9 and a weight out of bounds, two weights, or none:
+    refused (bad_carry), w0 and its weight unchanged."""
+    cfg = pull_config(2, insecure=True, same_host="off")
+    mine = filled(2, SIZE)
+    node = nodes(cfg, "w0", NumpyParams(mine))
+    fp = node.params.fingerprint
+
+    def respond(request):
+        fields = {
+            "from": "w1",
+            "fp": fp,
+            "dtype": "float32",
+            "nbytes": SIZE * 4,
+            "clock": 1.0,
+            "loss": None,
+            "version": 1,
+            "rule": node.rule.fingerprint(),
+        }
+        if carry is not None:
+            fields["carry"] = carry
+        return [encode(PARAMS, request.id, **fields), filled(9, SIZE).tobytes()]
+
+    fake = FakePeer(zctx, node.config.endpoint(node.config.node("w1")), respond)
+    try:
+        node.update_send()
+        update = node.update_wait()
+        assert not update.averaged and update.outcome == "rejected" and why in (update.reason or ""), update
+        assert node.stats()["rejected.bad_carry"] == 1
+        assert np.all(mine == 2) and node.rule.weight == 1.0
+        assert not fake.errors, fake.errors[0]
+    finally:
+        fake.close()
+
+
+def test_a_server_whose_weight_is_spent_gives_nothing_and_nobody_moves():
+    server, taker = PushSum(), PushSum()
+    server.weight = 1e-6
+    assert server.served() == {"weight": 0.0} and server.weight == 1e-6
+    x = filled(0, SIZE)
+    f = taker.factor(Side(0.0, None), Side(0.0, None, {"weight": 0.0}))
+    assert f == 0.0 and taker.blend(NumpyParams(x), None, filled(5, SIZE), f, "float32") == 0.0
+    assert np.all(x == 0) and taker.weight == 1.0
