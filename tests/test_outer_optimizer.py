@@ -9,24 +9,36 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
+from torch import nn
 
-torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-
-from conftest import endpoint_is_free, make_config, step_until_averaged  # noqa: E402
-from dpwa.adapters.outer import TorchOuter  # noqa: E402
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter  # noqa: E402
+from conftest import endpoint_is_free, make_config, step_until_averaged
+from dpwa.adapters.outer import TorchOuter
+from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
 
-def small_net(seed: int) -> nn.Module:
+def small_net(seed: int) -> nn.Sequential:
     """A linear layer and a BatchNorm (whose running statistics are buffers: blended, never stepped)."""
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4))
     with torch.no_grad():
-        net[1].weight.normal_()
-        net[1].bias.normal_()
-        net[1].running_mean.normal_()
+        batch_norm(net).weight.normal_()
+        batch_norm(net).bias.normal_()
+        stat(net, "running_mean").normal_()
     return net
+
+
+def batch_norm(net: nn.Sequential) -> nn.BatchNorm1d:
+    layer = net[1]
+    assert isinstance(layer, nn.BatchNorm1d)
+    return layer
+
+
+def stat(net: nn.Sequential, name: str) -> torch.Tensor:
+    """A running statistic of the BatchNorm (a buffer)."""
+    value = getattr(batch_norm(net), name)
+    assert isinstance(value, torch.Tensor)
+    return value
 
 
 def floats(net: nn.Module) -> dict[str, torch.Tensor]:
@@ -35,9 +47,9 @@ def floats(net: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def local_step(net: nn.Module, generator: torch.Generator) -> None:
+def local_step(net: nn.Sequential, generator: torch.Generator) -> None:
     """What training does between exchanges, made deterministic: every parameter and the running mean move."""
-    for p in [*net.parameters(), net[1].running_mean]:
+    for p in [*net.parameters(), stat(net, "running_mean")]:
         p.add_(0.1 * torch.randn(p.shape, generator=generator))
 
 
@@ -113,7 +125,7 @@ def test_the_first_outer_step_by_hand(adapters):
     assert step_until_averaged(mine, 20, peer="w1") is not None
     for p in my_net.parameters():
         assert torch.all(p == 3.5)
-    assert torch.all(my_net[1].running_mean == 4.0) and torch.all(my_net[1].running_var == 4.0)
+    assert torch.all(stat(my_net, "running_mean") == 4.0) and torch.all(stat(my_net, "running_var") == 4.0)
     assert mine.outer_optimizer is not None
     buffers = [s["momentum_buffer"] for s in mine.outer_optimizer.state.values()]
     assert len(buffers) == 4 and all(torch.all(b == -2.0) for b in buffers)
@@ -150,16 +162,18 @@ def test_a_parameter_the_optimizer_leaves_out_stays_where_averaging_put_it(adapt
     factory = lambda params: torch.optim.SGD([p for p in params if p.requires_grad], lr=0.5)  # noqa: E731
     mine = adapters(my_net, "w0", cfg, outer_optimizer=factory)
     assert step_until_averaged(mine, 20, peer="w1") is not None
-    assert torch.all(my_net[0].bias == 4.0) and torch.all(my_net[0].weight == 3.0)
+    linear = my_net[0]
+    assert isinstance(linear, nn.Linear)
+    assert torch.all(linear.bias == 4.0) and torch.all(linear.weight == 3.0)
 
 
 def test_outer_optimizer_beside_outer_in_the_config_is_refused_before_anything_starts():
     """A ValueError naming both, before a socket or a thread exists, and before the factory is called."""
-    called = []
+    called: list[object] = []
     for rule in ("nesterov", "noloco"):
         cfg = make_config(1, outer=rule, insecure=True, same_host="off")
         with pytest.raises(ValueError, match=rf"outer_optimizer and outer: {rule}"):
-            DpwaPyTorchAdapter(small_net(0), "w0", cfg, outer_optimizer=lambda p: called.append(p))
+            DpwaPyTorchAdapter(small_net(0), "w0", cfg, outer_optimizer=called.append)  # type: ignore[arg-type]
         assert endpoint_is_free(cfg, "w0")
     assert not called and not [t for t in threading.enumerate() if t.name.startswith("dpwa-")]
 

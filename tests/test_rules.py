@@ -4,11 +4,13 @@ peers that mix by another rule refused. And ClippedGossip, the first rule added 
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, filled, make_config, serving_only, wait_until
+from conftest import ROOT, filled, make_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
 from dpwa.config import ConfigError
 from dpwa.mixing.interpolation import Constant
@@ -171,3 +173,64 @@ def test_the_default_factor_is_the_interpolation_damped_and_capped_in_mode_symme
     rule = rule_class("delta")(Constant(0.8), divergence_threshold=2.0)
     assert rule.factor(Side(0.0, 1.0), Side(0.0, 1.0)) == pytest.approx(0.4)  # 0.8 * 1 / 2
     assert rule.factor(Side(0.0, 5.0), Side(0.0, 1.0), symmetric=True) == 0.5  # capped
+
+
+def test_a_joiner_takes_its_donors_clipping_history_so_it_clips_from_its_first_exchange(nodes):
+    """Clipped with radius auto (mode pull): w0 (0) keeps pulling from w1 (2, serving only), so its distances
+    are 2, 1, 0.5, ... (each pull halves the gap). w2 starts late with join: auto while w0 steps; it takes
+    the donor's distances with the parameters (a fresh history would let its first exchanges through
+    unclipped)."""
+    cfg = make_config(3, mode="pull", rule="clipped", rule_options={"radius": "auto"}, pairing="random", join="auto")
+    w1 = nodes(serving_only({**cfg, "join": "never"}), "w1", NumpyParams(filled(2, 1)))
+    w0 = nodes({**cfg, "join": "never"}, "w0", NumpyParams(filled(0, 1)))
+    w1.update_send()
+    for _ in range(5):
+        assert step_until_averaged(w0, 10, peer="w1") is not None
+    stop = threading.Event()
+
+    def steps() -> None:  # the donor captures what a joiner takes at its next step
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            w0.update_send()
+            w0.update_wait()
+
+    stepper = threading.Thread(target=steps, daemon=True)
+    stepper.start()
+    try:
+        w2 = nodes(cfg, "w2", NumpyParams(filled(0, 1)))
+    finally:
+        stop.set()
+        stepper.join(30)
+    assert w2.joined is not None and w2.joined.donor == "w0", w2.joined
+    assert "rule" in (w2.joined.extra_state or {}), w2.joined
+    seen = w2.rule.state()["seen"]
+    assert len(seen) >= 5 and seen[:5] == [2.0, 1.0, 0.5, 0.25, 0.125], seen
+
+
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [
+        ({"seen": [1.0] * 17}, "at most 16 distances"),
+        ({"seen": [float("nan")]}, "finite number >= 0"),
+        ({"seen": [-1.0]}, "finite number >= 0"),
+        ({"seen": [1.0], "more": 1}, "a list of at most 16"),
+        ([1.0], "a list of at most 16"),
+    ],
+)
+def test_a_donors_rule_state_that_does_not_fit_is_refused_whole(state, why):
+    import msgpack
+
+    from dpwa.gossip.extras import RuleState
+
+    rule = ClippedGossip(radius="auto")
+    part = RuleState(rule)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        part.check(b"", np.frombuffer(msgpack.packb(state), np.uint8))
+    with pytest.raises(ValueError, match="expected no metadata"):
+        part.check(b"x", np.frombuffer(msgpack.packb({"seen": []}), np.uint8))
+    with pytest.raises(ValueError, match="not msgpack"):
+        part.check(b"", np.frombuffer(b"\xc1", np.uint8))
+    good = part.check(*RuleState(ClippedGossip(radius="auto")).capture())
+    part.load(good)
+    assert rule.state() == {"seen": []}
+    assert RuleState.of(ClippedGossip(radius=1.0)) is None and RuleState.of(rule_class("delta")()) is None

@@ -1,8 +1,8 @@
 """Everything a joiner takes besides the parameters, as one :class:`~dpwa.gossip.join.ExtraState`.
 
 A node may hold several such states: the optimizer's (momentum buffers; the
-PyTorch adapter's ``optimizer=``) and its outer step's (anchor and momentum;
-``outer:``). :class:`Extras` sends them as one: msgpack metadata that lists
+PyTorch adapter's ``optimizer=``), its outer step's (anchor and momentum;
+``outer:``) and its mixing rule's (:class:`RuleState`). :class:`Extras` sends them as one: msgpack metadata that lists
 each part's name, its own metadata and its byte count, then the parts'
 bytes in that order. A joiner checks the list against its own parts (known
 names, each at most once, byte counts that add up to what came and fit each
@@ -17,9 +17,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from ..mixing.rules import Rule
 from .join import MAX_EXTRA_META, ExtraState
 
-__all__ = ["Extras"]
+__all__ = ["Extras", "MAX_RULE_STATE_BYTES", "RuleState"]
+
+MAX_RULE_STATE_BYTES = 64 * 1024  # a mixing rule's state a joiner takes
 
 
 class Extras:
@@ -86,3 +89,42 @@ class Extras:
     def load(self, checked: dict[str, Any]) -> None:
         for name, state in checked.items():
             self.parts[name].load(state)
+
+
+class RuleState:
+    """A mixing rule's per-node state (:meth:`dpwa.mixing.rules.Rule.state`) as an ExtraState: the state in
+    msgpack as its bytes (at most :data:`MAX_RULE_STATE_BYTES`), checked by the rule itself
+    (:meth:`~dpwa.mixing.rules.Rule.check_state`) before anything is taken."""
+
+    def __init__(self, rule: Rule) -> None:
+        self._rule = rule
+
+    @classmethod
+    def of(cls, rule: Rule) -> RuleState | None:
+        """One for `rule` if it keeps state a joiner takes, else None."""
+        return cls(rule) if rule.state() else None
+
+    def capture(self) -> tuple[bytes, np.ndarray]:
+        packed = msgpack.packb(self._rule.state(), use_bin_type=True)
+        if len(packed) > MAX_RULE_STATE_BYTES:
+            raise ValueError(
+                f"rule {self._rule.name!r}: its state is {len(packed)} bytes, at most {MAX_RULE_STATE_BYTES}"
+            )
+        return b"", np.frombuffer(packed, np.uint8)
+
+    def budget(self) -> int:
+        return MAX_RULE_STATE_BYTES
+
+    def check(self, meta: bytes, data: np.ndarray) -> Any:
+        if meta:
+            raise ValueError(f"rule state: expected no metadata besides its bytes, got {len(meta)}")
+        try:
+            state = msgpack.unpackb(
+                data.tobytes(), raw=False, max_array_len=4096, max_map_len=64, max_str_len=64, max_bin_len=0
+            )
+        except Exception as exc:  # any malformed msgpack, in words
+            raise ValueError(f"rule state: not msgpack ({exc.__class__.__name__})") from None
+        return self._rule.check_state(state)
+
+    def load(self, checked: Any) -> None:
+        self._rule.load_state(checked)

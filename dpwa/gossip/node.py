@@ -43,7 +43,7 @@ from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
 from .barrier import BarrierCounts, BarrierServer, BarrierWaiter
-from .extras import Extras
+from .extras import Extras, RuleState
 from .flow import FlowControl
 from .join import ExtraState, Joined
 from .outcomes import Outcomes
@@ -106,7 +106,7 @@ class Node:
         # late or restarted node (the cluster had trained) from a fresh start (the first node's initial state)
         self.joined: Joined | None = None
         self._outer = OuterStep.of(self.config, params)  # before joining: a joiner takes its peer's
-        self._extra = Extras.of(optimizer=extra, outer=self._outer)
+        self._extra = Extras.of(optimizer=extra, outer=self._outer, rule=RuleState.of(self.rule))
         self._local_steps = 0  # steps since this node last started an exchange (period)
         self._progress = Progress()
         self._barriers = BarrierCounts(list(self.peers))

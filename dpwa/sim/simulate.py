@@ -39,11 +39,11 @@ import numpy as np
 from ..gossip.flow import PeerSelector
 from ..mixing import pairing as pairings
 from ..mixing import rules as mixing
-from ..mixing.rules import Side
 from ..mixing.admission import Admission
 from ..mixing.interpolation import Constant
 from ..mixing.outer import GossipOuter, OuterSettings
 from ..mixing.params import NumpyParams
+from ..mixing.rules import Side
 
 __all__ = ["Gossip", "disagreement", "symmetric_decay", "study"]
 
@@ -482,7 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consensus", help="mix random models without training; compare with theory")
     c.add_argument("--nodes", type=int, default=8)
     c.add_argument("--mode", choices=("pull", "symmetric"), default="symmetric")
-    c.add_argument("--rule", "--blend", dest="blend", default="delta", help="a rule's name (dpwa.mixing.rules): delta, state, clipped, pushsum")
+    c.add_argument(
+        "--rule",
+        "--blend",
+        dest="blend",
+        default="delta",
+        help="a rule's name (dpwa.mixing.rules): delta, state, clipped, pushsum",
+    )
     c.add_argument("--f", type=float, default=0.5, help="the constant interpolation factor")
     c.add_argument("--exchanges", type=int, default=3000)
     c.add_argument("--seed", type=int, default=0)

@@ -18,6 +18,9 @@ A rule owns, in one class:
 - :meth:`Rule.clock` and :meth:`Rule.mirror_clock`: the clocks after each half;
 - :meth:`Rule.fingerprint`: the rule and its settings, sent with every request
   so that a peer running anything else is refused (``bad_rule``);
+- :meth:`Rule.state`, :meth:`Rule.check_state`, :meth:`Rule.load_state`: its
+  per-node state that a joiner takes from its donor (ClippedGossip's recent
+  distances), checked like everything a donor sends;
 - ``carries`` and :meth:`Rule.served`: the scalars it sends with each
   snapshot it serves (a push-sum weight), each declared with its bounds: a
   peer's values outside them are refused before the rule sees them
@@ -190,6 +193,24 @@ class Rule(ABC):
                 raise ValueError(f"carried {name} = {value!r} is outside [{lo:g}, {hi:g}]")
             checked[name] = float(value)
         return checked
+
+    # ----------------------------------------------------------------- per-node state a joiner takes
+
+    def state(self) -> dict[str, Any]:
+        """(The training thread) the node's own state a joiner should take from it, as msgpack-able numbers and
+        lists; {} (the default) when there is none. A node whose rule has state sends it with a join."""
+        return {}
+
+    def check_state(self, state: Any) -> Any:
+        """A donor's :meth:`state`, checked (it came from a peer); raises ValueError naming what does not fit.
+        Returns what :meth:`load_state` takes."""
+        if state != {}:
+            raise ValueError(f"rule {self.name!r} keeps no state, got {type(state).__name__}")
+        return state
+
+    def load_state(self, checked: Any) -> None:
+        """(The training thread) take over a state :meth:`check_state` returned."""
+        return None
 
     def mass(self) -> float:
         """This node's weight in the cluster's mean (the quantity a rule keeps): 1, but for push-sum's weight."""

@@ -54,6 +54,26 @@ class ClippedGossip(Rule):
         if mode == "symmetric" and settings["radius"] == AUTO:
             raise RuleError("rule 'clipped' with radius auto needs mode pull (each side would clip by its own radius)")
 
+    def state(self) -> dict[str, Any]:
+        """With radius auto: the recent distances, so a joiner clips from its first exchange."""
+        return {"seen": list(self._seen)} if self.settings["radius"] == AUTO else {}
+
+    def check_state(self, state: Any) -> Any:
+        if self.settings["radius"] != AUTO:
+            return super().check_state(state)
+        seen = state.get("seen") if isinstance(state, dict) and set(state) == {"seen"} else None
+        window = self.settings["window"]
+        if not isinstance(seen, list) or len(seen) > window:
+            raise ValueError(f"rule 'clipped': state must be {{seen: a list of at most {window} distances}}")
+        for d in seen:
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < float("inf"):
+                raise ValueError(f"rule 'clipped': a distance must be a finite number >= 0, got {d!r}")
+        return [float(d) for d in seen]
+
+    def load_state(self, checked: Any) -> None:
+        self._seen.clear()
+        self._seen.extend(checked)
+
     def _weight(self, a, b, f, wire) -> float:
         """f, scaled down so that f * ||a - b|| is at most f * tau."""
         d = kernels.distance(a, b, wire)
