@@ -34,6 +34,7 @@ import yaml
 
 from .mixing import rules
 from .mixing.kernels import WIRE_STORAGE
+from .mixing.outer import OUTER_RULES
 from .mixing.pairing import PAIRINGS
 from .wire.curve import valid_public_key
 from .wire.endpoints import BindError, bind_address, ipc_endpoint, is_loopback
@@ -51,7 +52,7 @@ __all__ = [
 
 INTERPOLATIONS = ("constant", "clock", "loss")
 WIRE_DTYPES = (*WIRE_STORAGE, "int8")  # int8: blockwise 8-bit with error feedback (dpwa.mixing.quantize)
-OUTERS = ("none", "nesterov", "noloco")
+OUTERS = ("none", *OUTER_RULES)  # the named outer steps are listed once, in dpwa.mixing.outer
 PRESETS = ("none", "low_bandwidth", "original")
 # What a preset sets, for the keys the file does not give itself (docs/configuration.md#presets).
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {

@@ -38,6 +38,7 @@ def test_a_fetch_moves_half_the_servers_weight_with_its_snapshot(nodes):
     assert np.all(theirs == 10)
     assert node.rule.weight == pytest.approx(1.5) and peer.rule.weight == pytest.approx(0.5)
     assert node.rule.weight + peer.rule.weight == pytest.approx(2.0)
+    assert node.stats()["rule.weight"] == pytest.approx(1.5) and peer.stats()["rule.weight"] == pytest.approx(0.5)
     total = node.rule.weight * mine[0] + peer.rule.weight * theirs[0]
     assert total == pytest.approx(10.0, rel=1e-6)
 

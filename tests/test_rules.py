@@ -134,6 +134,7 @@ def test_clipped_gossip_moves_a_far_peer_by_at_most_f_times_the_radius_and_keeps
     np.testing.assert_allclose(mine, 1.0, rtol=1e-6)
     assert wait_until(lambda: peer.update_wait() is not None and peer.stats().get("mirrored", 0) == 1, 10)
     np.testing.assert_allclose(theirs, 9.0, rtol=1e-6)
+    assert node.stats()["rule.clipped"] == 1 and peer.stats()["rule.clipped"] == 1  # both halves clipped
 
 
 def test_clipped_gossip_leaves_a_near_peer_alone():

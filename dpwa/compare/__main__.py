@@ -12,6 +12,8 @@ the repository root)::
     python -m dpwa.compare --workload charlm --systems gossip,gossip-lowbw,diloco,allreduce   # a character-level LM
     python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,gossip-lowbw,diloco,allreduce  # (root)
     python -m dpwa.compare --gossip-set mode=pull --gossip-set period=4    # try other dpwa settings
+    python -m dpwa.compare --workload charlm --systems gossip --byzantine 1 --attack offset \
+        --gossip-set rule=clipped --gossip-set 'rule_options={radius: auto}' --gossip-set mode=pull  # ClippedGossip
 
 It prints a table (time and samples to the target, the final accuracy or
 validation loss, bytes per worker per step, seconds per step, the fraction of
@@ -34,10 +36,11 @@ import yaml
 
 from ..config import parse_config
 from ..systems.diloco import DEFAULT_PERIOD
+from .byzantine import ATTACKS
 from .comparison import CompareConfig, run_comparison
 from .links import LinksUnavailable, check_delay, check_root
 from .report import fault_lines, link_lines, plot, table, write_json
-from .runner import SYSTEMS, RunOptions
+from .runner import GOSSIP_SYSTEMS, SYSTEMS, RunOptions
 from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, WorkloadSpec
 
 TARGETS = {"digits": 0.97, "cifar10": 0.70}  # default target test accuracy per dataset
@@ -66,6 +69,13 @@ def _data(text: str) -> str:
     if text in ("auto", "stdlib", *DATA_DEFAULTS) or (text.startswith("text:") and len(text) > len("text:")):
         return text
     raise argparse.ArgumentTypeError(f"choose auto, {', '.join(DATA_DEFAULTS)}, stdlib or text:PATH; got {text!r}")
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -174,6 +184,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a dpwa config key for every gossip system (its value read as YAML), over the system's own: "
         "--gossip-set mode=pull --gossip-set period=4; repeatable",
     )
+    p.add_argument(
+        "--byzantine",
+        type=_count,
+        default=0,
+        metavar="K",
+        help="gossip systems only: the last K workers publish wrong snapshots (--attack); fewer than half the "
+        "workers; the curves evaluate the honest nodes' mean (default: %(default)s)",
+    )
+    p.add_argument(
+        "--attack",
+        choices=tuple(ATTACKS),
+        default="offset",
+        help="with --byzantine: offset (each parameter tensor p published as p + 10 std(p)) or flip (-p) "
+        "(default: %(default)s)",
+    )
     p.add_argument("--ps-servers", type=_positive_int, default=2, help="parameter servers (default: %(default)s)")
     p.add_argument("--lease-s", type=float, default=5.0, help="sync master's task lease (default: %(default)s)")
     p.add_argument(
@@ -193,6 +218,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--lease-s and --time-limit-s must be positive")
     if not 0 <= args.outer_momentum < 1:
         p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    if args.byzantine:
+        others = [s for s in args.systems if s not in GOSSIP_SYSTEMS]
+        if others:
+            p.error(
+                f"--byzantine is for the gossip systems only ({', '.join(GOSSIP_SYSTEMS)}), not {', '.join(others)}"
+            )
+        if 2 * args.byzantine >= args.workers:
+            p.error(
+                f"--byzantine {args.byzantine} of --workers {args.workers}: Byzantine workers must be fewer than half"
+            )
+        if args.faults:
+            p.error("--faults with --byzantine is not supported (a fault would kill a Byzantine node)")
     if args.link_delay_ms is not None and args.link_mbit is None:
         p.error("--link-delay-ms needs --link-mbit (a delay is a property of the shaped links)")
     charlm_data = args.data == "stdlib" or args.data.startswith("text:")
@@ -275,6 +312,8 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
         link_mbit=args.link_mbit or 0.0,
         link_delay_ms=args.link_delay_ms or 0.0,
         gossip_settings=gossip_settings(args.gossip_set),
+        byzantine=args.byzantine,
+        attack=args.attack,
     )
     out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     return CompareConfig(
@@ -341,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{budget}"
         + (f", worker w{spec.workers - 1} {spec.straggler:g}x slower" if spec.straggler > 1 else "")
         + (f"; DiLoCo every {config.options.diloco_period} steps" if "diloco" in config.systems else "")
+        + (f"; {args.byzantine} Byzantine worker(s) per gossip system, attack {args.attack}" if args.byzantine else "")
     )
     if any(s.get("bytes_estimated") for s in report["systems"].values()):
         print("* all-reduce and DiLoCo bytes are computed (ring all-reduce), not counted")

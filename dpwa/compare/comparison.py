@@ -21,6 +21,7 @@ import numpy as np
 from ..systems.allreduce import ring_allreduce_bytes
 from ..systems.layout import ModelLayout, ModuleView
 from ..systems.ps.sharding import make_plan
+from .byzantine import ATTACKS
 from .evaluation import Point, build_curve, summarize
 from .faults import fault_for
 from .links import BURST_BYTES
@@ -63,6 +64,17 @@ class CompareConfig:
             raise ValueError(f"the target accuracy must be in (0, 1], got {self.target}")
         if self.metric == "loss" and not 0 < self.target < 100:
             raise ValueError(f"the target loss must be in (0, 100) nats per character, got {self.target}")
+        if self.options.byzantine:
+            others = [s for s in self.systems if s not in GOSSIP_SYSTEMS]
+            if others:
+                raise ValueError(f"--byzantine is for the gossip systems only, not {', '.join(others)}")
+            if 2 * self.options.byzantine >= self.spec.workers:
+                raise ValueError(
+                    f"--byzantine {self.options.byzantine} of {self.spec.workers} workers: Byzantine workers must "
+                    "be fewer than half"
+                )
+            if self.faults:
+                raise ValueError("--faults with --byzantine is not supported: the fault would kill a Byzantine node")
         if self.faults and self.options.link_mbit:
             raise ValueError(
                 "--faults with --link-mbit is not supported: the sync-master fault asks the master over its socket, "
@@ -277,6 +289,14 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         },
         "systems": {},
     }
+    report["byzantine"] = options.byzantine  # Byzantine workers per gossip system (0: none)
+    report["attack"] = options.attack if options.byzantine else None
+    if options.byzantine:
+        report["byzantine_attack"] = (
+            f"the last {options.byzantine} of {spec.workers} workers of every gossip system train as the others "
+            f"do, but every snapshot they publish is wrong: {ATTACKS[options.attack]}; the curves evaluate the "
+            "mean of the honest nodes only (see dpwa/compare/byzantine.py)"
+        )
     if options.link_mbit:
         report["links"] = {
             "rate_mbit": options.link_mbit,
@@ -294,6 +314,16 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         summary = summarize(run, curve, config.target, config.metric)
         summary.update(_extras(run, options))
         summary["evaluated_model"] = EVALUATED_MODEL[system]
+        if run.byzantine:
+            honest = [n for n in run.workers if n not in run.byzantine]
+            summary["evaluated_model"] = (
+                f"the mean of the honest nodes' parameters and buffers ({', '.join(honest)}; each node's latest "
+                f"snapshot), the Byzantine nodes ({', '.join(run.byzantine)}) left out"
+            )
+            summary["byzantine_workers"] = run.byzantine
+            summary["wrong_snapshots_published"] = {
+                n: run.results[n].get("published_wrong") for n in run.byzantine if n in run.results
+            }
         summary["run_wall_s"] = time.monotonic() - t0
         if not config.keep_snapshots:
             shutil.rmtree(run.workdir / "snapshots", ignore_errors=True)
@@ -305,6 +335,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         log(f"{system}: {spec.workers} workers, {_budget(spec)} of {workload.spec.data}")
         run, summary = one(system, system, spec)
         report["systems"][system] = summary
+        report["evaluated_model"][system] = summary["evaluated_model"]
         if options.link_mbit and system in COLLECTIVE:
             report["link_check"][system] = link_check(run, options.link_mbit)
         log(f"  {system}: {_final_text(summary, config.metric)}, trained {summary.get('train_time_s') or 0:.1f} s")

@@ -18,7 +18,11 @@ evaluated model is the one the system would hand a user at that moment:
 * ``gossip``, ``gossip-lowbw``, ``gossip-original``: the mean of every node's parameters and buffers,
   each node's latest snapshot at the moment the nodes' trained samples summed
   to the point (a node snapshots every few steps, so its snapshot is at most
-  that old; a killed node counts until it was killed).
+  that old; a killed node counts until it was killed). With Byzantine workers
+  (``--byzantine K``) the mean is the honest nodes' only: the Byzantine
+  nodes' snapshots are left out, while the samples they trained still count
+  towards the points (every node trains; the Byzantine ones publish wrong
+  snapshots).
 
 Every model is evaluated after its run, in the runner's process, so
 evaluation never competes with training: on the whole test set (images), or
@@ -75,9 +79,11 @@ def _load(run: SystemRun, line: dict[str, Any]) -> np.ndarray:
 
 
 def _states_gossip(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
-    """(time, samples, state) per point: the mean of each node's latest snapshot when the nodes' samples sum to it."""
+    """(time, samples, state) per point: the mean of each honest node's latest snapshot when the nodes' samples
+    (every node's, the Byzantine ones' too) sum to it."""
     nodes = [n for n in run.workers if run.snapshots.get(n)]
-    if not nodes:
+    honest = [n for n in nodes if n not in run.byzantine]
+    if not honest:
         return []
     events: list[tuple[float, int, str]] = []  # (time, samples of that node so far, node)
     for n in nodes:
@@ -99,7 +105,7 @@ def _states_gossip(run: SystemRun, every: int) -> list[tuple[float, int, Callabl
         if total < point * every:
             continue
         chosen = []
-        for m in nodes:
+        for m in honest:
             i = bisect.bisect_right(times[m], t) - 1
             alive = m in finished or times[m][-1] >= t  # a killed node counts until its last snapshot
             if i >= 0 and alive:
@@ -107,7 +113,7 @@ def _states_gossip(run: SystemRun, every: int) -> list[tuple[float, int, Callabl
         if chosen:
             out.append((t, total, _mean_of(run, chosen)))
         point = total // every + 1
-    finals = [shots[n][-1] for n in nodes if n in finished and shots[n][-1].get("final")]
+    finals = [shots[n][-1] for n in honest if n in finished and shots[n][-1].get("final")]
     if finals:
         t_end = max(line["t"] for line in finals)
         out.append((t_end, total, _mean_of(run, finals)))  # every node's samples, a killed one's until it died

@@ -7,7 +7,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fault_lines", "link_lines", "plot", "table", "write_json"]
+from .byzantine import ATTACKS
+
+__all__ = ["byzantine_line", "fault_lines", "link_lines", "plot", "table", "write_json"]
 
 
 def _pct(value: float | None) -> str:
@@ -64,7 +66,23 @@ def table(report: dict[str, Any]) -> str:
         for r in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
+    byzantine = byzantine_line(report)
+    if byzantine:
+        lines.append(byzantine)
     return "\n".join(lines)
+
+
+def byzantine_line(report: dict[str, Any]) -> str:
+    """With Byzantine workers: how many per gossip system, which attack, and what was evaluated ("" without)."""
+    count = report.get("byzantine") or 0
+    if not count:
+        return ""
+    workers = report["workload"]["workers"]
+    names = ", ".join(f"w{i}" for i in range(workers - count, workers))
+    return (
+        f"byzantine: {count} of {workers} workers of every gossip system ({names}), attack {report['attack']}: "
+        f"{ATTACKS.get(report['attack'], '?')}; the gossip rows evaluate the honest nodes' mean"
+    )
 
 
 def link_lines(report: dict[str, Any]) -> str:
@@ -165,6 +183,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     title = f"{data}, {w['workers']} workers, batch {w['batch_size']}, {budget}"
     if w.get("straggler", 1) > 1:
         title += f", last worker {w['straggler']:g}x slower"
+    if report.get("byzantine"):
+        title += f", {report['byzantine']} Byzantine ({report['attack']})"
     links = report.get("links")
     title += f"; links {links['rate_mbit']:g} Mbit/s each way" if links else "; loopback"
     fig.suptitle(title)

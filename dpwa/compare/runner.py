@@ -28,6 +28,7 @@ from ..cluster.processes import free_ports
 from ..mixing.outer import OuterSettings
 from ..systems.diloco import DEFAULT_PERIOD
 from ..wire.endpoints import private_dir
+from .byzantine import ATTACKS, byzantine_names
 from .links import INTERFACE, Links, LinkSpec
 from .recorder import open_gate
 from .spawning import Processes
@@ -68,6 +69,8 @@ class RunOptions:
     startup_s: float = 120.0  # every process ready within this
     time_limit_s: float = 600.0  # training done within this of the start
     grace_s: float = 10.0  # between SIGTERM and SIGKILL
+    byzantine: int = 0  # gossip: the last K workers publish wrong snapshots (dpwa/compare/byzantine.py)
+    attack: str = "offset"  # gossip: what a Byzantine worker publishes (byzantine.ATTACKS)
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.ps_timeout_s <= 0 or self.gossip_timeout_ms < 1 or self.gloo_timeout_s <= 0:
@@ -83,6 +86,10 @@ class RunOptions:
             raise ValueError(f"num_gradients_sufficient must be at least 1, got {self.sufficient}")
         if self.ps_servers < 1 or self.max_retries < 0:
             raise ValueError("ps_servers must be at least 1 and max_retries at least 0")
+        if self.byzantine < 0:
+            raise ValueError(f"byzantine must be at least 0, got {self.byzantine}")
+        if self.attack not in ATTACKS:
+            raise ValueError(f"unknown attack {self.attack!r}; choose from {', '.join(ATTACKS)}")
 
 
 class Fault(Protocol):
@@ -110,6 +117,7 @@ class SystemRun:
     ended: float = 0.0  # Unix time the last process ended
     failed_at_s: float | None = None  # when the runner saw the run fail, from the start
     extra: dict[str, Any] = field(default_factory=dict)
+    byzantine: list[str] = field(default_factory=list)  # gossip: the workers that published wrong snapshots
 
 
 @dataclass
@@ -149,6 +157,16 @@ def process_names(system: str, spec: WorkloadSpec, options: RunOptions) -> list[
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
+def byzantine_workers(system: str, spec: WorkloadSpec, options: RunOptions) -> list[str]:
+    """The workers of `system` that publish wrong snapshots: the last ``options.byzantine`` of a gossip
+    system, none otherwise."""
+    if system not in GOSSIP_SYSTEMS or not options.byzantine:
+        return []
+    if 2 * options.byzantine >= spec.workers:
+        raise ValueError(f"{options.byzantine} Byzantine workers of {spec.workers}: they must be fewer than half")
+    return byzantine_names(spec.workers, options.byzantine)
+
+
 def plan_processes(
     system: str, spec: WorkloadSpec, options: RunOptions, tag: str, workdir: Path, links: Links | None = None
 ) -> tuple[dict, list, list]:
@@ -171,7 +189,9 @@ def plan_processes(
             # Reachable addresses: dpwa refuses them without keys unless told. The namespaces are the run's own,
             # and gloo, the master and the servers talk in the clear too.
             config["insecure"] = True
-        return {"gossip_config": config}, [(n, "gossip", i) for i, n in enumerate(workers)], workers
+        gossip_opts = {"byzantine": byzantine_workers(system, spec, options), "attack": options.attack}
+        starts = [(n, "gossip", i) for i, n in enumerate(workers)]
+        return {"gossip_config": config, "options": gossip_opts}, starts, workers
     if system == "sync-master":
         endpoint = _endpoints(tag, ["master"], links)["master"]
         sync_opts = {
@@ -259,6 +279,7 @@ def run_system(
     ended = time.time()
     result = _collect(system, workdir, go, completed, error, procs, workers, fault, ended)
     result.failed_at_s = failed_at_s
+    result.byzantine = byzantine_workers(system, spec, options)
     if links is not None:
         result.extra["links"] = {**links.describe(), "setup_s": round(links.setup_s, 3)}
     return result

@@ -474,6 +474,7 @@ class Node:
         }
         if bulk is not None:
             out["bulk_pending"] = bulk.pending()
+        out.update({f"rule.{key}": value for key, value in self.rule.report().items()})
         return out
 
     # ----------------------------------------------------------------- lifecycle

@@ -30,6 +30,7 @@ all-reduce, a gossip exchange) is the caller's business.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,7 +153,23 @@ def noloco_step(anchor: np.ndarray, mixed: np.ndarray, buf: np.ndarray, lr: floa
     anchor += buf
 
 
-OUTER_RULES = ("nesterov", "noloco")
+def _nesterov(
+    anchor: np.ndarray, mixed: np.ndarray, buf: np.ndarray, scratch: np.ndarray, lr: float, mu: float
+) -> None:
+    grad = pseudo_gradient(anchor, mixed, scratch)  # `mixed` may be `scratch` itself: fine
+    nesterov_step(anchor, grad, buf, lr, mu)
+
+
+def _noloco(anchor: np.ndarray, mixed: np.ndarray, buf: np.ndarray, scratch: np.ndarray, lr: float, mu: float) -> None:
+    noloco_step(anchor, mixed, buf, lr, mu)
+
+
+# The named outer steps, by the name the config's `outer:` gives (with `none`): the one place that lists them.
+# Each moves (anchor, buf) in place from the mixed parameters; `scratch` is a model-sized buffer of its own.
+OUTER_RULES: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float], None]] = {
+    "nesterov": _nesterov,
+    "noloco": _noloco,
+}
 
 
 class GossipOuter:
@@ -185,12 +202,7 @@ class GossipOuter:
 
     def step(self, mixed: np.ndarray) -> np.ndarray:
         """One outer step from the mixed parameters; returns the new anchor (the parameters to continue from)."""
-        lr, momentum = self.settings.lr, self.settings.momentum
-        if self.rule == "nesterov":
-            grad = pseudo_gradient(self.anchor, mixed, self._grad)  # `mixed` may be _grad itself: fine
-            nesterov_step(self.anchor, grad, self.buf, lr, momentum)
-        else:
-            noloco_step(self.anchor, mixed, self.buf, lr, momentum)
+        OUTER_RULES[self.rule](self.anchor, mixed, self.buf, self._grad, self.settings.lr, self.settings.momentum)
         self.steps += 1
         return self.anchor
 

@@ -6,13 +6,21 @@ and schedule (by its own steps), and exchanges parameters around every batch
 of its state every few steps, and the time and sample count of every step,
 let the runner evaluate the mean of all nodes' models as it stood when the
 cluster had trained a given number of samples.
+
+A Byzantine node (``role.options["byzantine"]`` names it; :mod:`..byzantine`)
+trains the same way, but every snapshot it publishes is wrong: its node's
+publication is wrapped in :func:`..byzantine.published_wrong`, which applies
+the attack to the parameters for the moment of the copy and restores them
+exactly after it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ...systems.layout import ModuleView
+from ..byzantine import published_wrong
 from ..recorder import wait_for_go
 from .common import Role, timed
 
@@ -29,7 +37,11 @@ def run(role: Role) -> None:
     progress: list[list[float]] = []
     step, samples, loss_value = 0, 0, None
     averaged = failed = 0
+    attack = role.options.get("attack") if role.name in role.options.get("byzantine", ()) else None
+    published = [0]  # wrong snapshots published (a Byzantine node)
     with DpwaPyTorchAdapter(net, role.name, role.run["gossip_config"]) as conn:
+        if attack is not None:
+            _publish_wrong(conn, net, attack, published)
         go = wait_for_go(role.workdir, role.name)
         rec.snapshot(view.state(), 0)  # the model before training, for points before its first snapshot
         timer.start()
@@ -77,5 +89,25 @@ def run(role: Role) -> None:
         progress=progress,
         lingered_s=lingered,
         stopped=role.stop.signal_name,
+        byzantine=attack,
+        published_wrong=published[0],
         **timer.summary(left_out),
     )
+
+
+def _publish_wrong(conn: Any, net: Any, attack: str, count: list[int]) -> None:
+    """Make every snapshot `conn`'s node publishes from now on wrong, by `attack` (counted in count[0]).
+
+    Every publication of the node (at update_send, after an exchange it applied in mode symmetric, while
+    it lingers) goes through ``node.parts.publish``, on the training thread: the parameters are attacked
+    for the copy and restored exactly after it, so the node trains and blends on its true parameters.
+    """
+    parts = conn.node.parts
+    publish = parts.publish
+
+    def wrong(clock: float, loss: float | None) -> None:
+        with published_wrong(net, attack):
+            publish(clock, loss)
+        count[0] += 1
+
+    setattr(parts, "publish", wrong)  # noqa: B010 (an instance's method replaced, for this node only)

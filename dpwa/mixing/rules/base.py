@@ -212,6 +212,10 @@ class Rule(ABC):
         """(The training thread) take over a state :meth:`check_state` returned."""
         return None
 
+    def report(self) -> dict[str, float]:
+        """Numbers for ``stats()`` (as ``rule.<name>``) and status: what the rule did (any thread)."""
+        return {}
+
     def mass(self) -> float:
         """This node's weight in the cluster's mean (the quantity a rule keeps): 1, but for push-sum's weight."""
         return 1.0

@@ -54,6 +54,9 @@ class ClippedGossip(Rule):
         if mode == "symmetric" and settings["radius"] == AUTO:
             raise RuleError("rule 'clipped' with radius auto needs mode pull (each side would clip by its own radius)")
 
+    def report(self) -> dict[str, float]:
+        return {"clipped": self.clipped}
+
     def state(self) -> dict[str, Any]:
         """With radius auto: the recent distances, so a joiner clips from its first exchange."""
         return {"seen": list(self._seen)} if self.settings["radius"] == AUTO else {}

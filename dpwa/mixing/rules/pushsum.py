@@ -72,6 +72,9 @@ class PushSum(Rule):
         params.lerp_from(peer, f, wire)
         return f
 
+    def report(self) -> dict[str, float]:
+        return {"weight": self.mass()}
+
     def mass(self) -> float:
         with self._lock:
             return self.weight
