@@ -53,6 +53,12 @@ def _alarm(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "timeout(seconds): per-test time limit (default 120 s)")
+    # A shell without job control starts a background command (`./test.sh &`, `nohup ... &`) with SIGINT
+    # ignored, and every process the tests start would inherit that: the tests of Ctrl-C (the dashboard,
+    # status --watch, a compare run with links) would then wait for a child that never stops. Take SIGINT
+    # back, so the children start with it as a terminal gives it.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # --------------------------------------------------------------------------- ports and configs
