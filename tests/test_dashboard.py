@@ -573,17 +573,27 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
             return len(kills) == 3 and len(rejoined) == 3
 
         assert wait_until(chaos_done, 150, interval_s=0.5), "".join(run.out)
-        with open(run_dir / "logs" / "w1.log", "a") as log:
-            log.write(HOSTILE_SCRIPT + "\n")
         with open(run_dir / "metrics" / "w3.jsonl", "a") as fh:
             fh.write(json.dumps({"kind": "checkpoint_failed", "t": time.time(), "error": HOSTILE_IMG}) + "\n")
 
-        def asked_at() -> float:
-            return json.loads(http(f"http://127.0.0.1:{port}/api/state")[2])["status"]["asked_at"] or 0.0
+        def state() -> str:
+            return http(f"http://127.0.0.1:{port}/api/state")[2].decode()
 
+        def hostile_log_line() -> None:
+            """Append the hostile line to w1's log, and wait until the page's state has it: the page shows a
+            log's last lines only, and w1 keeps writing, so it is written again before each snapshot."""
+            with open(run_dir / "logs" / "w1.log", "a") as log:
+                log.write(HOSTILE_SCRIPT + "\n")
+            assert wait_until(lambda: "pwned=2" in state(), 15)
+
+        def asked_at() -> float:
+            return json.loads(state())["status"]["asked_at"] or 0.0
+
+        hostile_log_line()
         first = dump_dom(page, tmp_path)
         seen = asked_at()
         assert wait_until(lambda: asked_at() > seen + 1.5, 30)  # at least one more status round
+        hostile_log_line()
         second = dump_dom(page, tmp_path)
 
         status, _, body = http(page.replace("/?token=", "/api/kill?node=w2&token="), method="POST")
