@@ -19,6 +19,7 @@ pushsum (mode pull)    x_i += g/(w_i+g) (x_j - x_i), w_i += g   gives g = w_j/2 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -39,8 +40,9 @@ __all__ = [
 DEFAULT = "delta"
 
 
-def builtin() -> dict[str, type[Rule]]:
-    """The rules that ship with dpwa, by name: one module of this package each."""
+@functools.cache
+def _found() -> tuple[tuple[str, type[Rule]], ...]:
+    """The built-in rules, found once per process (a scan of this package's modules)."""
     found: dict[str, type[Rule]] = {}
     for module in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if module.name == "base":
@@ -48,7 +50,12 @@ def builtin() -> dict[str, type[Rule]]:
         rule = getattr(importlib.import_module(f"{__name__}.{module.name}"), "RULE", None)
         if isinstance(rule, type) and issubclass(rule, Rule):
             found[rule.name] = rule
-    return found
+    return tuple(found.items())
+
+
+def builtin() -> dict[str, type[Rule]]:
+    """The rules that ship with dpwa, by name: one module of this package each."""
+    return dict(_found())
 
 
 def rule_class(spec: str) -> type[Rule]:
