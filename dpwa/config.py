@@ -32,8 +32,7 @@ from typing import Any
 
 import yaml
 
-from .mixing import rules
-from .mixing.kernels import WIRE_STORAGE
+from .mixing import codecs, rules
 from .mixing.outer import OUTER_RULES
 from .mixing.pairing import PAIRINGS
 from .wire.curve import valid_public_key
@@ -51,7 +50,7 @@ __all__ = [
 ]
 
 INTERPOLATIONS = ("constant", "clock", "loss")
-WIRE_DTYPES = (*WIRE_STORAGE, "int8")  # int8: blockwise 8-bit with error feedback (dpwa.mixing.quantize)
+WIRE_DTYPES = codecs.names()  # the wire codecs, one module each in dpwa.mixing.codecs
 OUTERS = ("none", *OUTER_RULES)  # the named outer steps are listed once, in dpwa.mixing.outer
 PRESETS = ("none", "low_bandwidth", "original")
 # What a preset sets, for the keys the file does not give itself (docs/configuration.md#presets).
@@ -171,12 +170,17 @@ def _rule(value: Any, key: str, source: str) -> str:
     return value
 
 
-def _rule_options(value: Any, key: str, source: str) -> tuple[tuple[str, Any], ...]:
-    if value == 0 or value == {}:
-        return ()
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-        raise ConfigError(f"{source}: {key} must be a map of the rule's settings, like {{radius: 1.0}}, got {value!r}")
-    return tuple(sorted(value.items()))
+def _options(example: str) -> Callable[[Any, str, str], tuple[tuple[str, Any], ...]]:
+    """A check for a map of settings (rule_options, wire_options); the rule or codec checks each value."""
+
+    def check(value: Any, key: str, source: str) -> tuple[tuple[str, Any], ...]:
+        if value == 0 or value == {}:
+            return ()
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{source}: {key} must be a map of settings, like {example}, got {value!r}")
+        return tuple(sorted(value.items()))
+
+    return check
 
 
 def _interface(value: Any, key: str, source: str) -> str:
@@ -260,7 +264,7 @@ class Config:
     )
     rule_options: tuple[tuple[str, Any], ...] = setting(
         tuple,
-        _rule_options,
+        _options("{radius: 1.0}"),
         "the rule's own settings, a map checked by the rule: "
         + "; ".join(
             f"`{name}`: " + ", ".join(f"`{key}` ({option.help})" for key, option in cls.options.items())
@@ -272,9 +276,23 @@ class Config:
     wire_dtype: str = setting(
         "float32",
         one_of(WIRE_DTYPES),
-        "`float32`, `float16` or `bfloat16`: parameters travel (and snapshots are kept) in this dtype; `int8`: they "
-        "travel as blocks of 1,024 signed bytes with a float32 scale each (3.98 times fewer bytes than float32), and "
-        "what rounding leaves out is sent with the next snapshot (error feedback); blending is always float32",
+        "the wire codec. `float32`, `float16` or `bfloat16`: parameters travel (and snapshots are kept) in this "
+        "dtype; `int8`: they travel as blocks of 1,024 signed bytes with a float32 scale each (3.98 times fewer "
+        "bytes than float32), and what rounding leaves out is sent with the next snapshot (error feedback); "
+        "`topk` (mode pull): the largest 5% (`wire_options`) of the change since what the requester holds, as "
+        "index and value (10 times fewer bytes; the rest follows later: CHOCO-SGD, docs/rules.md#codecs); "
+        "blending is float32",
+    )
+    wire_options: tuple[tuple[str, Any], ...] = setting(
+        tuple,
+        _options("{fraction: 0.05}"),
+        "the wire codec's own settings, a map checked by the codec: "
+        + "; ".join(
+            f"`{name}`: " + ", ".join(f"`{key}` ({option.help})" for key, option in cls.options.items())
+            for name, cls in codecs.builtin().items()
+            if cls.options
+        ),
+        shown="{}",
     )
     same_host: str = setting(
         "auto",
@@ -427,7 +445,7 @@ class Config:
             if name == "interface" and not (self.torchrun and not self.resolved):
                 continue  # a key of torchrun configs only
             value = getattr(self, name)
-            if name == "rule_options":
+            if name in ("rule_options", "wire_options"):
                 value = dict(value)
             out[name] = {"value": value.value} if isinstance(value, ConstantOptions) else value
         return out
@@ -534,6 +552,16 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         rule.check_mode(config.mode, rule.checked_options(dict(config.rule_options)))
     except rules.RuleError as exc:
         raise ConfigError(f"{source}: rule_options: {exc}") from None
+    codec = codecs.codec_class(config.wire_dtype)
+    try:
+        codec.checked_options(dict(config.wire_options))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: wire_options: {exc}") from None
+    if config.mode not in codec.modes:
+        raise ConfigError(
+            f"{source}: wire_dtype: {config.wire_dtype} runs in mode {' or '.join(codec.modes)}, "
+            f"not mode {config.mode} (docs/rules.md#codecs)"
+        )
     if config.pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
         raise ConfigError(
             f"{source}: pairing: hypercube needs a power of two of nodes (2, 4, 8, ...), got {len(nodes)}"

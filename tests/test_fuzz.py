@@ -1191,7 +1191,7 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
 
 
 def int8_snapshot(values: np.ndarray) -> bytes:
-    from dpwa.mixing import quantize
+    from dpwa.mixing.codecs import int8 as quantize
 
     out = np.empty(quantize.encoded_bytes(values.size), np.uint8)
     quantize.encode(values, out)

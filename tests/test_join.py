@@ -75,6 +75,22 @@ def test_a_late_node_takes_a_trained_peers_state_before_it_starts(nodes):
             t.join()
 
 
+def test_a_joiner_takes_a_donors_restored_state_not_the_one_it_started_with(nodes):
+    """w0 starts at 1 (clock 0), then restores a checkpoint as train.py does: its parameters loaded in place
+    (7), then restore(clock=500). A node joining now takes 7 at clock 500. (Before, w0 still served the
+    snapshot it published when it started: the joiner took 1 at clock 0, a fresh start, while its donor
+    was at epoch 3; found by a torchrun restart under test.)"""
+    cfg = make_config(2, join="auto", fetch_probability=0, timeout_ms=500)
+    mine = filled(1, 1000)
+    w0 = nodes({**cfg, "join": "never"}, "w0", NumpyParams(mine))
+    mine[:] = 7
+    w0.restore(clock=500.0, barriers={"epoch": 3})
+    late = filled(-1, 1000)
+    w1 = nodes(cfg, "w1", NumpyParams(late))
+    assert w1.joined is not None and w1.joined.donor == "w0" and w1.joined.rejoined
+    assert np.all(late == 7) and w1.clock == 500.0 and w1.barrier_counters() == {"epoch": 3}
+
+
 def test_at_a_fresh_start_every_node_takes_the_first_nodes_initial_parameters(nodes):
     """Three nodes start together from different random values (as if seeded differently); with
     join: auto, w1 and w2 start from w0's values, like DDP's broadcast from rank 0. Clocks stay 0."""

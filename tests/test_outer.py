@@ -14,7 +14,7 @@ from conftest import ORIGINAL, filled, make_config, step_until_averaged, wait_un
 from dpwa import NumpyParams, parse_config
 from dpwa.gossip.extras import Extras
 from dpwa.gossip.outer import OuterStep
-from dpwa.mixing import quantize
+from dpwa.mixing.codecs import int8 as quantize
 from dpwa.mixing.outer import GossipOuter, OuterSettings, nesterov_step, noloco_step
 
 # --------------------------------------------------------------------------- the outer rules, by hand

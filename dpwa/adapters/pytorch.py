@@ -5,11 +5,14 @@ Example::
     from dpwa import DpwaPyTorchAdapter
 
     conn = DpwaPyTorchAdapter(net, "w1", "cluster.yaml")
+    loss = None                                # no loss before the first batch
     for inputs, targets in loader:
         conn.update_send(loss)                 # publish; maybe start a fetch
         loss = train_batch(net, inputs, targets)
         conn.update_wait(loss)                 # blend the fetched parameters in place
     conn.close()
+
+Or, with the loop left as it is, :func:`dpwa.adapters.hook.gossip_optimizer`.
 
 Parameters and floating-point buffers (BatchNorm running statistics) are
 blended in place, under ``torch.no_grad()``: their storage is never replaced,
@@ -94,6 +97,7 @@ class TorchParams(FlatParams):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
         self._work_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self._work_np: tuple[np.ndarray, torch.Tensor | None, np.ndarray] | None = None
 
     def _buffer(self, where: str, wire: str) -> torch.Tensor:
         """A flat work buffer of dtype `wire`: "pinned" (host), or any other name (on the model's device)."""
@@ -182,9 +186,20 @@ class TorchParams(FlatParams):
     @torch.no_grad()
     def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
         """Parameters: ``x += f (a - b)``; buffers (running statistics): ``x += f (a - x)``, convex."""
+        work, fast, slow = self._work()
+        if self.device.type == "cpu" and wire == "float32" and self.size < kernels.TORCH_MIN_ELEMENTS:
+            # A small model: the same float32 subtractions by numpy (as dpwa.mixing.kernels does below that
+            # size), reading both snapshots where they lie: no torch view of a read-only peer buffer (each sets
+            # up a warning filter), no view made per call. Larger ones use torch's threads.
+            flat, tail, flat_tail = self._work_numpy()
+            np.subtract(a, b, out=flat)
+            if tail is not None:  # running statistics: towards the peer's snapshot
+                self._gather(tail, first=self._first_stat)
+                np.subtract(a[self._stats_from :], flat_tail, out=flat_tail)
+            self._add((fast, slow), float(f))
+            return
         first = self._float32_source(a, wire, "device")  # views, or two distinct work buffers
         second = self._float32_source(b, wire, "device2")
-        work, fast, slow = self._work()
         torch.sub(first, second, out=work)
         if self._stats_from < self.size:  # running statistics: towards the peer's snapshot
             n = self.size - self._stats_from
@@ -192,6 +207,15 @@ class TorchParams(FlatParams):
             self._gather(tail, first=self._first_stat)
             torch.sub(first.narrow(0, self._stats_from, n), tail, out=tail)
         self._add((fast, slow), float(f))
+
+    def _work_numpy(self) -> tuple[np.ndarray, torch.Tensor | None, np.ndarray]:
+        """(CPU) The work buffer as numpy, its running statistics' tail as torch (None without any) and as
+        numpy: views made once."""
+        if self._work_np is None:
+            work = self._work()[0]
+            tail = work.narrow(0, self._stats_from, self.size - self._stats_from)
+            self._work_np = work.numpy(), tail if self._stats_from < self.size else None, tail.numpy()
+        return self._work_np
 
 
 _TENSOR_DTYPES = {
@@ -473,6 +497,16 @@ class DpwaPyTorchAdapter:
     def clock(self) -> float:
         return self.node.clock
 
+    @property
+    def rank(self) -> int:
+        """This node's index in the config's node list (under torchrun: RANK). See Node.rank."""
+        return self.node.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of nodes in the config's node list (under torchrun: WORLD_SIZE). See Node.world_size."""
+        return self.node.world_size
+
     def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
         """Publish parameters, clock and loss before a batch; maybe start a fetch. See Node.update_send."""
         return self.node.update_send(loss, batch_size)
@@ -510,18 +544,25 @@ class DpwaPyTorchAdapter:
             return None
         return {**state, "anchor": torch.from_numpy(state["anchor"]), "buf": torch.from_numpy(state["buf"])}
 
+    def rule_state(self) -> dict[str, Any] | None:
+        """For a checkpoint: the mixing rule's per-node state (numbers, strings, lists and maps; None when
+        the rule keeps none: every built-in rule but ``clipped`` with ``radius: auto``). See Node.rule_state."""
+        return self.node.rule_state()
+
     def restore(
         self,
         clock: float | None = None,
         barriers: Mapping[str, int] | None = None,
         outer: Mapping[str, Any] | None = None,
+        rule: Mapping[str, Any] | None = None,
     ) -> None:
-        """Resume from a checkpoint, after loading the model's weights: the clock, barrier counters and
+        """Resume from a checkpoint, after loading the model's weights: the clock, barrier counters,
         the outer step's state (:meth:`outer_state`'s; ``outer_optimizer``'s starts afresh from the
-        loaded weights: load its ``state_dict`` after this to keep its momentum). See Node.restore."""
+        loaded weights: load its ``state_dict`` after this to keep its momentum) and the mixing rule's
+        (:meth:`rule_state`'s). See Node.restore."""
         if isinstance(outer, Mapping):  # anything else: the node refuses it, saying what it got
             outer = {k: _numpy(f"a checkpoint's outer state: {k!r:.40}", v) for k, v in outer.items()}
-        self.node.restore(clock, barriers, outer)
+        self.node.restore(clock, barriers, outer, rule)
 
     def join(self, wait_s: float = 60.0) -> bool:
         """Take a trained peer's state now (parameters, optimizer state, clock, barriers). See Node.join."""

@@ -12,6 +12,7 @@ the repository root)::
     python -m dpwa.compare --workload charlm --systems gossip,gossip-lowbw,diloco,allreduce   # a character-level LM
     python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,gossip-lowbw,diloco,allreduce  # (root)
     python -m dpwa.compare --gossip-set mode=pull --gossip-set period=4    # try other dpwa settings
+    python -m dpwa.compare --workload charlm --systems gossip,gossip-original,gossip-pushsum   # push-sum (opt-in)
     python -m dpwa.compare --workload charlm --systems gossip --byzantine 1 --attack offset \
         --gossip-set rule=clipped --gossip-set 'rule_options={radius: auto}' --gossip-set mode=pull  # ClippedGossip
 
@@ -39,8 +40,8 @@ from ..systems.diloco import DEFAULT_PERIOD
 from .byzantine import ATTACKS
 from .comparison import CompareConfig, run_comparison
 from .links import LinksUnavailable, check_delay, check_root
-from .report import fault_lines, link_lines, plot, table, write_json
-from .runner import GOSSIP_SYSTEMS, SYSTEMS, RunOptions
+from .report import fault_lines, link_lines, mass_lines, plot, table, write_json
+from .runner import GOSSIP_SYSTEMS, KNOWN_SYSTEMS, OPT_IN_SYSTEMS, SYSTEMS, RunOptions
 from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, WorkloadSpec
 
 TARGETS = {"digits": 0.97, "cifar10": 0.70}  # default target test accuracy per dataset
@@ -50,10 +51,10 @@ CHARLM_MODELS = ("small", "tiny")  # dpwa.workloads.charlm.SIZES
 
 def _systems(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in SYSTEMS]
+    unknown = [s for s in names if s not in KNOWN_SYSTEMS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown system {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}"
+            f"unknown system {', '.join(unknown) or '(none)'}; choose from {', '.join(KNOWN_SYSTEMS)}"
         )
     return names
 
@@ -87,7 +88,13 @@ def _positive_float(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dpwa.compare", description=__doc__.split("\n")[0])
-    p.add_argument("--systems", type=_systems, default=SYSTEMS, help=f"comma-separated (default: {','.join(SYSTEMS)})")
+    p.add_argument(
+        "--systems",
+        type=_systems,
+        default=SYSTEMS,
+        help=f"comma-separated (default: {','.join(SYSTEMS)}; also {', '.join(OPT_IN_SYSTEMS)}: mode pull, rule "
+        "pushsum, run only when named)",
+    )
     p.add_argument("--workers", type=_positive_int, default=4, help="workers per system (default: %(default)s)")
     p.add_argument(
         "--workload",
@@ -315,6 +322,7 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
         byzantine=args.byzantine,
         attack=args.attack,
     )
+    check_gossip_systems(args.systems, options.gossip_settings)
     out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     return CompareConfig(
         args.systems, spec, options, target, out, faults=args.faults, keep_snapshots=args.keep_snapshots
@@ -334,6 +342,16 @@ def gossip_settings(pairs: list[str]) -> tuple[tuple[str, Any], ...]:
     probe = {"nodes": [{"name": f"w{i}", "host": "127.0.0.1", "port": 1 + i} for i in range(2)], **settings}
     parse_config(probe, source="--gossip-set")  # a bad key or value is named here, before anything runs
     return tuple(settings.items())
+
+
+def check_gossip_systems(systems: tuple[str, ...], settings: tuple[tuple[str, Any], ...]) -> None:
+    """Each gossip system's own keys with the --gossip-set ones over them, checked as dpwa's config checks
+    them (``--gossip-set mode=symmetric`` with gossip-pushsum, whose rule needs mode pull, is named here)."""
+    nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": 1 + i} for i in range(2)]
+    for system in systems:
+        if system in GOSSIP_SYSTEMS:
+            probe = {"nodes": nodes, **GOSSIP_SYSTEMS[system], **dict(settings)}
+            parse_config(probe, source=f"{system} with --gossip-set" if settings else system)
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -373,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     links = link_lines(report)
     if links:
         print("\n" + links)
+    masses = mass_lines(report)
+    if masses:
+        print("\n" + masses)
     print(f"\nmodel evaluated: {'; '.join(f'{s}: {m}' for s, m in report['evaluated_model'].items())}")
     budget = f"{spec.steps} steps per worker" if spec.steps else f"{spec.epochs} epochs"
     print(

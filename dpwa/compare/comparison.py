@@ -25,16 +25,21 @@ from .byzantine import ATTACKS
 from .evaluation import Point, build_curve, summarize
 from .faults import fault_for
 from .links import BURST_BYTES
-from .runner import COLLECTIVE, GOSSIP_SYSTEMS, SYSTEMS, RunOptions, SystemRun, run_system
+from .runner import COLLECTIVE, GOSSIP_SYSTEMS, KNOWN_SYSTEMS, RunOptions, SystemRun, run_system
 from .workload import WorkloadSpec, load_workload
 
-__all__ = ["CompareConfig", "EVALUATED_MODEL", "FAULT_SCENARIOS", "link_check", "run_comparison"]
+__all__ = ["CompareConfig", "EVALUATED_MODEL", "FAULT_SCENARIOS", "link_check", "run_comparison", "weighted_by_mass"]
 
+WEIGHTED_MEAN = (
+    "the mean of every node's parameters and buffers (each node's latest snapshot), each node weighted by its "
+    "push-sum weight (its rule's mass; the final point by the weight it held after lingering)"
+)
 EVALUATED_MODEL = {
     **{
         system: "the mean of every node's parameters and buffers (each node's latest snapshot)"
         for system in GOSSIP_SYSTEMS
     },
+    "gossip-pushsum": WEIGHTED_MEAN,  # dpwa/compare/evaluation.py, *Push-sum*: what the exchanges keep
     "sync-master": "the master's global model",
     "async-ps": "the parameter servers' model (each server's shard)",
     "allreduce": "rank 0's model (every rank holds the same)",
@@ -55,9 +60,10 @@ class CompareConfig:
     keep_snapshots: bool = False
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.systems if s not in SYSTEMS]
+        unknown = [s for s in self.systems if s not in KNOWN_SYSTEMS]
         if unknown or not self.systems:
-            raise ValueError(f"unknown systems {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}")
+            known = ", ".join(KNOWN_SYSTEMS)
+            raise ValueError(f"unknown systems {', '.join(unknown) or '(none)'}; choose from {known}")
         if len(set(self.systems)) != len(self.systems):
             raise ValueError(f"a system is listed twice: {', '.join(self.systems)}")
         if self.metric == "acc" and not 0 < self.target <= 1:
@@ -128,6 +134,10 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
         out["fetches_timed_out"] = {  # by worker that finished: each waited out timeout_ms (a dead peer's, say)
             n: int(run.results[n].get("stats", {}).get("fetches_timed_out", 0)) for n in run.workers if n in run.results
         }
+        if weighted_by_mass(run):  # push-sum: each node's weight at the end, and their sum (n less what was lost)
+            masses = {n: run.results[n].get("mass_at_end") for n in run.workers if n in run.results}
+            out["mass_at_end"] = masses
+            out["mass_sum_at_end"] = sum(m for m in masses.values() if m is not None)
     elif run.system == "allreduce":
         out["bytes_estimated"] = True
         out["bytes_note"] = "gloo counts no bytes: ring all-reduce of the gradients plus the buffer broadcast, computed"
@@ -144,6 +154,15 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
     if "links" in run.extra:
         out["links"] = run.extra["links"]
     return out
+
+
+def weighted_by_mass(run: SystemRun) -> bool:
+    """Whether a gossip run's nodes held masses other than 1 (push-sum's weights), so that its mean was weighted."""
+    if run.system not in GOSSIP_SYSTEMS:
+        return False
+    lines = [line for shots in run.snapshots.values() for line in shots]
+    ends = [r.get("mass_at_end") for n, r in run.results.items() if n in run.workers]
+    return any(m is not None and m != 1.0 for m in [line.get("mass") for line in lines] + ends)
 
 
 def link_check(run: SystemRun, rate_mbit: float) -> dict[str, Any] | None:
@@ -313,12 +332,14 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         curve = build_curve(run, every, evaluate, initial)
         summary = summarize(run, curve, config.target, config.metric)
         summary.update(_extras(run, options))
-        summary["evaluated_model"] = EVALUATED_MODEL[system]
+        weighted = weighted_by_mass(run)  # push-sum, as gossip-pushsum or through --gossip-set
+        summary["evaluated_model"] = WEIGHTED_MEAN if weighted else EVALUATED_MODEL[system]
         if run.byzantine:
             honest = [n for n in run.workers if n not in run.byzantine]
             summary["evaluated_model"] = (
                 f"the mean of the honest nodes' parameters and buffers ({', '.join(honest)}; each node's latest "
                 f"snapshot), the Byzantine nodes ({', '.join(run.byzantine)}) left out"
+                + ("; each honest node weighted by its push-sum weight" if weighted else "")
             )
             summary["byzantine_workers"] = run.byzantine
             summary["wrong_snapshots_published"] = {

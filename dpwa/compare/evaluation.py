@@ -15,14 +15,38 @@ evaluated model is the one the system would hand a user at that moment:
 * ``diloco``: rank 0's model right after the first synchronisation that
   reaches the point (the anchor every rank shares; between synchronisations
   each rank holds its own), and after the final synchronisation;
-* ``gossip``, ``gossip-lowbw``, ``gossip-original``: the mean of every node's parameters and buffers,
-  each node's latest snapshot at the moment the nodes' trained samples summed
+* ``gossip``, ``gossip-lowbw``, ``gossip-original``, ``gossip-pushsum``: the mean of every node's parameters
+  and buffers, each node's latest snapshot at the moment the nodes' trained samples summed
   to the point (a node snapshots every few steps, so its snapshot is at most
-  that old; a killed node counts until it was killed). With Byzantine workers
+  that old; a killed node counts until it was killed), each node weighted by
+  its rule's mass (see *Push-sum* below: 1, so a plain mean, for every rule
+  but push-sum). With Byzantine workers
   (``--byzantine K``) the mean is the honest nodes' only: the Byzantine
   nodes' snapshots are left out, while the samples they trained still count
   towards the points (every node trains; the Byzantine ones publish wrong
   snapshots).
+
+**Push-sum.** A push-sum node (``rule: pushsum``) keeps its parameters
+de-biased: it holds x_i, the estimate it trains and publishes, and its weight
+w_i only as a number beside it (it never holds the biased w_i x_i). A pull
+moves mass, ``x_i = (w_i x_i + g s_j) / (w_i + g)``, ``w_i += g``, while the
+server keeps its parameters and halves its weight: what every exchange keeps
+is ``sum w x`` and ``sum w``, so the quantity the nodes agree on is the
+weighted mean ``sum w_i x_i / sum w_i``. The plain mean is not kept: one pull
+moves ``x_i`` towards ``s_j`` and leaves ``x_j`` where it was, so
+``sum x`` shifts by ``f (s_j - x_i)`` (a node whose weight was halved by
+serving many pulls has its parameters counted in full). So the gossip mean
+weights each node by the mass recorded with its snapshot (read right after
+the state, on the node's training thread), and the final point by each node's
+mass after it lingered: in mode pull a lingering node's parameters no longer
+move, but serving the nodes still training halves its weight each time, mass
+that the final snapshots of those nodes already hold (weighted by the masses at
+their final snapshots, it would be counted twice). What these weights do not
+hold is mass in flight (served, not yet blended) and mass lost with a reply
+that never arrived; both only change which convex combination of the
+nodes' models is taken. For every other rule the mass is 1, and the mean is
+the plain mean, exactly as before (the same sum, divided by the count). This
+is the mean the simulator keeps (``dpwa.sim``, ``Gossip.mean``).
 
 Every model is evaluated after its run, in the runner's process, so
 evaluation never competes with training: on the whole test set (images), or
@@ -113,21 +137,44 @@ def _states_gossip(run: SystemRun, every: int) -> list[tuple[float, int, Callabl
         if chosen:
             out.append((t, total, _mean_of(run, chosen)))
         point = total // every + 1
-    finals = [shots[n][-1] for n in honest if n in finished and shots[n][-1].get("final")]
-    if finals:
-        t_end = max(line["t"] for line in finals)
+    ended = [n for n in honest if n in finished and shots[n][-1].get("final")]
+    if ended:
+        t_end = max(shots[n][-1]["t"] for n in ended)
+        # each node's final state, weighted by its mass after it lingered (push-sum: less what it gave away)
+        finals = [{**shots[n][-1], **_mass_at_end(run.results[n])} for n in ended]
         out.append((t_end, total, _mean_of(run, finals)))  # every node's samples, a killed one's until it died
     return out
 
 
+def _mass_at_end(result: dict[str, Any]) -> dict[str, Any]:
+    """{"mass": the node's mass after it lingered}, or {} when its result has none."""
+    mass = result.get("mass_at_end")
+    return {} if mass is None else {"mass": mass}
+
+
+def _mass(line: dict[str, Any]) -> float:
+    """The mass a gossip snapshot was recorded with (1 when it has none: written before masses were recorded)."""
+    mass = line.get("mass", 1.0)
+    return float(mass) if isinstance(mass, int | float) and math.isfinite(mass) and mass >= 0 else 1.0
+
+
 def _mean_of(run: SystemRun, lines: list[dict[str, Any]]) -> Callable[[], np.ndarray]:
+    """The mean of the snapshots in `lines`, each weighted by its node's mass (module docstring: *Push-sum*);
+    with every mass 1 (every rule but push-sum), exactly the plain mean. Should the masses sum to 0, the plain
+    mean."""
+
     def load() -> np.ndarray:
+        masses = [_mass(line) for line in lines]
+        if not sum(masses) > 0:
+            masses = [1.0] * len(lines)
         total = None
-        for line in lines:
+        for line, mass in zip(lines, masses, strict=True):
             state = _load(run, line).astype(np.float64)
+            if mass != 1.0:
+                state *= mass
             total = state if total is None else total + state
         assert total is not None
-        return (total / len(lines)).astype(np.float32)
+        return (total / sum(masses)).astype(np.float32)
 
     return load
 

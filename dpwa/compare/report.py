@@ -9,7 +9,7 @@ from typing import Any
 
 from .byzantine import ATTACKS
 
-__all__ = ["byzantine_line", "fault_lines", "link_lines", "plot", "table", "write_json"]
+__all__ = ["byzantine_line", "fault_lines", "link_lines", "mass_lines", "plot", "table", "write_json"]
 
 
 def _pct(value: float | None) -> str:
@@ -83,6 +83,20 @@ def byzantine_line(report: dict[str, Any]) -> str:
         f"byzantine: {count} of {workers} workers of every gossip system ({names}), attack {report['attack']}: "
         f"{ATTACKS.get(report['attack'], '?')}; the gossip rows evaluate the honest nodes' mean"
     )
+
+
+def mass_lines(report: dict[str, Any]) -> str:
+    """Per push-sum system: each node's weight after it lingered, and their sum (the workers', less what lost
+    replies carried); "" when no system kept weights."""
+    out = []
+    for name, s in report["systems"].items():
+        masses = s.get("mass_at_end")
+        if not masses:
+            continue
+        each = ", ".join(f"{n} {'-' if m is None else f'{m:.3g}'}" for n, m in masses.items())
+        total = s.get("mass_sum_at_end") or 0.0
+        out.append(f"{name}: push-sum weights at the end {each} (sum {total:.4g} of {len(masses)})")
+    return "\n".join(out)
 
 
 def link_lines(report: dict[str, Any]) -> str:

@@ -34,16 +34,26 @@ from .recorder import open_gate
 from .spawning import Processes
 from .workload import WorkloadSpec
 
-__all__ = ["SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
+__all__ = ["KNOWN_SYSTEMS", "OPT_IN_SYSTEMS", "SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
 
 # The gossip systems: dpwa as a user gets it (its defaults), and one key away from them: the low-bandwidth
-# preset, and the original's rule (pull, state, a random peer).
+# preset, the original's rule (pull, state, a random peer), and push-sum (pull, pushsum; the defaults'
+# pairing: a hypercube at 2 and 4 nodes).
 GOSSIP_SYSTEMS: dict[str, dict[str, Any]] = {
     "gossip": {},
     "gossip-lowbw": {"preset": "low_bandwidth"},
     "gossip-original": {"preset": "original"},
+    "gossip-pushsum": {"mode": "pull", "rule": "pushsum"},
 }
-SYSTEMS = (*GOSSIP_SYSTEMS, "sync-master", "async-ps", "allreduce", "diloco")
+OPT_IN_SYSTEMS = ("gossip-pushsum",)  # run only when --systems names them: the default run stays as it was
+SYSTEMS = (  # the default --systems
+    *(s for s in GOSSIP_SYSTEMS if s not in OPT_IN_SYSTEMS),
+    "sync-master",
+    "async-ps",
+    "allreduce",
+    "diloco",
+)
+KNOWN_SYSTEMS = (*SYSTEMS, *OPT_IN_SYSTEMS)  # every system --systems accepts
 COLLECTIVE = ("allreduce", "diloco")  # one process per rank, in one gloo group: a dead rank stops the others
 POLL_S = 0.05
 PORT = 29600  # with slow links: every host has its own address, so one port serves them all
@@ -154,7 +164,7 @@ def process_names(system: str, spec: WorkloadSpec, options: RunOptions) -> list[
         return [f"ps{k}" for k in range(options.ps_servers)] + workers
     if system in COLLECTIVE:
         return [f"rank{i}" for i in range(spec.workers)]
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(KNOWN_SYSTEMS)}")
 
 
 def byzantine_workers(system: str, spec: WorkloadSpec, options: RunOptions) -> list[str]:
@@ -223,7 +233,7 @@ def plan_processes(
         if system == "diloco":
             opts.update(period=options.diloco_period, outer_lr=options.outer_lr, outer_momentum=options.outer_momentum)
         return {"options": opts}, [(r, system, i) for i, r in enumerate(ranks)], ranks
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(KNOWN_SYSTEMS)}")
 
 
 def run_system(

@@ -727,7 +727,7 @@ class ExchangeServer:
                 raise ProtocolError(
                     "bad_size", f"the payload holds {len(payload)} bytes, expected {self._serving.model.nbytes}"
                 )
-            return Received(request.header, *self._arrivals.take(payload))
+            return Received(request.header, *self._arrivals.take(payload, request.header, request.header["from"]))
 
         return self._serve(request, receive)
 

@@ -105,12 +105,19 @@ class RuleState:
         return cls(rule) if rule.state() else None
 
     def capture(self) -> tuple[bytes, np.ndarray]:
-        packed = msgpack.packb(self._rule.state(), use_bin_type=True)
-        if len(packed) > MAX_RULE_STATE_BYTES:
+        return b"", self._packed(self._rule.state(), f"rule {self._rule.name!r}")
+
+    def _packed(self, state: Any, source: str) -> np.ndarray:
+        """`state` as the bytes a donor sends: msgpack, at most :data:`MAX_RULE_STATE_BYTES`."""
+        try:
+            packed = msgpack.packb(state, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:  # a type msgpack has no form for, nesting too deep
             raise ValueError(
-                f"rule {self._rule.name!r}: its state is {len(packed)} bytes, at most {MAX_RULE_STATE_BYTES}"
-            )
-        return b"", np.frombuffer(packed, np.uint8)
+                f"{source}: not plain numbers, strings, lists and maps ({exc.__class__.__name__})"
+            ) from None
+        if len(packed) > MAX_RULE_STATE_BYTES:
+            raise ValueError(f"{source}: its state is {len(packed)} bytes, at most {MAX_RULE_STATE_BYTES}")
+        return np.frombuffer(packed, np.uint8)
 
     def budget(self) -> int:
         return MAX_RULE_STATE_BYTES
@@ -128,3 +135,13 @@ class RuleState:
 
     def load(self, checked: Any) -> None:
         self._rule.load_state(checked)
+
+    def checked(self, state: Any, source: str) -> Any:
+        """A state that came another way than from a donor (a checkpoint's: :meth:`Rule.state` as it was
+        saved), checked exactly as a donor's: packed as :meth:`capture` packs it, then :meth:`check`.
+        Returns what :meth:`load` takes; a ValueError begins with `source`."""
+        data = self._packed(state, source)
+        try:
+            return self.check(b"", data)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None

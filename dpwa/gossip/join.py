@@ -205,6 +205,7 @@ class JoinServer:
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
         self._made = -float("inf")  # when the newest offer was made
+        self._not_before = -float("inf")  # offers and captures older than this are of a state since replaced
         self._captured: _Capture | None = None  # the extra state, and the snapshot it goes with
         self._asked: dict[str, float] = {}  # joiner -> when it first asked for an offer not yet made
         self.wanted = threading.Event()  # a joiner waits for our extra state
@@ -235,6 +236,12 @@ class JoinServer:
         if old is not None:
             old.lease.release()
 
+    def replaced(self) -> None:
+        """(training thread) The node's state was replaced (a checkpoint restored, then published): offers
+        and a captured extra state made before are stale, and the Rx thread drops them as it meets them."""
+        self._made = -float("inf")
+        self._not_before = time.monotonic()
+
     # ----------------------------------------------------------------- Rx thread
 
     def _expire(self, now: float) -> None:
@@ -252,6 +259,8 @@ class JoinServer:
         patience_over = asked is not None and now - asked > EXTRA_PATIENCE_S
         with_extra = with_extra and self._extra is not None
         for offer in sorted(self._offers.values(), key=lambda o: -o.created):
+            if offer.created < self._not_before:
+                continue  # of a state since restored: it expires unused
             whole = bool(offer.extra_meta) or patience_over if with_extra else not offer.extra_meta
             recent = now - offer.created < OFFER_INTERVAL_S or (asked is not None and offer.created >= asked)
             if whole and (offer.snapshot.snapshot.version == current.version or recent):
@@ -259,7 +268,8 @@ class JoinServer:
         if now - self._made < OFFER_INTERVAL_S:
             return None  # a new offer hashes the whole state: the joiner asks again in a moment
         captured = self._captured if with_extra else None
-        if captured is not None and now - captured.at > OFFER_TTL_S:  # from a joiner long gone: ask afresh
+        if captured is not None and (now - captured.at > OFFER_TTL_S or captured.at < self._not_before):
+            # from a joiner long gone, or of a state since restored: ask afresh
             self._captured = None
             captured.lease.release()
             captured = None
@@ -481,10 +491,8 @@ class JoinTask:
                 f"the offer holds {extra_bytes} bytes of optimizer state; we take at most {budget}"
                 + ("" if terms.with_extra else " (we have no optimizer and asked for parameters only)"),
             )
-        if bool(extra_bytes) != bool(fields.get("extra")):
-            raise ProtocolError(
-                "bad_size", f"{extra_bytes} bytes of optimizer state and {len(fields.get('extra', b''))} of metadata"
-            )
+        if extra_bytes and not fields.get("extra"):  # metadata with no bytes is an empty state (SGD, no momentum)
+            raise ProtocolError("bad_size", f"{extra_bytes} bytes of optimizer state and no metadata")
         session, total = fields["session"], fields["nbytes"]
         data = np.empty(total, np.uint8)
         for offset in range(0, total, CHUNK_BYTES):

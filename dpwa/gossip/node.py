@@ -4,6 +4,7 @@ The training thread calls :meth:`Node.update_send` before each batch and
 :meth:`Node.update_wait` after it::
 
     with Node("cluster.yaml", "w1", NumpyParams(weights)) as node:
+        loss = None                    # no loss before the first batch
         for batch in batches:
             node.update_send(loss)     # publish a snapshot; maybe start a fetch
             loss = train(batch)        # the fetch runs meanwhile on the Tx thread
@@ -98,7 +99,9 @@ class Node:
         self.params = params
         self.peers = {spec.name: spec for spec in self.config.peers_of(self.name)}
         self.rule = rule_of(self.config)  # how this node mixes; peers that mix otherwise are refused (bad_rule)
-        self.model = WireModel(params.fingerprint, self.config.wire_dtype, params.size, self.rule.fingerprint())
+        self.model = WireModel(
+            params.fingerprint, self.config.wire_dtype, params.size, self.rule.fingerprint(), self.config.wire_options
+        )
         self.wire, self.nbytes = self.model.dtype, self.model.nbytes
         self.counters = Counters()
         self.state: NodeState = "starting"
@@ -415,20 +418,45 @@ class Node:
         """For a checkpoint: the outer step's anchor, momentum and step count (None with ``outer: none``)."""
         return self._outer.state() if self._outer is not None else None
 
+    def rule_state(self) -> dict[str, Any] | None:
+        """(The training thread) for a checkpoint: the mixing rule's per-node state, ``{"rule": its name,
+        "state": Rule.state()}`` (numbers, strings, lists and maps: what a joiner takes from its donor;
+        ClippedGossip with ``radius: auto``: its recent distances). None when the rule keeps none."""
+        state = self.rule.state()  # read by the training thread, as a donor's capture reads it
+        return {"rule": self.rule.name, "state": state} if state else None
+
+    def _checked_rule_state(self, saved: Any) -> Any:
+        """A checkpoint's :meth:`rule_state`, checked by this node's rule exactly as a donor's state is."""
+        source = "a checkpoint's rule state"
+        if not isinstance(saved, Mapping) or set(saved) != {"rule", "state"}:
+            got = sorted(map(str, saved))[:4] if isinstance(saved, Mapping) else type(saved).__name__
+            raise ValueError(f"{source}: must be a mapping of rule and state (rule_state()'s), got {got!s:.80}")
+        name, part = saved["rule"], RuleState.of(self.rule)
+        if not isinstance(name, str) or name != self.rule.name:
+            raise ValueError(f"{source}: saved under rule {name!r:.40}, but this node's rule is {self.rule.name!r}")
+        if part is None:
+            settings = f" (its settings: {self.rule.settings})" if self.rule.settings else ""
+            raise ValueError(f"{source}: saved under rule {name!r}, but this node's rule keeps no state{settings}")
+        return part.checked(saved["state"], source)
+
     def restore(
         self,
         clock: float | None = None,
         barriers: Mapping[str, int] | None = None,
         outer: Mapping[str, Any] | None = None,
+        rule: Mapping[str, Any] | None = None,
     ) -> None:
         """Resume from a checkpoint, after the model's parameters were loaded: set the clock, barrier
-        counters (a count never goes down) and the outer step's state (:meth:`outer_state`'s; without
+        counters (a count never goes down), the outer step's state (:meth:`outer_state`'s; without
         it, an outer step starts afresh from the parameters as they are now; an outer step given to the
-        constructor always does).
+        constructor always does) and the mixing rule's state (:meth:`rule_state`'s; without it, the
+        rule's state is left as it is).
 
         Everything is checked before anything is taken: the outer state exactly as a donor's is
         (:func:`~dpwa.gossip.outer.checked_outer_state`: this node's rule and size, finite values within
-        ±1e18, a step count). A ValueError names what is wrong, and the node is left as it was."""
+        ±1e18, a step count), the rule's state as a donor's is (its size, then the rule's own
+        ``check_state``), and it must be this node's rule's (a rule that keeps none takes none).
+        A ValueError names what is wrong, and the node is left as it was."""
         self._check_open()
         if clock is not None and not (
             isinstance(clock, (int, float))
@@ -442,6 +470,7 @@ class Node:
                 "%s: the checkpoint holds an outer step's state; outer: none here, so it is unused", self.name
             )
         checked = self._outer.checked(outer) if self._outer is not None and outer is not None else None
+        rule_checked = self._checked_rule_state(rule) if rule is not None else None
         if barriers is not None:
             self._barriers.restore(barriers)  # checked whole: takes nothing if it raises
         if self._outer is not None:
@@ -451,8 +480,14 @@ class Node:
                 self._outer.reanchor()
         if self._own_outer is not None:  # the caller's outer step keeps no checkpoint state here
             self._own_outer.reanchor()
+        if rule is not None:
+            self.rule.load_state(rule_checked)
         if clock is not None:
             self._progress.set_clock(float(clock))
+        # Peers and joiners must see the restored state, not the one published when the node started (a
+        # joiner took that one: the initial parameters at clock 0, while its donor restored epoch 3).
+        self.parts.joins.replaced()
+        self._publish(self._progress.loss)
 
     # ----------------------------------------------------------------- reporting
 
@@ -460,6 +495,17 @@ class Node:
     def clock(self) -> float:
         """Samples (or batches) trained, blended with peers' clocks at each average."""
         return self._progress.clock
+
+    @property
+    def rank(self) -> int:
+        """This node's index in the config's node list, 0 to ``world_size - 1`` (under torchrun the list is
+        in torchrun's RANK order, so this is RANK; under ``./run.sh``, the node's ``{index}``)."""
+        return next(i for i, spec in enumerate(self.config.nodes) if spec.name == self.name)
+
+    @property
+    def world_size(self) -> int:
+        """The number of nodes in the config's node list, this one included (under torchrun: WORLD_SIZE)."""
+        return len(self.config.nodes)
 
     def stats(self) -> dict[str, Any]:
         """Counters (requests ok, timed out, rejected; bytes in and out; ...) and per-peer numbers."""

@@ -25,7 +25,6 @@ from ..config import Config, NodeSpec
 from ..logs import RateLimitedLog, logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
-from ..mixing.quantize import Encoder
 from ..stats import Counters
 from ..wire.bulk import BulkServer
 from ..wire.client import ClientThread, DirectClient
@@ -115,8 +114,8 @@ class Parts:
                 max_retired=unsent,
             )
             self.values = PeerValues(model.kept, config.max_peer_distance, self.store.lease)
-            # wire_dtype int8: snapshots are kept in float32 and encoded as they are sent, with error feedback
-            self.encoder = Encoder(params.size) if model.encoded else None
+            # a compressing codec (int8, topk): snapshots are kept in float32 and encoded as they are sent
+            self.sender = model.codec.sender(peers=len(self.peers))
             self.bulk: BulkServer | None = None
             if config.bulk == "auto" and config.transport == "tcp" and model.nbytes >= BULK_MIN_BYTES:
                 self.bulk = BulkServer(
@@ -140,6 +139,7 @@ class Parts:
                 bulk_hosts=bulk_hosts,
                 sealed=config.secure,
                 name=name,
+                peers=len(self.peers),
             )
             stack.callback(self.reader.close)  # after the threads that read with it have stopped
             options = None
@@ -189,7 +189,7 @@ class Parts:
                 counters,
                 bulk=self.bulk,
                 bulk_ttl_s=config.timeout_s + 1.0,
-                encoder=self.encoder,
+                sender=self.sender,
                 carry=carry,
             )
             self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))

@@ -3,8 +3,12 @@
 ==========  =====================  ==================================================
 kind        direction              meaning
 ==========  =====================  ==================================================
-fetch       requester -> server    "send me your latest snapshot"
+fetch       requester -> server    "send me your latest snapshot" (with ``wire_dtype:
+                                   topk``, `cstream` and `cver`: the copy of the
+                                   server's model it holds)
 params      server -> requester    a snapshot: header + one payload frame of `nbytes`
+                                   (topk: `cbase`, the version it builds on, 0 for
+                                   the values in full, and `cver`, the one it makes)
 shm_params  server -> requester    a snapshot in a same-host shared-memory slot
 bulk_params server -> requester    a snapshot waiting at the server's bulk port for
                                    the holder of `token` (asked with ``bulk``), with
@@ -37,7 +41,7 @@ for the exchange's state machine.
 
 from __future__ import annotations
 
-from ..mixing.kernels import WIRE_STORAGE
+from ..mixing import codecs
 from ..mixing.model import WireModel
 from ..mixing.rules import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
@@ -70,7 +74,7 @@ MAX_VALUE = 1e18  # |parameter| beyond this is refused: blends of such values st
 
 NAME = Text(64, NAME_PATTERN)
 FINGERPRINT = Blob(length=16)
-DTYPE = Choice((*WIRE_STORAGE, "int8"))
+DTYPE = Choice(codecs.names())  # the wire codec (dpwa.mixing.codecs)
 CLOCK = Number(0.0, MAX_CLOCK)
 LOSS = Number(-MAX_LOSS, MAX_LOSS, optional=True)
 NBYTES = Integer(0, 1 << 40)
@@ -88,13 +92,19 @@ _SNAPSHOT = {
 _RULE = {"rule": Blob(length=FINGERPRINT_BYTES)}  # the sender's mixing rule and its settings (optional: tools omit it)
 # scalars the server's rule sends with a snapshot it serves (a push-sum weight); each rule checks its own bounds
 _CARRY = {"carry": ListOf(Number(-MAX_VALUE, MAX_VALUE), max_len=MAX_CARRIED)}
+# a codec's state (dpwa.mixing.codecs.topk): the stream of references the requester holds from the server, and
+# the version it holds; in a reply, the version it makes and the version it builds on (0: the values in full)
+_CODEC_REQUEST = {"cstream": Blob(length=8), "cver": Integer(1, MAX_ID)}
+_CODEC_REPLY = {**_CODEC_REQUEST, "cbase": Integer(0, MAX_ID)}
 _SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 
 FETCH = message_kind(
-    "fetch", {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE}, {"shm": Flag(), "bulk": Flag(), **_RULE}
+    "fetch",
+    {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE},
+    {"shm": Flag(), "bulk": Flag(), **_RULE, **_CODEC_REQUEST},
 )
-PARAMS = message_kind("params", _SNAPSHOT, {**_EXCHANGE_REPLY, **_RULE, **_CARRY}, payload=1)
+PARAMS = message_kind("params", _SNAPSHOT, {**_EXCHANGE_REPLY, **_RULE, **_CARRY, **_CODEC_REPLY}, payload=1)
 SHM_PARAMS = message_kind(
     "shm_params",
     {**_SNAPSHOT, **_SLOT},
@@ -103,7 +113,7 @@ SHM_PARAMS = message_kind(
 _TICKET = {"port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}  # a transfer waiting at a bulk port
 _KEY = {"key": Blob(length=KEY_BYTES)}  # a sealed stream's key: only ever sent inside a CURVE-encrypted message
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
-    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY, **_RULE, **_CARRY}
+    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY, **_RULE, **_CARRY, **_CODEC_REPLY}
 )
 EXCHANGE = message_kind(
     "exchange",
@@ -146,5 +156,9 @@ def check_payload(header: Header, model: WireModel) -> None:
             f"mixing rule fingerprint {theirs.hex()} differs from ours {model.rule.hex()} "
             "(another rule, rule_options, interpolation or divergence_threshold: do the nodes share one config?)",
         )
-    if header.get("nbytes", model.nbytes) != model.nbytes:
-        raise ProtocolError("bad_size", f"the header announces {header['nbytes']} bytes, expected {model.nbytes}")
+    expected = model.payload_nbytes(header)
+    if header.get("nbytes", expected) != expected:
+        raise ProtocolError(
+            "bad_size",
+            f"the header announces {header['nbytes']} bytes, expected {expected} (do the nodes share wire_options?)",
+        )

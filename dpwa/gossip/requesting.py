@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..logs import RateLimitedLog
-from ..mixing import quantize
+from ..mixing.codecs import CodecError, Fields
 from ..mixing.model import WireModel
 from ..stats import Counters
 from ..wire.bulk import BulkError, BulkReceiver
@@ -77,37 +77,48 @@ class Received:
 
 class Arrivals:
     """A snapshot's payload as it arrived, as an array in the dtype snapshots are kept in: read in place, copied
-    out of its chunks into a pooled buffer, or (``wire_dtype: int8``) decoded into one, its scales checked first.
+    out of its chunks into a pooled buffer, or (a compressing codec: int8, topk) decoded into one by the
+    codec's receiver, which checks every value first.
 
     Owned by one thread; the buffers it hands out go back to their pools when released.
+
+    Args:
+        model: what our model looks like on the wire.
+        peers: how many peers we may receive from (a codec's memory budget: topk keeps a copy per peer).
     """
 
-    def __init__(self, model: WireModel) -> None:
+    def __init__(self, model: WireModel, peers: int = 1) -> None:
         self.model = model
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
         self.wire = BufferPool(model.nbytes)
-        self._kept = BufferPool(model.kept_nbytes) if model.encoded else None
+        self.receiver = model.codec.receiver(peers)
+        self._kept = BufferPool(model.kept_nbytes) if self.receiver is not None else None
 
-    def take(self, payload: Payload) -> tuple[np.ndarray, Callable[[], None]]:
+    def request(self, peer: str) -> dict[str, Any]:
+        """Fields for a fetch from `peer`: what the codec already holds from it."""
+        return self.receiver.request(peer) if self.receiver is not None else {}
+
+    def take(self, payload: Payload, header: Fields, peer: str) -> tuple[np.ndarray, Callable[[], None]]:
         if self._kept is None:
             return payload.array(self.model.storage, self.wire)
         raw, release_raw = payload.array(np.uint8, self.wire)
         try:
-            return self.decode(raw)
+            return self.decode(raw, header, peer)
         finally:
             release_raw()
 
-    def decode(self, raw: np.ndarray) -> tuple[np.ndarray, Callable[[], None]]:
-        """An encoded snapshot (int8) decoded into a pooled float32 buffer; ProtocolError if a scale is bad."""
-        if self._kept is None:
+    def decode(self, raw: np.ndarray, header: Fields, peer: str) -> tuple[np.ndarray, Callable[[], None]]:
+        """An encoded snapshot decoded into a pooled float32 buffer; ProtocolError (the codec's reason) if any
+        value is bad."""
+        if self._kept is None or self.receiver is None:
             raise ProtocolError("bad_reply", "an encoded snapshot in a cluster that does not encode")
         buffer, give_back = self._kept.take()
         array = buffer.view(np.float32)
         try:
-            quantize.decode(raw, array, MAX_VALUE)
-        except ValueError as exc:
+            self.receiver.decode(raw, peer, header, array, MAX_VALUE)
+        except CodecError as exc:
             give_back()
-            raise ProtocolError("bad_scale", str(exc)) from None
+            raise ProtocolError(exc.reason, str(exc)) from None
         return array, give_back
 
 
@@ -124,6 +135,7 @@ class ReplyReader:
         bulk_hosts: peers we ask for bulk transfers (dpwa.wire.bulk), and the host each is reached at.
         sealed: the cluster has CURVE keys: a stream must be sealed (a plain one would bypass the encryption).
         name: this node, for log lines.
+        peers: how many peers it may read from (a codec's memory budget: topk keeps a copy per peer).
     """
 
     def __init__(
@@ -137,6 +149,7 @@ class ReplyReader:
         *,
         sealed: bool = False,
         name: str = "dpwa",
+        peers: int = 1,
     ) -> None:
         self.model = model
         self.values = values
@@ -148,7 +161,7 @@ class ReplyReader:
         self.name = name
         self._limited = RateLimitedLog()
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
-        self.arrivals = Arrivals(model)
+        self.arrivals = Arrivals(model, peers)
         self._counters = counters
         self._log = log
 
@@ -195,12 +208,12 @@ class ReplyReader:
             return self._read_bulk(header, peer, deadline)
         else:
             payload = response.frames[0]
-            if len(payload) != self.model.nbytes:
+            if len(payload) != header["nbytes"]:  # the header's is checked (check_payload)
                 raise ProtocolError(
-                    "bad_size", f"the payload holds {len(payload)} bytes, the header {self.model.nbytes}"
+                    "bad_size", f"the payload holds {len(payload)} bytes, the header {header['nbytes']}"
                 )
-            array, release = self.arrivals.take(payload)
-            self._counters.add("bytes_in", self.model.nbytes)
+            array, release = self.arrivals.take(payload, header, peer)
+            self._counters.add("bytes_in", len(payload))
             received = Received(header, array, release)
         with contextlib.ExitStack() as keep:
             keep.push(received)  # released if the check fails
@@ -228,7 +241,8 @@ class ReplyReader:
             raise ProtocolError("bad_reply", "a plain bulk stream in a cluster with keys (it would bypass CURVE)")
         now = time.monotonic()
         first_byte_by = stream_by = now + BULK_FIRST_BYTE_SHARE * max(0.0, deadline - now)
-        buffer, give_back = self.arrivals.wire.take()
+        whole, give_back = self.arrivals.wire.take()
+        buffer = whole[: header["nbytes"]]  # a codec's snapshots may vary in size (checked: check_payload)
         with contextlib.ExitStack() as keep:
             keep.callback(give_back)  # given back if anything fails
             if self.model.encoded:  # the values exist once decoded: the scales are checked then, and the values
@@ -243,7 +257,7 @@ class ReplyReader:
                     first_byte_by=first_byte_by,
                     stream_by=stream_by,
                 )
-                array, give_back = self.arrivals.decode(buffer)
+                array, give_back = self.arrivals.decode(buffer, header, peer)
                 keep.pop_all()
                 keep.callback(give_back)
                 self.values.check(array)
@@ -269,7 +283,7 @@ class ReplyReader:
                 self.values.check_distance(array)
             keep.pop_all()
         self._bulk_paused.pop(peer, None)
-        self._counters.add("bytes_in", self.model.nbytes)
+        self._counters.add("bytes_in", buffer.nbytes)
         self._counters.add("bulk_fetches")
         return Received(header, array, give_back)
 
@@ -318,7 +332,8 @@ class FetchTask:
         if self._bulk is None:
             self._bulk = "shm" not in self._fields and self._reader.wants_bulk(self.peer)
         fields = {**self._fields, "bulk": True} if self._bulk else self._fields
-        return [encode(FETCH, request_id, **fields)], SNAPSHOT_REPLIES
+        held = self._reader.arrivals.request(self.peer)  # what the codec holds from the peer (topk)
+        return [encode(FETCH, request_id, **fields, **held)], SNAPSHOT_REPLIES
 
     def run(self, ask: Ask) -> Received:
         attempts_left = SAME_HOST_ATTEMPTS

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..mixing.codecs import Sender
 from ..mixing.model import WireModel
-from ..mixing.quantize import Encoder
 from ..stats import Counters
 from ..wire.bulk import BulkServer
 from ..wire.errors import Refused, refused
@@ -42,7 +42,8 @@ class Serving:
         counters: where to count same-host replies.
         bulk: streams snapshots to peers that ask for a bulk transfer (sealed in clusters with keys).
         bulk_ttl_s: how long a bulk transfer waits for its requester.
-        encoder: encodes snapshots as they are sent (``wire_dtype: int8``), with error feedback.
+        sender: the wire codec's encoder (``wire_dtype: int8`` or ``topk``): snapshots are encoded as they
+            are sent, for the peer that asked; None: the kept array travels as it is.
         carry: the scalars the node's rule sends with each snapshot a fetch is served (its ``served``), or None.
     """
 
@@ -55,7 +56,7 @@ class Serving:
         counters: Counters,
         bulk: BulkServer | None = None,
         bulk_ttl_s: float = 0.0,
-        encoder: Encoder | None = None,
+        sender: Sender | None = None,
         carry: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.name, self.store = name, store
@@ -64,7 +65,7 @@ class Serving:
         self.shm_id = shm_id
         self._counters = counters
         self._bulk, self._bulk_ttl_s = bulk, bulk_ttl_s
-        self._encoder = encoder  # wire_dtype int8: snapshots are encoded as they are sent
+        self._sender = sender  # a compressing codec: snapshots are encoded as they are sent
 
     def routes(self) -> dict[str, Route]:
         return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True)}
@@ -79,7 +80,9 @@ class Serving:
         lease = self.store.lease()
         if lease is None:
             raise refused("not_ready", "no snapshot published yet")
-        if self._carry is None:
+        if self._carry is None or request.header.get("rule") is None:
+            # a tool's fetch (status, average: it names no rule) takes nothing: a push-sum weight given to a
+            # tool would be lost to the cluster
             return self.reply(request, lease)
         return self.reply(request, lease, carry=list(self._carry().values()))  # asked once per fetch served
 
@@ -100,8 +103,10 @@ class Serving:
         fields = {**self._fields(lease), **extra}
         buffers: list[Any] = [snap.array]
         hold: Lease | None = lease
-        if self._encoder is not None:  # int8: the encoded copy streams; the snapshot is free again once offered
-            buffers, hold = [self._encoder.encode(snap.array)], None
+        if self._sender is not None:  # the encoded copy streams; the snapshot is free again once offered
+            encoded = self._sender.encode(snap.array, request.header["from"], request.header)
+            buffers, hold = [encoded.buffer], None
+            fields.update(encoded.fields, nbytes=encoded.buffer.nbytes)
         try:
             ticket = self._bulk.offer(request.sender, buffers, hold, self._bulk_ttl_s)
         except Refused:
@@ -141,10 +146,11 @@ class Serving:
             self._counters.add("same_host_served")
             self._counters.add("shm_bytes_out", self.model.nbytes)
             return Reply(encode(SHM_PARAMS, header.id, **fields, shm_slot=snap.slot, shm_id=self.shm_id))
-        if self._encoder is not None:  # int8: the encoded copy travels; the snapshot is free again at once
+        if self._sender is not None:  # the encoded copy travels; the snapshot is free again at once
             with lease:
-                encoded = self._encoder.encode(snap.array)
-            return Reply(encode(PARAMS, header.id, **fields), payload=[encoded])
+                encoded = self._sender.encode(snap.array, header["from"], header)
+            fields.update(encoded.fields, nbytes=encoded.buffer.nbytes)
+            return Reply(encode(PARAMS, header.id, **fields), payload=[encoded.buffer])
         return Reply(encode(PARAMS, header.id, **fields), payload=[snap.array], hold=lease)
 
     def _fields(self, lease: Lease) -> dict[str, Any]:

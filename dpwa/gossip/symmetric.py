@@ -107,7 +107,7 @@ class SymmetricSteps:
         step.deadline = time.monotonic() + crew.config.timeout_s
         # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
         busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * crew.progress.step_s)
-        encoder = crew.parts.encoder
+        sender = crew.parts.sender  # a codec whose encoding needs no reply first: mode symmetric allows no other
         shm_id = crew.parts.serving.shm_id
         slot = None  # a same-host peer reads our snapshot in place: the request names its slot
         if snap.shared and shm_id is not None:
@@ -121,7 +121,7 @@ class SymmetricSteps:
             factor,
             crew.config.timeout_s / 10,
             busy_budget,
-            encode=encoder.encode if encoder is not None else None,
+            encode=(lambda values: sender.encode(values, "", {}).buffer) if sender is not None else None,
             slot=slot,
             slot_peers=self._slot_peers,
             offer=functools.partial(self._offer, own) if self._stream_peers else None,

@@ -7,12 +7,13 @@ of the three numbers apart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from .codecs import Codec, Fields, codec_class
 from .kernels import storage_dtype
-from .quantize import encoded_bytes
 
 __all__ = ["WireModel"]
 
@@ -21,24 +22,30 @@ __all__ = ["WireModel"]
 class WireModel:
     """A model as it travels: ``size`` elements of wire dtype ``dtype``, laid out as ``fingerprint`` says.
 
-    Snapshots are kept (and blended from) in ``kept``: the wire dtype itself, except for ``int8``, whose
-    snapshots are kept in float32 and encoded as they are sent (:mod:`dpwa.mixing.quantize`).
+    ``dtype`` names the wire codec (:mod:`dpwa.mixing.codecs`). Snapshots are kept (and blended from) in
+    the codec's ``kept`` dtype: the wire dtype itself for float32, float16 and bfloat16; float32 for a
+    compressing codec (int8, topk), which encodes them as they are sent.
     """
 
     fingerprint: bytes  # a digest of every tensor's name, shape and dtype (dpwa.mixing.params.fingerprint)
-    dtype: str  # the wire dtype: float32, float16, bfloat16 or int8
+    dtype: str  # the wire codec's name: float32, float16, bfloat16, int8, topk
     size: int  # elements
     rule: bytes | None = None  # the mixing rule's fingerprint (dpwa.mixing.rules), sent with every request and reply
+    options: tuple[tuple[str, Any], ...] = ()  # the codec's settings (the config's wire_options)
+    codec: Codec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "codec", codec_class(self.dtype)(self.size, dict(self.options)))
 
     @property
     def encoded(self) -> bool:
-        """Snapshots are encoded to travel (int8), and decoded on arrival."""
-        return self.dtype == "int8"
+        """Snapshots are encoded to travel (int8, topk), and decoded on arrival."""
+        return self.codec.encoded
 
     @property
     def kept(self) -> str:
         """The dtype snapshots are kept and blended in: float32, float16 or bfloat16."""
-        return "float32" if self.encoded else self.dtype
+        return self.codec.kept
 
     @property
     def storage(self) -> np.dtype:
@@ -52,5 +59,9 @@ class WireModel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one snapshot on the wire."""
-        return encoded_bytes(self.size) if self.encoded else self.kept_nbytes
+        """The most bytes of one snapshot on the wire."""
+        return self.codec.max_nbytes()
+
+    def payload_nbytes(self, header: Fields) -> int:
+        """The bytes the payload of a snapshot with this header must hold (a codec's may vary)."""
+        return self.codec.nbytes(header)

@@ -5,7 +5,12 @@ and schedule (by its own steps), and exchanges parameters around every batch
 (modes ``pull`` and ``symmetric``, from the run's gossip config). Snapshots
 of its state every few steps, and the time and sample count of every step,
 let the runner evaluate the mean of all nodes' models as it stood when the
-cluster had trained a given number of samples.
+cluster had trained a given number of samples. Each snapshot records the
+node's mass (its rule's :meth:`~dpwa.mixing.rules.Rule.mass`: 1, but for
+push-sum the node's weight), read on the training thread right after the
+state, and the result the mass after lingering (push-sum: what serving the
+peers that still trained left it), for the weighted mean of
+:mod:`..evaluation`.
 
 A Byzantine node (``role.options["byzantine"]`` names it; :mod:`..byzantine`)
 trains the same way, but every snapshot it publishes is wrong: its node's
@@ -43,7 +48,9 @@ def run(role: Role) -> None:
         if attack is not None:
             _publish_wrong(conn, net, attack, published)
         go = wait_for_go(role.workdir, role.name)
-        rec.snapshot(view.state(), 0)  # the model before training, for points before its first snapshot
+        rule = conn.node.rule
+        # the model before training, for points before its first snapshot
+        rec.snapshot(view.state(), 0, mass=rule.mass())
         timer.start()
         for x, y in timed(w.train_batches(role.index), timer):
             if role.stop:
@@ -65,11 +72,11 @@ def run(role: Role) -> None:
             samples += len(y)
             progress.append([time.time(), samples])
             if step % stride == 0:
-                rec.snapshot(view.state(), samples)
+                rec.snapshot(view.state(), samples, mass=rule.mass())
         timer.stop()
         left_out = rec.spent_s
         stats = conn.stats()  # before lingering: what training cost
-        rec.snapshot(view.state(), samples, final=True)
+        rec.snapshot(view.state(), samples, final=True, mass=rule.mass())
         lingered = 0.0
         if not role.stop:
             # as train.py lingers: until no peer was served for max(2 s, 4 steps, 2 fetch timeouts); in mode
@@ -78,6 +85,7 @@ def run(role: Role) -> None:
             timeout_s = role.run["gossip_config"]["timeout_ms"] / 1000
             idle_s = max(2.0, 4 * step_s, 2 * timeout_s)
             lingered = conn.linger(idle_s, limit_s=role.options.get("linger_s", 60.0), stop=lambda: bool(role.stop))
+        mass_at_end = rule.mass()  # in mode pull lingering moves no parameter, only (push-sum) weight given away
     rec.result(
         role="gossip",
         go=go,
@@ -88,6 +96,7 @@ def run(role: Role) -> None:
         stats={k: v for k, v in stats.items() if isinstance(v, int | float)},
         progress=progress,
         lingered_s=lingered,
+        mass_at_end=mass_at_end,
         stopped=role.stop.signal_name,
         byzantine=attack,
         published_wrong=published[0],

@@ -42,16 +42,25 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from .. import interpolation as interp
+from ..options import Option, checked, positive_number
 from ..params import FlatParams
 
-__all__ = ["FINGERPRINT_BYTES", "MAX_CARRIED", "MAX_SYMMETRIC_FACTOR", "Option", "Rule", "RuleError", "Side"]
+__all__ = [
+    "FINGERPRINT_BYTES",
+    "MAX_CARRIED",
+    "MAX_SYMMETRIC_FACTOR",
+    "Option",
+    "Rule",
+    "RuleError",
+    "Side",
+    "positive_number",
+]
 
 MAX_SYMMETRIC_FACTOR = 0.5  # beyond it a symmetric exchange would move a side past its partner
 FINGERPRINT_BYTES = 8
@@ -69,29 +78,6 @@ class Side(NamedTuple):
     clock: float
     loss: float | None
     carried: Mapping[str, float] | None = None  # the scalars the snapshot came with (Rule.carries), checked
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting of a rule, under the config's ``rule_options``.
-
-    Args:
-        default: its value when the config does not give one.
-        check: takes the config's value and returns it as the rule uses it, or raises ValueError saying
-            what was expected.
-        help: one line for the key table.
-    """
-
-    default: Any
-    check: Callable[[Any], Any]
-    help: str
-
-
-def positive_number(value: Any) -> float:
-    """An Option check: a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"expected a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class Rule(ABC):
@@ -123,18 +109,10 @@ class Rule(ABC):
     @classmethod
     def checked_options(cls, given: Mapping[str, Any]) -> dict[str, Any]:
         """`given` checked against :attr:`options`, with the defaults filled in; RuleError names the option."""
-        unknown = sorted(set(given) - set(cls.options))
-        if unknown:
-            known = ", ".join(sorted(cls.options)) or "none"
-            raise RuleError(f"rule {cls.name!r} has no option {unknown[0]!r} (its options: {known})")
-        settings: dict[str, Any] = {}
-        for key, option in cls.options.items():
-            value = given.get(key, option.default)
-            try:
-                settings[key] = option.check(value)
-            except ValueError as exc:
-                raise RuleError(f"rule {cls.name!r}, option {key!r}: {exc}") from None
-        return settings
+        try:
+            return checked(cls.options, given, f"rule {cls.name!r}")
+        except ValueError as exc:
+            raise RuleError(str(exc)) from None
 
     @classmethod
     def check_mode(cls, mode: str, settings: dict[str, Any]) -> None:
