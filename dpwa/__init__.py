@@ -7,9 +7,12 @@ The package, by layer:
 
 * ``dpwa.wire``: the transport (wire format, chunked payloads, server, clients, bulk streams, CURVE,
   endpoints, shared memory);
-* ``dpwa.mixing``: pure math (the model as a flat vector, kernels, interpolation, mixing rules, pairing schedules);
+* ``dpwa.mixing``: pure math (the model as a flat vector, kernels, interpolation, mixing rules, wire codecs,
+  pairing schedules);
 * ``dpwa.gossip``: the gossip node, split by concern;
-* ``dpwa.adapters``: framework adapters (PyTorch), and learning-rate schedules driven by the cluster's clock;
+* ``dpwa.adapters``: framework adapters (PyTorch), the optimizer hook, and learning-rate schedules driven by the
+  cluster's clock;
+* ``dpwa.integrations``: Lightning and Hugging Face callbacks (optional extras);
 * ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot, checkpoints, status);
 * ``dpwa.systems``: the other training systems on the same transport (a sync master, parameter servers,
   all-reduce);
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .adapters.hook import GossipHook, gossip_optimizer
 from .adapters.schedule import ClockSchedule, step_decay
 from .config import Config, ConfigError, load_config, parse_config
 from .gossip.barrier import BarrierTimeout
@@ -36,10 +40,12 @@ __all__ = [
     "ConfigError",
     "DpwaPyTorchAdapter",
     "FlatParams",
+    "GossipHook",
     "Node",
     "NumpyParams",
     "TransportError",
     "Update",
+    "gossip_optimizer",
     "load_config",
     "parse_config",
     "step_decay",

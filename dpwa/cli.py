@@ -3,6 +3,7 @@
     python -m dpwa --help
     python -m dpwa plot runs/latest        # redraw runs/latest/curves.png from its metrics
     python -m dpwa status runs/latest      # the progress table of a (detached) run, once
+    python -m dpwa average runs/latest -o mean.pt   # the mean of the nodes' weights (latest complete checkpoint)
     python -m dpwa keygen w1 --dir keys    # a CURVE key pair: keys/w1.key and keys/w1.key_secret
     python -m dpwa dashboard runs/latest   # a live web page of the run (prints its URL)
 
@@ -162,6 +163,128 @@ def status(args: argparse.Namespace) -> int:
     if summary.exists() and not alive:
         print("\n" + summary.read_text(encoding="utf-8", errors="replace").rstrip())
     return 0
+
+
+@subcommand(
+    arg("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="a run folder, such as runs/latest"),
+    arg(
+        "-o",
+        "--out",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="where to write the mean state_dict (mode 0600; torch.load(FILE, weights_only=True) reads it)",
+    ),
+    arg(
+        "--epoch",
+        metavar="K|last",
+        help="RUN_DIR: the checkpoint of epoch K, or 'last' (the states saved when the nodes were stopped); "
+        "default: the latest complete checkpoint, as train.py --resume picks it",
+    ),
+    arg(
+        "--allow-missing",
+        action="store_true",
+        help="RUN_DIR: average the nodes that saved a state, and name the others (default: refuse, naming them)",
+    ),
+    arg(
+        "--config",
+        type=Path,
+        help="instead of RUN_DIR: a live cluster's config: fetch every node's current snapshot (needs --model)",
+    ),
+    arg(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="--config: a function that builds a model like the nodes' (called with no arguments), "
+        "such as mynets:make_net; the current folder is importable",
+    ),
+    arg("--no-buffers", action="store_true", help="--config: the nodes' adapters say include_buffers=False"),
+    arg("--timeout-ms", type=int, metavar="MS", help="--config: how long to wait for the nodes (default: timeout_ms)"),
+    arg("--key", metavar="NAME", help="--config: under CURVE, ask as node NAME (as python -m dpwa status --key)"),
+)
+def average(args: argparse.Namespace) -> int:
+    """Write the mean of every node's weights: of a run folder's checkpoints, or of a live cluster (--config)."""
+    from .cluster import average as averaging
+    from .cluster.checkpoints import LAST
+    from .cluster.private import write_private
+
+    if (args.run_dir is None) == (args.config is None):
+        raise ValueError("give a RUN_DIR, or --config FILE (and --model) for a live cluster")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out}: no folder {out.parent} to write it in")
+    if args.run_dir is not None:
+        given = [f for f, v in (("--model", args.model), ("--timeout-ms", args.timeout_ms), ("--key", args.key)) if v]
+        if args.no_buffers:
+            given.append("--no-buffers")
+        if given:
+            raise ValueError(f"{', '.join(given)}: only with --config (a live cluster)")
+        epoch: int | str | None = args.epoch
+        if epoch is not None and epoch != LAST:
+            if not args.epoch.isdigit():
+                raise ValueError(f"--epoch takes an epoch number or 'last', got {args.epoch!r}")
+            epoch = int(args.epoch)
+        result = averaging.average_run(args.run_dir, epoch=epoch, allow_missing=args.allow_missing)
+    else:
+        if args.epoch is not None or args.allow_missing:
+            raise ValueError("--epoch and --allow-missing are for a RUN_DIR, not --config")
+        if args.model is None:
+            raise ValueError(
+                "--config needs --model MODULE:FUNCTION: a snapshot is one flat vector, the model names its tensors"
+            )
+        if args.timeout_ms is not None and args.timeout_ms < 1:
+            raise ValueError(f"--timeout-ms must be a positive number of milliseconds, got {args.timeout_ms}")
+        result = averaging.average_live(
+            args.config,
+            _build_model(args.model),
+            include_buffers=not args.no_buffers,
+            key=args.key,
+            timeout_s=None if args.timeout_ms is None else args.timeout_ms / 1000,
+        )
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(result.state_dict, buffer)
+    write_private(out, buffer.getvalue())  # atomically: the old file or the new one, never half of one
+    width = max(len(node) for node in result.sources)
+    for node, source in result.sources.items():
+        weight = "" if result.weights is None else f"  (weight {result.weights[node]:g})"
+        print(f"{node.ljust(width)}  {source}{weight}")
+    for note in result.notes:
+        print(f"dpwa average: {note}", file=sys.stderr)
+    if result.checkpoint is None:
+        what = "current snapshots"
+    else:
+        what = "states saved when stopped" if result.checkpoint == LAST else f"checkpoints of epoch {result.checkpoint}"
+    print(f"wrote {out}: the mean of {len(result.sources)} nodes' {what}")
+    return 0
+
+
+def _build_model(spec: str) -> Any:
+    """The model MODULE:FUNCTION builds (FUNCTION called with no arguments); ValueError saying what failed."""
+    import importlib
+    import os
+
+    from torch import nn
+
+    module_name, _, function = spec.partition(":")
+    if not module_name or not function:
+        raise ValueError(f"--model takes MODULE:FUNCTION, such as mynets:make_net, got {spec!r}")
+    here = os.getcwd() if os.getcwd() not in sys.path and "" not in sys.path else None  # the dpwa script's case
+    if here is not None:
+        sys.path.insert(0, here)
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+        model = factory()
+    except Exception as exc:  # an import error, a missing name, whatever the user's function raises
+        raise ValueError(f"--model {spec}: {type(exc).__name__}: {exc}") from None
+    finally:
+        if here is not None:
+            sys.path.remove(here)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {spec}: returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 @subcommand(

@@ -1,4 +1,4 @@
-"""The launcher (dpwa.launch, dpwa.processes) and the live view (dpwa.monitor), with stand-in nodes that need no torch."""
+"""The launcher (dpwa.cluster.launch, dpwa.cluster.processes) and the live view (dpwa.cluster.monitor), with stand-in nodes that need no torch."""
 
 from __future__ import annotations
 

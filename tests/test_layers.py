@@ -20,6 +20,7 @@ RANK = {
     "config": 3,
     "gossip": 4,
     "adapters": 5,
+    "integrations": 6,  # Lightning and Hugging Face callbacks over the adapter
     "cluster": 6,
     "systems": 6,
     "workloads": 7,

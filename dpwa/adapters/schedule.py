@@ -18,6 +18,7 @@ Example::
 
     conn = DpwaPyTorchAdapter(net, "w1", "cluster.yaml", optimizer=optimizer)
     schedule = ClockSchedule(optimizer, conn, step_decay([20_000, 30_000], gamma=0.25))
+    loss = None
     for inputs, targets in loader:
         conn.update_send(loss)
         loss = train_batch(net, inputs, targets)   # optimizer.step() inside

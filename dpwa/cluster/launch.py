@@ -16,7 +16,7 @@ The run folder::
                               the process start time, so a PID reused by another
                               process is never signalled (see stop.sh)
         logs/<node>.log       each node's stdout and stderr (launcher.log: detached launcher)
-        metrics/<node>.jsonl  written by the nodes (fields: see dpwa.monitor)
+        metrics/<node>.jsonl  written by the nodes (fields: see dpwa.cluster.monitor)
         events.jsonl          what the launcher did and saw: starts, kills, exits, restarts (dpwa.cluster.events)
         dashboard.json        with --dashboard: its URL; with the kill button the URL holds the token,
                               which is written nowhere else (no log, no output)
@@ -30,7 +30,7 @@ Node processes, the finish command and the detached launcher run with umask
 077, so what they write is private too.
 
 The processes themselves (pinning, PID files, SIGTERM then SIGKILL) are
-:mod:`dpwa.processes`; the live view and the summary are :mod:`dpwa.monitor`.
+:mod:`dpwa.cluster.processes`; the live view and the summary are :mod:`dpwa.cluster.monitor`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python -m dpwa plot runs/latest --out /tmp/c.png
 
 Reads ``RUN_DIR/metrics/<node>.jsonl`` (step lines for the loss, eval lines
-for the accuracy; see :mod:`dpwa.monitor`) and, if present,
+for the accuracy; see :mod:`dpwa.cluster.monitor`) and, if present,
 ``RUN_DIR/summary.json`` for the accuracy of the nodes' parameter average.
 A run whose eval lines carry ``val_loss`` (``--workload charlm``) gets its
 validation loss (nats per character) on the right instead of the accuracy.

@@ -1,6 +1,6 @@
 """The model as the core sees it: one flat buffer of numbers, read and blended in place.
 
-The core (:mod:`dpwa.node`) never sees a framework tensor. An adapter gives it a
+The core (:mod:`dpwa.gossip.node`) never sees a framework tensor. An adapter gives it a
 :class:`FlatParams`: how many elements, a fingerprint of the layout, a way to
 copy the current values into a flat buffer of the wire dtype (publishing) and
 a way to blend a peer's flat buffer into the model in place (averaging), in
@@ -33,7 +33,7 @@ class FlatParams(ABC):
     """A model's parameters seen as one flat vector of `size` numbers.
 
     Flat buffers exchanged with the node hold a wire dtype (see
-    :mod:`dpwa.kernels`: float32, float16, or bfloat16 stored as uint16).
+    :mod:`dpwa.mixing.kernels`: float32, float16, or bfloat16 stored as uint16).
     """
 
     size: int

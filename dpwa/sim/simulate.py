@@ -9,10 +9,10 @@ Commands (they run as written from the repository root)::
     python -m dpwa.sim rounds --nodes 8      # random against hypercube pairing, round by round
 
 :class:`Gossip` holds n flat models as :class:`~dpwa.mixing.params.NumpyParams` and
-applies exchanges exactly as :class:`~dpwa.node.Node` does: the requester's
-half through :mod:`dpwa.mixing`'s blend rule, the server's mirror image (mode
-symmetric) through :func:`dpwa.mixing.mirror`, and the peer chosen by the same
-:class:`~dpwa.peers.PeerSelector`. What it leaves out is the network: every
+applies exchanges exactly as :class:`~dpwa.gossip.node.Node` does: the requester's
+half through its rule's :meth:`~dpwa.mixing.rules.Rule.blend`, the server's half (mode
+symmetric) through :meth:`~dpwa.mixing.rules.Rule.mirror`, and the peer chosen by the same
+:class:`~dpwa.gossip.flow.PeerSelector`. What it leaves out is the network: every
 exchange succeeds, and a round is synchronous (everyone publishes, trains,
 then blends), which is how a cluster of equally fast nodes behaves.
 

@@ -9,7 +9,9 @@ given. It prints one JSON line: ``{"models": 2, "data": "digits", "test_acc":
 0.97, "test_loss": 0.1}``; for charlm checkpoints ``test_acc`` is the
 next-character accuracy and ``test_loss`` the validation loss (nats per
 character), also given as ``val_loss`` and ``bits_per_char``. Files are read
-with ``torch.load(weights_only=True)``.
+with ``torch.load(weights_only=True)``. The mean is dpwa's
+(``dpwa.cluster.average.average_state_dicts``); ``python -m dpwa average RUN_DIR
+-o mean.pt`` writes the mean of a run's latest complete checkpoint instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import models
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dpwa.cluster.average import average_state_dicts
 
 CHECKPOINT_KEYS = ("model", "width", "data", "in_channels", "num_classes", "state_dict")
 
@@ -81,21 +85,19 @@ def load_checkpoint(path: Path) -> dict:
 
 
 def average_checkpoints(paths: list[Path]) -> dict:
-    """One checkpoint whose floating-point tensors are the mean of those in `paths`; the rest come from the first."""
+    """One checkpoint whose floating-point tensors are the mean of those in `paths`; the rest come from the first.
+
+    The mean is dpwa's (:func:`dpwa.cluster.average.average_state_dicts`): summed in float64, refused with
+    a ValueError naming the file when tensor names, shapes or dtypes differ or a value is NaN or Inf."""
     if not paths:
         raise ValueError("no checkpoints to average")
     saved = [load_checkpoint(p) for p in paths]
     first = saved[0]
     for path, other in zip(paths[1:], saved[1:], strict=True):
         mismatch = [k for k in CHECKPOINT_KEYS[:-1] if other[k] != first[k]]
-        if mismatch or other["state_dict"].keys() != first["state_dict"].keys():
-            raise ValueError(f"{path}: a different model than {paths[0]} ({', '.join(mismatch) or 'tensor names'})")
-    state = {}
-    for key, tensor in first["state_dict"].items():
-        if tensor.is_floating_point():
-            state[key] = torch.stack([s["state_dict"][key] for s in saved]).mean(0)
-        else:  # BatchNorm's batch counter: not a weight
-            state[key] = tensor
+        if mismatch:
+            raise ValueError(f"{path}: a different model than {paths[0]} ({', '.join(mismatch)})")
+    state = average_state_dicts({str(p): s["state_dict"] for p, s in zip(paths, saved, strict=True)})
     return {**first, "state_dict": state}
 
 

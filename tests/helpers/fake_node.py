@@ -1,4 +1,4 @@
-"""A stand-in for train.py in launcher tests: writes the metrics lines dpwa.monitor reads, without torch.
+"""A stand-in for train.py in launcher tests: writes the metrics lines dpwa.cluster.monitor reads, without torch.
 
     python tests/helpers/fake_node.py RUN_DIR NAME MODE
 

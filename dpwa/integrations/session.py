@@ -1,0 +1,124 @@
+"""What both integrations do with the adapter: open it over a model, pair each send with a wait, close it once.
+
+:class:`AdapterSession` is the framework-free part of
+:class:`~dpwa.integrations.lightning.DpwaCallback` and
+:class:`~dpwa.integrations.transformers.DpwaTrainerCallback`: it keeps the
+node's identity (:class:`~dpwa.integrations.env.NodeEnv`), makes the
+adapter (with torchrun's variables in the environment while it meets the
+other workers), calls ``update_wait`` only after an ``update_send`` (and
+waits out a send left open before the next one), and closes the adapter once,
+whichever hook gets there first, or at interpreter exit if no hook does. The
+counters are read once more as the adapter closes, so ``stats()`` still
+answers after training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+from typing import TYPE_CHECKING, Any
+
+from .env import NodeEnv
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..adapters.pytorch import DpwaPyTorchAdapter
+    from ..gossip.node import Update
+
+__all__ = ["AdapterSession", "loss_of"]
+
+
+def loss_of(value: Any) -> float | None:
+    """A loss as a float: from a number, a 0-d tensor, or a mapping with "loss" (Lightning's outputs); else None."""
+    if isinstance(value, dict):
+        value = value.get("loss")
+    if value is None:
+        return None
+    try:
+        loss = float(value.detach().item() if hasattr(value, "detach") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None  # not one number (a tensor of several, a string): no loss
+    return loss if math.isfinite(loss) else None
+
+
+class AdapterSession:
+    """One adapter over one model, for the length of one training run."""
+
+    def __init__(self, node: NodeEnv, adapter_kwargs: dict[str, Any], linger_s: float = 0.0) -> None:
+        self.node = node
+        self.adapter_kwargs = dict(adapter_kwargs)
+        self.linger_s = float(linger_s)
+        self.adapter: DpwaPyTorchAdapter | None = None
+        self.last_loss: float | None = None  # the last loss seen, given to the next update_send
+        self.last_update: Update | None = None
+        self.final_stats: dict[str, Any] | None = None  # stats() as the adapter closed
+        self._pending = False  # an update_send not yet followed by its update_wait
+        self._closed = False
+
+    @property
+    def open(self) -> bool:
+        return self.adapter is not None and not self._closed
+
+    def start(self, model: nn.Module) -> DpwaPyTorchAdapter:
+        """Make the adapter over `model` (idempotent: a second call returns the first adapter)."""
+        if self.adapter is not None:
+            return self.adapter
+        from ..adapters.pytorch import DpwaPyTorchAdapter
+
+        with self.node.torchrun_environment():
+            self.adapter = DpwaPyTorchAdapter(model, self.node.name, self.node.config, **self.adapter_kwargs)
+        atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
+        return self.adapter
+
+    def send(self, batch_size: float = 1) -> bool:
+        """update_send before a batch (after waiting out a send left open); False when not open."""
+        if not self.open:
+            return False
+        assert self.adapter is not None
+        if self._pending:
+            self.wait(None)
+        self._pending = True
+        return self.adapter.update_send(self.last_loss, batch_size)
+
+    def note_loss(self, loss: Any) -> None:
+        """Remember a loss (a logged one) for the next update_send; None, NaN and the like are ignored."""
+        value = loss_of(loss)
+        if value is not None:
+            self.last_loss = value
+
+    def wait(self, loss: Any) -> Update | None:
+        """update_wait after a batch, with its loss (None: unknown); None when no send is open."""
+        value = loss_of(loss)
+        self.note_loss(value)
+        if not self.open or not self._pending:
+            return None
+        assert self.adapter is not None
+        self._pending = False
+        self.last_update = self.adapter.update_wait(value)
+        return self.last_update
+
+    def close(self, linger: bool = False) -> None:
+        """Close the adapter (idempotent). `linger`: first serve peers still training, up to ``linger_s``."""
+        if not self.open:
+            return
+        assert self.adapter is not None
+        adapter = self.adapter
+        try:
+            if self._pending:
+                self.wait(None)
+            if linger and self.linger_s > 0:
+                adapter.linger(idle_s=min(1.0, self.linger_s), limit_s=self.linger_s)
+        finally:
+            self._closed = True  # once, even if closing fails
+            atexit.unregister(self.close)
+            try:
+                adapter.close()
+            finally:
+                self.final_stats = adapter.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """The adapter's counters: live while open, as they were at close after; {} before the start."""
+        if self.final_stats is not None:
+            return self.final_stats
+        return self.adapter.stats() if self.adapter is not None else {}

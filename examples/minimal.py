@@ -1,0 +1,51 @@
+"""dpwa in a complete script: the embedded digits, a small model, and one call at the optimizer.
+
+    DPWA_CONFIG=samples/torchrun.yaml torchrun --nproc-per-node 2 examples/minimal.py
+    DPWA_CONFIG=samples/local-2.yaml DPWA_NAME=w1 python examples/minimal.py   # and w2, in another terminal
+
+Each node trains on its shard of the digits (rows rank::world_size; the last 297 are the test set) and
+averages with the others through dpwa.gossip_optimizer. It prints one line, ``minimal-result {...}``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+import dpwa
+from dpwa.workloads.digits import load_digits
+
+EPOCHS, BATCH, TEST_ROWS = 10, 32, 297
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # one core per node
+    images, labels = load_digits()
+    x, y = torch.tensor(images, dtype=torch.float32).flatten(1) / 16, torch.tensor(labels)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    losses: list[float] = []  # each epoch's mean loss
+    with dpwa.gossip_optimizer(opt, net, batch_size=BATCH) as conn:  # config, name: $DPWA_CONFIG, $DPWA_NAME
+        xs, ys = x[:-TEST_ROWS][conn.rank :: conn.world_size], y[:-TEST_ROWS][conn.rank :: conn.world_size]
+        for _ in range(EPOCHS):
+            batches = torch.randperm(len(xs)).split(BATCH)
+            total = 0.0
+            for batch in batches:
+                loss = nn.functional.cross_entropy(net(xs[batch]), ys[batch])
+                opt.zero_grad()
+                loss.backward()
+                conn.loss = loss  # optional: the loss peers see
+                opt.step()  # and the exchange: blend in the last one, start the next
+                total += loss.item()
+            losses.append(total / len(batches))
+    with torch.no_grad():
+        accuracy = (net(x[-TEST_ROWS:]).argmax(1) == y[-TEST_ROWS:]).float().mean().item()
+    result = {"name": conn.name, "rank": conn.rank, "world_size": conn.world_size, "averaged": conn.averaged}
+    result |= {"first_loss": losses[0], "last_loss": losses[-1], "accuracy": accuracy}
+    print("minimal-result " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

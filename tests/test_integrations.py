@@ -1,0 +1,309 @@
+"""The Lightning and Hugging Face integrations (dpwa.integrations): each example trained under torchrun.
+
+The slow tests run ``torchrun --standalone --nproc-per-node 2`` of
+examples/integrations/lightning_tiny.py and hf_tiny.py, each worker writing
+its result to OUT/<name>.json, and check that both workers averaged with the
+other, that their loss fell, and that neither framework ran DDP (no process
+group, one process per Trainer). They are skipped only when the extra is not
+installed (CI installs both from requirements.txt).
+
+The torchrun agent runs in its own session; its workers each run in theirs
+(torchrun starts them so), so on failure each worker is killed by its PID,
+then the agent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # .venv/bin/torchrun
+EXAMPLES = ROOT / "examples" / "integrations"
+RUN_S = 150  # one example's torchrun, start to exit: about 40 s on 2 shared cores
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+class Torchrun:
+    """One torchrun agent started by a test; stopped with its workers, each by its PID."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, argv: list[str], log: Path) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in ("DPWA_CONFIG", "DPWA_NAME")}
+        env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                TORCHRUN + argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+            )
+        return self.proc
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        for worker in child_pids(proc.pid):  # each in its own session: killing the agent's group misses them
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(20)
+
+
+@pytest.fixture
+def torchrun():
+    made = Torchrun()
+    yield made
+    made.stop()
+
+
+def need(*modules: str) -> None:
+    """Skip unless the extra's packages are installed (found, not imported: importing lightning takes ~20 s here)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        extra = "lightning" if "lightning" in missing else "transformers"
+        pytest.skip(f"{', '.join(missing)} not installed: pip install 'dpwa[{extra}]' (CI installs requirements.txt)")
+
+
+def run_example(torchrun: Torchrun, tmp_path: Path, script: str, *args: str) -> tuple[dict[str, dict], float]:
+    """torchrun --standalone --nproc-per-node 2 of the example; each worker's result by name, and the seconds."""
+    out, log = tmp_path / "out", tmp_path / "torchrun.log"
+    started = time.monotonic()
+    proc = torchrun.start(
+        ["--standalone", "--nproc-per-node", "2", str(EXAMPLES / script), "--out", str(out), *args], log
+    )
+    try:
+        code = proc.wait(RUN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{script} under torchrun ran past {RUN_S} s:\n{log.read_text()[-3000:]}")
+    assert code == 0, log.read_text()[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    return results, time.monotonic() - started
+
+
+def check_training(results: dict[str, dict]) -> None:
+    """Both workers trained, averaged with each other, and their loss fell."""
+    assert sorted(results) == ["rank0", "rank1"], sorted(results)
+    for name, result in results.items():
+        other = "rank1" if name == "rank0" else "rank0"
+        peers = result["stats"]["peers"]
+        assert result["averaged"] > 0 and peers[other]["averaged"] > 0, (name, result["stats"])
+        assert result["stats"]["state"] == "closed"
+        losses = result["losses"]
+        assert len(losses) >= 20, (name, losses)
+        head, tail = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        assert tail < 0.75 * head, f"{name}: the loss did not fall: first five {losses[:5]}, last five {losses[-5:]}"
+        assert result["distributed"] is False, result  # no torch.distributed process group: no DDP
+
+
+# --------------------------------------------------------------------------- the examples under torchrun
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 30)
+def test_the_lightning_example_trains_one_copy_per_worker_and_they_average(torchrun, tmp_path):
+    """torchrun --nproc-per-node 2 examples/integrations/lightning_tiny.py (3 epochs of the digits, a shard
+    each): each worker runs SingleDeviceStrategy (Trainer(devices=1)), no process group; both average
+    with the other (every exchange moves both: mode symmetric) and their loss falls."""
+    need("lightning")
+    results, seconds = run_example(torchrun, tmp_path, "lightning_tiny.py", "--epochs", "3")
+    check_training(results)
+    for result in results.values():
+        assert result["strategy"] == "SingleDeviceStrategy", result
+        assert result["test_acc"] > 0.5, result
+    print(f"lightning: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 30)
+def test_the_hugging_face_example_trains_one_copy_per_worker_and_they_average(torchrun, tmp_path):
+    """torchrun --nproc-per-node 2 examples/integrations/hf_tiny.py (a two-layer GPT-2 from a config, 60
+    steps of synthetic tokens): the callback, made before TrainingArguments, hides torchrun's variables,
+    so each Trainer is one process (world size 1, not parallel, the model not wrapped in DDP); both
+    workers average with the other and their loss falls."""
+    need("transformers", "accelerate")
+    results, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "60")
+    check_training(results)
+    for result in results.values():
+        assert result["world_size"] == 1 and result["parallel_mode"] == "ParallelMode.NOT_PARALLEL", result
+        assert result["ddp"] is False and result["steps"] == 60, result
+    print(f"transformers: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
+
+
+GUARDS = """
+import os, sys, types
+from dpwa.integrations.transformers import DpwaTrainerCallback
+from dpwa.integrations.lightning import DpwaCallback
+from transformers import TrainingArguments
+
+# as torchrun starts a worker: the callback, made first, takes torchrun's variables out of the environment
+callback = DpwaTrainerCallback(config="examples/integrations/torchrun.yaml")
+assert "LOCAL_RANK" not in os.environ and "WORLD_SIZE" not in os.environ and callback.node.rank == 1
+assert callback.node_name == "rank1" and callback.node.torchrun["MASTER_PORT"] == "29999"
+args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, report_to="none")
+assert args.world_size == 1 and str(args.parallel_mode) == "ParallelMode.NOT_PARALLEL", args.parallel_mode
+
+# a Trainer that is distributed all the same is refused before any adapter exists
+for refuse in (
+    lambda: callback.on_train_begin(types.SimpleNamespace(world_size=2, parallel_mode="distributed"), None, None),
+    lambda: DpwaCallback(config="x.yaml").setup(types.SimpleNamespace(world_size=2, strategy=object()), None, "fit"),
+):
+    try:
+        refuse()
+    except RuntimeError as exc:
+        assert "all-reduce" in str(exc), exc
+    else:
+        raise AssertionError("not refused")
+assert callback.adapter is None
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_trainer_callback_hides_torchrun_from_the_trainer_and_both_refuse_a_distributed_trainer(tmp_path):
+    """As a torchrun worker (RANK 1 of 2, LOCAL_RANK, MASTER_*): DpwaTrainerCallback, made before
+    TrainingArguments, removes torchrun's variables, so TrainingArguments sees one process (world size
+    1, not parallel); and both callbacks refuse a Trainer that spans several processes (RuntimeError
+    naming the all-reduce), before making an adapter. Nothing is started: no store, no process group."""
+    need("lightning", "transformers", "accelerate")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
+    env.update(LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(
+        [sys.executable, "-c", GUARDS, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=100
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- in one process
+
+
+def test_node_from_env_takes_arguments_first_then_the_environment():
+    from dpwa.config import ConfigError
+    from dpwa.integrations.env import node_from_env
+
+    env = {"DPWA_CONFIG": "env.yaml", "DPWA_NAME": "w2"}
+    assert (node_from_env(environ=env).config, node_from_env(environ=env).name) == ("env.yaml", "w2")
+    given = node_from_env(Path("given.yaml"), "w1", environ=env)
+    assert (given.config, given.name, given.under_torchrun) == ("given.yaml", "w1", False)
+    assert (given.rank, given.world_size) == (0, 1)
+    assert node_from_env({"nodes": "torchrun"}, environ={}).config == {"nodes": "torchrun"}
+    with pytest.raises(ConfigError, match="DPWA_CONFIG"):
+        node_from_env(environ={})
+
+
+def test_under_torchrun_the_name_is_left_to_the_adapter_and_hidden_variables_come_back_only_for_the_start():
+    from dpwa.integrations.env import hide_torchrun, node_from_env
+
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    env.update(TORCHELASTIC_RUN_ID="r", OTHER="kept")
+    node = node_from_env("c.yaml", environ=env)
+    assert node.name is None and node.under_torchrun and (node.rank, node.world_size, node.local_rank) == (1, 2, 1)
+    hidden = hide_torchrun(env)
+    assert set(hidden) == {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    assert env == {"TORCHELASTIC_RUN_ID": "r", "OTHER": "kept"}
+    with node.torchrun_environment(env):
+        assert env["RANK"] == "1" and env["MASTER_PORT"] == "29500"
+    assert env == {"TORCHELASTIC_RUN_ID": "r", "OTHER": "kept"}
+
+
+def test_losses_are_read_from_numbers_tensors_and_lightning_outputs():
+    import torch
+
+    from dpwa.integrations.session import loss_of
+
+    assert loss_of(torch.tensor(1.5)) == 1.5 and loss_of({"loss": torch.tensor(2.0)}) == 2.0 and loss_of(3) == 3.0
+    assert loss_of(None) is None and loss_of({"acc": 1}) is None and loss_of(float("nan")) is None
+    assert loss_of(torch.ones(3)) is None and loss_of("x") is None
+
+
+def test_the_session_pairs_every_wait_with_a_send_and_closes_once():
+    from dpwa.integrations.env import NodeEnv
+    from dpwa.integrations.session import AdapterSession
+
+    calls: list[tuple] = []
+
+    class FakeAdapter:
+        def update_send(self, loss, batch_size):
+            calls.append(("send", loss))
+            return True
+
+        def update_wait(self, loss):
+            calls.append(("wait", loss))
+
+        def linger(self, idle_s, limit_s):
+            calls.append(("linger", limit_s))
+
+        def close(self):
+            calls.append(("close",))
+
+        def stats(self):
+            return {"state": "closed"}
+
+    session = AdapterSession(NodeEnv("c.yaml", "w1"), {}, linger_s=2.0)
+    assert session.send() is False and session.wait(1.0) is None and session.stats() == {}  # not started: no calls
+    session.adapter = FakeAdapter()  # type: ignore[assignment]
+    session.send()
+    session.wait({"loss": 0.5})
+    session.wait(0.4)  # no send open: not passed on, but remembered
+    session.send()
+    session.send()  # the open send is waited out first
+    session.close(linger=True)
+    session.close()
+    assert calls == [
+        ("send", 1.0),  # the last loss seen, even before the start
+        ("wait", 0.5),
+        ("send", 0.4),
+        ("wait", None),
+        ("send", 0.4),
+        ("wait", None),
+        ("linger", 2.0),
+        ("close",),
+    ]
+    assert session.stats() == {"state": "closed"} and session.send() is False
+
+
+def test_importing_the_integrations_package_needs_no_framework_and_a_missing_extra_says_what_to_install():
+    code = (
+        "import sys; import dpwa.integrations, dpwa.integrations.env\n"
+        "heavy = [m for m in ('torch', 'lightning', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "sys.modules['lightning'] = None; sys.modules['transformers'] = None\n"
+        "for extra in ('lightning', 'transformers'):\n"
+        "    try:\n"
+        "        __import__('dpwa.integrations.' + extra)\n"
+        "    except ImportError as exc:\n"
+        "        assert f\"pip install 'dpwa[{extra}]'\" in str(exc), exc\n"
+        "    else:\n"
+        "        raise AssertionError(extra)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
