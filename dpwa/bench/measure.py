@@ -6,6 +6,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --json bench.json       # the same, also written as JSON
     python -m dpwa.bench --quick                 # small sizes and one that streams, few repetitions: a smoke test
     python -m dpwa.bench --log bench.log         # the benchmark's own nodes' log lines go here
+    python -m dpwa.bench --training              # only the digits model's training-step rows (about a minute)
 
 The benchmark's own nodes log what any node logs (its configurations are
 deliberately odd: ``fetch_probability: 0`` for a node that only serves, plain
@@ -1030,6 +1031,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (CI smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions for large models (default 30)")
+    parser.add_argument(
+        "--training",
+        action="store_true",
+        help="only the training-step rows of the digits model (run.sh's default mode, and mode pull)",
+    )
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-router", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-tcp", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
@@ -1060,13 +1066,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_training:
         serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]), args.raw)
         return 0
-    if args.quick:  # STREAMED runs the bulk rows (plain and sealed), with few repetitions
+    if args.training:  # the digits rows alone, with their floors (--quick: a few steps)
+        results = run([], 0, 0, [], 0, [], training_steps=0.02 if args.quick else 1.0, workloads=WORKLOADS[:2])
+    elif args.quick:  # STREAMED runs the bulk rows (plain and sealed), with few repetitions
         results = run(
             [1_000, SMALL, STREAMED], 5, 3, [2, 4], 5, ["float16"], training_steps=0.02, workloads=WORKLOADS[:2]
         )
     else:
         results = run([SMALL, RESNET18], 200, args.reps or 30, [2, 4, 8, 16], 200, ["float16", "bfloat16"])
-    print(format_scale(results["scale"]))
+    if results["scale"]:
+        print(format_scale(results["scale"]))
     if results["training"]:
         print(format_training(results["training"]))
     print(format_summary(results, log_path))
