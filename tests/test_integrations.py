@@ -26,24 +26,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from helpers.proc_tree import child_pids
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # .venv/bin/torchrun
 EXAMPLES = ROOT / "examples" / "integrations"
 RUN_S = 150  # one example's torchrun, start to exit: about 40 s on 2 shared cores
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 class Torchrun:

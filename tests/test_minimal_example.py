@@ -18,26 +18,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from helpers.proc_tree import child_pids
 
 SCRIPT = ROOT / "examples" / "minimal.py"
 MAX_LINES = 60
 RUN_S = 90  # torchrun, start to exit: about 15 s here, mostly imports of torch
 _BIN = Path(sys.executable).parent / "torchrun"  # .venv/bin/torchrun
 TORCHRUN = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def stop(proc: subprocess.Popen) -> None:
