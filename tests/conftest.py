@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from helpers.ports import remember
+
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
 TEST_TIMEOUT_S = int(os.environ.get("DPWA_TEST_TIMEOUT_S", "120"))
@@ -69,7 +71,7 @@ def free_port() -> int:
     listens instead of the port) is unclaimed: a live node of another test may hold it, TCP port free."""
     from dpwa.cluster.processes import free_ports
 
-    return free_ports(1)[0]
+    return remember(free_ports(1)[0])  # the helpers' proxies will not listen on it
 
 
 def port_is_free(port: int) -> bool:

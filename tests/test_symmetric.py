@@ -375,7 +375,8 @@ def chaos_round(nodes, seed: int, attempts: int, heal: bool, **settings):
     the steps sum to zero, so the sum of all models must stay what it was. After `attempts`
     exchanges were tried, the links heal (or not) and every node is closed at once, with the
     default close timeout. `settings` go to the config (an outer step, a period). Returns (drift of
-    what the exchanges keep: kept_total, each node's stats, what the proxies did)."""
+    what the exchanges keep: kept_total, each node's stats after closing, what the proxies did, each
+    node's stats just before closing)."""
     n, size = 3, 64
     cfg = make_config(n, mode="symmetric", blend="delta", timeout_ms=250, same_host="off", insecure=True, **settings)
     rule = Rule(drop=0.08, cut_after=0.04, delay=0.15, max_delay_s=0.35)
@@ -414,10 +415,11 @@ def chaos_round(nodes, seed: int, attempts: int, heal: bool, **settings):
         if heal:
             for proxy in proxies.values():
                 proxy.heal()
+        before = [node.stats() for node in group]
         close_together(group)
         stats = [node.stats() for node in group]
         seen = sum((proxy.stats for proxy in proxies.values()), collections.Counter())
-        return np.abs(kept_total(group, arrays) - start).max(), stats, seen
+        return np.abs(kept_total(group, arrays) - start).max(), stats, seen, before
     finally:
         for proxy in proxies.values():
             proxy.close()
@@ -427,16 +429,21 @@ def chaos_round(nodes, seed: int, attempts: int, heal: bool, **settings):
 def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
     """chaos_round with 400 attempts, the links healed before closing: the sum is unchanged to float
     rounding, as many halves were applied on requesting sides as on serving sides, and nothing was
-    dropped."""
+    dropped while the nodes ran.
+
+    At close, a requester may still drop one: it sent a confirm that was lost, its peer never committed
+    and closed first (a closing server waits for the commits it made, not for a question it cannot
+    know is coming). The sum and the halves show it had been applied on neither side (CI saw one such
+    drop once)."""
     attempts = 400
-    drift, stats, seen = chaos_round(nodes, seed=0, attempts=attempts, heal=True)
+    drift, stats, seen, before = chaos_round(nodes, seed=0, attempts=attempts, heal=True)
     assert drift < 1e-3, drift  # float32 rounding of values near 10 over a few hundred operations
     client_halves = sum(s["averaged"] for s in stats)
     server_halves = sum(s["mirrored"] for s in stats)
     assert client_halves == server_halves
     assert sum(s["fetches_started"] for s in stats) >= attempts
     assert client_halves >= 100  # runs here: 120 to 180 of the 400 attempts committed
-    assert sum(s.get("exchanges_dropped", 0) for s in stats) == 0
+    assert sum(s.get("exchanges_dropped", 0) for s in before) == 0
     # the chaos did happen, at every step, and the protocol met it
     for kind in ("exchange", "params", "confirm", "decision"):
         assert seen[(kind, "drop")] + seen[(kind, "cut_after")] > 0, (kind, seen)
@@ -451,7 +458,7 @@ def test_under_chaos_an_outer_step_keeps_what_it_promises_to_keep(nodes, outer):
     momentum): each outer step keeps its node's a * params + b * anchor + c * momentum, and each exchange
     keeps the sum of the models, so the cluster's sum of that quantity stays exact under the chaos, and
     both halves of every exchange were still applied or neither."""
-    drift, stats, _ = chaos_round(nodes, seed=2, attempts=200, heal=True, outer=outer, period=2)
+    drift, stats, _, _ = chaos_round(nodes, seed=2, attempts=200, heal=True, outer=outer, period=2)
     assert drift < 1e-2, drift  # a is 7 here: float32 rounding of values near 70 over a few hundred steps
     assert sum(s["averaged"] for s in stats) == sum(s["mirrored"] for s in stats)
     assert sum(s["averaged"] for s in stats) >= 30
@@ -465,7 +472,7 @@ def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nod
     its commits until each requester is known to hold it (the requester's ack, or its answer to the
     server's ``known``), so the sum of the models stays exact. (Before, in one of two seeds the sum
     moved by 6.9 per element: a server closed while its requester still asked for the decision.)"""
-    drift, stats, _ = chaos_round(nodes, seed=seed, attempts=200, heal=False)
+    drift, stats, _, _ = chaos_round(nodes, seed=seed, attempts=200, heal=False)
     assert drift < 1e-3, drift
     assert sum(s["averaged"] for s in stats) == sum(s["mirrored"] for s in stats)
     assert sum(s["averaged"] for s in stats) >= 30

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from helpers.ports import fresh_listener
+
 
 @dataclass
 class Rule:
@@ -102,9 +104,7 @@ class ChaosProxy:
         self._plans: collections.defaultdict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
         self._hooks: dict[str, Callable[[], object]] = {}
         self._lock = threading.Lock()
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener = fresh_listener()  # never a port a test drew for a node
         self._listener.listen(64)
         self._listener.settimeout(0.1)
         self.port = self._listener.getsockname()[1]

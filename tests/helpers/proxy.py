@@ -22,13 +22,13 @@ import socket
 import threading
 import time
 
+from helpers.ports import fresh_listener
+
 
 class Proxy:
     def __init__(self, target_port: int, *, capture: bool = False) -> None:
         self.target_port = target_port
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener = fresh_listener()  # never a port a test drew for a node
         self._listener.listen(64)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
