@@ -6,6 +6,7 @@
     python -m dpwa average runs/latest -o mean.pt   # the mean of the nodes' weights (latest complete checkpoint)
     python -m dpwa keygen w1 --dir keys    # a CURVE key pair: keys/w1.key and keys/w1.key_secret
     python -m dpwa dashboard runs/latest   # a live web page of the run (prints its URL)
+    python -m dpwa run --nodes 4 -- python train.py   # a script of your own, once per node (./run.sh -- ...)
 
 A subcommand is one function decorated with :func:`subcommand`: its name is
 the command, the first line of its docstring the help, and the decorator's
@@ -205,7 +206,7 @@ def average(args: argparse.Namespace) -> int:
     """Write the mean of every node's weights: of a run folder's checkpoints, or of a live cluster (--config)."""
     from .cluster import average as averaging
     from .cluster.checkpoints import LAST
-    from .cluster.private import write_private
+    from .runfiles.private import write_private
 
     if (args.run_dir is None) == (args.config is None):
         raise ValueError("give a RUN_DIR, or --config FILE (and --model) for a live cluster")
@@ -352,7 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@subcommand(arg("options", nargs=argparse.REMAINDER, help="[options] -- COMMAND [ARG ...] (see: run --help)"))
+def run(args: argparse.Namespace) -> int:
+    """Run a command once per node of a local cluster (python -m dpwa run --nodes 4 -- python train.py)."""
+    from .cluster.runner import main as run_main
+
+    return run_main(args.options)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # its own parser: what follows '--' is the command, options and all
+        from .cluster.runner import main as run_main
+
+        return run_main(argv[1:])
     args = build_parser().parse_args(argv)
     fn, _ = _COMMANDS[args.command]
     try:

@@ -2,9 +2,11 @@
 
     DPWA_CONFIG=samples/torchrun.yaml torchrun --nproc-per-node 2 examples/minimal.py
     DPWA_CONFIG=samples/local-2.yaml DPWA_NAME=w1 python examples/minimal.py   # and w2, in another terminal
+    ./run.sh --nodes 2 -- python examples/minimal.py     # dpwa's launcher: the live table, --chaos, --dashboard
 
 Each node trains on its shard of the digits (rows rank::world_size; the last 297 are the test set) and
-averages with the others through dpwa.gossip_optimizer. It prints one line, ``minimal-result {...}``.
+averages with the others through dpwa.gossip_optimizer (a node done first serves the others for up to 5 s).
+It prints one line, ``minimal-result {...}``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def main() -> None:
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     losses: list[float] = []  # each epoch's mean loss
-    with dpwa.gossip_optimizer(opt, net, batch_size=BATCH) as conn:  # config, name: $DPWA_CONFIG, $DPWA_NAME
+    with dpwa.gossip_optimizer(opt, net, batch_size=BATCH, linger_s=5) as conn:  # config, name: from $DPWA_*
+        conn.adapter.barrier("start", timeout_s=60)  # every node up before anyone trains
         xs, ys = x[:-TEST_ROWS][conn.rank :: conn.world_size], y[:-TEST_ROWS][conn.rank :: conn.world_size]
         for _ in range(EPOCHS):
             batches = torch.randperm(len(xs)).split(BATCH)

@@ -1,6 +1,6 @@
 """The package's layers point only down: no module imports from a layer above its own.
 
-wire < mixing < config < gossip < adapters < cluster, systems < tools (compare, bench, sim, cli, workloads),
+wire, runfiles < mixing < config < gossip < adapters < cluster, systems < tools (compare, bench, sim, cli, workloads),
 over a base of logging and counters that every layer may use. A module that is not in the table fails the
 test, so a new one is placed on purpose.
 """
@@ -16,6 +16,7 @@ RANK = {
     "stats": 0,
     "signals": 0,  # the base: logging, counters, signal handling
     "wire": 1,
+    "runfiles": 1,  # a run folder's private files and metrics lines (the hook writes them, the cluster reads them)
     "mixing": 2,
     "config": 3,
     "gossip": 4,

@@ -28,7 +28,7 @@ import pytest
 from conftest import HELPERS, ROOT, make_config, wait_until
 from dpwa.cluster import launch, processes
 from dpwa.cluster.events import EventLog
-from dpwa.cluster.private import NotPrivateError, make_private_dir, open_private, write_private
+from dpwa.runfiles.private import NotPrivateError, make_private_dir, open_private, write_private
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(

@@ -34,10 +34,11 @@ from dpwa.systems.sync.master import (
 from dpwa.systems.sync.model import GlobalModel
 from dpwa.systems.sync.service import MasterService
 from dpwa.systems.sync.worker import SyncWorker
+from dpwa.wire.calls import Response
 from dpwa.wire.curve import CurveKeys
 from dpwa.wire.endpoints import private_dir
 from dpwa.wire.errors import TransportError
-from dpwa.wire.schema import encode
+from dpwa.wire.schema import decode, encode, error_header
 
 G = np.ones(4, np.float32)  # a gradient
 D = np.zeros(0, np.float32)  # no buffers
@@ -305,6 +306,26 @@ def test_a_report_with_an_old_version_is_refused_over_the_wire(service):
         assert accepted.stepped and accepted.version == 2
     status = svc.status()
     assert status["refused"] == {"stale_version": 1} and status["version"] == 2
+
+
+def test_a_busy_refusal_is_asked_again_and_the_call_succeeds(service, monkeypatch):
+    """The master refuses a worker ``busy`` while its ZeroMQ still holds earlier replies to it (CI saw a worker
+    die of one on a loaded machine): the client asks again after a short pause, and the call succeeds."""
+    svc, layout = service()
+    with MasterClient(svc.endpoint, "w1", layout, timeout_s=2.0) as client:
+        real = client._channel.request
+        refusals = iter(["busy", "busy"])
+
+        def request(frames, request_id, deadline, accept=None):
+            if next(refusals, None):
+                header = decode(error_header(request_id, "busy", "2 replies to you are still unsent"))
+                return Response(header, [])
+            return real(frames, request_id, deadline, accept=accept)
+
+        monkeypatch.setattr(client._channel, "request", request)
+        got = client.update_model(-1)
+        assert got is not None and got[0] == 0 and got[1].size == layout.param_size
+        assert client.busy_retries == 2
 
 
 def test_bad_requests_are_rejected_over_the_wire_and_the_master_serves_on(service):

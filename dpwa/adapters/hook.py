@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config, ConfigError
 from ..gossip.progress import loss_value
+from ..runfiles.metrics import RUN_DIR_ENV, MetricsWriter, StepMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -180,7 +181,13 @@ class GossipHook:
     applies from the next exchange started.
     """
 
-    def __init__(self, adapter: DpwaPyTorchAdapter, optimizer: torch.optim.Optimizer, batch_size: float) -> None:
+    def __init__(
+        self,
+        adapter: DpwaPyTorchAdapter,
+        optimizer: torch.optim.Optimizer,
+        batch_size: float,
+        metrics: StepMetrics | None = None,
+    ) -> None:
         self.adapter = adapter
         self.optimizer = optimizer
         self.loss: Any = None
@@ -189,6 +196,8 @@ class GossipHook:
         self.last_update: Update | None = None  #: what the last ``update_wait`` did (None before the first step)
         self._pending = False  # an update_send not yet followed by its update_wait
         self._handle: Any = None
+        self.metrics = metrics  #: the run folder's metrics lines (dpwa.runfiles.metrics), if written
+        self._ended: str | None = None  # the reason of the metrics' end line, once known
 
     @property
     def name(self) -> str:
@@ -234,18 +243,34 @@ class GossipHook:
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
-        self._wait(self._loss())
+        loss = self._loss()
+        self._wait(loss)
+        if self.metrics is not None:
+            self.metrics.step(self.steps, loss, self.last_update)
         self._send()
 
     def _attach(self) -> None:
+        if self.metrics is not None:
+            joined = self.adapter.joined
+            started = (
+                f"joined the cluster from {joined.donor}"
+                if joined is not None and joined.rejoined
+                else "started from the beginning"
+            )
+            self.metrics.start(started=started, rank=self.rank, world_size=self.world_size, clock=self.clock)
         self._handle = self.optimizer.register_step_post_hook(self._after_step)
         self._send()
 
     def _finish(self, linger_s: float) -> None:
         """A normal exit: wait for the exchange started after the last step; serve peers for up to `linger_s`."""
         self._wait(self._loss())
+        if self.metrics is not None:
+            self.metrics.step(self.steps, None, self.last_update, force=True)  # the steps since the last line
         if linger_s > 0:
+            if self.metrics is not None:
+                self.metrics.writer.write("linger", limit_s=linger_s)
             self.adapter.linger(idle_s=min(1.0, linger_s), limit_s=linger_s)
+        self._ended = "done"
 
     def _close(self) -> None:
         """Every exit: remove the hook, then close the adapter (an exchange still pending is abandoned)."""
@@ -255,7 +280,14 @@ class GossipHook:
                 handle.remove()
         finally:
             self._pending = False
-            self.adapter.close()
+            try:
+                self.adapter.close()
+            finally:
+                if self.metrics is not None:
+                    try:
+                        self.metrics.end(self._ended or "stopped by an exception", step=self.steps)
+                    finally:
+                        self.metrics.writer.close()
 
 
 @contextlib.contextmanager
@@ -268,6 +300,8 @@ def gossip_optimizer(
     *,
     batch_size: float = 1,
     linger_s: float = 0.0,
+    metrics: bool | None = None,
+    log_every: int = 5,
     **adapter_kwargs: Any,
 ) -> Iterator[GossipHook]:
     """Within the block, every ``optimizer.step()`` also gossips `net`'s parameters with the other nodes.
@@ -283,6 +317,11 @@ def gossip_optimizer(
             counts optimizer steps; give the batch size to count samples (``conn.batch_size`` may change it).
         linger_s: on a normal exit, keep serving peers that still train for up to this long
             (``DpwaPyTorchAdapter.linger``); 0: close at once.
+        metrics: write the node's metrics lines (``start``, a ``step`` line every `log_every` steps, ``end``:
+            :mod:`dpwa.runfiles.metrics`) into ``$DPWA_RUN_DIR``, so the launcher's live table, ``status``,
+            the dashboard and ``curves.png`` show this script; None (the default): when ``$DPWA_RUN_DIR`` is set
+            (``python -m dpwa run`` sets it); False: never.
+        log_every: steps between ``step`` lines.
         adapter_kwargs: the adapter's other keyword arguments (``include_buffers``, ``rng``, ``outer_optimizer``).
 
     Yields a :class:`GossipHook`: ``loss`` and ``batch_size`` to set, ``rank``, ``world_size``, ``name``,
@@ -295,12 +334,22 @@ def gossip_optimizer(
     the hook is removed and the adapter closed, before the block's exception, if any, goes on.
     """
     node = node_from_env(config, name)
+    run_dir = os.environ.get(RUN_DIR_ENV) or None if metrics is not False else None
+    if metrics and run_dir is None:
+        raise ConfigError(f"gossip_optimizer(metrics=True): ${RUN_DIR_ENV} (the run folder to write into) is not set")
+    if log_every < 1:
+        raise ValueError(f"gossip_optimizer: log_every={log_every}, expected 1 or more (steps between metrics lines)")
     from .pytorch import DpwaPyTorchAdapter
 
     kwargs = {"optimizer": optimizer, **adapter_kwargs}
     with node.torchrun_environment():
         adapter = DpwaPyTorchAdapter(net, node.name, node.config, **kwargs)
-    hook = GossipHook(adapter, optimizer, batch_size)
+    try:
+        steps = StepMetrics(MetricsWriter(run_dir, adapter.name), adapter.stats, log_every) if run_dir else None
+    except BaseException:
+        adapter.close()
+        raise
+    hook = GossipHook(adapter, optimizer, batch_size, steps)
     try:
         hook._attach()
         yield hook

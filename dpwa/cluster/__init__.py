@@ -8,5 +8,5 @@
 * :mod:`.status`: every node's status over the wire (``python -m dpwa status``);
 * :mod:`.observe` and :mod:`.dashboard`: the live web page (``python -m dpwa dashboard``);
 * :mod:`.checkpoints`, :mod:`.keys`: checkpoints of a run; CURVE keys for a config.
-* :mod:`.private`: a run folder is this user's alone (folders 0700, files 0600, whatever the umask).
+* :mod:`dpwa.runfiles.private` (a layer below): a run folder is this user's alone (folders 0700, files 0600, whatever the umask).
 """

@@ -16,7 +16,7 @@ naming the file and leaves no partial file and no listing behind: earlier
 checkpoints stay complete and loadable.
 
 The folders are made mode 0700 and every file, the lock included, 0600,
-whatever the umask (:mod:`.private`): another user of the machine can
+whatever the umask (:mod:`dpwa.runfiles.private`): another user of the machine can
 neither read a node's state nor open the lock file. The lock is taken with a
 deadline (:data:`LOCK_TIMEOUT_S`): a lock held past it, by a process that hung
 or one that is not ours, is a :class:`CheckpointError` naming the lock file
@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .private import make_private_dir, open_private
+from ..runfiles.private import make_private_dir, open_private
 
 __all__ = [
     "LAST",

@@ -12,7 +12,7 @@ it does and sees; the dashboard (:mod:`.dashboard`) reads it. Every line has
 * ``{"kind": "stop", "signal": "SIGINT"}`` when the launcher is told to stop its nodes;
 * ``{"kind": "run_end", "code"}`` when the launcher is done.
 
-The file is mode 0600 (:mod:`.private`). It is bounded: after
+The file is mode 0600 (:mod:`dpwa.runfiles.private`). It is bounded: after
 :data:`MAX_EVENTS` lines the launcher writes one ``{"kind": "truncated"}``
 line and no more (a resumed run appends to the same file and counts what is
 there).
@@ -31,14 +31,14 @@ on with the next line and never fail on what a file holds.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .private import open_private
+from ..runfiles.lines import check_event, check_metrics, kind_of
+from ..runfiles.private import open_private
 
 __all__ = [
     "EVENTS_FILE",
@@ -58,7 +58,6 @@ EVENTS_FILE = "events.jsonl"
 MAX_EVENTS = 10_000  # lines an event log holds at most (a chaos run of days writes a few thousand)
 MAX_LINE_BYTES = 1 << 20  # a longer line in a followed file is skipped (and reported), not kept
 READ_CHUNK_BYTES = 1 << 20  # what one poll reads of one file at most; the rest comes at the next polls
-MAX_TIME = 1e12  # |t| of a line beyond this is no Unix time (year 33658)
 MAX_REPORTS = 10  # bad lines reported one by one per file; later ones are counted only
 
 
@@ -134,22 +133,6 @@ class BadLine:
         return f"{self.path}: line {self.line}: {self.reason}; skipped"
 
 
-def _kind_of(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
-
-
 def parse_line(raw: bytes, max_line_bytes: int = MAX_LINE_BYTES, check: Check | None = None) -> dict[str, Any] | str:
     """One line of a JSON-lines file (without its newline): the record, or what is wrong with it, in words.
 
@@ -171,94 +154,9 @@ def parse_line(raw: bytes, max_line_bytes: int = MAX_LINE_BYTES, check: Check | 
     except (ValueError, RecursionError) as exc:  # an integer of 5000 digits, nesting too deep for the parser
         return f"not JSON that can be read: {str(exc)[:80] or type(exc).__name__}"
     if not isinstance(record, dict):
-        return f"{_kind_of(record)}, not a JSON object"
+        return f"{kind_of(record)}, not a JSON object"
     problem = check(record) if check is not None else None
     return problem if problem else record
-
-
-def _field(record: dict[str, Any], key: str, want: str, ok: Callable[[Any], bool]) -> str | None:
-    value = record.get(key)
-    if value is None or ok(value):
-        return None
-    return f"{key} is {_describe(value)}, not {want}"
-
-
-def _describe(value: Any) -> str:
-    """A value as a message names it: a number as itself (a long integer by its length), else its kind."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        digits = len(str(abs(value)))
-        return f"an integer of {digits} digits" if digits > 20 else str(value)
-    if isinstance(value, float):
-        return repr(value)
-    return _kind_of(value)
-
-
-def _is_number(value: Any) -> bool:
-    """A float (NaN and Infinity included), or an int a float can hold."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, float) or (isinstance(value, int) and abs(value) < 1e308)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
-
-
-def check_event(record: dict[str, Any]) -> str | None:
-    """What every line of a run folder's JSON-lines files has: ``t`` (Unix time, within ±1e12), ``kind`` (a
-    string) and, if any, ``node`` (a string). None if so, else what is wrong."""
-    t = record.get("t")
-    if t is None:
-        return "t (the time) is missing"
-    if not _is_number(t) or not (math.isfinite(t) and abs(t) <= MAX_TIME):
-        return f"t is {_describe(t)}, not a Unix time (a finite number within ±{MAX_TIME:g} s)"
-    if not isinstance(record.get("kind"), str):
-        return "kind is missing" if "kind" not in record else f"kind is {_kind_of(record['kind'])}, not a string"
-    return _field(record, "node", "a string", lambda v: isinstance(v, str))
-
-
-# The fields of a metrics line (RUN_DIR/metrics/NODE.jsonl; see dpwa.cluster.monitor) the tools compute with.
-# Each may be absent or null; present, it must have its type. Other fields are not looked at.
-METRIC_NUMBERS = ("loss", "lr", "exchanges_per_s", "test_acc", "test_loss", "val_loss", "waited_s", "clock")
-METRIC_COUNTS = (
-    "epoch",
-    "step",
-    "epoch_step",
-    "averaged",
-    "failed",
-    "epochs",
-    "steps_per_epoch",
-    "batch_size",
-    "train_images",
-)
-METRIC_TEXTS = ("started", "reason", "error", "name", "data")
-
-
-def check_metrics(record: dict[str, Any]) -> str | None:
-    """A metrics line's known fields, by type: None if every one fits, else the first that does not, in words.
-
-    ``t``, ``kind``, ``node`` as :func:`check_event`; numbers (``loss``, ``test_acc``, ...: NaN and
-    Infinity are numbers, as a diverging run writes them), counts (``epoch``, ``step``, ``averaged``, ...:
-    integers from 0), texts (``started``, ``reason``, ...), ``peers`` (an object of counts), ``stats``
-    (an object) and ``skipped`` (a list).
-    """
-    problem = check_event(record)
-    if problem:
-        return problem
-    for key in METRIC_NUMBERS:
-        problem = problem or _field(record, key, "a number", _is_number)
-    for key in METRIC_COUNTS:
-        problem = problem or _field(record, key, "a count (an integer from 0)", _is_count)
-    for key in METRIC_TEXTS:
-        problem = problem or _field(record, key, "a string", lambda v: isinstance(v, str))
-    problem = problem or _field(record, "stats", "an object", lambda v: isinstance(v, dict))
-    problem = problem or _field(record, "skipped", "a list", lambda v: isinstance(v, list))
-    problem = problem or _field(record, "peers", "an object of counts", _is_peer_counts)
-    return problem
-
-
-def _is_peer_counts(value: Any) -> bool:
-    return isinstance(value, dict) and all(isinstance(k, str) and _is_count(n) for k, n in value.items())
 
 
 class JsonlFollower:

@@ -23,7 +23,7 @@ The run folder::
         models/<node>.pt      written by the nodes
         summary.json, summary.txt, curves.png   written at the end
 
-The run folder is this user's alone (:mod:`.private`): it and every folder in
+The run folder is this user's alone (:mod:`dpwa.runfiles.private`): it and every folder in
 it are mode 0700, its files 0600, whatever the umask; a run folder that
 belongs to another user or that others may write to is refused, naming it.
 Node processes, the finish command and the detached launcher run with umask
@@ -55,9 +55,9 @@ from typing import Any, TextIO
 import yaml
 
 from ..config import ConfigError, parse_config
+from ..runfiles.private import make_private_dir, make_private_file, open_private, write_private
 from .events import EventLog
 from .monitor import LiveView, MetricsTail, format_summary, summarize
-from .private import make_private_dir, make_private_file, open_private, write_private
 from .processes import PRIVATE_UMASK, Cluster, tail, write_pid_file
 
 __all__ = ["LaunchSpec", "new_run_dir", "prepare", "run", "detach", "supervise"]
@@ -75,7 +75,7 @@ class LaunchSpec:
     pin: bool = True  # one core per node (taskset)
     grace_s: float = 10.0  # between SIGTERM and SIGKILL
     print_every_s: float = 10.0  # plain progress lines when the output is not a terminal
-    env: dict[str, str] = field(default_factory=dict)  # added to each node's environment
+    env: dict[str, str] = field(default_factory=dict)  # added to each node's environment (placeholders filled)
     restarts: int = 0  # times a node that dies (a failure, or chaos) is started again
     chaos_s: float = 0.0  # chaos mode: kill a random training node every this many seconds on average; 0: off
     chaos_seed: int | None = None  # randomness of chaos mode
@@ -102,6 +102,10 @@ class LaunchSpec:
                 arg = arg.replace(key, value)
             out.append(arg)
         return out
+
+    def environment(self, name: str | None = None) -> dict[str, str]:
+        """`env` with its placeholders filled in, as :meth:`argv` fills them (for node `name`, if given)."""
+        return dict(zip(self.env, self.argv(list(self.env.values()), name), strict=True))
 
     def save(self) -> None:
         write_private(Path(self.run_dir, "launch.json"), json.dumps(dataclasses.asdict(self), indent=2) + "\n")
@@ -211,7 +215,7 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
         {name: spec.argv(spec.command, name) for name in spec.local_names},
         pin=spec.pin,
         grace_s=spec.grace_s,
-        env=spec.env,
+        env={name: spec.environment(name) for name in spec.local_names},
     )
     metrics = MetricsTail(run_dir, spec.local_names)
     view = LiveView(out, tty=tty, every_s=spec.print_every_s)
@@ -433,7 +437,7 @@ def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, An
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **spec.env},
+            env={**os.environ, **spec.environment()},
             start_new_session=True,
             umask=PRIVATE_UMASK,
         )

@@ -11,7 +11,7 @@ launcher, which then stops the nodes in order), pinned to one core with
 ``taskset`` where it exists, with ``OMP_NUM_THREADS=1``. Stopping sends
 SIGTERM to every node, waits `grace_s`, then sends SIGKILL to any left.
 
-PID files and logs are mode 0600 in folders of mode 0700 (:mod:`.private`), and
+PID files and logs are mode 0600 in folders of mode 0700 (:mod:`dpwa.runfiles.private`), and
 every node runs with umask 077 (:data:`PRIVATE_UMASK`): what it writes into
 the run folder is this user's alone too.
 """
@@ -26,8 +26,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from ..runfiles.private import make_private_dir, open_private, write_private
 from ..wire.endpoints import ipc_claimed, is_loopback
-from .private import make_private_dir, open_private, write_private
 
 __all__ = [
     "PRIVATE_UMASK",
@@ -136,13 +136,13 @@ class Cluster:
         *,
         pin: bool = True,
         grace_s: float = 10.0,
-        env: dict[str, str] | None = None,
+        env: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.commands = commands  # argv per node name, in start order
         self.pin = pin
         self.grace_s = grace_s
-        self.env = env or {}
+        self.env = env or {}  # per node: what its environment adds
         self.procs: dict[str, subprocess.Popen] = {}
         self.cores = self._cores() if pin else []
         self.taskset = shutil.which("taskset") if pin else None
@@ -168,7 +168,7 @@ class Cluster:
             self._spawn(name)
 
     def _spawn(self, name: str) -> None:
-        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, **THREAD_ENV, "PYTHONUNBUFFERED": "1", **self.env.get(name, {})}
         argv = self.commands[name]
         if self.taskset:
             i = list(self.commands).index(name)

@@ -10,10 +10,10 @@ config's node list. :func:`node_from_env` resolves both, in this order:
   then takes torchrun's ``rank<RANK>``; outside torchrun it raises
   :class:`~dpwa.config.ConfigError` asking for a name).
 
-``./run.sh`` (``dpwa.cluster.launch``) gives each node ``--config FILE --name
-NAME`` on its command line, not in the environment: a script of your own that
-it starts passes those two on (``DpwaCallback(config=args.config,
-name=args.name)``).
+dpwa's launcher (``./run.sh -- python my_train.py``, ``python -m dpwa run``)
+sets ``$DPWA_CONFIG`` and ``$DPWA_NAME`` for each node, and ``$DPWA_RUN_DIR``
+(where the integrations write the node's metrics lines). The example's
+``train.py`` takes ``--config FILE --name NAME`` on its command line instead.
 
 Frameworks that take torchrun's variables as an order to start
 ``torch.distributed`` and wrap the model in DDP (Hugging Face's Trainer,

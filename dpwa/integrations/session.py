@@ -9,15 +9,19 @@ other workers), calls ``update_wait`` only after an ``update_send`` (and
 waits out a send left open before the next one), and closes the adapter once,
 whichever hook gets there first, or at interpreter exit if no hook does. The
 counters are read once more as the adapter closes, so ``stats()`` still
-answers after training.
+answers after training. Under dpwa's launcher (``$DPWA_RUN_DIR`` set) it
+writes the node's metrics lines as :func:`dpwa.gossip_optimizer` does
+(:mod:`dpwa.runfiles.metrics`): the live table and the dashboard show the run.
 """
 
 from __future__ import annotations
 
 import atexit
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
+from ..runfiles.metrics import RUN_DIR_ENV, MetricsWriter, StepMetrics
 from .env import NodeEnv
 
 if TYPE_CHECKING:
@@ -55,6 +59,8 @@ class AdapterSession:
         self.final_stats: dict[str, Any] | None = None  # stats() as the adapter closed
         self._pending = False  # an update_send not yet followed by its update_wait
         self._closed = False
+        self.steps = 0  # update_waits made: the steps of the metrics lines
+        self.metrics: StepMetrics | None = None  # the run folder's metrics lines, under dpwa's launcher
 
     @property
     def open(self) -> bool:
@@ -69,6 +75,18 @@ class AdapterSession:
         with self.node.torchrun_environment():
             self.adapter = DpwaPyTorchAdapter(model, self.node.name, self.node.config, **self.adapter_kwargs)
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir:
+            adapter = self.adapter
+            self.metrics = StepMetrics(MetricsWriter(run_dir, adapter.name), adapter.stats)
+            joined = adapter.joined
+            rejoined = joined is not None and joined.rejoined
+            self.metrics.start(
+                started=f"joined the cluster from {joined.donor}" if rejoined else "started from the beginning",
+                rank=adapter.rank,
+                world_size=adapter.world_size,
+                clock=adapter.clock,
+            )
         return self.adapter
 
     def send(self, batch_size: float = 1) -> bool:
@@ -96,6 +114,9 @@ class AdapterSession:
         assert self.adapter is not None
         self._pending = False
         self.last_update = self.adapter.update_wait(value)
+        self.steps += 1
+        if self.metrics is not None:
+            self.metrics.step(self.steps, value, self.last_update)
         return self.last_update
 
     def close(self, linger: bool = False) -> None:
@@ -116,6 +137,12 @@ class AdapterSession:
                 adapter.close()
             finally:
                 self.final_stats = adapter.stats()
+                if self.metrics is not None:
+                    try:
+                        self.metrics.step(self.steps, None, self.last_update, force=True)
+                        self.metrics.end("done" if linger else "closed", self.final_stats, step=self.steps)
+                    finally:
+                        self.metrics.writer.close()
 
     def stats(self) -> dict[str, Any]:
         """The adapter's counters: live while open, as they were at close after; {} before the start."""

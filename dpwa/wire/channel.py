@@ -53,6 +53,7 @@ class Channel:
         self._socket_options = dict(socket_options or {})
         self._heartbeat_ms = heartbeat_ms
         self._sock: zmq.Socket | None = None
+        self._rcvtimeo = -1  # the RCVTIMEO set on _sock
 
     def request(
         self,
@@ -100,21 +101,23 @@ class Channel:
         sock = self._sock
         if sock is None:
             raise TransportError(f"{self.name}: no request to {self.endpoint} is waiting for its reply")
-        ready = sock.poll(0)
-        while not ready:
+        # One blocking receive per slice (RCVTIMEO), not a poll and then a receive: a reply costs one call
+        # into ZeroMQ, and one hand-over of the GIL, on a thread that shares it with training.
+        reply = None
+        while reply is None:
             if cancelled():
                 self.reset()
                 raise RequestCancelled(f"{self.name}: request {request_id} to {self.endpoint} cancelled")
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            wait_ms = max(1, int(min(remaining, POLL_SLICE_S) * 1000)) if remaining > 0 else 0
+            try:
+                reply = self._receive(sock, wait_ms)
+            except zmq.ZMQError as exc:
+                self.reset()
+                raise TransportError(f"{self.name}: receive from {self.endpoint} failed: {exc}") from exc
+            if reply is None and remaining <= 0:  # nothing had arrived by the deadline
                 self.reset()
                 raise RequestTimeout(f"{self.name}: no reply from {self.endpoint} for request {request_id}")
-            ready = sock.poll(max(1, int(min(remaining, POLL_SLICE_S) * 1000)))
-        try:
-            reply = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            self.reset()
-            raise TransportError(f"{self.name}: receive from {self.endpoint} failed: {exc}") from exc
         if not reply:
             raise ProtocolError("bad_reply", f"from {self.endpoint}: an empty message")
         try:
@@ -129,6 +132,21 @@ class Channel:
         except ProtocolError as exc:
             raise ProtocolError("bad_reply", f"from {self.endpoint}: a {header.kind} reply: {exc.detail}") from None
         return Response(header, payloads)
+
+    def _receive(self, sock: zmq.Socket, wait_ms: int) -> list[zmq.Frame] | None:
+        """A whole message, waiting at most `wait_ms` (0: only one already here); None if none came."""
+        if wait_ms == 0:
+            try:
+                return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+        if wait_ms != self._rcvtimeo:
+            sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._rcvtimeo = wait_ms
+        try:
+            return sock.recv_multipart(copy=False)  # the later frames of a message arrive with its first
+        except zmq.Again:
+            return None
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -148,6 +166,7 @@ class Channel:
                 sock.close(linger=0)
                 raise TransportError(f"{self.name}: cannot connect to {self.endpoint}: {exc}") from exc
             self._sock = sock
+            self._rcvtimeo = -1  # ZeroMQ's default: wait forever (every receive here sets its own)
         return self._sock
 
     def reset(self) -> None:

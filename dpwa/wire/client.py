@@ -167,7 +167,7 @@ def _run(call: Call, channels: _Channels, cancelled: Callable[[], bool], sent: _
             response = first.channel.receive(first.request_id, end, accept=first.accept, cancelled=cancelled)
         else:
             channel = channels.get(task.peer)  # a task may move on to another peer between requests
-            request_id = secrets.randbits(64)
+            request_id = channels.next_id()
             response = channel.request(make_frames(request_id), request_id, end, accept=accept, cancelled=cancelled)
         if response.header.kind == "error":
             raise Refused(response.header["reason"], response.header["detail"])
@@ -209,6 +209,12 @@ class _Channels:
         self._ctx, self.endpoints, self.name = context, endpoints, name
         self._max_reply_bytes, self._socket_options = max_reply_bytes, socket_options
         self._channels: dict[str, Channel] = {}
+        self._last_id = secrets.randbits(64)  # request ids count on from a random start: none repeats
+
+    def next_id(self) -> int:
+        """A request id for this thread's next request: never 0 (the id of an error that answers none)."""
+        self._last_id = (self._last_id + 1) & 0xFFFF_FFFF_FFFF_FFFF or 1
+        return self._last_id
 
     def get(self, peer: str) -> Channel:
         channel = self._channels.get(peer)
@@ -295,7 +301,7 @@ class DirectClient:
         call = DirectCall(task, self, None)
         try:
             channel = self._channels.get(task.peer)
-            request_id = secrets.randbits(64)
+            request_id = self._channels.next_id()
             frames, accept = task.first_request(request_id)
             channel.send(frames, request_id, task.deadline)
             sent = _Sent(channel, request_id, accept)

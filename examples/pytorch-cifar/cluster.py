@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -34,17 +32,8 @@ import models  # noqa: E402
 import schedule as training_schedule  # noqa: E402
 import text as texts  # noqa: E402
 
-import dpwa.config  # noqa: E402
-import dpwa.mixing.pairing  # noqa: E402
-from dpwa import ConfigError, load_config, parse_config  # noqa: E402
-from dpwa.cluster import checkpoints, launch, processes  # noqa: E402
-from dpwa.cluster.keys import key_nodes  # noqa: E402
-from dpwa.cluster.private import make_private_dir, make_private_file  # noqa: E402
-from dpwa.mixing import rules  # noqa: E402
-from dpwa.wire.endpoints import is_loopback  # noqa: E402
-
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(dpwa.config.Config)}  # dpwa's, shown in --help
-PRESET_KEYS = ("mode", "rule", "pairing", "wire_dtype", "period")  # options that leave a preset's keys alone
+from dpwa import ConfigError  # noqa: E402
+from dpwa.cluster import checkpoints, launch, runner  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = (
@@ -63,85 +52,17 @@ TRAIN_OPTIONS = (
 )
 
 
-def default_nodes() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(2, cores)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="./run.sh",
-        description="Start a local dpwa training cluster of the pytorch-cifar example.",
+        usage="./run.sh [options]  (the example)  |  ./run.sh [options] -- COMMAND [ARG ...]  (your own script)",
+        description="Start a local dpwa training cluster of the pytorch-cifar example. To run a script of your "
+        "own on the cluster instead, give it after '--': ./run.sh --nodes 4 -- python my_train.py (python -m dpwa "
+        "run --help).",
         epilog="Every node's own options: .venv/bin/python examples/pytorch-cifar/train.py --help",
     )
-    g = p.add_argument_group("cluster")
-    g.add_argument(
-        "--nodes", type=int, help=f"number of nodes (default: one per core, at least 2; here {default_nodes()})"
-    )
-    g.add_argument(
-        "--host", default="127.0.0.1", help="address the nodes listen on and reach each other at (default: %(default)s)"
-    )
-    g.add_argument("--base-port", type=int, help="ports BASE..BASE+N-1 (default: free ports picked at start)")
-    g.add_argument(
-        "--config", type=Path, help="use this cluster config (hosts, ports, settings) instead of writing one"
-    )
-    g.add_argument("--only", help="with --config: the comma-separated nodes to start on this machine (default: all)")
-    g.add_argument(
-        "--fetch-probability", type=float, default=1.0, help="config: chance of a fetch per step (default: %(default)s)"
-    )
-    g.add_argument("--timeout-ms", type=int, default=1000, help="config: deadline of one fetch (default: %(default)s)")
-    g.add_argument(
-        "--interpolation",
-        default="constant",
-        choices=("constant", "clock", "loss"),
-        help="config: how the blend factor is chosen (default: %(default)s)",
-    )
-    g.add_argument(
-        "--factor", type=float, default=0.5, help="config: constant.value, the blend factor f (default: %(default)s)"
-    )
-    g.add_argument(
-        "--mode",
-        default=None,
-        choices=dpwa.config.MODES,
-        help=f"config: symmetric (both sides move) or pull (only the requester; the original's) "
-        f"(default: {DEFAULTS['mode']})",
-    )
-    g.add_argument(
-        "--rule",
-        "--blend",
-        dest="rule",
-        default=None,
-        help=f"config: the mixing rule: {', '.join(sorted(rules.builtin()))}, or module.path:ClassName "
-        f"(docs/rules.md); --blend is its older name (default: {DEFAULTS['rule']})",
-    )
-    g.add_argument(
-        "--pairing",
-        default=None,
-        choices=dpwa.mixing.pairing.PAIRINGS,
-        help="config: auto (hypercube for 2, 4, 8, ... nodes, else random), random (a peer by score; in mode "
-        "symmetric a node starts in half its steps), or hypercube (a power of two of nodes) "
-        f"(default: {DEFAULTS['pairing']})",
-    )
-    g.add_argument(
-        "--wire-dtype",
-        default=None,
-        choices=dpwa.config.WIRE_DTYPES,
-        help=f"config: dtype of parameters on the wire (default: {DEFAULTS['wire_dtype']})",
-    )
-    g.add_argument(
-        "--period",
-        type=int,
-        default=None,
-        help=f"config: start an exchange every PERIOD steps (default: {DEFAULTS['period']})",
-    )
-    g.add_argument(
-        "--preset",
-        default=DEFAULTS["preset"],
-        choices=dpwa.config.PRESETS,
-        help="config: low_bandwidth (period 8, int8) or original (the 2017 rule: pull, state, random); the "
-        "options above given explicitly win (default: %(default)s)",
-    )
-    g = p.add_argument_group("failures")
+    runner.add_launch_options(p)  # the cluster, failures, the dashboard, the processes: as python -m dpwa run
+    g = p.add_argument_group("this example's run")
     g.add_argument(
         "--resume",
         type=Path,
@@ -149,54 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="continue RUN_DIR (its config and options) from its latest complete checkpoint",
     )
     g.add_argument(
-        "--restarts",
-        type=int,
-        default=0,
-        help="start a node that dies again, up to this many times each; it rejoins from its peers "
-        "(default: %(default)s)",
-    )
-    g.add_argument(
-        "--chaos",
-        type=float,
-        nargs="?",
-        const=8.0,
-        metavar="SECONDS",
-        help="chaos mode: SIGKILL a random training node every SECONDS on average (default 8), and "
-        "start it again (needs --restarts N; default then 3)",
-    )
-    g.add_argument("--chaos-seed", type=int, help="the randomness of --chaos (default: a new one each run)")
-    g.add_argument(
         "--barrier-timeout-s", type=float, help="how long nodes wait for missing ones at a barrier (default: 300)"
-    )
-    g = p.add_argument_group("dashboard")
-    g.add_argument(
-        "--dashboard",
-        action="store_true",
-        help="serve a live web page of the cluster on 127.0.0.1 while it runs (prints its URL; "
-        "it stops with the cluster)",
-    )
-    g.add_argument("--dashboard-port", type=int, default=0, help="the dashboard's port (default: a free one)")
-    g.add_argument(
-        "--allow-kill",
-        action="store_true",
-        help="with --dashboard: a kill button per node (SIGKILL, as --chaos does), behind a secret "
-        "token in the printed URL",
-    )
-    g = p.add_argument_group("processes")
-    g.add_argument("--detach", action="store_true", help="leave the cluster in the background and return")
-    g.add_argument("--no-pin", action="store_true", help="do not pin each node to its own core")
-    g.add_argument(
-        "--grace",
-        type=float,
-        default=10.0,
-        help="seconds between SIGTERM and SIGKILL when stopping (default: %(default)s)",
-    )
-    g.add_argument("--runs-dir", type=Path, default=Path("runs"), help="where run folders go (default: %(default)s)")
-    g.add_argument(
-        "--print-every",
-        type=float,
-        default=10.0,
-        help="seconds between progress lines when the output is not a terminal (default: %(default)s)",
     )
     g = p.add_argument_group("training (passed to every train.py)")
     g.add_argument(
@@ -247,22 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--linger-s", type=float, help="how long a finished node may keep serving slower peers (default: 60)"
     )
     args = p.parse_args(argv)
-    if args.config is None and args.only:
-        p.error("--only needs --config (without --config every node runs here)")
-    if args.config is not None and (args.nodes or args.base_port):
-        p.error("--nodes and --base-port describe a generated config; with --config the file says both")
-    if args.nodes is not None and args.nodes < 1:
-        p.error(f"--nodes must be at least 1, got {args.nodes}")
-    if args.base_port is not None and not 1 <= args.base_port <= 65536 - (args.nodes or default_nodes()):
-        p.error(f"--base-port must leave room for every node below 65536, got {args.base_port}")
-    if args.grace < 0:
-        p.error(f"--grace must be >= 0, got {args.grace}")
-    if args.chaos is not None and args.chaos <= 0:
-        p.error(f"--chaos takes a mean interval in seconds > 0, got {args.chaos}")
-    if args.chaos is not None and not args.restarts:
-        args.restarts = 3
-    if args.restarts < 0:
-        p.error(f"--restarts must be >= 0, got {args.restarts}")
+    runner.check_launch_options(p, args)
     args.auto_data = args.data == "auto" and args.workload is None
     try:
         args.workload, args.data = texts.resolve_workload(args.workload, args.data, args.data_dir)
@@ -277,57 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--resume continues a run with its own training options; only --epochs may change "
                 f"(got {', '.join(changed)})"
             )
-    if (args.allow_kill or args.dashboard_port) and not args.dashboard:
-        p.error("--allow-kill and --dashboard-port go with --dashboard")
-    if not 0 <= args.dashboard_port <= 65535:
-        p.error(f"--dashboard-port must be in 0..65535, got {args.dashboard_port}")
     return args
-
-
-def cluster_config(args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """The cluster configuration in mapping form, and the nodes to start here."""
-    if args.config is not None:
-        config = load_config(args.config)  # a ConfigError says what is wrong
-        mapping = config.to_mapping()  # every setting, keys included, whatever the file's layout
-        local = [n.strip() for n in args.only.split(",")] if args.only else []
-        for name in local:
-            config.node(name)  # a ConfigError names the file and the known nodes
-        return mapping, local
-    count = args.nodes or default_nodes()
-    if args.base_port is not None:
-        ports = list(range(args.base_port, args.base_port + count))
-        processes.check_ports_free(args.host, ports)
-    else:
-        ports = processes.free_ports(count, args.host)
-    nodes = [{"name": f"w{i + 1}", "host": args.host, "port": port} for i, port in enumerate(ports)]
-    mapping = {
-        "nodes": nodes,
-        "fetch_probability": args.fetch_probability,
-        "timeout_ms": args.timeout_ms,
-        "interpolation": args.interpolation,
-        "constant": {"value": args.factor},
-        "preset": args.preset,
-        # only the options given: a preset sets the others (and dpwa's defaults the rest)
-        **{key: getattr(args, key) for key in PRESET_KEYS if getattr(args, key) is not None},
-    }
-    # --fetch-probability 2 fails here, before any file is written (keys come later, in the run folder)
-    parse_config({**mapping, "insecure": True}, source="./run.sh options")
-    return mapping, []
-
-
-def supervision(args: argparse.Namespace) -> dict[str, Any]:
-    """How the launcher watches the nodes (restarts, chaos, stopping, printing, the dashboard): this
-    invocation's options, for a new run and a resumed one alike."""
-    return {
-        "restarts": args.restarts,
-        "chaos_s": args.chaos or 0.0,
-        "chaos_seed": args.chaos_seed,
-        "grace_s": args.grace,
-        "print_every_s": args.print_every,
-        "dashboard": args.dashboard,
-        "dashboard_port": args.dashboard_port,
-        "dashboard_kill": args.allow_kill,
-    }
 
 
 def resume(args: argparse.Namespace) -> int:
@@ -351,7 +160,7 @@ def resume(args: argparse.Namespace) -> int:
             dataclasses.replace(
                 spec,
                 command=command,
-                **supervision(args),
+                **runner.supervision(args),
             )
         )
     except (ConfigError, OSError, ValueError, checkpoints.CheckpointError) as exc:
@@ -417,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         return resume(args)
     data = args.data
     try:
-        config, local = cluster_config(args)
+        config, local = runner.cluster_config(args, source="./run.sh options")
+        print(
+            f"dpwa: training the example ({HERE.relative_to(HERE.parent.parent)}/train.py) on "
+            f"{len(local) or len(config['nodes'])} nodes; a script of your own: ./run.sh [options] -- python SCRIPT",
+            flush=True,
+        )
         if args.auto_data and args.workload == "digits":
             print(
                 "dpwa: CIFAR-10 is not prepared (examples/pytorch-cifar/prepare.sh), so the nodes train on the "
@@ -426,16 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         warn_few_steps(args, data, len(config["nodes"]))
         run_dir = launch.new_run_dir(args.runs_dir)
-        if args.config is None and not is_loopback(args.host):
-            # Other machines can reach these nodes: they authenticate and encrypt with keys made for this run.
-            make_private_dir(run_dir / "keys", base=run_dir)
-            for key_file in key_nodes(config["nodes"], run_dir / "keys"):  # the secret ones are 0600 already
-                make_private_file(key_file.with_suffix(".key"))  # and the public ones too: a run folder's files
-            print(
-                f"dpwa: {args.host} can be reached from other machines: CURVE keys for every node are in "
-                f"{run_dir / 'keys'}",
-                flush=True,
-            )
+        runner.key_run(args, config, run_dir)
         # The CIFAR-10 folder only where the nodes read it: hints built from these commands name the data used.
         data_dir = ["--data-dir", str(args.data_dir.resolve())] if data == "cifar10" else []
         command = [
@@ -465,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 local=local,
                 finish_command=[sys.executable, str(HERE / "evaluate.py"), "{run_dir}", *data_dir],
                 pin=not args.no_pin,
-                **supervision(args),
+                **runner.supervision(args),
             )
         )
     except (ConfigError, OSError) as exc:

@@ -30,10 +30,8 @@ the adapter; a second signal stops it at once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import io
-import json
 import logging
 import math
 import os
@@ -56,7 +54,8 @@ from evaluate import checkpoint, evaluate
 import dpwa
 from dpwa import DpwaPyTorchAdapter, TransportError
 from dpwa.cluster import checkpoints
-from dpwa.cluster.private import make_private_dir, open_private, write_private
+from dpwa.runfiles.metrics import MetricsWriter, StepMetrics
+from dpwa.runfiles.private import make_private_dir, write_private
 
 # Defaults per dataset (digits, cifar10, charlm), and how they change with the number of nodes:
 # schedule.py (on digits the learning rate grows with the nodes, with a warm-up; the warning when --epochs
@@ -193,40 +192,6 @@ class StopFlag:
 
     def __bool__(self) -> bool:
         return self.signal_name is not None
-
-
-class Metrics:
-    """One JSON object per line in RUN_DIR/metrics/NAME.jsonl, flushed at once (nothing without a run dir)."""
-
-    def __init__(self, run_dir: Path | None, node: str) -> None:
-        self.node = node
-        self.dropped = 0  # lines lost to write errors (a full disk)
-        self._fh = None
-        if run_dir is not None:  # the folder 0700, the file 0600: this user's alone
-            make_private_dir(run_dir / "metrics", base=run_dir)
-            self._fh = open_private(run_dir / "metrics" / f"{node}.jsonl", "a")  # closed by close()
-
-    def write(self, kind: str, **fields: object) -> None:
-        if self._fh is None:
-            return
-        line = json.dumps({"kind": kind, "t": round(time.time(), 3), "node": self.node, **fields}) + "\n"
-        try:
-            self._fh.write(line)
-            self._fh.flush()
-        except OSError as exc:  # a full disk loses metrics lines, never the training
-            if not self.dropped:
-                logging.getLogger("train").warning(
-                    "%s: %s: a metrics line was lost (%s); training goes on",
-                    self.node,
-                    self._fh.name,
-                    exc.strerror or exc,
-                )
-            self.dropped += 1
-
-    def close(self) -> None:
-        if self._fh is not None:
-            with contextlib.suppress(OSError):  # the last flush may meet a full disk too
-                self._fh.close()
 
 
 def params_blake2b(net: torch.nn.Module) -> str:
@@ -448,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: %s", args.name, exc)
         conn.close()
         return 2
-    metrics = Metrics(args.run_dir, args.name)
+    metrics = MetricsWriter(args.run_dir, args.name)  # dpwa.runfiles.metrics: the lines every tool reads
     sizes = (
         {"train_chars": len(data.train), "valid_chars": data.valid_chars}
         if charlm
@@ -496,19 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     step, loss_value = progress["step"], None
-    averaged_before, failed = progress["averaged"], progress["failed"]
-
-    def exchanges(counts: dict[str, Any] | None = None) -> tuple[int, dict[str, int]]:
-        """Exchanges that moved this node since the run began, in all and per peer: those it started and, in
-        mode symmetric, those a peer started with it (the node's own counters, on top of what the run had
-        counted before a resume)."""
-        counts = conn.stats() if counts is None else counts
-        moved = counts.get("averaged", 0) + counts.get("mirrored", 0)
-        return averaged_before + moved, {p: row["averaged"] for p, row in counts["peers"].items() if row["averaged"]}
-
+    # the step and end lines, from the node's counters on top of what the run counted before a resume
+    meter = StepMetrics(
+        metrics, conn.stats, args.log_every, averaged_before=progress["averaged"], failed_before=progress["failed"]
+    )
+    exchanges = meter.exchanges
     averaged, averaged_with = exchanges()
-    window_losses: list[float] = []
-    window_start, window_averaged = time.monotonic(), averaged
     train_start = time.monotonic()
     epoch, reason = progress["epoch"], "error"
     completed = progress["epoch"]  # the last epoch whose steps all ran (a stopped node goes on after it)
@@ -547,27 +505,16 @@ def main(argv: list[str] | None = None) -> int:
                 schedule.step()
                 loss_value = loss.item()
                 update = conn.update_wait(loss_value)
-                if not update.averaged and update.outcome != "no_fetch":
-                    failed += 1
                 step += 1
-                window_losses.append(loss_value)
-                if step % args.log_every == 0 or epoch_step == steps:
-                    now = time.monotonic()
-                    averaged, averaged_with = exchanges()
-                    metrics.write(
-                        "step",
-                        epoch=epoch,
-                        step=step,
-                        epoch_step=epoch_step,
-                        loss=sum(window_losses) / len(window_losses),
-                        lr=optimizer.param_groups[0]["lr"],
-                        averaged=averaged,
-                        failed=failed,
-                        peers=dict(averaged_with),
-                        exchanges_per_s=(averaged - window_averaged) / max(now - window_start, 1e-9),
-                        clock=update.clock,
-                    )
-                    window_losses, window_start, window_averaged = [], now, averaged
+                meter.step(
+                    step,
+                    loss_value,
+                    update,
+                    force=epoch_step == steps,
+                    epoch=epoch,
+                    epoch_step=epoch_step,
+                    lr=optimizer.param_groups[0]["lr"],
+                )
             if stop:
                 break
             completed = epoch  # counted at the barrier below: a node stopped there resumes with the next epoch
@@ -576,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             if stop:
                 break
             if args.run_dir is not None:
-                progress.update(epoch=epoch, step=step, averaged=averaged, failed=failed)
+                progress.update(epoch=epoch, step=step, averaged=averaged, failed=meter.failed)
                 try:
                     saved = checkpoints.save(
                         args.run_dir, epoch, args.name, node_state(net, optimizer, schedule, order, conn, progress)
@@ -617,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss_value if loss_value is not None else float("nan"),
                 measured,
                 averaged,
-                failed,
+                meter.failed,
             )
         # Once per node: a node restarted after its exit barrier (its counters restored) does not wait again.
         skipped = barrier("exit") if not stop and conn.barrier_counters().get("exit", 0) == 0 else []
@@ -647,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:
                 log.error("%s: %s: final weights not saved (%s)", args.name, saved, exc.strerror or exc)
         if stop and args.run_dir is not None:  # stopped mid-run: keep our state for a restart (torchrun's, say)
-            progress.update(epoch=completed, step=step, averaged=averaged, failed=failed)
+            progress.update(epoch=completed, step=step, averaged=averaged, failed=meter.failed)
             try:
                 checkpoints.save(
                     args.run_dir,
@@ -657,16 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             except checkpoints.CheckpointError as exc:  # a restart takes the last complete epoch instead
                 log.error("%s: state at stop not saved: %s", args.name, exc)
-        metrics.write(
-            "end",
-            reason=reason,
-            epoch=epoch,
-            step=step,
-            averaged=averaged,
-            failed=failed,
-            peers=dict(averaged_with),
-            stats=json.loads(json.dumps(stats, default=str)),
-        )
+        meter.end(reason, stats, epoch=epoch, step=step)
         metrics.close()
         log.info(
             "%s: %s after %d steps; averaged %d times (%s), %d fetches failed",
@@ -675,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             step,
             averaged,
             ", ".join(f"{p}: {n}" for p, n in sorted(averaged_with.items())) or "none",
-            failed,
+            meter.failed,
         )
     return 130 if reason.endswith("second SIGINT") else 0
 

@@ -5,7 +5,9 @@ is sent again (on a fresh socket) until ``unreachable_s`` passed, then raises
 :class:`MasterUnreachable`. Resending is safe: gradient reports carry a
 sequence number and a resent ``done`` is recognized, so the master never
 counts one twice (see :mod:`.master`). A refusal from the master raises
-:class:`~.master.Refusal` with the master's reason.
+:class:`~.master.Refusal` with the master's reason, except ``busy`` (the
+master's ZeroMQ still holds earlier replies to this worker), which is asked
+again after a pause of 1 ms doubling to 50 ms, within ``unreachable_s``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from . import protocol as m
 from .master import Accepted, Assignment, NoMoreTask, Refusal, Segment, Wait
 
 __all__ = ["MasterClient", "MasterUnreachable"]
+
+
+BUSY_PAUSE_MAX_S = 0.05  # the longest pause before asking again after a busy refusal
 
 
 class MasterUnreachable(TransportError):
@@ -77,6 +82,7 @@ class MasterClient:
         self.bytes_sent = 0  # tensor bytes (payload frames), as every system counts them
         self.bytes_received = 0
         self.resent = 0  # requests sent again after no reply
+        self.busy_retries = 0  # requests asked again after a busy refusal (unsent replies not yet released)
 
     def close(self) -> None:
         """Close the channel's socket (linger 0) and a private context. Idempotent."""
@@ -96,6 +102,7 @@ class MasterClient:
         self, make_frames: Callable[[int], Sequence[Any]], accept: Mapping[str, MessageKind], what: str
     ) -> Response:
         start = time.monotonic()
+        busy = 0  # busy refusals of this request so far
         while True:
             request_id = secrets.randbits(64)
             frames = make_frames(request_id)
@@ -112,6 +119,16 @@ class MasterClient:
                 continue
             self.bytes_sent += sum(memoryview(f).nbytes for f in frames[1:])  # tensor frames, not headers
             self.bytes_received += sum(len(f) for f in response.frames)
+            if response.header.kind == "error" and response.header["reason"] == "busy":
+                # The master's ZeroMQ still holds our earlier replies (it learns of their release from pyzmq's
+                # garbage-collector thread, which lags on a loaded machine): ask again soon, as long as the
+                # master answers at all. Nothing was done for this request.
+                if time.monotonic() - start > self.unreachable_s:
+                    raise Refusal(response.header["reason"], response.header["detail"])
+                self.busy_retries += 1
+                time.sleep(min(BUSY_PAUSE_MAX_S, 0.001 * 2 ** min(busy, 10)))  # a bounded back-off, not a wait
+                busy += 1
+                continue
             if response.header.kind == "error":
                 raise Refusal(response.header["reason"], response.header["detail"])
             return response

@@ -1,0 +1,196 @@
+"""python -m dpwa run (and ./run.sh -- ...): a script of the user's own, once per node of a local cluster.
+
+The script (tests/helpers/gossip_script.py, or examples/minimal.py) has no dpwa options: it finds its
+config, name and run folder in the environment, and gossip_optimizer writes its metrics lines, so the
+launcher's live table, summary and chaos mode treat it as they treat the example. Every process started
+is found through the run folder's PID files and killed by PID when a test ends (test_cluster.reap).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cluster import alive, metrics, reap
+
+from conftest import HELPERS, ROOT
+from dpwa.cluster import runner
+from dpwa.runfiles.metrics import MetricsError, MetricsWriter
+
+SCRIPT = HELPERS / "gossip_script.py"
+
+
+def dpwa_run(runs: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dpwa", "run", "--runs-dir", str(runs), *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("DPWA_")},
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        },
+    )
+
+
+def finish(proc: subprocess.Popen, runs: Path, timeout_s: float) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        reap(proc, runs)
+    return out
+
+
+def results(run_dir: Path, marker: str) -> dict[str, dict]:
+    """Each node's last ``marker {json}`` line of its log."""
+    found = {}
+    for log in sorted((run_dir / "logs").glob("w*.log")):
+        lines = [line for line in log.read_text().splitlines() if line.startswith(marker + " ")]
+        if lines:
+            found[log.stem] = json.loads(lines[-1].split(" ", 1)[1])
+    return found
+
+
+def test_without_a_command_it_says_to_give_one_after_the_double_dash(tmp_path):
+    proc = dpwa_run(tmp_path / "runs", "--nodes", "2")
+    out = finish(proc, tmp_path / "runs", 60)
+    assert proc.returncode == 2
+    assert "give the command each node runs after '--'" in out
+    assert not (tmp_path / "runs").exists()  # nothing started, no run folder
+
+
+def test_the_example_launcher_names_the_double_dash_when_it_meets_a_script(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "pytorch-cifar" / "cluster.py"), "main.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "-- COMMAND" in proc.stderr and "unrecognized arguments: main.py" in proc.stderr
+
+
+def test_each_node_gets_its_config_name_and_run_folder_in_its_environment():
+    spec_env = runner.NODE_ENV
+    assert spec_env == {"DPWA_CONFIG": "{config}", "DPWA_NAME": "{name}", "DPWA_RUN_DIR": "{run_dir}"}
+
+
+def test_the_metrics_writer_refuses_a_line_that_does_not_fit_the_schema(tmp_path):
+    with MetricsWriter(tmp_path, "w1") as writer:
+        writer.write("step", step=3, loss=0.5, peers={"w2": 1})
+        with pytest.raises(MetricsError, match=r"step missing \(a 'step' line needs step\)"):
+            writer.write("step", loss=0.5)
+        with pytest.raises(MetricsError, match="averaged is -1, not a count"):
+            writer.write("step", step=4, averaged=-1)
+        with pytest.raises(MetricsError, match="loss is a string, not a number"):
+            writer.write("eval", step=4, loss="low")
+        with pytest.raises(MetricsError, match="not JSON"):
+            writer.write("custom", value=object())
+    lines = [json.loads(line) for line in (tmp_path / "metrics" / "w1.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["node"]) for r in lines] == [("step", 3, "w1")]  # the refused ones: none
+    assert (tmp_path / "metrics" / "w1.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+def test_outside_a_run_folder_the_writer_writes_nothing_but_still_checks():
+    writer = MetricsWriter.from_env("w1", environ={})
+    assert not writer.enabled
+    writer.write("eval", step=1, test_loss=0.3)
+    with pytest.raises(MetricsError):
+        writer.write("end")  # no reason
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_script_of_your_own_runs_on_the_cluster_and_shows_in_its_table(tmp_path):
+    """./run.sh --nodes 2 -- python examples/minimal.py: both nodes found their names (w1, w2), ranks 0 and 1
+    of 2, averaged, and wrote start, step and end lines that the live table and the summary show."""
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [
+            str(ROOT / "run.sh"),
+            "--runs-dir",
+            str(runs),
+            "--nodes",
+            "2",
+            "--print-every",
+            "1",
+            "--",
+            sys.executable,
+            str(ROOT / "examples" / "minimal.py"),
+        ],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("DPWA_")},
+    )
+    out = finish(proc, runs, 120)
+    assert proc.returncode == 0, out
+    run_dir = (runs / "latest").resolve()
+    found = results(run_dir, "minimal-result")
+    assert sorted(found) == ["w1", "w2"], out
+    assert {(r["name"], r["rank"], r["world_size"]) for r in found.values()} == {("w1", 0, 2), ("w2", 1, 2)}
+    assert all(r["averaged"] > 0 and r["last_loss"] < r["first_loss"] for r in found.values()), found
+    for node in ("w1", "w2"):
+        kinds = [r["kind"] for r in metrics(run_dir, node)]
+        assert kinds[0] == "start" and kinds[-1] == "end" and "step" in kinds, kinds
+        assert metrics(run_dir, node)[-1]["reason"] == "done"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [n["node"] for n in summary["nodes"]] == ["w1", "w2"]
+    assert all(n["state"] == "done" and n["averaged"] > 0 for n in summary["nodes"]), summary
+    assert "w1    done" in out and "w2    done" in out  # the live table's last rows
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert alive(runs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_chaos_kills_a_script_of_your_own_and_the_restarted_process_rejoins(tmp_path):
+    """python -m dpwa run --nodes 3 --chaos 1 --restarts 1 -- python gossip_script.py: the launcher kills
+    training nodes and starts them again; each restarted process joins the cluster from a live peer (its
+    start line says so), every node ends done, and the summary counts as many rejoins as kills."""
+    runs = tmp_path / "runs"
+    proc = dpwa_run(
+        runs,
+        "--nodes",
+        "3",
+        "--chaos",
+        "1",
+        "--chaos-seed",
+        "2",
+        "--restarts",
+        "1",
+        "--print-every",
+        "2",
+        "--",
+        sys.executable,
+        str(SCRIPT),
+        env={"STEPS": "4000"},
+    )
+    out = finish(proc, runs, 180)
+    assert proc.returncode == 0, out
+    run_dir = (runs / "latest").resolve()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["kills"] >= 1 and summary["restarts"] == summary["kills"], summary
+    assert summary["rejoins"] == summary["kills"], summary
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    killed = [e["node"] for e in events if e["kind"] == "kill"]
+    for node in killed:
+        starts = [r for r in metrics(run_dir, node) if r["kind"] == "start"]
+        assert len(starts) == 2 and starts[1]["started"].startswith("joined the cluster from w"), starts
+        assert starts[1]["clock"] > 0  # it took a trained peer's state, not a fresh one
+    found = results(run_dir, "script-result")
+    assert sorted(found) == ["w1", "w2", "w3"], out
+    for name, result in found.items():
+        assert result["env"]["DPWA_NAME"] == name and result["env"]["DPWA_RUN_DIR"] == str(run_dir)
+        assert result["env"]["DPWA_CONFIG"] == str(run_dir / "config.yaml")
+    assert all(metrics(run_dir, n)[-1]["reason"] == "done" for n in ("w1", "w2", "w3"))
+    assert alive(runs) == []
