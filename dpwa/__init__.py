@@ -14,9 +14,9 @@ The package, by layer:
   cluster's clock;
 * ``dpwa.integrations``: Lightning and Hugging Face callbacks (optional extras);
 * ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot, checkpoints, status);
-* ``dpwa.systems``: the other training systems on the same transport (a sync master, parameter servers,
+* ``dpwa.lab.systems``: the other training systems on the same transport (a sync master, parameter servers,
   all-reduce);
-* ``dpwa.compare``, ``dpwa.bench``, ``dpwa.sim``: the comparison, the benchmark and the simulator.
+* ``dpwa.lab.compare``, ``dpwa.lab.bench``, ``dpwa.lab.sim``: the comparison, the benchmark and the simulator.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import dpwa
-from dpwa.workloads.digits import load_digits
+from dpwa.lab.workloads.digits import load_digits
 
 EPOCHS, BATCH, TEST_ROWS = 10, 32, 297
 

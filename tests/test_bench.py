@@ -62,7 +62,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
         and "+work" in proc.stdout
     )
     # Its own nodes' warnings (deliberately odd configurations) go to the log it names, not between the tables.
-    assert proc.stdout.splitlines()[0] == f"dpwa.bench: the benchmark's own nodes log to {log}"
+    assert proc.stdout.splitlines()[0] == f"dpwa.lab.bench: the benchmark's own nodes log to {log}"
     logged = log.read_text()
     assert "insecure: true: serving" in logged and "fetch_probability is 0 with 2 nodes" in logged
     for noise in ("insecure: true", "fetch_probability is 0", "WARNING"):

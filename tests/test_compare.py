@@ -17,9 +17,9 @@ import pytest
 
 from conftest import ROOT
 from dpwa.cluster.processes import process_start, read_pid_file
-from dpwa.compare.__main__ import main
-from dpwa.compare.evaluation import states
-from dpwa.compare.runner import SYSTEMS, SystemRun
+from dpwa.lab.compare.__main__ import main
+from dpwa.lab.compare.evaluation import states
+from dpwa.lab.compare.runner import SYSTEMS, SystemRun
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,8 +89,8 @@ def test_the_json_has_the_documented_shape(quick):
 
 def negative_running_variance(snapshots: Path) -> bool:
     """Whether a node's saved state holds a BatchNorm running variance below zero (none should)."""
-    from dpwa.compare.workload import WorkloadSpec, load_workload
-    from dpwa.systems.layout import ModuleView
+    from dpwa.lab.compare.workload import WorkloadSpec, load_workload
+    from dpwa.lab.systems.layout import ModuleView
 
     spec = WorkloadSpec(data="digits", data_dir="", workers=2, epochs=1, batch_size=32, lr=0.05)
     layout = ModuleView(load_workload(spec).build_model()).layout

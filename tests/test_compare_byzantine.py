@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from conftest import ROOT
-from dpwa.compare.__main__ import config_from, main, parse_args
-from dpwa.compare.byzantine import OFFSET_STDS, attack_, byzantine_names, published_wrong
-from dpwa.compare.evaluation import states
-from dpwa.compare.report import table
-from dpwa.compare.runner import RunOptions, SystemRun, byzantine_workers, plan_processes
-from dpwa.compare.workload import WorkloadSpec
+from dpwa.lab.compare.__main__ import config_from, main, parse_args
+from dpwa.lab.compare.byzantine import OFFSET_STDS, attack_, byzantine_names, published_wrong
+from dpwa.lab.compare.evaluation import states
+from dpwa.lab.compare.report import table
+from dpwa.lab.compare.runner import RunOptions, SystemRun, byzantine_workers, plan_processes
+from dpwa.lab.compare.workload import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from dpwa.compare.__main__ import config_from, main, parse_args
-from dpwa.compare.comparison import EVALUATED_MODEL, FAULT_SCENARIOS, weighted_by_mass
-from dpwa.compare.evaluation import states
-from dpwa.compare.faults import FAULTS
-from dpwa.compare.report import mass_lines
-from dpwa.compare.runner import (
+from dpwa.config import parse_config
+from dpwa.lab.compare.__main__ import config_from, main, parse_args
+from dpwa.lab.compare.comparison import EVALUATED_MODEL, FAULT_SCENARIOS, weighted_by_mass
+from dpwa.lab.compare.evaluation import states
+from dpwa.lab.compare.faults import FAULTS
+from dpwa.lab.compare.report import mass_lines
+from dpwa.lab.compare.runner import (
     GOSSIP_SYSTEMS,
     KNOWN_SYSTEMS,
     OPT_IN_SYSTEMS,
@@ -32,8 +33,7 @@ from dpwa.compare.runner import (
     SystemRun,
     plan_processes,
 )
-from dpwa.compare.workload import WorkloadSpec
-from dpwa.config import parse_config
+from dpwa.lab.compare.workload import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(120)
 

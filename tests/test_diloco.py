@@ -96,7 +96,7 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
     Pseudo-gradients [0.5, -1] and [-0.5, 0]: mean [0, -0.5]; the outer step (0.7, 0.9): buf [0, -0.5],
     update [0, -0.5 - 0.45] = [0, -0.95], anchor [1, 2 + 0.665] = [1, 2.665] on both ranks.
     """
-    from dpwa.systems.diloco import DiLoCo
+    from dpwa.lab.systems.diloco import DiLoCo
 
     net = torch.nn.Linear(1, 2, bias=False)
     with torch.no_grad():
@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_ranks_synchronise_to_the_hand_computed_anchor(tmp_path):
-    from dpwa.systems.allreduce import launch
+    from dpwa.lab.systems.allreduce import launch
 
     launch(_rank, (str(tmp_path),), 2, workdir=tmp_path / "run", timeout_s=60)
     for rank in (0, 1):

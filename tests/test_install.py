@@ -67,7 +67,7 @@ def run(installed, *args, timeout=420):
 
 @pytest.mark.timeout(600)
 def test_the_package_is_imported_from_the_wheel_not_the_checkout(installed):
-    done = run(installed, "-c", "import dpwa, dpwa.workloads.images as i; print(dpwa.__file__); print(i.__file__)")
+    done = run(installed, "-c", "import dpwa, dpwa.lab.workloads.images as i; print(dpwa.__file__); print(i.__file__)")
     assert done.returncode == 0, done.stderr
     for path in done.stdout.split():
         assert "site-packages" in path and not path.startswith(str(ROOT)), path

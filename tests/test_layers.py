@@ -29,6 +29,7 @@ RANK = {
     "bench": 7,
     "sim": 7,
     "cli": 7,  # tools
+    "lab": 7,  # dpwa/lab/: systems, workloads, compare, bench and sim, each keeping its rank above
     "__main__": 8,
     "__init__": 8,
 }
@@ -40,8 +41,10 @@ def imports() -> dict[tuple[str, str], list[str]]:
     found: dict[tuple[str, str], list[str]] = {}
     for path in (ROOT / "dpwa").rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
-        me = parts[1] if len(parts) > 1 else "__init__"
         package = list(parts[:-1])
+        if parts[1:2] == ("lab",) and len(parts) > 3:  # the lab's packages keep their own layers
+            parts = parts[:1] + parts[2:]
+        me = parts[1] if len(parts) > 1 else "__init__"
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.ImportFrom):
@@ -54,6 +57,8 @@ def imports() -> dict[tuple[str, str], list[str]]:
                 names = [alias.name for alias in node.names]
             for name in names:
                 pieces = name.split(".")
+                if pieces[:2] == ["dpwa", "lab"] and len(pieces) > 2:
+                    pieces = pieces[:1] + pieces[2:]
                 if pieces[0] == "dpwa":
                     other = pieces[1] if len(pieces) > 1 else "__init__"
                     if other != me:

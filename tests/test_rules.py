@@ -13,10 +13,10 @@ import pytest
 from conftest import ROOT, filled, make_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
 from dpwa.config import ConfigError
+from dpwa.lab.sim.simulate import Gossip
 from dpwa.mixing.interpolation import Constant
 from dpwa.mixing.rules import Rule, RuleError, Side, builtin, rule_class
 from dpwa.mixing.rules.clipped import ClippedGossip
-from dpwa.sim.simulate import Gossip
 
 DOCS = ROOT / "docs" / "rules.md"
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from conftest import wait_until
-from dpwa.systems.layout import ModelLayout, ModuleView
-from dpwa.systems.optim import SGDSettings
-from dpwa.systems.ps import protocol as m
-from dpwa.systems.ps.blocks import BlockApplier, BlockUpdate
-from dpwa.systems.ps.server import ParameterServer
-from dpwa.systems.ps.sharding import make_plan
-from dpwa.systems.ps.trainer import PSTrainer
+from dpwa.lab.systems.layout import ModelLayout, ModuleView
+from dpwa.lab.systems.optim import SGDSettings
+from dpwa.lab.systems.ps import protocol as m
+from dpwa.lab.systems.ps.blocks import BlockApplier, BlockUpdate
+from dpwa.lab.systems.ps.server import ParameterServer
+from dpwa.lab.systems.ps.sharding import make_plan
+from dpwa.lab.systems.ps.trainer import PSTrainer
 from dpwa.wire.channel import Channel
 from dpwa.wire.endpoints import private_dir
 from dpwa.wire.schema import encode
@@ -297,9 +297,9 @@ def test_a_dead_server_is_marked_down_and_its_blocks_keep_their_values(servers):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_killed_trainer_does_not_stop_the_others(tmp_path):
-    from dpwa.compare.faults import KillProcess
-    from dpwa.compare.runner import RunOptions, run_system
-    from dpwa.compare.workload import WorkloadSpec, load_workload
+    from dpwa.lab.compare.faults import KillProcess
+    from dpwa.lab.compare.runner import RunOptions, run_system
+    from dpwa.lab.compare.workload import WorkloadSpec, load_workload
 
     spec = WorkloadSpec(
         data="digits", data_dir=str(tmp_path), workers=3, epochs=6, batch_size=32, lr=0.05, eval_points=4

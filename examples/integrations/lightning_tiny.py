@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpwa.integrations.lightning import DpwaCallback
+from dpwa.lab.workloads.digits import load_digits
 from dpwa.signals import stop_on_signals
-from dpwa.workloads.digits import load_digits
 
 HERE = Path(__file__).resolve().parent
 TEST_ROWS = 297  # the last rows of the digits: a test set every worker evaluates on

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import dpwa
-from dpwa.workloads.digits import load_digits
+from dpwa.lab.workloads.digits import load_digits
 
 
 def main() -> None:

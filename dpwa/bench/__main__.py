@@ -1,5 +1,0 @@
-import sys
-
-from .measure import main
-
-sys.exit(main())
