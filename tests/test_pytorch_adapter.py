@@ -286,3 +286,27 @@ def test_an_optimizer_state_that_does_not_fit_is_refused_with_a_reason():
     small = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="optimizer state for parameter|shape"):
         OptimizerState(torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9)).restore(meta, data)
+
+
+def test_a_node_checkpoint_round_trips_through_torch_save(adapters, make_cluster, tmp_path):
+    """checkpoint() holds the clock, the barrier counters, the outer step's and the rule's state, saved with the
+    model by torch.save and loaded with weights_only=True; restore_checkpoint() on a fresh node takes them back.
+    What is not a checkpoint is refused, naming what it got."""
+    cfg = make_cluster(2, outer="nesterov", period=1)
+    mine, net, _ = pair(adapters, cfg, 2.0, 6.0)
+    for _ in range(3):
+        mine.update_send(batch_size=32)
+        mine.update_wait()
+    saved = mine.checkpoint()
+    assert saved["clock"] == mine.clock > 0 and saved["outer"] is not None
+    torch.save({"model": net.state_dict(), "dpwa": saved}, tmp_path / "node.pt")
+    mine.close()
+    loaded = torch.load(tmp_path / "node.pt", weights_only=True)
+    again = adapters(filled_net(0.0), "w0", cfg)
+    again.net.load_state_dict(loaded["model"])
+    again.restore_checkpoint(loaded["dpwa"])
+    assert again.clock == saved["clock"]
+    assert again.barrier_counters() == saved["barriers"]
+    assert torch.equal(again.outer_state()["anchor"], saved["outer"]["anchor"])
+    with pytest.raises(ValueError, match="must be a mapping"):
+        again.restore_checkpoint([1, 2])  # a list, as a bad file could give

@@ -148,6 +148,15 @@ def test_a_script_of_your_own_runs_on_the_cluster_and_shows_in_its_table(tmp_pat
     assert all(n["state"] == "done" and n["averaged"] > 0 for n in summary["nodes"]), summary
     assert "w1    done" in out and "w2    done" in out  # the live table's last rows
     assert (run_dir / "curves.png").stat().st_size > 0
+    # what the dashboard draws from the run folder: each node's loss curve, and the mixing between them
+    from dpwa.cluster.observe import EventBoard, RunWatcher
+
+    watcher = RunWatcher(run_dir, ["w1", "w2"], EventBoard())
+    watcher.poll()
+    board = watcher.snapshot()
+    curves = board["curves"]["loss"]["nodes"]
+    assert set(curves) == {"w1", "w2"} and all(len(points) >= 2 for points in curves.values()), curves
+    assert {name: node["state"] for name, node in board["nodes"].items()} == {"w1": "done", "w2": "done"}
     assert alive(runs) == []
 
 
@@ -193,4 +202,34 @@ def test_chaos_kills_a_script_of_your_own_and_the_restarted_process_rejoins(tmp_
         assert result["env"]["DPWA_NAME"] == name and result["env"]["DPWA_RUN_DIR"] == str(run_dir)
         assert result["env"]["DPWA_CONFIG"] == str(run_dir / "config.yaml")
     assert all(metrics(run_dir, n)[-1]["reason"] == "done" for n in ("w1", "w2", "w3"))
+    assert alive(runs) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_resume_runs_the_same_command_again_in_the_same_folder(tmp_path):
+    """python -m dpwa run --resume RUN_DIR: the command the run was started with, in its folder, each node with
+    its name and DPWA_RESUME=1; a command given with --resume is refused (the run's own is what resumes)."""
+    runs = tmp_path / "runs"
+    first = dpwa_run(runs, "--nodes", "2", "--", sys.executable, str(SCRIPT), env={"STEPS": "40"})
+    out = finish(first, runs, 120)
+    assert first.returncode == 0, out
+    run_dir = (runs / "latest").resolve()
+    again = dpwa_run(runs, "--resume", str(run_dir), env={"STEPS": "40"})
+    out = finish(again, runs, 120)
+    assert again.returncode == 0, out
+    assert f"running {sys.executable} {SCRIPT} again in {run_dir}" in out
+    for node in ("w1", "w2"):
+        lines = [
+            line for line in (run_dir / "logs" / f"{node}.log").read_text().splitlines() if "script-result" in line
+        ]
+        assert len(lines) == 2, lines  # the log is appended to: both runs
+        envs = [json.loads(line.split(" ", 1)[1])["env"] for line in lines]
+        assert envs[0]["DPWA_RESUME"] is None and envs[1]["DPWA_RESUME"] == "1"
+        assert envs[1]["DPWA_NAME"] == node and envs[1]["DPWA_RUN_DIR"] == str(run_dir)
+        starts = [r for r in metrics(run_dir, node) if r["kind"] == "start"]
+        assert len(starts) == 2
+    refused = dpwa_run(runs, "--resume", str(run_dir), "--", "python", "other.py")
+    out = finish(refused, runs, 60)
+    assert refused.returncode == 2 and "leave out '-- python other.py'" in out
     assert alive(runs) == []

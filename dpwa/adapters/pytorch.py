@@ -564,6 +564,27 @@ class DpwaPyTorchAdapter:
             outer = {k: _numpy(f"a checkpoint's outer state: {k!r:.40}", v) for k, v in outer.items()}
         self.node.restore(clock, barriers, outer, rule)
 
+    def checkpoint(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the node, beside the model and the optimizer: its clock, barrier counters,
+        the outer step's state and the mixing rule's (tensors, numbers and strings only: ``torch.save`` it with
+        them, and load it with ``weights_only=True``). :meth:`restore_checkpoint` takes it back."""
+        return {
+            "clock": self.clock,
+            "barriers": self.barrier_counters(),
+            "outer": self.outer_state(),
+            "rule": self.rule_state(),
+        }
+
+    def restore_checkpoint(self, saved: Mapping[str, Any]) -> None:
+        """Resume from what :meth:`checkpoint` gave, after loading the model's weights (and its optimizer's state).
+        A checkpoint that has no ``rule`` (written before rule states were kept) leaves the rule's state as it is;
+        anything else that does not fit is refused, saying what (see :meth:`restore`)."""
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"a node checkpoint must be a mapping (from checkpoint()), got {type(saved).__name__}")
+        self.restore(
+            clock=saved.get("clock"), barriers=saved.get("barriers"), outer=saved.get("outer"), rule=saved.get("rule")
+        )
+
     def join(self, wait_s: float = 60.0) -> bool:
         """Take a trained peer's state now (parameters, optimizer state, clock, barriers). See Node.join."""
         return self.node.join(wait_s)

@@ -216,12 +216,7 @@ def node_state(
         "model": {k: v.detach().cpu() for k, v in net.state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
-        "dpwa": {
-            "clock": conn.clock,
-            "barriers": conn.barrier_counters(),
-            "outer": conn.outer_state(),
-            "rule": conn.rule_state(),
-        },
+        "dpwa": conn.checkpoint(),  # clock, barrier counters, the outer step's and the rule's state
         "progress": dict(progress),
         "rng": {"torch": torch.get_rng_state(), "order": order.get_state(), "python": random.getstate()},
     }
@@ -318,10 +313,7 @@ def load_checkpoint(
     conn.net.load_state_dict(state["model"])  # in place: the adapter keeps blending the same tensors
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
-    saved = state["dpwa"]
-    conn.restore(
-        clock=saved["clock"], barriers=saved["barriers"], outer=saved.get("outer"), rule=saved.get("rule")
-    )  # a checkpoint written before rule states were kept has no "rule": the rule's state is left as it is
+    conn.restore_checkpoint(state["dpwa"])
     order.set_state(state["rng"]["order"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
