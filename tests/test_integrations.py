@@ -294,3 +294,33 @@ def test_importing_the_integrations_package_needs_no_framework_and_a_missing_ext
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_under_dpwas_launcher_the_session_writes_the_nodes_metrics_lines(tmp_path, monkeypatch):
+    """With $DPWA_RUN_DIR set (python -m dpwa run sets it), the callbacks' session writes start, step and end
+    lines into RUN_DIR/metrics/NAME.jsonl, which the launcher's live table and the dashboard read."""
+    import json
+
+    import torch
+
+    from conftest import make_config
+    from dpwa.integrations.env import NodeEnv
+    from dpwa.integrations.session import AdapterSession
+
+    monkeypatch.setenv("DPWA_RUN_DIR", str(tmp_path))
+    config = make_config(1, mode="pull")
+    session = AdapterSession(NodeEnv(config, "w0"), {})
+    net = torch.nn.Linear(3, 2)
+    session.start(net)
+    try:
+        for step in range(7):
+            session.send()
+            session.wait(1.0 / (step + 1))
+    finally:
+        session.close(linger=True)
+    lines = [json.loads(line) for line in (tmp_path / "metrics" / "w0.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in lines] == ["start", "step", "step", "end"]
+    assert lines[0]["started"] == "started from the beginning" and lines[0]["rank"] == 0
+    assert [r["step"] for r in lines[1:3]] == [5, 7]  # every 5 steps, and the last at close
+    assert abs(lines[1]["loss"] - sum(1 / k for k in range(1, 6)) / 5) < 1e-9  # the mean since the last line
+    assert lines[3]["reason"] == "done" and lines[3]["step"] == 7 and lines[3]["stats"]["state"] == "closed"

@@ -116,15 +116,17 @@ def advertised_address(interface: str, master_addr: str, master_port: int) -> st
     return socket.inet_ntoa(packed[20:24])
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, 0))
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot bind a port on {host} ({exc.strerror}): is it an address of this machine?"
-            ) from None
-        return int(s.getsockname()[1])
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port on `host`, held (not listening) until every worker has published its own:
+    while it is held, the kernel hands that port to no other worker of this host (a port drawn and let go at
+    once could be drawn again by the next; CI saw two ranks publish the same one)."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+    except OSError as exc:
+        s.close()
+        raise ConfigError(f"cannot bind a port on {host} ({exc.strerror}): is it an address of this machine?") from None
+    return s
 
 
 class StartTimeout(TimeoutError):
@@ -169,27 +171,28 @@ def rendezvous(
 
     env = TorchrunEnv.from_environ(environ, config.source)
     host = advertised_address(config.interface, env.master_addr, env.master_port)
-    port = _free_port(host)
-    public, secret = zmq.curve_keypair()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
-    except Exception as exc:  # torch raises RuntimeError (or DistStoreError) with the reason
-        raise ConfigError(
-            f"{config.source}: cannot reach torchrun's store at {env.master_addr}:{env.master_port}: {exc}"
-        ) from None
-    prefix = dist.PrefixStore(f"dpwa/{env.run_id}/{env.restart_count}/", store)
-    entry = {"name": env.name, "host": host, "port": port, "public_key": public.decode()}
-    prefix.set(f"node/{env.rank}", json.dumps(entry))
-    keys = [f"node/{rank}" for rank in range(env.world_size)]
-    try:
-        prefix.wait(keys, timeout)
-    except Exception:
-        missing = [k for k in keys if not prefix.check([k])]
-        raise ConfigError(
-            f"{config.source}: {len(missing)} of {env.world_size} workers did not publish their endpoint within "
-            f"{timeout_s:.0f} s ({', '.join(k.split('/')[1] for k in missing[:8])} ...)"
-        ) from None
+    with _reserve_port(host) as reserved:  # let go once every worker has published: the node binds it next
+        port = int(reserved.getsockname()[1])
+        public, secret = zmq.curve_keypair()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+        except Exception as exc:  # torch raises RuntimeError (or DistStoreError) with the reason
+            raise ConfigError(
+                f"{config.source}: cannot reach torchrun's store at {env.master_addr}:{env.master_port}: {exc}"
+            ) from None
+        prefix = dist.PrefixStore(f"dpwa/{env.run_id}/{env.restart_count}/", store)
+        entry = {"name": env.name, "host": host, "port": port, "public_key": public.decode()}
+        prefix.set(f"node/{env.rank}", json.dumps(entry))
+        keys = [f"node/{rank}" for rank in range(env.world_size)]
+        try:
+            prefix.wait(keys, timeout)
+        except Exception:
+            missing = [k for k in keys if not prefix.check([k])]
+            raise ConfigError(
+                f"{config.source}: {len(missing)} of {env.world_size} workers did not publish their endpoint within "
+                f"{timeout_s:.0f} s ({', '.join(k.split('/')[1] for k in missing[:8])} ...)"
+            ) from None
     nodes = []
     for rank, key in enumerate(keys):
         try:

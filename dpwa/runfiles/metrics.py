@@ -120,7 +120,9 @@ class MetricsWriter:
             self._fh.flush()
         except OSError as exc:  # a full disk loses metrics lines, never the training
             if not self.dropped:
-                logger.warning("%s: %s: a metrics line was lost (%s); training goes on", self.node, self.path, exc)
+                logger.warning(
+                    "%s: %s: a metrics line was lost (%s); training goes on", self.node, self.path, exc.strerror or exc
+                )
             self.dropped += 1
 
     def close(self) -> None:
