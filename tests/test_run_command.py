@@ -66,6 +66,17 @@ def test_without_a_command_it_says_to_give_one_after_the_double_dash(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing started, no run folder
 
 
+def test_a_command_without_the_double_dash_is_shown_with_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        runner.main(["--nodes", "2", "python", "train.py", "--lr", "0.1"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "goes after '--': python -m dpwa run --nodes 2 -- python train.py --lr 0.1" in err
+    with pytest.raises(SystemExit):
+        runner.main(["--nodez", "2", "--", "python", "x.py"])  # a typo before '--' is just that
+    assert capsys.readouterr().err.strip().endswith("unrecognized arguments: --nodez 2")
+
+
 def test_the_example_launcher_names_the_double_dash_when_it_meets_a_script(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "pytorch-cifar" / "cluster.py"), "main.py"],

@@ -290,7 +290,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="RUN_DIR",
         help="start a stopped run's command again in its folder, with DPWA_RESUME=1 (leave out the command)",
     )
-    args = p.parse_args(options)
+    args, unknown = p.parse_known_args(options)
+    if unknown and command:
+        p.error(f"unrecognized arguments: {shlex.join(unknown)}")
+    if unknown:  # a command without the '--' before it: python -m dpwa run python train.py
+        known = options[: len(options) - len(unknown)] if options[-len(unknown) :] == unknown else []
+        p.error(
+            f"unrecognized arguments: {shlex.join(unknown)}; the command each node runs goes after '--': "
+            + " ".join(["python -m dpwa run", *map(shlex.quote, known), "--", shlex.join(unknown)])
+        )
     check_launch_options(p, args)
     args.command = command
     if args.resume is not None:
@@ -299,12 +307,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if args.config or args.nodes or args.base_port:
             p.error("--resume continues a run with its own config: leave out --config, --nodes and --base-port")
     elif not command:
-        hint = (
-            f" (did you mean: python -m dpwa run -- {shlex.join(options)}?)"
-            if options[:1] and not options[0].startswith("-")
-            else ""
-        )
-        p.error("give the command each node runs after '--': python -m dpwa run [options] -- python train.py" + hint)
+        p.error("give the command each node runs after '--': python -m dpwa run [options] -- python train.py")
     return args
 
 
