@@ -66,6 +66,10 @@ class _Conn:
     def rule_state(self) -> None:
         return None
 
+    def checkpoint(self) -> dict:
+        """As DpwaPyTorchAdapter.checkpoint gathers the four."""
+        return {"clock": self.clock, "barriers": self.barrier_counters(), "outer": None, "rule": None}
+
 
 def save_node(run_dir: Path, epoch: int | str, node: str, net: nn.Module) -> Path:
     """`node`'s checkpoint of `epoch` as train.py writes it: node_state(...), saved by checkpoints.save."""

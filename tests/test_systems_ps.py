@@ -322,4 +322,6 @@ def test_a_killed_trainer_does_not_stop_the_others(tmp_path):
         assert run.results[name]["trainer"]["pushes_failed"] == 0
     for server in ("ps0", "ps1"):
         applied = run.results[server]["samples"]
-        assert 2 * local < applied < 3 * local  # the survivors' and part of w2's
+        # the survivors' every step, and what w2 pushed before its kill: part of its steps (none at all on a machine
+        # so loaded that w2 had not pushed within its 0.5 s: CI saw exactly 2 * local once)
+        assert 2 * local <= applied < 3 * local
