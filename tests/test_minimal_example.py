@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,11 +81,10 @@ def test_the_minimal_example_trains_under_torchrun_and_both_ranks_average(tmp_pa
     text = log.read_text()
     assert code == 0, text[-3000:]
     results = {}
-    for line in text.splitlines():
-        _, found, rest = line.partition("minimal-result ")  # torchrun may prefix a worker's lines
-        if found:
-            result = json.loads(rest)
-            results[result["name"]] = result
+    decoder = json.JSONDecoder()
+    for match in re.finditer("minimal-result ", text):  # torchrun may prefix a worker's lines
+        result, _ = decoder.raw_decode(text, match.end())
+        results[result["name"]] = result
     assert sorted(results) == ["rank0", "rank1"], text[-3000:]
     for name, result in results.items():
         assert (result["rank"], result["world_size"]) == (int(name[-1]), 2), result
