@@ -103,6 +103,7 @@ def test_a_text_file_trains_through_the_comparisons_workload(tmp_path):
     )
     w = load_workload(spec)
     assert w.metric == "loss" and w.describe()["train_chars"] == 16_200
+    assert str(w.device_of(1)) == "cpu" and next(w.worker_model(1).parameters()).device.type == "cpu"
     batches = list(w.train_batches(1))
     assert len(batches) == 5 and batches[0][0].shape == (4, 32) and batches[0][0].dtype == torch.int64
     net = w.build_model()
@@ -185,6 +186,7 @@ def test_the_model_is_causal_and_counts_its_parameters():
     assert torch.allclose(a[:, :20], b[:, :20]) and not torch.allclose(a[:, 20:], b[:, 20:])
     assert sum(p.numel() for p in charlm.build("small").parameters()) == 191_296
     assert sum(p.numel() for p in net.parameters()) == 30_432
+    assert sum(p.numel() for p in charlm.build("medium").parameters()) == 4_935_936  # the GPU check's
     assert not list(net.buffers())
     with pytest.raises(ValueError, match="unknown charlm size 'huge'"):
         charlm.build("huge")
@@ -195,3 +197,22 @@ def test_the_model_is_causal_and_counts_its_parameters():
 def test_bits_per_character():
     assert charlm.bits(np.log(2)) == pytest.approx(1.0)
     assert charlm.bits(np.log(256)) == pytest.approx(8.0)
+
+
+def test_the_device_is_checked_and_cuda_without_a_gpu_is_refused_naming_it(tmp_path):
+    path = tmp_path / "mine.txt"
+    path.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 400)
+
+    def spec(device: str) -> WorkloadSpec:
+        return WorkloadSpec(
+            data=f"text:{path}", data_dir="", workers=2, epochs=1, batch_size=4, lr=0.1, model="tiny",
+            workload="charlm", eval_windows=8, device=device,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="device must be one of cpu, cuda, got 'tpu'"):
+        spec("tpu")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tests/test_cuda.py covers device cuda")
+    w = load_workload(spec("cuda"))
+    with pytest.raises(RuntimeError, match="device cuda: torch .* sees no GPU here"):
+        w.worker_model(0)

@@ -139,6 +139,35 @@ def test_bad_arguments_are_named(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_device_cuda_without_a_gpu_is_refused_before_anything_starts(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tests/test_cuda.py runs the comparison on it")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--device", "cuda", "--out", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: torch" in err and "sees no GPU here" in err and "use --device cpu" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_gpu_check_says_there_is_no_gpu_and_runs_nothing(tmp_path):
+    """scripts/gpu-check.sh on a machine without a GPU: exit status 2, the reason, and only gpu.txt written."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run scripts/gpu-check.sh itself")
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh"), str(out)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "torch.cuda.is_available() is False" in proc.stdout and "no usable GPU here" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["gpu.txt"]
+
+
 def test_an_output_folder_in_use_is_refused(tmp_path, capsys):
     (tmp_path / "something").write_text("x")
     assert main(["--out", str(tmp_path), "--systems", "gossip"]) == 2
@@ -176,3 +205,36 @@ def test_gossip_points_average_each_nodes_latest_snapshot_when_the_cluster_reach
     # without w1's per-step progress its snapshots say how far it got: the cluster reached 100 samples at
     # t = 2.0 (w0's 100), then 200 at 2.5 (w1's snapshot); the final model is w0's alone, w1 having died
     assert points == [(2.0, 100, 0.5), (2.5, 200, 3.0), (3.0, 250, 3.0)]
+
+
+def test_noloco_is_an_opt_in_gossip_system_at_its_authors_settings():
+    """--systems gossip-noloco: the defaults but an exchange every 10 steps and NoLoCo's outer step at lr 0.7,
+    momentum 0.3 (the settings of its authors' configs); the default run leaves it out."""
+    from dpwa.config import parse_config
+    from dpwa.lab.compare.__main__ import parse_args
+    from dpwa.lab.compare.runner import KNOWN_SYSTEMS, RunOptions, plan_processes
+    from dpwa.lab.compare.workload import WorkloadSpec
+
+    assert "gossip-noloco" in KNOWN_SYSTEMS and "gossip-noloco" not in SYSTEMS
+    assert parse_args(["--systems", "gossip,gossip-noloco"]).systems == ("gossip", "gossip-noloco")
+    spec = WorkloadSpec(data="digits", data_dir="", workers=4, epochs=1, batch_size=32, lr=0.05)
+    options = plan_processes("gossip-noloco", spec, RunOptions(), "t", Path("/nonexistent"))[0]
+    config = parse_config(options["gossip_config"], source="gossip-noloco")
+    default = parse_config(plan_processes("gossip", spec, RunOptions(), "t", Path("/x"))[0]["gossip_config"])
+    assert (config.period, config.outer, config.outer_lr, config.outer_momentum) == (10, "noloco", 0.7, 0.3)
+    for key in ("mode", "rule", "pairing", "wire_dtype", "interpolation", "timeout_ms"):
+        assert getattr(config, key) == getattr(default, key), key
+
+
+def test_the_long_profile_is_a_named_set_of_flags_that_given_flags_override(tmp_path):
+    from dpwa.lab.compare.__main__ import config_from, parse_args
+
+    args = parse_args(["--profile", "long", "--out", str(tmp_path / "o")])
+    assert (args.workload, args.steps, args.workers, args.time_limit_s) == ("charlm", 2000, 4, 3600.0)
+    assert args.systems == ("gossip", "gossip-lowbw", "allreduce", "diloco")
+    config = config_from(args)
+    from dpwa.lab.compare.tune import SPACES
+
+    assert config.spec.steps >= 100 * max(dict(SPACES["diloco"])["period"])  # 100 outer steps at any H tuned
+    mine = parse_args(["--profile", "long", "--steps", "300", "--systems", "gossip"])
+    assert (mine.steps, mine.systems, mine.workload) == (300, ("gossip",), "charlm")

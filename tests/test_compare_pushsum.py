@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_pushsum_is_a_gossip_system_that_the_default_run_leaves_out():
     assert GOSSIP_SYSTEMS["gossip-pushsum"] == {"mode": "pull", "rule": "pushsum"}
-    assert OPT_IN_SYSTEMS == ("gossip-pushsum",)
+    assert OPT_IN_SYSTEMS == ("gossip-pushsum", "gossip-noloco")
     assert "gossip-pushsum" not in SYSTEMS and "gossip-pushsum" in KNOWN_SYSTEMS
     assert SYSTEMS == ("gossip", "gossip-lowbw", "gossip-original", "sync-master", "async-ps", "allreduce", "diloco")
     assert parse_args([]).systems == SYSTEMS  # the default run is unchanged

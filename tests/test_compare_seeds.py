@@ -86,14 +86,24 @@ def test_every_system_gets_the_same_number_of_trials_its_defaults_first(tmp_path
 
 def test_a_trial_sets_what_it_names_and_nothing_else(tmp_path):
     config = config_from(parse_args(["--workers", "2", "--out", str(tmp_path / "o")]))
-    one = apply(config, "gossip", {"lr_scale": 2.0, "f": 0.25, "period": 4, "outer": "nesterov@0.5"}, seed=7)
+    one = apply(config, "gossip", {"lr_scale": 2.0, "f": 0.25, "period": 4, "outer": "nesterov@0.5/0.9"}, seed=7)
     assert one.systems == ("gossip",) and one.spec.seed == 7 and one.spec.lr == 2 * config.spec.lr
     assert dict(one.options.gossip_settings) == {
         "constant": {"value": 0.25},
         "period": 4,
         "outer": "nesterov",
         "outer_lr": 0.5,
+        "outer_momentum": 0.9,
     }
+    # NoLoCo's step at its authors' settings; a trial of gossip-noloco with outer none turns its step off
+    noloco = apply(config, "gossip", {"lr_scale": 1.0, "f": 0.5, "period": 10, "outer": "noloco@0.7/0.3"}, seed=7)
+    assert {k: v for k, v in noloco.options.gossip_settings if k.startswith("outer")} == {
+        "outer": "noloco",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.3,
+    }
+    off = apply(config, "gossip-noloco", {"lr_scale": 1.0, "f": 0.5, "period": None, "outer": "none"}, seed=7)
+    assert dict(off.options.gossip_settings)["outer"] == "none" and off.systems == ("gossip-noloco",)
     d = apply(config, "diloco", {"lr_scale": 0.5, "outer_lr": 0.3, "outer_momentum": 0.0, "period": 20}, seed=7)
     assert (d.options.outer_lr, d.options.outer_momentum, d.options.diloco_period) == (0.3, 0.0, 20)
     assert d.options.gossip_settings == config.options.gossip_settings

@@ -13,6 +13,7 @@ the repository root)::
     python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,gossip-lowbw,diloco,allreduce  # (root)
     python -m dpwa.compare --gossip-set mode=pull --gossip-set period=4    # try other dpwa settings
     python -m dpwa.compare --workload charlm --systems gossip,gossip-original,gossip-pushsum   # push-sum (opt-in)
+    python -m dpwa.compare --workload charlm --systems gossip,gossip-noloco,diloco --seeds 3   # NoLoCo (opt-in)
     python -m dpwa.compare --workload charlm --systems gossip --byzantine 1 --attack offset \
         --gossip-set rule=clipped --gossip-set 'rule_options={radius: auto}' --gossip-set mode=pull  # ClippedGossip
 
@@ -42,14 +43,14 @@ from .byzantine import ATTACKS
 from .comparison import CompareConfig, run_comparison
 from .links import LinksUnavailable, check_delay, check_root
 from .report import fault_lines, link_lines, mass_lines, plot, table, write_json
-from .runner import GOSSIP_SYSTEMS, KNOWN_SYSTEMS, OPT_IN_SYSTEMS, SYSTEMS, RunOptions
+from .runner import GOSSIP_SYSTEMS, KNOWN_SYSTEMS, SYSTEMS, RunOptions
 from .seeds import aggregate, plot_seeds, seeds_table
 from .tune import apply, tune
-from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, WorkloadSpec
+from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, DEVICES, WorkloadSpec
 
 TARGETS = {"digits": 0.97, "cifar10": 0.70}  # default target test accuracy per dataset
 WORKLOADS = ("digits", "cifar10", "charlm")
-CHARLM_MODELS = ("small", "tiny")  # dpwa.lab.workloads.charlm.SIZES
+CHARLM_MODELS = ("small", "tiny", "medium")  # dpwa.lab.workloads.charlm.SIZES
 
 
 def _systems(text: str) -> tuple[str, ...]:
@@ -89,14 +90,36 @@ def _positive_float(text: str) -> float:
     return value
 
 
+# Named sets of flags (--profile NAME): defaults that the command line's own flags override.
+PROFILES: dict[str, dict[str, Any]] = {
+    # charlm long enough for DiLoCo to take 100 outer steps at every H its tuning grid tries (5, 10, 20), sized
+    # to end within about two hours on a 2-core machine for the four systems (docs/comparison.md, "A long run")
+    "long": {
+        "workload": "charlm",
+        "steps": 2000,
+        "workers": 4,
+        "systems": ("gossip", "gossip-lowbw", "allreduce", "diloco"),
+        "time_limit_s": 3600.0,
+    },
+}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dpwa.compare", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--profile",
+        choices=tuple(PROFILES),
+        help="a named set of flags, which flags given override: long = --workload charlm --steps 2000 --workers 4 "
+        "--systems gossip,gossip-lowbw,allreduce,diloco --time-limit-s 3600 (DiLoCo takes 100 outer steps at H "
+        "up to 20)",
+    )
     p.add_argument(
         "--systems",
         type=_systems,
         default=SYSTEMS,
-        help=f"comma-separated (default: {','.join(SYSTEMS)}; also {', '.join(OPT_IN_SYSTEMS)}: mode pull, rule "
-        "pushsum, run only when named)",
+        help=f"comma-separated (default: {','.join(SYSTEMS)}; also, run only when named: gossip-pushsum "
+        "(mode pull, rule pushsum) and gossip-noloco (NoLoCo: an exchange every 10 steps, outer: noloco at its "
+        "authors' lr 0.7 and momentum 0.3)",
     )
     p.add_argument("--workers", type=_positive_int, default=4, help="workers per system (default: %(default)s)")
     p.add_argument(
@@ -126,7 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_positive_int,
         help=f"steps per worker (charlm default: {CHARLM_DEFAULTS.steps}; --quick: 40); images: instead of --epochs",
     )
-    p.add_argument("--model", help="images: small (default) or resnet18; charlm: small (default) or tiny")
+    p.add_argument(
+        "--model", help="images: small (default) or resnet18; charlm: small (default), tiny, or medium (for a GPU)"
+    )
     p.add_argument(
         "--straggler",
         type=float,
@@ -232,8 +257,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sync master: gradients per step (default: the number of live workers)",
     )
     p.add_argument("--time-limit-s", type=float, default=600.0, help="per run (default: %(default)s)")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the workers train: cpu (default), or cuda: worker i on GPU i modulo the GPUs there are; "
+        "all-reduce and DiLoCo reduce over NCCL where each rank has a GPU of its own, else over gloo",
+    )
     p.add_argument("--quick", action="store_true", help="a short run (6 epochs or 40 steps, fewer curve points)")
     p.add_argument("--keep-snapshots", action="store_true", help="keep every evaluated model state in OUT/work")
+    profile = p.parse_known_args(argv)[0].profile
+    if profile is not None:
+        p.set_defaults(**PROFILES[profile])
     args = p.parse_args(argv)
     if not 1 <= args.straggler <= 100:
         p.error(f"--straggler must be in [1, 100], got {args.straggler}")
@@ -259,6 +294,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--tune with --faults or --byzantine: tune a plain comparison, then run those at its settings")
     if args.seeds > 1 and args.faults:
         p.error("--faults with --seeds: run the faults with one seed (they are scenarios, not samples)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(
+                f"--device cuda: torch {torch.__version__} sees no GPU here (built with CUDA "
+                f"{torch.version.cuda or 'none'}); use --device cpu"
+            )
     if args.link_delay_ms is not None and args.link_mbit is None:
         p.error("--link-delay-ms needs --link-mbit (a delay is a property of the shaped links)")
     charlm_data = args.data == "stdlib" or args.data.startswith("text:")
@@ -312,6 +355,7 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
             eval_windows=d.eval_windows,
             warmup=d.warmup,
             workload="charlm",
+            device=args.device,
         )
         target = args.target_loss if args.target_loss is not None else d.target_loss
     else:
@@ -328,6 +372,7 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
             model=args.model or "small",
             straggler=args.straggler,
             eval_points=12 if args.quick else 80,
+            device=args.device,
         )
         target = args.target_acc if args.target_acc is not None else TARGETS[args.data]
     options = RunOptions(

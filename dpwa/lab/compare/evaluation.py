@@ -15,8 +15,8 @@ evaluated model is the one the system would hand a user at that moment:
 * ``diloco``: rank 0's model right after the first synchronisation that
   reaches the point (the anchor every rank shares; between synchronisations
   each rank holds its own), and after the final synchronisation;
-* ``gossip``, ``gossip-lowbw``, ``gossip-original``, ``gossip-pushsum``: the mean of every node's parameters
-  and buffers, each node's latest snapshot at the moment the nodes' trained samples summed
+* ``gossip``, ``gossip-lowbw``, ``gossip-original``, ``gossip-noloco``, ``gossip-pushsum``: the mean of every
+  node's parameters and buffers, each node's latest snapshot at the moment the nodes' trained samples summed
   to the point (a node snapshots every few steps, so its snapshot is at most
   that old; a killed node counts until it was killed), each node weighted by
   its rule's mass (see *Push-sum* below: 1, so a plain mean, for every rule

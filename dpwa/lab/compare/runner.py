@@ -37,15 +37,18 @@ from .workload import WorkloadSpec
 __all__ = ["KNOWN_SYSTEMS", "OPT_IN_SYSTEMS", "SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
 
 # The gossip systems: dpwa as a user gets it (its defaults), and one key away from them: the low-bandwidth
-# preset, the original's rule (pull, state, a random peer), and push-sum (pull, pushsum; the defaults'
-# pairing: a hypercube at 2 and 4 nodes).
+# preset, the original's rule (pull, state, a random peer), push-sum (pull, pushsum; the defaults'
+# pairing: a hypercube at 2 and 4 nodes), and NoLoCo (Kolehmainen et al. 2025): an exchange with one peer every
+# H = 10 steps (DiLoCo's H here) and NoLoCo's outer step at its authors' settings, outer learning rate 0.7 and
+# momentum 0.3 (their configs, e.g. configs/no_reduce_exp/C4/c4_noloco_100m_8.yaml in jkolehm/noloco).
 GOSSIP_SYSTEMS: dict[str, dict[str, Any]] = {
     "gossip": {},
     "gossip-lowbw": {"preset": "low_bandwidth"},
     "gossip-original": {"preset": "original"},
     "gossip-pushsum": {"mode": "pull", "rule": "pushsum"},
+    "gossip-noloco": {"period": 10, "outer": "noloco", "outer_lr": 0.7, "outer_momentum": 0.3},
 }
-OPT_IN_SYSTEMS = ("gossip-pushsum",)  # run only when --systems names them: the default run stays as it was
+OPT_IN_SYSTEMS = ("gossip-pushsum", "gossip-noloco")  # run only when --systems names them
 SYSTEMS = (  # the default --systems
     *(s for s in GOSSIP_SYSTEMS if s not in OPT_IN_SYSTEMS),
     "sync-master",
@@ -267,7 +270,8 @@ def run_system(
         run_file.write_text(json.dumps(run, indent=1))
         procs = Processes(workdir)
         workers = [n for n in ready if n.startswith(("w", "rank"))]
-        env = {"GLOO_SOCKET_IFNAME": INTERFACE if links is not None else "lo"} if system in COLLECTIVE else {}
+        interface = INTERFACE if links is not None else "lo"
+        env = {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface} if system in COLLECTIVE else {}
         go, error, completed, failed_at_s = 0.0, None, False, None
         try:
             for name, role, index in starts:

@@ -9,8 +9,9 @@ not the ones tuned on), with settings drawn from that system's grid in
 * every system: the learning rate, as a multiple of the workload's;
 * DiLoCo: its outer learning rate, its outer momentum and H (inner steps
   between synchronisations);
-* the gossip systems: the factor f, the period, and the outer step (none, or
-  Nesterov at two outer learning rates);
+* the gossip systems: the factor f, the period, and the outer step (none,
+  Nesterov at two outer learning rates with momentum 0.9, or NoLoCo's at its
+  authors' learning rate 0.7 and momentum 0.3), written ``name@lr/momentum``;
 * sync-master and async-ps: the learning rate only (their other settings
   are not training knobs).
 
@@ -45,7 +46,7 @@ _GOSSIP = (
     _LR,
     ("f", (0.25, 0.5)),
     ("period", (1, 2, 4, 8)),
-    ("outer", ("none", "nesterov@0.5", "nesterov@0.7")),
+    ("outer", ("none", "nesterov@0.5/0.9", "nesterov@0.7/0.9", "noloco@0.7/0.3")),
 )
 #: per system: its settings and the values each may take (the defaults come first in every draw: _default)
 SPACES: dict[str, tuple[tuple[str, tuple[Any, ...]], ...]] = {
@@ -97,10 +98,11 @@ def apply(config: CompareConfig, system: str, trial: dict[str, Any], seed: int) 
             settings["period"] = trial["period"]
         outer = trial.get("outer")
         if outer is not None:
-            name, _, lr = outer.partition("@")
+            name, _, rates = outer.partition("@")
             settings["outer"] = name
-            if lr:
-                settings["outer_lr"] = float(lr)
+            if rates:
+                lr, _, momentum = rates.partition("/")
+                settings["outer_lr"], settings["outer_momentum"] = float(lr), float(momentum)
         options = replace(options, gossip_settings=tuple(settings.items()))
     return replace(config, systems=(system,), spec=spec, options=options)
 

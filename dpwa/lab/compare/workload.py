@@ -34,6 +34,11 @@ What is the same for every system:
   (SGD stalls on the transformer: with any batch size it ended near 2.5 nats
   per character after 150 steps, where AdamW went on to 2.28 with the
   all-reduce batch and 2.36 with one worker's).
+
+Where the workers train (``device``): ``cpu``, or ``cuda``, where worker i
+trains on GPU i modulo the GPUs this machine has (:meth:`Workload.device_of`).
+Batches are made on the CPU and moved to the model's device by
+:meth:`Workload.loss`; servers, masters and the evaluation stay on the CPU.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ DATA_DEFAULTS = {  # (batch size, lr, epochs) per image dataset; digits as the e
     "cifar10": (128, 0.1, 30),
 }
 KINDS = ("image", "charlm")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ class WorkloadSpec:
     steps: int = 0  # per worker; 0: epochs passes over each shard
     eval_windows: int = 128  # charlm: validation windows each evaluation reads
     warmup: float = 0.0  # fraction of the budget over which lr rises linearly from lr/10 (0: none)
+    device: str = "cpu"  # where workers train: cpu, or cuda (worker i on GPU i modulo the GPUs there are)
 
     def __post_init__(self) -> None:
         image = self.workload == "image"
@@ -134,6 +141,7 @@ class WorkloadSpec:
             (1 <= self.eval_windows <= 100_000, f"eval_windows must be in 1..100000, got {self.eval_windows}"),
             (0 <= self.warmup < 1, f"warmup must be in [0, 1), got {self.warmup}"),
             (self.optimizer in ALGORITHMS, f"optimizer must be one of {', '.join(ALGORITHMS)}, got {self.optimizer!r}"),
+            (self.device in DEVICES, f"device must be one of {', '.join(DEVICES)}, got {self.device!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -191,11 +199,38 @@ class Workload(ABC):
 
     @abstractmethod
     def build_model(self) -> Any:
-        """The model, with the same initial weights in every process."""
+        """The model, with the same initial weights in every process, on the CPU."""
 
     @abstractmethod
+    def _loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
+        """The training loss of `module` on `batch`, both on one device (a scalar tensor)."""
+
     def loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
-        """The training loss of `module` on `batch` (a scalar tensor)."""
+        """The training loss of `module` on `batch` (a scalar tensor), the batch moved to the module's device."""
+        device = next(module.parameters()).device
+        if device.type != "cpu":
+            batch = (batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True))
+        return self._loss(module, batch)
+
+    def device_of(self, worker: int) -> Any:
+        """The device worker `worker` trains on: the CPU, or with ``device: cuda`` GPU `worker` modulo the GPUs
+        there are. RuntimeError if CUDA was asked for and this torch or machine has none."""
+        torch = self._torch
+        if self.spec.device == "cpu":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"device cuda: torch {torch.__version__} sees no GPU here "
+                f"(built with CUDA {torch.version.cuda or 'none'}); run with --device cpu"
+            )
+        return torch.device("cuda", worker % torch.cuda.device_count())
+
+    def worker_model(self, worker: int) -> Any:
+        """The model worker `worker` trains: :meth:`build_model` on :meth:`device_of` (the GPU made current)."""
+        device = self.device_of(worker)
+        if device.type == "cuda":
+            self._torch.cuda.set_device(device)
+        return self.build_model().to(device)
 
     @abstractmethod
     def epoch_batches(self, worker: int, epoch: int) -> Iterator[tuple[Any, Any]]:
@@ -297,7 +332,7 @@ class ImageWorkload(Workload):
         self._torch.manual_seed(self.spec.seed)
         return images.build(self.spec.model, self.data.in_channels, self.data.num_classes, self.spec.width)
 
-    def loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
+    def _loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
         x, y = batch
         return self._torch.nn.functional.cross_entropy(module(x), y)
 
@@ -380,7 +415,7 @@ class CharLMWorkload(Workload):
     def build_model(self) -> Any:
         return self.charlm.build(self.spec.model, seed=self.spec.seed)
 
-    def loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
+    def _loss(self, module: Any, batch: tuple[Any, Any]) -> Any:
         return self.charlm.loss(module, batch)
 
     def epoch_batches(self, worker: int, epoch: int) -> Iterator[tuple[Any, Any]]:

@@ -13,6 +13,8 @@ this is torch's machinery, as a user would run it.
 * :func:`join_group` and :func:`leave_group` do the same for a rank started
   as a process of its own (``python -m dpwa.compare`` starts each rank in its
   own network namespace that way), and :func:`run_rank` runs a function between them.
+  With models on GPUs, :func:`backend_for` picks NCCL where each rank has a GPU
+  of its own (``NCCL_SOCKET_IFNAME`` names its interface), and gloo otherwise.
 * :func:`wrap` wraps a module in DDP with a communication hook that measures the
   time each rank spends in the all-reduce (waiting for the slowest rank, and
   moving bytes), which is what "idle" means for this system.
@@ -95,8 +97,19 @@ def launch(
     )
 
 
-def join_group(rank: int, world: int, store: str | os.PathLike[str], timeout_s: float = 60.0) -> None:
-    """Join the gloo process group of `world` ranks as `rank`, rendezvoused through the file `store`.
+def backend_for(device: str, world: int) -> str:
+    """The process group's backend for `world` ranks training on `device` (``cpu`` or ``cuda``): NCCL where
+    each rank has a GPU of its own, gloo otherwise (gloo reduces CUDA tensors too, through host memory)."""
+    if device == "cuda" and dist.is_nccl_available() and torch.cuda.device_count() >= world:
+        return "nccl"
+    return "gloo"
+
+
+def join_group(
+    rank: int, world: int, store: str | os.PathLike[str], timeout_s: float = 60.0, backend: str = "gloo"
+) -> None:
+    """Join the process group (`backend`: gloo, or nccl) of `world` ranks as `rank`, rendezvoused through the
+    file `store`.
 
     For ranks started one by one (each in its own network namespace, say): the
     file needs no network, and gloo connects the ranks over the interface named
@@ -107,7 +120,7 @@ def join_group(rank: int, world: int, store: str | os.PathLike[str], timeout_s: 
         raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world,
@@ -130,9 +143,11 @@ def leave_group() -> NoReturn:
     os._exit(0)
 
 
-def run_rank(rank: int, fn: Callable[..., Any], world: int, store: str, timeout_s: float, args: tuple) -> None:
+def run_rank(
+    rank: int, fn: Callable[..., Any], world: int, store: str, timeout_s: float, args: tuple, backend: str = "gloo"
+) -> None:
     """Join the group, run ``fn(rank, world, *args)``, leave together (see :func:`leave_group`)."""
-    join_group(rank, world, store, timeout_s)
+    join_group(rank, world, store, timeout_s, backend)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -155,6 +170,8 @@ def timed_allreduce(tensor: torch.Tensor, timer: CommTimer) -> torch.Tensor:
     t0 = time.perf_counter()
     dist.all_reduce(tensor)  # waits for every rank: the time includes waiting for the slowest
     tensor.div_(dist.get_world_size())
+    if tensor.is_cuda:  # NCCL only queues the reduction on the stream: time it to its end
+        torch.cuda.synchronize(tensor.device)
     timer.seconds += time.perf_counter() - t0
     timer.calls += 1
     timer.nbytes += tensor.numel() * tensor.element_size()
@@ -184,6 +201,8 @@ def wrap(module: nn.Module, timer: CommTimer) -> nn.parallel.DistributedDataPara
     communication with the rest of the backward pass is lost for models of
     several buckets (a model under 25 MB is one bucket, reduced at the end anyway).
     """
-    ddp = nn.parallel.DistributedDataParallel(module, broadcast_buffers=True)
+    device = next(module.parameters()).device
+    device_ids = [device.index] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=True)
     ddp.register_comm_hook(timer, _timed_allreduce)
     return ddp

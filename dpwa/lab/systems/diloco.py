@@ -102,7 +102,12 @@ class DiLoCo:
         pseudo_gradient(self.anchor, self.view.params(self._local), out=message[: layout.param_size])
         if layout.buffer_size:
             self.view.buffers(message[layout.param_size :])
-        timed_allreduce(self._message, self.timer)
+        if dist.is_initialized() and dist.get_backend() == "nccl":  # NCCL reduces only tensors on the GPU
+            on_gpu = self._message.to(torch.device("cuda", torch.cuda.current_device()))
+            timed_allreduce(on_gpu, self.timer)
+            self._message.copy_(on_gpu)
+        else:
+            timed_allreduce(self._message, self.timer)
         check_values(message, f"DiLoCo synchronisation {self.syncs + 1}: the mean pseudo-gradient and buffers")
         self.outer.step(self.anchor, message[: layout.param_size])
         self.view.load_params(self.anchor)

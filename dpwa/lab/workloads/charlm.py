@@ -13,6 +13,7 @@ size        context   width  layers  heads  parameters
 ==========  ========  =====  ======  =====  ===========
 ``small``   128       64     3       4      191,296 (765 KB in float32)
 ``tiny``    32        32     1       2      30,432 (for tests)
+``medium``  256       256    6       8      4,935,936 (19.7 MB; for a GPU: ``scripts/gpu-check.sh``)
 ==========  ========  =====  ======  =====  ===========
 
 One training step of ``small`` on a batch of 32 sequences (4,096 characters)
@@ -116,6 +117,7 @@ class CharLMConfig:
 SIZES = {
     "small": CharLMConfig(context=128, dim=64, layers=3, heads=4),
     "tiny": CharLMConfig(context=32, dim=32, layers=1, heads=2),
+    "medium": CharLMConfig(context=256, dim=256, layers=6, heads=8),
 }
 
 

@@ -25,13 +25,15 @@ from .common import Role, timed
 def run_rank(role: Role) -> None:
     """Join the group, train, write the results, and leave with every other rank (this process ends here)."""
     opts = role.options
-    allreduce.run_rank(role.index, lambda *_: train(role), role.spec.workers, opts["store"], opts["gloo_timeout_s"], ())
+    backend = allreduce.backend_for(role.spec.device, role.spec.workers)
+    world = role.spec.workers
+    allreduce.run_rank(role.index, lambda *_: train(role), world, opts["store"], opts["gloo_timeout_s"], (), backend)
 
 
 def train(role: Role) -> None:
     rank, world, opts = role.index, role.spec.workers, role.options
     w, spec, timer, rec = role.workload, role.spec, role.timer, role.recorder
-    net = w.build_model()
+    net = w.worker_model(role.index)
     view = ModuleView(net)
     optimizer = spec.settings.make(net.parameters())  # SGD or AdamW, as the workload says
     comm = allreduce.CommTimer()

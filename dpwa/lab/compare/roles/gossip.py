@@ -34,7 +34,7 @@ def run(role: Role) -> None:
     from ....adapters.pytorch import DpwaPyTorchAdapter
 
     w, spec, timer, rec = role.workload, role.spec, role.timer, role.recorder
-    net = w.build_model()
+    net = w.worker_model(role.index)
     view = ModuleView(net)
     optimizer = spec.settings.make(net.parameters())  # SGD or AdamW, as the workload says
     total = w.local_steps(role.index)

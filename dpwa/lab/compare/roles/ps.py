@@ -62,7 +62,7 @@ def run_server(role: Role) -> None:
 
 def run_trainer(role: Role) -> None:
     w, timer, rec, opts = role.workload, role.timer, role.recorder, role.options
-    net = w.build_model()
+    net = w.worker_model(role.index)
     view = ModuleView(net)
     plan = make_plan(view.layout, opts["servers"])
     samples = 0

@@ -73,7 +73,7 @@ def run_master(role: Role) -> None:
 
 def run_worker(role: Role) -> None:
     w, timer, rec, opts = role.workload, role.timer, role.recorder, role.options
-    net = w.build_model()
+    net = w.worker_model(role.index)
     view = ModuleView(net)
 
     def compute(batch: tuple) -> tuple[float, int]:
