@@ -234,6 +234,27 @@ def nodes():
     assert not leftover, f"threads left behind: {leftover}"
 
 
+@pytest.fixture
+def adapters():
+    """A factory of PyTorch adapters that are all closed after the test (the last made first: a requester
+    before its peer, which then has nothing left to settle), and checked for stray threads."""
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
+
+    made: list[DpwaPyTorchAdapter] = []
+    before = {t.ident for t in threading.enumerate()}
+
+    def make(*args: Any, **kwargs: Any) -> DpwaPyTorchAdapter:
+        adapter = DpwaPyTorchAdapter(*args, **kwargs)
+        made.append(adapter)
+        return adapter
+
+    yield make
+    for adapter in reversed(made):
+        adapter.close()
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("dpwa-")]
+    assert not leftover, f"threads left behind: {leftover}"
+
+
 def filled(k: float, size: int = 1000) -> np.ndarray:
     return np.full(size, float(k), dtype=np.float32)
 

@@ -21,7 +21,6 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from conftest import make_config  # noqa: E402
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter  # noqa: E402
 from dpwa.cli import main as cli  # noqa: E402
 from dpwa.cluster import checkpoints  # noqa: E402
 from dpwa.cluster.average import (  # noqa: E402
@@ -276,20 +275,6 @@ def test_python_m_dpwa_average_end_to_end(tmp_path):
 
 
 # --------------------------------------------------------------------------- a live cluster
-
-
-@pytest.fixture
-def adapters():
-    made: list[DpwaPyTorchAdapter] = []
-
-    def make(*args: Any, **kwargs: Any) -> DpwaPyTorchAdapter:
-        adapter = DpwaPyTorchAdapter(*args, **kwargs)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        adapter.close()
 
 
 def test_a_live_clusters_snapshots_are_averaged_exactly(adapters, make_cluster, tmp_path, monkeypatch, capsys):

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 
 from conftest import ORIGINAL, ROOT, make_config  # noqa: E402
-from dpwa.adapters.pytorch import DpwaPyTorchAdapter, TorchParams  # noqa: E402
+from dpwa.adapters.pytorch import TorchParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu-check.sh)")
 
@@ -51,21 +50,6 @@ def filled(k: float) -> Net:
 
 def floats(net: nn.Module) -> list[Tensor]:
     return [*net.parameters(), *(b for b in net.buffers() if b.is_floating_point())]
-
-
-@pytest.fixture
-def adapters():
-    made: list[DpwaPyTorchAdapter] = []
-
-    def make(*args, **kwargs) -> DpwaPyTorchAdapter:
-        adapter = DpwaPyTorchAdapter(*args, **kwargs)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        adapter.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-")]
 
 
 @pytest.mark.parametrize("settings", [{}, ORIGINAL], ids=["symmetric-delta", "pull-state"])

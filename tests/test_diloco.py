@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,10 +115,13 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_two_ranks_synchronise_to_the_hand_computed_anchor(tmp_path):
+def test_two_ranks_synchronise_to_the_hand_computed_anchor(tmp_path, monkeypatch):
+    """...through a rendezvous file under a relative folder (as python -m dpwa.compare --out runs/x gives):
+    file://nested/run/... would name host "nested" and the folder /run/..., where no rank finds the others."""
     from dpwa.lab.systems.allreduce import launch
 
-    launch(_rank, (str(tmp_path),), 2, workdir=tmp_path / "run", timeout_s=60)
+    monkeypatch.chdir(tmp_path)
+    launch(_rank, (str(tmp_path),), 2, workdir=Path("nested") / "deeper" / "run", timeout_s=60)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["synced"] and result["syncs"] == 1

@@ -53,21 +53,6 @@ def local_step(net: nn.Sequential, generator: torch.Generator) -> None:
         p.add_(0.1 * torch.randn(p.shape, generator=generator))
 
 
-@pytest.fixture
-def adapters():
-    made: list[DpwaPyTorchAdapter] = []
-
-    def make(*args, **kwargs) -> DpwaPyTorchAdapter:
-        adapter = DpwaPyTorchAdapter(*args, **kwargs)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in reversed(made):  # the requester first: its peer then has nothing left to settle
-        adapter.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-")]
-
-
 def nesterov(lr: float, momentum: float):
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
 

@@ -41,21 +41,6 @@ def filled_net(k: float, **kwargs) -> Net:
     return net
 
 
-@pytest.fixture
-def adapters():
-    made = []
-
-    def make(*args, **kwargs):
-        adapter = DpwaPyTorchAdapter(*args, **kwargs)
-        made.append(adapter)
-        return adapter
-
-    yield make
-    for adapter in made:
-        adapter.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-")]
-
-
 def pair(adapters, cfg, k0, k1, **kwargs):
     peer_net, my_net = filled_net(k1), filled_net(k0)
     peer = adapters(peer_net, "w1", {**cfg, "fetch_probability": 0}, **kwargs)

@@ -121,7 +121,7 @@ def join_group(
     torch.set_num_threads(1)
     dist.init_process_group(
         backend,
-        init_method=f"file://{store}",
+        init_method=f"file://{Path(store).resolve()}",  # a relative path would read as file://HOST/PATH
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),
