@@ -119,6 +119,8 @@ def join_group(
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
     torch.set_num_threads(1)
+    if backend == "nccl":  # each rank its own GPU (backend_for), made current before NCCL binds to one
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend,
         init_method=f"file://{Path(store).resolve()}",  # a relative path would read as file://HOST/PATH

@@ -1,0 +1,274 @@
+"""Open membership's view: who is in the cluster, as this node knows it. Pure: no sockets, no threads, no clock.
+
+The view is the ground for open membership (nodes that join through any
+known peer; issue 32): the node, its exchanges and barriers will read it,
+and exchanges will carry its digests. This module owns the rules alone, so
+they can be tested without a network:
+
+* **Liveness, by heartbeats that travel by gossip** (van Renesse et al.
+  1998). Each digest a node sends carries its own entry with its heartbeat
+  raised by one. A member whose heartbeat rose, in anyone's digest, or that
+  answered us directly, was heard from now. One not heard from for
+  ``suspect_after_s`` is ``suspect`` (SWIM's word, Das et al. 2002: still a
+  member, and alive again as soon as it is heard from); one suspected for
+  ``dead_after_s`` is removed. So a member is judged by what the whole
+  cluster heard of it, not by whether this node happened to exchange with it.
+* **Removal is remembered** (a tombstone, ``tombstone_s``): gossip that
+  brings nothing newer than what the member last said cannot bring it back.
+  A member that comes back, after a partition or a restart, says something
+  newer: a higher heartbeat, or a higher *incarnation* (a restarted node
+  starts with a new one, as the caller picks it, its start time say), and is
+  admitted again.
+* **Digests, after peer sampling** (Jelasity et al. 2007): at most
+  :data:`DIGEST_MAX` entries, the sender first and the rest a random sample
+  of what it knows, never the whole view.
+* **Bounds.** The view holds at most ``max_members``. One sender may
+  introduce at most ``new_per_sender`` members per ``new_interval_s``. A
+  digest is cut to :data:`DIGEST_MAX` entries, each field checked
+  (:func:`check_entry`). Every refusal is counted by its reason in
+  :attr:`View.refused`; nothing a peer sends raises out of :meth:`View.merge`.
+* **Names are unique.** A claim that gives a member's name another endpoint
+  or key is refused (``name_taken``): a member cannot be impersonated, or
+  pushed out, by claims about it. Claims about this node itself are not
+  taken from others at all, and one naming it elsewhere is refused the same way.
+* **Consent.** Where the cluster has keys, a member is admitted only if
+  ``trusted(name, key)`` says so (an allowlist, or a cluster key's
+  signature, decided by the caller); a claim without a key is refused there.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+__all__ = ["DIGEST_MAX", "MAX_COUNT", "Member", "MemberInfo", "View", "check_entry"]
+
+Status = Literal["alive", "suspect"]
+DIGEST_MAX = 16  # entries one digest carries at most
+MAX_COUNT = 2**53  # an incarnation or a heartbeat beyond this is refused: nobody skips ahead without bound
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as a config's node names, at most 64 characters
+_ENDPOINT_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
+_KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")  # a Z85 CURVE public key
+_FIELDS = ("name", "endpoint", "key", "inc", "beat")
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One member as a digest tells it: who it is (name, endpoint, key) and how recent the news is."""
+
+    name: str
+    endpoint: str  # tcp://host:port, where its Rx thread listens
+    key: str | None = None  # its Z85 CURVE public key, in a keyed cluster
+    incarnation: int = 0  # a new one at each start of the node (the caller picks it: its start time, say)
+    beat: int = 0  # raised by the node itself with each digest it sends
+
+    def same_node(self, other: MemberInfo) -> bool:
+        """The same node: the same name, endpoint and key."""
+        return (self.name, self.endpoint, self.key) == (other.name, other.endpoint, other.key)
+
+    def newer_than(self, other: MemberInfo) -> bool:
+        """Is this later news of the node than `other`: a later incarnation, or a later heartbeat in one?"""
+        return (self.incarnation, self.beat) > (other.incarnation, other.beat)
+
+    def entry(self) -> dict[str, Any]:
+        """The digest entry of this member (what :func:`check_entry` reads back)."""
+        return {"name": self.name, "endpoint": self.endpoint, "key": self.key, "inc": self.incarnation,
+                "beat": self.beat}  # fmt: skip
+
+
+def check_entry(raw: Any) -> MemberInfo:
+    """A digest entry as a peer sent it, checked field by field; ValueError naming the field otherwise."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"an entry must be a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - set(_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(map(str, unknown))}")
+    name, endpoint, key = raw.get("name"), raw.get("endpoint"), raw.get("key")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"name must be 1 to 64 letters, digits, '_', '.', '-', got {name!r:.80}")
+    match = _ENDPOINT_RE.match(endpoint) if isinstance(endpoint, str) else None
+    if match is None or not 0 < int(match.group(2)) < 65536:
+        raise ValueError(f"{name}: endpoint must be tcp://HOST:PORT, got {endpoint!r:.80}")
+    if key is not None and (not isinstance(key, str) or not _KEY_RE.match(key)):
+        raise ValueError(f"{name}: key must be a 40-character Z85 public key or null, got {key!r:.80}")
+    counts = []
+    for field in ("inc", "beat"):
+        value = raw.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
+            raise ValueError(f"{name}: {field} must be an integer in [0, 2**53], got {value!r:.80}")
+        counts.append(value)
+    return MemberInfo(name, str(endpoint), key, counts[0], counts[1])
+
+
+@dataclass
+class Member:
+    """A member in the view: the latest news of it, when it was last heard from, and its status here."""
+
+    info: MemberInfo
+    heard_at: float  # monotonic seconds: it answered us, or its heartbeat rose in someone's digest
+    status: Status = "alive"
+    since: float = 0.0  # when its status last changed
+
+
+class View:
+    """This node's view of the members. Owned by one thread (the caller's); every method is bounded.
+
+    Args:
+        own: this node.
+        max_members: the most members the view holds, this node included; newcomers beyond it are refused.
+        suspect_after_s: a member not heard from for this long is suspect.
+        dead_after_s: a suspect for this long is removed.
+        tombstone_s: a removed member's last news is kept this long: gossip no newer is ignored.
+        new_per_sender: members one sender may introduce per `new_interval_s`.
+        keyed: the cluster has CURVE keys: a member must have one, and `trusted` must accept it.
+        trusted: ``trusted(name, key)``: may this member join? (keyed clusters; an allowlist or a signature.)
+    """
+
+    def __init__(
+        self,
+        own: MemberInfo,
+        *,
+        max_members: int = 256,
+        suspect_after_s: float = 5.0,
+        dead_after_s: float = 10.0,
+        tombstone_s: float = 60.0,
+        new_per_sender: int = 8,
+        new_interval_s: float = 1.0,
+        keyed: bool = False,
+        trusted: Callable[[str, str | None], bool] = lambda name, key: True,
+    ) -> None:
+        if max_members < 1 or new_per_sender < 1:
+            raise ValueError("max_members and new_per_sender must be at least 1")
+        if min(suspect_after_s, dead_after_s, tombstone_s, new_interval_s) <= 0:
+            raise ValueError("the view's times must be positive")
+        if keyed and own.key is None:
+            raise ValueError(f"{own.name}: a keyed cluster's member needs a key")
+        self.own = own
+        self._max, self._keyed, self._trusted = max_members, keyed, trusted
+        self._suspect_after, self._dead_after, self._tombstone_s = suspect_after_s, dead_after_s, tombstone_s
+        self._new_per_sender, self._new_interval = new_per_sender, new_interval_s
+        self._members: dict[str, Member] = {}
+        self._tombstones: dict[str, tuple[MemberInfo, float]] = {}  # name -> (its last news, removed at)
+        self._introduced: dict[str, deque[float]] = {}  # sender -> when it introduced members, the latest few
+        self.refused: Counter[str] = Counter()  # claims refused, by reason
+
+    # ----------------------------------------------------------------- reading
+
+    def __len__(self) -> int:
+        """Members this node counts, itself included (alive or suspect)."""
+        return 1 + len(self._members)
+
+    def members(self) -> list[Member]:
+        """Every member but this node, alive or suspect, by name."""
+        return [self._members[name] for name in sorted(self._members)]
+
+    def names(self) -> list[str]:
+        """Every member's name, this node's included, sorted (what a barrier counts)."""
+        return sorted([self.own.name, *self._members])
+
+    def get(self, name: str) -> Member | None:
+        return self._members.get(name)
+
+    def digest(self, rng: random.Random, size: int = DIGEST_MAX) -> list[dict[str, Any]]:
+        """At most `size` entries (and at most DIGEST_MAX): this node first, its heartbeat raised by one,
+        then a random sample of the others."""
+        size = max(1, min(size, DIGEST_MAX))
+        self.own = replace(self.own, beat=min(self.own.beat + 1, MAX_COUNT))
+        others = [m.info for m in self._members.values()]
+        sample = rng.sample(others, min(size - 1, len(others)))
+        return [self.own.entry(), *(info.entry() for info in sample)]
+
+    # ----------------------------------------------------------------- learning
+
+    def heard(self, name: str, now: float) -> bool:
+        """`name` answered us directly: it is alive. False if it is not a member."""
+        member = self._members.get(name)
+        if member is None:
+            return False
+        self._alive(member, now)
+        return True
+
+    def merge(self, sender: str, entries: Sequence[Any], now: float) -> list[MemberInfo]:
+        """Take in a digest `sender` sent; return the members it added.
+
+        Nothing raises: a digest longer than DIGEST_MAX is cut to it (counted ``digest_too_long``), and every
+        entry refused is counted in :attr:`refused` by its reason.
+        """
+        if not isinstance(entries, Sequence) or isinstance(entries, (str, bytes)):
+            self.refused["bad_digest"] += 1
+            return []
+        if len(entries) > DIGEST_MAX:
+            self.refused["digest_too_long"] += 1
+            entries = entries[:DIGEST_MAX]
+        added = []
+        for raw in entries:
+            try:
+                claim = check_entry(raw)
+            except ValueError:
+                self.refused["bad_entry"] += 1
+                continue
+            if claim.name == self.own.name:
+                if not claim.same_node(self.own):
+                    self.refused["name_taken"] += 1  # someone else claims our name
+                continue  # news of ourselves is ours to make
+            member = self._members.get(claim.name)
+            if member is None:
+                if self._admit(sender, claim, now):
+                    added.append(claim)
+            elif not member.info.same_node(claim):
+                self.refused["name_taken"] += 1
+            elif claim.newer_than(member.info):
+                member.info = claim
+                self._alive(member, now)
+        return added
+
+    def _alive(self, member: Member, now: float) -> None:
+        member.heard_at = now
+        if member.status != "alive":
+            member.status, member.since = "alive", now
+
+    def _admit(self, sender: str, claim: MemberInfo, now: float) -> bool:
+        buried = self._tombstones.get(claim.name)
+        if buried is not None:
+            if not claim.newer_than(buried[0]):
+                return False  # stale gossip about a member removed
+            del self._tombstones[claim.name]
+        if self._keyed and (claim.key is None or not self._trusted(claim.name, claim.key)):
+            self.refused["untrusted_key"] += 1
+            return False
+        if len(self) >= self._max:
+            self.refused["view_full"] += 1
+            return False
+        introduced = self._introduced.setdefault(sender, deque(maxlen=self._new_per_sender))
+        if len(introduced) == self._new_per_sender and now - introduced[0] < self._new_interval:
+            self.refused["rate_limited"] += 1
+            return False
+        introduced.append(now)
+        self._members[claim.name] = Member(claim, heard_at=now, since=now)
+        return True
+
+    # ----------------------------------------------------------------- time
+
+    def tick(self, now: float) -> list[tuple[str, str]]:
+        """Suspect the silent, remove the long suspected, forget old tombstones; return (name, what happened)
+        for each change: ``suspect`` or ``removed``."""
+        changed = []
+        for name, member in list(self._members.items()):
+            if member.status == "alive" and now - member.heard_at >= self._suspect_after:
+                member.status, member.since = "suspect", now
+                changed.append((name, "suspect"))
+            elif member.status == "suspect" and now - member.since >= self._dead_after:
+                del self._members[name]
+                self._tombstones[name] = (member.info, now)
+                changed.append((name, "removed"))
+        for name, (_, removed_at) in list(self._tombstones.items()):
+            if now - removed_at >= self._tombstone_s:
+                del self._tombstones[name]
+        for sender, times in list(self._introduced.items()):
+            if times and now - times[-1] >= self._new_interval:
+                del self._introduced[sender]
+        return changed

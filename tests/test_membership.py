@@ -1,0 +1,194 @@
+"""The membership view's rules (dpwa.gossip.membership), without a network: a simulated clock, seeded gossip.
+
+What each test asserts is known in advance: who is in every view after a
+bounded number of rounds, what a refusal is counted as, and that no
+hostile digest changes an honest view.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dpwa.gossip.membership import DIGEST_MAX, MemberInfo, View, check_entry
+
+KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a well-formed Z85 key (40 characters)
+OTHER_KEY = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
+
+
+def info(i: int, incarnation: int = 0, beat: int = 0, port: int | None = None) -> MemberInfo:
+    return MemberInfo(f"n{i}", f"tcp://10.0.{i // 250}.{i % 250}:{port or 45000 + i % 20000}", None, incarnation, beat)
+
+
+def status(v: View, name: str) -> str:
+    member = v.get(name)
+    assert member is not None, f"{name} is not in the view"
+    return member.status
+
+
+def view(i: int, **kwargs) -> View:
+    return View(info(i), suspect_after_s=5.0, dead_after_s=10.0, tombstone_s=60.0, **kwargs)
+
+
+def gossip_round(views: dict[str, View], alive: set[str], rng: random.Random, now: float) -> None:
+    """Every live node sends its digest to one random member it knows that is alive; the receiver merges it,
+    answers with its own (merged by the sender), and each hears the other directly."""
+    for name in sorted(alive):
+        v = views[name]
+        targets = [m.info.name for m in v.members() if m.info.name in alive]
+        if not targets:
+            continue
+        peer = rng.choice(targets)
+        views[peer].merge(name, v.digest(rng), now)
+        v.merge(peer, views[peer].digest(rng), now)
+        views[peer].heard(name, now)
+        v.heard(peer, now)
+
+
+def test_a_digest_is_bounded_and_its_sender_comes_first():
+    v = view(0, max_members=100, new_per_sender=100)
+    assert v.merge("n1", [info(i).entry() for i in range(1, 17)], now=0.0) != []
+    digest = v.digest(random.Random(0), size=5)
+    assert len(digest) == 5 and digest[0]["name"] == "n0"
+    again = v.digest(random.Random(0), size=100)
+    assert len(again) == DIGEST_MAX
+    assert check_entry(digest[1]).name in {m.info.name for m in v.members()}
+    assert (digest[0]["beat"], again[0]["beat"]) == (1, 2)  # this node's heartbeat rises with each digest
+
+
+def test_eight_nodes_from_one_bootstrap_address_all_see_all_within_bounded_rounds():
+    """n1..n7 each know only n0 (their bootstrap): within 12 rounds of gossip every view holds all eight."""
+    rng = random.Random(1)
+    views = {f"n{i}": view(i) for i in range(8)}
+    for i in range(1, 8):
+        views[f"n{i}"].merge("n0", [info(0).entry()], now=0.0)  # what the bootstrap address answered
+        views["n0"].merge(f"n{i}", [info(i).entry()], now=0.0)  # and what the joiner announced
+    alive = set(views)
+    for r in range(12):
+        gossip_round(views, alive, rng, now=0.1 * r)
+        if all(len(v) == 8 for v in views.values()):
+            break
+    assert {name: v.names() for name, v in views.items()} == {name: sorted(views) for name in views}
+    assert all(not v.refused for v in views.values())
+
+
+def test_two_killed_and_three_new_and_every_view_converges_within_the_stated_bound():
+    """n6 and n7 stop (SIGKILL: they send and answer nothing); n8, n9, n10 join through n1. Within
+    suspect_after + dead_after (+ a few rounds) every live view holds exactly n0..n5 and n8..n10."""
+    rng = random.Random(2)
+    views = {f"n{i}": view(i) for i in range(8)}
+    for a in views.values():
+        a.merge("n0", [info(i).entry() for i in range(8)], now=0.0)
+    alive = set(views) - {"n6", "n7"}
+    for i in (8, 9, 10):
+        views[f"n{i}"] = view(i)
+        views[f"n{i}"].merge("n1", [info(1).entry()], now=0.0)
+        views["n1"].merge(f"n{i}", [info(i).entry()], now=0.0)
+        alive.add(f"n{i}")
+    now, step = 0.0, 0.25
+    while now < 5.0 + 10.0 + 3.0:  # suspect_after + dead_after, and three seconds of rounds
+        gossip_round(views, alive, rng, now)
+        for name in alive:
+            views[name].tick(now)
+        now += step
+    expected = sorted(alive)
+    assert {name: views[name].names() for name in alive} == {name: expected for name in alive}
+
+
+def test_a_silent_member_is_suspected_then_removed_and_stale_gossip_cannot_bring_it_back():
+    v = view(0)
+    v.merge("n1", [info(1).entry(), info(2).entry()], now=0.0)
+    assert [m.status for m in v.members()] == ["alive", "alive"]
+    v.heard("n1", 4.0)
+    assert v.tick(5.0) == [("n2", "suspect")]  # silent since 0
+    v.heard("n2", 6.0)  # it answered after all
+    assert status(v, "n2") == "alive"
+    assert v.tick(11.0) == [("n1", "suspect"), ("n2", "suspect")]  # n1 silent since 4, n2 since 6
+    assert v.tick(21.5) == [("n1", "removed"), ("n2", "removed")]  # suspected for 10 s
+    assert v.names() == ["n0"]
+    assert v.merge("n3", [info(2).entry()], now=22.0) == []  # stale gossip: nothing newer than it last said
+    assert v.names() == ["n0"]
+    assert v.merge("n3", [info(2, beat=5).entry()], now=23.0) == [info(2, beat=5)]  # it came back
+    assert v.merge("n3", [info(1, incarnation=7).entry()], now=23.0) == [info(1, incarnation=7)]  # restarted
+    assert v.names() == ["n0", "n1", "n2"]
+
+
+def test_a_member_heard_of_only_through_others_stays_while_its_heartbeat_rises():
+    """n0 never exchanges with n2, but n1 passes on n2's rising heartbeat: n2 is never suspected. Once n2
+    stops (its heartbeat stands still), n0 suspects it after suspect_after_s, however often n1 repeats it."""
+    v = view(0)
+    v.merge("n1", [info(1).entry(), info(2).entry()], now=0.0)
+    for t in range(1, 20):
+        v.merge("n1", [info(1, beat=t).entry(), info(2, beat=t).entry()], now=float(t))
+        assert v.tick(float(t)) == []
+    for t in range(20, 26):
+        v.merge("n1", [info(1, beat=t).entry(), info(2, beat=19).entry()], now=float(t))
+        v.tick(float(t))
+    assert status(v, "n1") == "alive" and status(v, "n2") == "suspect"
+
+
+@pytest.mark.parametrize(
+    "claim",
+    [
+        info(1, port=46000),  # n1's name, another endpoint
+        MemberInfo("n1", "tcp://10.0.0.1:45001", KEY),  # n1's name and endpoint, another key
+        info(1, incarnation=9, beat=9, port=46000),  # an impostor with later news
+    ],
+)
+def test_an_impersonated_name_is_refused_and_the_honest_view_does_not_change(claim):
+    v = view(0)
+    v.merge("n1", [info(1).entry()], now=0.0)
+    before = v.members()
+    assert v.merge("n9", [claim.entry()], now=1.0) == []
+    assert v.refused == {"name_taken": 1} and v.members() == before
+    assert v.merge("n9", [info(0, port=1).entry()], now=1.0) == []  # our own name, elsewhere
+    assert v.merge("n9", [info(0, incarnation=5).entry()], now=1.0) == []  # news of ourselves: ours to make
+    assert v.refused["name_taken"] == 2 and v.own == info(0)
+
+
+def test_ten_thousand_fake_members_and_malformed_entries_are_refused_with_reasons():
+    v = view(0, max_members=32, new_per_sender=8)
+    fake = [info(i + 1).entry() for i in range(10_000)]
+    added = v.merge("n1", fake, now=0.0)
+    assert len(added) == 8 and v.refused["digest_too_long"] == 1  # cut to 16, then 8 new per sender and second
+    assert v.refused["rate_limited"] == DIGEST_MAX - 8
+    for sender in range(2, 40):  # many senders: the view stays within its stated maximum
+        v.merge(f"n{sender}", [info(1000 + 20 * sender + k).entry() for k in range(DIGEST_MAX)], now=0.5)
+    assert len(v) == 32 and v.refused["view_full"] > 0
+    bad = [
+        "n1",
+        {"name": "n 1", "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": 0},
+        {"name": "x" * 65, "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": 0},
+        {"name": "n2", "endpoint": "ipc:///tmp/x", "key": None, "inc": 0, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:70000", "key": None, "inc": 0, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:1", "key": "short", "inc": 0, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": -1, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": True, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": 2**60, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": "1"},
+        {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": 0, "extra": 1},
+    ]
+    w = view(0)
+    assert w.merge("n1", bad, now=0.0) == [] and w.refused == {"bad_entry": len(bad)}
+    assert w.merge("n1", "n1,n2", now=0.0) == [] and w.refused["bad_digest"] == 1
+    assert w.names() == ["n0"]
+
+
+def test_check_entry_names_the_field_at_fault():
+    with pytest.raises(ValueError, match="n2: endpoint must be tcp://HOST:PORT"):
+        check_entry({"name": "n2", "endpoint": "udp://a:1", "key": None, "inc": 0, "beat": 0})
+    with pytest.raises(ValueError, match=r"unknown fields \['extra'\]"):
+        check_entry({"name": "n2", "extra": 1})
+    assert check_entry(info(3).entry()) == info(3)
+
+
+def test_a_keyed_cluster_admits_only_keys_it_trusts():
+    own = MemberInfo("n0", "tcp://10.0.0.0:45000", KEY)
+    v = View(own, keyed=True, trusted=lambda name, key: (name, key) == ("n1", OTHER_KEY))
+    v.merge("n1", [MemberInfo("n1", "tcp://10.0.0.1:45001", OTHER_KEY).entry()], now=0.0)
+    v.merge("n1", [MemberInfo("n2", "tcp://10.0.0.2:45002", KEY).entry()], now=0.0)  # a key not trusted
+    v.merge("n1", [info(3).entry()], now=0.0)  # no key at all
+    assert v.names() == ["n0", "n1"] and v.refused == {"untrusted_key": 2}
+    with pytest.raises(ValueError, match="needs a key"):
+        View(info(0), keyed=True)
