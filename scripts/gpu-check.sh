@@ -27,6 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! "$PYTHON" - >"$OUT/gpu.txt" 2>&1 <<'EOF'
 import sys
 import torch
+import torch.distributed
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 if not torch.cuda.is_available():
     print("no GPU: torch.cuda.is_available() is False")
@@ -34,7 +35,11 @@ if not torch.cuda.is_available():
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}")
-print(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}" if torch.distributed.is_nccl_available() else "no NCCL")
+if torch.distributed.is_nccl_available():
+    version = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+    print(f"NCCL {'.'.join(map(str, version)) if isinstance(version, tuple) else version}")
+else:
+    print("no NCCL")
 EOF
 then
     cat "$OUT/gpu.txt"
