@@ -18,7 +18,7 @@ OTHER_KEY = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
 
 
 def info(i: int, incarnation: int = 0, beat: int = 0, port: int | None = None) -> MemberInfo:
-    return MemberInfo(f"n{i}", f"tcp://10.0.{i // 250}.{i % 250}:{port or 45000 + i % 20000}", None, incarnation, beat)
+    return MemberInfo(f"n{i}", f"tcp://127.0.0.1:{port or 20000 + i}", None, incarnation, beat)
 
 
 def status(v: View, name: str) -> str:
@@ -132,7 +132,7 @@ def test_a_member_heard_of_only_through_others_stays_while_its_heartbeat_rises()
     "claim",
     [
         info(1, port=46000),  # n1's name, another endpoint
-        MemberInfo("n1", "tcp://10.0.0.1:45001", KEY),  # n1's name and endpoint, another key
+        MemberInfo("n1", "tcp://127.0.0.1:20001", KEY),  # n1's name and endpoint, another key
         info(1, incarnation=9, beat=9, port=46000),  # an impostor with later news
     ],
 )
@@ -184,10 +184,10 @@ def test_check_entry_names_the_field_at_fault():
 
 
 def test_a_keyed_cluster_admits_only_keys_it_trusts():
-    own = MemberInfo("n0", "tcp://10.0.0.0:45000", KEY)
+    own = MemberInfo("n0", "tcp://127.0.0.1:20000", KEY)
     v = View(own, keyed=True, trusted=lambda name, key: (name, key) == ("n1", OTHER_KEY))
-    v.merge("n1", [MemberInfo("n1", "tcp://10.0.0.1:45001", OTHER_KEY).entry()], now=0.0)
-    v.merge("n1", [MemberInfo("n2", "tcp://10.0.0.2:45002", KEY).entry()], now=0.0)  # a key not trusted
+    v.merge("n1", [MemberInfo("n1", "tcp://127.0.0.1:20001", OTHER_KEY).entry()], now=0.0)
+    v.merge("n1", [MemberInfo("n2", "tcp://127.0.0.1:20002", KEY).entry()], now=0.0)  # a key not trusted
     v.merge("n1", [info(3).entry()], now=0.0)  # no key at all
     assert v.names() == ["n0", "n1"] and v.refused == {"untrusted_key": 2}
     with pytest.raises(ValueError, match="needs a key"):

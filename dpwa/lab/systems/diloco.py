@@ -73,6 +73,7 @@ class DiLoCo:
         self._local = np.empty_like(self.anchor)
         # one flat vector per synchronisation: the pseudo-gradient, then the buffers
         self._message = torch.zeros(layout.param_size + layout.buffer_size, dtype=torch.float32)
+        self._gpu_message: torch.Tensor | None = None  # its copy on the GPU, made at the first sync over NCCL
         self.inner_steps = 0  # since the last synchronisation
         self.syncs = 0
 
@@ -103,9 +104,11 @@ class DiLoCo:
         if layout.buffer_size:
             self.view.buffers(message[layout.param_size :])
         if dist.is_initialized() and dist.get_backend() == "nccl":  # NCCL reduces only tensors on the GPU
-            on_gpu = self._message.to(torch.device("cuda", torch.cuda.current_device()))
-            timed_allreduce(on_gpu, self.timer)
-            self._message.copy_(on_gpu)
+            if self._gpu_message is None:
+                self._gpu_message = torch.empty_like(self._message, device=torch.cuda.current_device())
+            self._gpu_message.copy_(self._message)
+            timed_allreduce(self._gpu_message, self.timer)
+            self._message.copy_(self._gpu_message)
         else:
             timed_allreduce(self._message, self.timer)
         check_values(message, f"DiLoCo synchronisation {self.syncs + 1}: the mean pseudo-gradient and buffers")

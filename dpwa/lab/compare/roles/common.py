@@ -6,7 +6,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +15,7 @@ from typing import Any
 from ..recorder import Recorder, StepTimer
 from ..workload import Workload, WorkloadSpec, load_workload
 
-__all__ = ["Role", "StopFlag", "load_role", "timed"]
+__all__ = ["Role", "StopFlag", "load_role", "run_collective", "timed"]
 
 
 class StopFlag:
@@ -96,3 +96,13 @@ def timed(batches: Iterable[Any], timer: StepTimer) -> Iterator[Any]:
             return
         timer.compute_s += time.perf_counter() - t0
         yield batch
+
+
+def run_collective(role: Role, train: Callable[[Role], None]) -> None:
+    """(all-reduce, DiLoCo) Join this rank's process group (NCCL where each rank has a GPU of its own, else
+    gloo), run ``train(role)``, and leave with every other rank (this process ends there)."""
+    from ...systems import allreduce
+
+    opts, world = role.options, role.spec.workers
+    backend = allreduce.backend_for(role.spec.device, world)
+    allreduce.run_rank(role.index, lambda *_: train(role), world, opts["store"], opts["gloo_timeout_s"], (), backend)

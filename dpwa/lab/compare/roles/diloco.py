@@ -19,15 +19,12 @@ from ...systems import allreduce
 from ...systems.diloco import DiLoCo
 from ...systems.layout import ModuleView
 from ..recorder import wait_for_go
-from .common import Role, timed
+from .common import Role, run_collective, timed
 
 
 def run_rank(role: Role) -> None:
     """Join the group, train, write the results, and leave with every other rank (this process ends here)."""
-    opts = role.options
-    backend = allreduce.backend_for(role.spec.device, role.spec.workers)
-    world = role.spec.workers
-    allreduce.run_rank(role.index, lambda *_: train(role), world, opts["store"], opts["gloo_timeout_s"], (), backend)
+    run_collective(role, train)
 
 
 def train(role: Role) -> None:
