@@ -5,6 +5,9 @@
     python -m dpwa status runs/latest      # the progress table of a (detached) run, once
     python -m dpwa average runs/latest -o mean.pt   # the mean of the nodes' weights (latest complete checkpoint)
     python -m dpwa keygen w1 --dir keys    # a CURVE key pair: keys/w1.key and keys/w1.key_secret
+    python -m dpwa keygen --cluster-key --dir admin   # a cluster key: admin/cluster.pub, admin/cluster.secret
+    python -m dpwa keygen w2 --dir keys --sign-with admin/cluster.secret   # also keys/w2.cert, valid 30 days
+    python -m dpwa keygen w2 --dir keys --sign-with admin/cluster.secret --renew   # a new keys/w2.cert
     python -m dpwa dashboard runs/latest   # a live web page of the run (prints its URL)
     python -m dpwa run --nodes 4 -- python train.py   # a script of your own, once per node (./run.sh -- ...)
 
@@ -57,17 +60,41 @@ def plot(args: argparse.Namespace) -> int:
 
 
 @subcommand(
-    arg("name", nargs="?", help="the node's name, as in the config (or give --config)"),
+    arg("name", nargs="?", help="the node's name, as in the config (or give --config, or --cluster-key)"),
     arg("--config", type=Path, help="key every node of this config, and write their keys into it"),
     arg("--dir", type=Path, help="where to write the key files (default: . for NAME, keys/ beside --config)"),
+    arg(
+        "--cluster-key",
+        action="store_true",
+        help="write a cluster key pair instead: DIR/cluster.pub (every node gets it) and DIR/cluster.secret "
+        "(mode 0600; it signs the members' certificates: keep it off the nodes)",
+    ),
+    arg(
+        "--sign-with",
+        type=Path,
+        metavar="SECRET",
+        help="with NAME: also write DIR/NAME.cert, NAME's key signed by this cluster secret key (cluster.secret)",
+    ),
+    arg("--valid-days", type=int, metavar="N", help="with --sign-with: the certificate's validity (default: 30)"),
+    arg(
+        "--renew",
+        action="store_true",
+        help="with --sign-with: sign NAME's existing public key (DIR/NAME.key) again, replacing DIR/NAME.cert",
+    ),
 )
 def keygen(args: argparse.Namespace) -> int:
-    """Write CURVE key pairs: one node's (NAME), or every node's of a config (--config)."""
+    """Write CURVE key pairs: one node's (NAME), or every node's of a config (--config); or a cluster key."""
     from .wire.curve import generate
 
+    if args.cluster_key:
+        return _cluster_key(args)
     if (args.name is None) == (args.config is None):
-        raise ValueError("give a node NAME, or --config FILE to key every node of a config")
+        raise ValueError("give a node NAME, or --config FILE to key every node of a config (or --cluster-key)")
+    if args.sign_with is None and (args.valid_days is not None or args.renew):
+        raise ValueError("--valid-days and --renew need --sign-with CLUSTER_SECRET")
     if args.config is not None:
+        if args.sign_with is not None:
+            raise ValueError("--sign-with signs one node's key: give a NAME, not --config")
         from .cluster.keys import key_config
 
         written = key_config(args.config, args.dir)
@@ -75,11 +102,73 @@ def keygen(args: argparse.Namespace) -> int:
         print(f"{args.config} now lists every node's public_key and secret_key_file (the original: {args.config}.bak)")
         print("copy each NAME.key_secret to NAME's machine only; the config (public keys) goes everywhere")
         return 0
+    if args.sign_with is not None:
+        return _certify(args)
     public, secret, pair = generate(args.name, args.dir or Path("."))
     print(f"wrote {public} (public: share it) and {secret} (secret: mode 0600, keep it on {args.name}'s machine)")
     print("in the config's nodes list, for this node:")
     print(f'  public_key: "{pair.public.decode()}"')
     print(f"  secret_key_file: {secret}")
+    return 0
+
+
+def _cluster_key(args: argparse.Namespace) -> int:
+    """keygen --cluster-key: a new cluster key pair in DIR."""
+    from .wire.certs import generate_cluster_key, key_id, load_cluster_public
+
+    given = [flag for flag, value in (("NAME", args.name), ("--config", args.config), ("--sign-with", args.sign_with),
+             ("--valid-days", args.valid_days), ("--renew", args.renew)) if value]  # fmt: skip
+    if given:
+        raise ValueError(f"--cluster-key takes --dir only, not {', '.join(given)}")
+    public, secret = generate_cluster_key(args.dir or Path("."))
+    ident = key_id(load_cluster_public(public)).hex()
+    print(f"wrote {public} (the cluster's public key, id {ident}: every node gets it)")
+    print(f"and {secret} (secret: mode 0600; it signs members' certificates: keep it off the nodes)")
+    print(f"sign a member: python -m dpwa keygen NAME --dir keys --sign-with {secret}")
+    return 0
+
+
+def _certify(args: argparse.Namespace) -> int:
+    """keygen NAME --sign-with SECRET: NAME's CURVE key pair (or, --renew, its existing public key) and
+    its certificate, DIR/NAME.cert."""
+    import datetime
+
+    import zmq.auth
+
+    from .wire.certs import MAX_VALID_S, NAME_RE, decode, load_cluster_secret, sign, write_cert
+    from .wire.curve import generate
+
+    days = 30 if args.valid_days is None else args.valid_days
+    if not 0 < days <= MAX_VALID_S // 86400:
+        raise ValueError(f"--valid-days takes 1 to {MAX_VALID_S // 86400} days, got {days}")
+    if not NAME_RE.fullmatch(args.name):  # checked before a file is read or made
+        raise ValueError(f"a member's NAME must be 1 to 64 letters, digits, '_', '.', '-', got {args.name!r}")
+    cluster = load_cluster_secret(args.sign_with)  # before anything is written: a bad secret file writes nothing
+    directory = args.dir or Path(".")
+    cert_path = directory / f"{args.name}.cert"
+    if args.renew:
+        public_path = directory / f"{args.name}.key"
+        expected = f"{args.name}'s CURVE public key file, as python -m dpwa keygen {args.name} wrote it"
+        if not public_path.is_file():
+            raise FileNotFoundError(f"{public_path}: no such file; --renew signs {expected}")
+        try:
+            curve_public = zmq.auth.load_certificate(public_path)[0].decode("ascii")
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{public_path}: expected {expected}: {exc}") from None
+        cert = sign(cluster, args.name, curve_public, days * 86400)
+        write_cert(cert_path, cert, replace=True)
+        written = f"wrote {cert_path}"
+    else:
+        if cert_path.exists():
+            raise FileExistsError(f"{cert_path} exists; give --renew to sign {args.name}'s existing key again")
+        public, secret, pair = generate(args.name, directory)
+        cert = sign(cluster, args.name, pair.public.decode(), days * 86400)
+        write_cert(cert_path, cert)
+        written = f"wrote {public} (public: share it), {secret} (secret: mode 0600, keep it on {args.name}'s machine)"
+        written += f" and {cert_path}"
+    until = datetime.datetime.fromtimestamp(decode(cert).not_after, datetime.timezone.utc)
+    print(f"{written} (the cluster's consent to {args.name}'s key, valid until {until:%Y-%m-%d %H:%M} UTC)")
+    print(cert)
     return 0
 
 

@@ -680,7 +680,7 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
             if key not in entry:
                 raise ConfigError(f"{source}: {where} is missing the key {key!r}")
         name, host, port, bind = entry["name"], entry["host"], entry["port"], entry.get("bind")
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ConfigError(
                 f"{source}: {where}.name must be a non-empty string of letters, digits, '_', '.', '-', got {name!r}"
             )

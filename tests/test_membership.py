@@ -168,6 +168,16 @@ def test_ten_thousand_fake_members_and_malformed_entries_are_refused_with_reason
         {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": 2**60, "beat": 0},
         {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": "1"},
         {"name": "n2", "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": 0, "extra": 1},
+        # a pattern's $ also matches before a last newline: each field must match whole
+        {"name": "n2\n", "endpoint": "tcp://a:1", "key": None, "inc": 0, "beat": 0},
+        {"name": "n2", "endpoint": "tcp://a:1\n", "key": None, "inc": 0, "beat": 0},
+        {
+            "name": "n2",
+            "endpoint": "tcp://a:1",
+            "key": "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7\n",
+            "inc": 0,
+            "beat": 0,
+        },
     ]
     w = view(0)
     assert w.merge("n1", bad, now=0.0) == [] and w.refused == {"bad_entry": len(bad)}

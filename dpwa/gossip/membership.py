@@ -88,12 +88,12 @@ def check_entry(raw: Any) -> MemberInfo:
     if unknown:
         raise ValueError(f"unknown fields {sorted(map(str, unknown))}")
     name, endpoint, key = raw.get("name"), raw.get("endpoint"), raw.get("key")
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"name must be 1 to 64 letters, digits, '_', '.', '-', got {name!r:.80}")
-    match = _ENDPOINT_RE.match(endpoint) if isinstance(endpoint, str) else None
+    match = _ENDPOINT_RE.fullmatch(endpoint) if isinstance(endpoint, str) else None
     if match is None or not 0 < int(match.group(2)) < 65536:
         raise ValueError(f"{name}: endpoint must be tcp://HOST:PORT, got {endpoint!r:.80}")
-    if key is not None and (not isinstance(key, str) or not _KEY_RE.match(key)):
+    if key is not None and (not isinstance(key, str) or not _KEY_RE.fullmatch(key)):
         raise ValueError(f"{name}: key must be a 40-character Z85 public key or null, got {key!r:.80}")
     counts = []
     for field in ("inc", "beat"):

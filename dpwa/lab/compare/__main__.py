@@ -14,6 +14,7 @@ the repository root)::
     python -m dpwa.compare --gossip-set mode=pull --gossip-set period=4    # try other dpwa settings
     python -m dpwa.compare --workload charlm --systems gossip,gossip-original,gossip-pushsum   # push-sum (opt-in)
     python -m dpwa.compare --workload charlm --systems gossip,gossip-noloco,diloco --seeds 3   # NoLoCo (opt-in)
+    python -m dpwa.compare --map --quick --tune 4 --seeds 2 --systems gossip,gossip-lowbw,allreduce,diloco  # (root)
     python -m dpwa.compare --workload charlm --systems gossip --byzantine 1 --attack offset \
         --gossip-set rule=clipped --gossip-set 'rule_options={radius: auto}' --gossip-set mode=pull  # ClippedGossip
 
@@ -42,10 +43,21 @@ from ..systems.diloco import DEFAULT_PERIOD
 from .byzantine import ATTACKS
 from .comparison import CompareConfig, run_comparison
 from .links import LinksUnavailable, check_delay, check_root
+from .regimes import (
+    DEFAULT_DELAYS,
+    DEFAULT_RATES,
+    DEFAULT_STRAGGLERS,
+    MapError,
+    cells,
+    collect,
+    decide_grid,
+    map_table,
+    plot_map,
+)
 from .report import fault_lines, link_lines, mass_lines, plot, table, write_json
 from .runner import GOSSIP_SYSTEMS, KNOWN_SYSTEMS, SYSTEMS, RunOptions
 from .seeds import aggregate, plot_seeds, seeds_table
-from .tune import apply, tune
+from .tune import apply, load_tuning, tune
 from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, DEVICES, WorkloadSpec
 
 TARGETS = {"digits": 0.97, "cifar10": 0.70}  # default target test accuracy per dataset
@@ -102,6 +114,17 @@ PROFILES: dict[str, dict[str, Any]] = {
         "time_limit_s": 3600.0,
     },
 }
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _grid(values: tuple[float, ...]) -> str:
+    return ",".join(f"{v:g}" for v in values)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -184,6 +207,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="run the comparison once per seed (--seed, --seed + 1, ...), paired: within a seed every system starts "
         "from the same model and reads the same data; the table gives means with 95%% intervals (default: 1)",
+    )
+    p.add_argument(
+        "--tuned-from",
+        type=Path,
+        metavar="FILE",
+        help="measure each system at the best settings an earlier --tune found (its compare.json, or a map's "
+        "tuning.json) instead of tuning again",
+    )
+    p.add_argument(
+        "--map",
+        action="store_true",
+        help="the regime map: the comparison in every cell of a grid of link rates, delays and stragglers "
+        "(needs root), each cell's winner by time to the target with its margin; OUT/map.md, map.png, map.json; "
+        "run again with the same --out to finish a map that was stopped (dpwa/lab/compare/regimes.py)",
+    )
+    p.add_argument(
+        "--also-target",
+        type=_positive_float,
+        action="append",
+        default=[],
+        metavar="T",
+        help="--map: also judge every cell at this target (accuracy, or charlm's loss), read from the same runs' "
+        "curves (OUT/map-T.md, map-T.png); repeatable",
+    )
+    p.add_argument(
+        "--map-rates",
+        type=_floats,
+        default=DEFAULT_RATES,
+        metavar="R,R,...",
+        help=f"--map: link rates in Mbit/s (default: {_grid(DEFAULT_RATES)})",
+    )
+    p.add_argument(
+        "--map-delays",
+        type=_floats,
+        default=DEFAULT_DELAYS,
+        metavar="D,D,...",
+        help=f"--map: one-way delays in ms, 0 for none (default: {_grid(DEFAULT_DELAYS)})",
+    )
+    p.add_argument(
+        "--map-stragglers",
+        type=_floats,
+        default=DEFAULT_STRAGGLERS,
+        metavar="F,F,...",
+        help=f"--map: straggler factors, 1 for none (default: {_grid(DEFAULT_STRAGGLERS)})",
     )
     p.add_argument("--target-acc", type=float, help="images: target test accuracy (default: 0.97 digits, 0.70 cifar10)")
     p.add_argument(
@@ -294,6 +361,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--tune with --faults or --byzantine: tune a plain comparison, then run those at its settings")
     if args.seeds > 1 and args.faults:
         p.error("--faults with --seeds: run the faults with one seed (they are scenarios, not samples)")
+    if args.tune and args.tuned_from:
+        p.error("--tune and --tuned-from: tune again, or take an earlier tuning, not both")
+    if args.map:
+        given = [
+            flag
+            for flag, value in (
+                ("--link-mbit", args.link_mbit),
+                ("--link-delay-ms", args.link_delay_ms),
+                ("--straggler", args.straggler != 1.0),
+                ("--faults", args.faults),
+                ("--byzantine", args.byzantine),
+            )
+            if value
+        ]
+        if given:
+            p.error(
+                f"--map sets the links and the straggler per cell (--map-rates, --map-delays, --map-stragglers); "
+                f"drop {', '.join(given)}"
+            )
+        try:
+            args.grid = cells(args.map_rates, args.map_delays, args.map_stragglers)
+        except MapError as exc:
+            p.error(str(exc))
     if args.device == "cuda":
         import torch
 
@@ -332,6 +422,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--target-loss is for --workload charlm; the image workloads aim at --target-acc")
         if args.model is not None and args.model not in ("small", "resnet18"):
             p.error(f"--model for images must be small or resnet18, got {args.model}")
+    if args.also_target and not args.map:
+        p.error("--also-target is for --map (one grid of runs judged at several targets)")
+    if args.workload != "charlm" and any(t > 1 for t in args.also_target):
+        p.error(f"--also-target for images is an accuracy in (0, 1], got {', '.join(map(str, args.also_target))}")
     return args
 
 
@@ -506,6 +600,61 @@ def run_seeds(
     return 1 if failed else 0
 
 
+def run_regimes(
+    config: CompareConfig,
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    started: float,
+    tuned: dict[str, Any] | None,
+) -> int:
+    """--map: tune once at full speed (or reuse OUT/tuning.json, or --tuned-from), then every cell of the grid at
+    every seed; OUT/map.md, OUT/map.png and OUT/map.json."""
+    if args.tune:
+        saved = config.out_dir / "tuning.json"
+        if saved.is_file():
+            tuned = load_tuning(saved, config.systems)
+            if tuned.get("trials_per_system") != args.tune:
+                raise MapError(
+                    f"{saved} holds {tuned.get('trials_per_system')} trials per system, not --tune {args.tune}; "
+                    "use another --out"
+                )
+            print(f"tuned before, read from {saved}:\n" + tuning_lines(tuned) + "\n", flush=True)
+        else:
+            tuned = tune(config, args.tune)
+            write_json({"tuning": tuned}, saved)
+            print("\n" + tuning_lines(tuned) + "\n", flush=True)
+    seeds = [args.seed + i for i in range(args.seeds)]
+    by_cell = collect(config, args.grid, seeds, lambda one: run_once(one, tuned), tuned)
+    spec = config.spec
+    budget = f"{spec.steps} steps" if spec.steps else f"{spec.epochs} epochs"
+    result: dict[str, Any] = {
+        "command": "python -m dpwa.compare " + " ".join(sys.argv[1:] if argv is None else argv),
+        "seeds": seeds,
+        "tuning": tuned,
+        "maps": {},
+    }
+    written = []
+    for target in (config.target, *args.also_target):
+        goal = f"loss {target:g}" if config.metric == "loss" else f"{100 * target:g}%"
+        print(f"\nfirst to {goal}:", flush=True)
+        found = {"target": target, "cells": decide_grid(by_cell, seeds, None if target == config.target else target)}
+        result["maps"][f"{target:g}"] = found
+        title = f"{spec.data}, {spec.workers} workers, {budget}: first to {goal}, {len(seeds)} seed(s) per cell"
+        text = map_table(found)
+        stem = "map" if target == config.target else f"map-{target:g}"
+        (config.out_dir / f"{stem}.md").write_text(f"{title}\n\n{text}\n")
+        written.append(config.out_dir / f"{stem}.md")
+        if plot_map(found, config.out_dir / f"{stem}.png", title):
+            written.append(config.out_dir / f"{stem}.png")
+        print(f"\n{title}\n{text}")
+    result["wall_s"] = time.monotonic() - started
+    write_json(result, config.out_dir / "map.json")
+    print(
+        "\n" + ", ".join(str(p) for p in [*written, config.out_dir / "map.json"]) + f"; {result['wall_s']:.0f} s in all"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -513,17 +662,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.link_mbit:
             check_root()
             check_delay(args.link_delay_ms or 0.0)
+        if args.map:
+            check_root()
+            check_delay(max(args.map_delays))
     except (ValueError, LinksUnavailable) as exc:
         print(f"dpwa.compare: {exc}", file=sys.stderr)
         return 2
-    if config.out_dir.exists() and any(config.out_dir.iterdir()):
+    if not args.map and config.out_dir.exists() and any(config.out_dir.iterdir()):
         print(f"dpwa.compare: {config.out_dir} exists and is not empty; choose another --out", file=sys.stderr)
         return 2
     started = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: every process stopped
     tuned = None
     try:
-        if args.seeds > 1 or args.tune:
+        if args.tuned_from is not None:
+            tuned = load_tuning(args.tuned_from, config.systems)
+            print(f"measuring at the settings tuned in {args.tuned_from}:\n" + tuning_lines(tuned) + "\n", flush=True)
+        if args.map:
+            return run_regimes(config, args, argv, started, tuned)
+        if args.seeds > 1 or args.tune or tuned is not None:
             if args.tune:
                 tuned = tune(config, args.tune)
                 print("\n" + tuning_lines(tuned) + "\n", flush=True)

@@ -28,16 +28,18 @@ trial (its settings, its final value, and whether it completed).
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from .comparison import CompareConfig, run_comparison
 from .runner import GOSSIP_SYSTEMS
 
-__all__ = ["SPACES", "TUNING_SEED_OFFSET", "apply", "draw", "tune"]
+__all__ = ["SPACES", "TUNING_SEED_OFFSET", "TuningError", "apply", "draw", "load_tuning", "tune"]
 
 TUNING_SEED_OFFSET = 1000  # the tuning runs' seed is --seed + this: never one of the measured seeds
 
@@ -56,6 +58,32 @@ SPACES: dict[str, tuple[tuple[str, tuple[Any, ...]], ...]] = {
     "allreduce": (_LR,),
     "diloco": (_LR, ("outer_lr", (0.3, 0.5, 0.7, 1.0)), ("outer_momentum", (0.0, 0.5, 0.9)), ("period", (5, 10, 20))),
 }
+
+
+class TuningError(ValueError):
+    """An earlier tuning that cannot be used: unreadable, or without a best setting for a system asked for."""
+
+
+def load_tuning(path: Path, systems: tuple[str, ...]) -> dict[str, Any]:
+    """The ``tuning`` an earlier ``--tune`` wrote (a compare.json that holds one, or a map's tuning.json), checked
+    to give a best setting in the right terms for every one of `systems`."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TuningError(f"--tuned-from {path}: cannot read it ({exc})") from exc
+    tuned = data.get("tuning", data) if isinstance(data, dict) else None
+    if not isinstance(tuned, dict) or not isinstance(tuned.get("systems"), dict):
+        raise TuningError(f"--tuned-from {path}: no tuning in it (expected the compare.json of a run with --tune)")
+    for system in systems:
+        entry = tuned["systems"].get(system)
+        best = entry.get("best") if isinstance(entry, dict) else None
+        keys = {k for k, _ in SPACES[system]}
+        if not isinstance(best, dict) or set(best) != keys:
+            raise TuningError(
+                f"--tuned-from {path}: no best setting for {system} (expected one with {', '.join(sorted(keys))}); "
+                f"it tuned {', '.join(tuned['systems']) or 'nothing'}"
+            )
+    return {**tuned, "systems": {s: tuned["systems"][s] for s in systems}, "from": str(path)}
 
 
 def _default(system: str, config: CompareConfig) -> dict[str, Any]:
