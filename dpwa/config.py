@@ -183,6 +183,38 @@ def _options(example: str) -> Callable[[Any, str, str], tuple[tuple[str, Any], .
     return check
 
 
+BOOTSTRAP_MAX = 64  # bootstrap addresses a config may list
+_OPEN_KEYS = ("bootstrap_alone", "members_max", "suspect_after_ms", "dead_after_ms")  # what only bootstrap uses
+_HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
+
+
+def split_host_port(entry: str) -> tuple[str, int] | None:
+    """``host:port`` (``[v6]:port``) as (host, port), or None if it is not one (the port must be in 1..65535)."""
+    match = _HOST_PORT_RE.match(entry)
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        return None
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def _bootstrap(value: Any, key: str, source: str) -> tuple[str, ...]:
+    """At most BOOTSTRAP_MAX addresses, each ``host:port``, none twice."""
+    if not isinstance(value, (list, tuple)) or not value or len(value) > BOOTSTRAP_MAX:
+        raise ConfigError(
+            f"{source}: {key} must be a list of 1 to {BOOTSTRAP_MAX} addresses like 'localhost:45000', got {value!r:.120}"
+        )
+    seen: set[str] = set()
+    for index, entry in enumerate(value):
+        if not isinstance(entry, str) or split_host_port(entry.strip()) is None:
+            raise ConfigError(
+                f"{source}: {key}[{index}] must be HOST:PORT (a host name, an IPv4 address or [an IPv6 one], and a "
+                f"port in 1..65535), got {entry!r:.80}"
+            )
+        if entry.strip().lower() in seen:
+            raise ConfigError(f"{source}: {key}[{index}] {entry.strip()!r} is listed twice")
+        seen.add(entry.strip().lower())
+    return tuple(entry.strip() for entry in value)
+
+
 def _interface(value: Any, key: str, source: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{source}: interface must be auto, an address or an interface name, got {value!r}")
@@ -353,6 +385,37 @@ class Config:
         "returns, and at a fresh start every node takes the first node's initial parameters; `never`: keep the "
         "state given ([Joining and rejoining](operations.md#joining-and-rejoining))",
     )
+    bootstrap: tuple[str, ...] = setting(
+        tuple,
+        _bootstrap,
+        "open membership: up to 64 `host:port` addresses of nodes (any one may answer) through which this node "
+        "joins the cluster; `nodes` then lists this node (and maybe others: its first view), and `pairing: auto` "
+        "is `random`. Refused for now with keys, `nodes: torchrun`, `pairing: hypercube` and `wire_dtype: topk` "
+        "([Joining through a bootstrap address](operations.md#joining-through-a-bootstrap-address))",
+        shown="none",
+    )
+    bootstrap_alone: bool = setting(
+        True,
+        flag(),
+        "with `bootstrap`: when no address answers (3 rounds, `timeout_ms` each), `true` starts alone, the first "
+        "node others join (logged); `false` raises",
+    )
+    members_max: int = setting(
+        1024,
+        positive_int(),
+        "with `bootstrap`: the most members a node's view holds, itself included; newcomers beyond it are refused",
+    )
+    suspect_after_ms: int = setting(
+        5000,
+        positive_int(),
+        "with `bootstrap`: a member not heard from (directly, or by its heartbeat in a peer's digest) for this "
+        "long is suspect",
+    )
+    dead_after_ms: int = setting(
+        10000,
+        positive_int(),
+        "with `bootstrap`: a member suspect for this long is removed (it is admitted again if it comes back)",
+    )
     interface: str = setting(
         "auto",
         _interface,
@@ -375,9 +438,21 @@ class Config:
         return bool(self.nodes)
 
     @property
+    def bootstrap_specs(self) -> tuple[NodeSpec, ...]:
+        """The bootstrap addresses as node entries (named ``@0``, ``@1``, ...: no node's name has an ``@``)."""
+        out = []
+        for index, entry in enumerate(self.bootstrap):
+            host_port = split_host_port(entry)
+            assert host_port is not None  # checked at load
+            out.append(NodeSpec(name=f"@{index}", host=host_port[0], port=host_port[1]))
+        return tuple(out)
+
+    @property
     def transport(self) -> str:
-        """``ipc`` for a cluster on loopback addresses without keys (only this user can connect), else ``tcp``."""
-        if self.secure or self.insecure or not self.nodes or not all(spec.loopback for spec in self.nodes):
+        """``ipc`` for a cluster on loopback addresses without keys (only this user can connect), else ``tcp``
+        (with ``bootstrap``, its addresses count too)."""
+        specs = (*self.nodes, *self.bootstrap_specs)
+        if self.secure or self.insecure or not self.nodes or not all(spec.loopback for spec in specs):
             return "tcp"
         return "ipc"
 
@@ -447,6 +522,10 @@ class Config:
             value = getattr(self, name)
             if name in ("rule_options", "wire_options"):
                 value = dict(value)
+            if name == "bootstrap":
+                if not value:
+                    continue  # no open membership: the key is absent
+                value = list(value)
             out[name] = {"value": value.value} if isinstance(value, ConstantOptions) else value
         return out
 
@@ -562,6 +641,8 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
             f"{source}: wire_dtype: {config.wire_dtype} runs in mode {' or '.join(codec.modes)}, "
             f"not mode {config.mode} (docs/rules.md#codecs)"
         )
+    if config.bootstrap:
+        config = _checked_bootstrap(config)
     if config.pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
         raise ConfigError(
             f"{source}: pairing: hypercube needs a power of two of nodes (2, 4, 8, ...), got {len(nodes)}"
@@ -579,6 +660,40 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
                 "network you trust"
             )
     return config
+
+
+def _checked_bootstrap(config: Config) -> Config:
+    """Open membership's limits for now; ``pairing: auto`` resolved to ``random`` (no fixed indices)."""
+    source = config.source
+    if config.torchrun:
+        raise ConfigError(
+            f"{source}: bootstrap cannot be used with nodes: torchrun (elastic torchrun is not built yet)"
+        )
+    if config.nodes[0].public_key is not None:
+        raise ConfigError(
+            f"{source}: bootstrap with CURVE keys (public_key): keyed open membership is not built yet; "
+            "use bootstrap in a cluster without keys, or list every node without bootstrap"
+        )
+    if config.pairing == "hypercube":
+        raise ConfigError(
+            f"{source}: pairing: hypercube needs fixed indices of a fixed node list, and with bootstrap members come "
+            "and go; use pairing: random (or auto, which is random with bootstrap)"
+        )
+    if config.wire_dtype == "topk":
+        raise ConfigError(
+            f"{source}: wire_dtype: topk keeps a copy of each peer's model, sized for a fixed node list; with "
+            "bootstrap use another wire_dtype"
+        )
+    if config.dead_after_ms < config.timeout_ms:
+        raise ConfigError(
+            f"{source}: dead_after_ms ({config.dead_after_ms}) must be at least timeout_ms ({config.timeout_ms}): "
+            "a member would be removed before one request to it can time out"
+        )
+    if len(config.nodes) > config.members_max:
+        raise ConfigError(
+            f"{source}: nodes lists {len(config.nodes)} nodes, more than members_max ({config.members_max})"
+        )
+    return dataclasses.replace(config, pairing="random")
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -747,13 +862,20 @@ def _bracket(host: str) -> str:
 def pointless_settings(config: Config) -> list[str]:
     """Settings that are legal but make averaging do nothing, each with the reason."""
     notes = []
-    if len(config.nodes) == 1:
+    if len(config.nodes) == 1 and not config.bootstrap:
         notes.append(f"{config.source}: only one node is configured, so this node never averages")
     elif config.fetch_probability == 0:
         notes.append(
             f"{config.source}: fetch_probability is 0 with {len(config.nodes)} nodes: "
             "no node ever fetches, so the nodes train independently"
         )
+    if not config.bootstrap:
+        defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+        unused = [key for key in _OPEN_KEYS if getattr(config, key) != defaults[key]]
+        if unused:
+            notes.append(
+                f"{config.source}: {', '.join(unused)} apply only with bootstrap (open membership); unused here"
+            )
     if config.mode == "symmetric" and config.rule == "state":
         notes.append(
             f"{config.source}: mode symmetric with rule state keeps the nodes' mean only when nothing "

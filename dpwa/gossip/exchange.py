@@ -146,6 +146,7 @@ DECISIONS_PER_PEER = 64  # ... and at most this many per peer
 SETTLE_QUIET_S = 1.0  # close() waits until no confirm arrived for this long (two retry intervals)
 ACK_TRIES = 3  # a closing requester sends the ack of a commit at most this many times
 KNOWN_PER_PEER = 8  # commits a requester remembers knowing, per peer (the latest; it is in doubt about one at most)
+KNOWN_PEERS_MAX = 4096  # peers whose commits a requester remembers (open membership: members come and go)
 QUERY_INTERVAL_S = 0.1  # a closing server asks a requester about its commits at most this often
 FACTOR_TOLERANCE = 1e-9
 
@@ -475,7 +476,9 @@ class KnownCommits:
         with self._lock:
             table = self._known.get(peer)
             if table is None:
-                return
+                if len(self._known) >= KNOWN_PEERS_MAX:
+                    return
+                table = self._known[peer] = OrderedDict()  # a member that joined after we started
             table[xid] = time.monotonic()
             while len(table) > KNOWN_PER_PEER:
                 table.popitem(last=False)

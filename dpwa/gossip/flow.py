@@ -97,13 +97,25 @@ class PeerSelector:
                 keyed.append((math.log(score) + gumbel, name))
             return [name for _, name in sorted(keyed, reverse=True)]
 
+    def add(self, peer: str) -> None:
+        """A new peer, at full score (open membership: a member that joined the view)."""
+        with self._lock:
+            self._scores.setdefault(peer, SCORE_MAX)
+
+    def remove(self, peer: str) -> None:
+        """A peer that left (open membership: removed from the view)."""
+        with self._lock:
+            self._scores.pop(peer, None)
+
     def success(self, peer: str) -> None:
         with self._lock:
-            self._scores[peer] = min(SCORE_MAX, self._scores[peer] + SCORE_STEP_UP)
+            if peer in self._scores:  # a peer removed meanwhile is not scored
+                self._scores[peer] = min(SCORE_MAX, self._scores[peer] + SCORE_STEP_UP)
 
     def failure(self, peer: str) -> None:
         with self._lock:
-            self._scores[peer] = max(SCORE_MIN, self._scores[peer] * SCORE_DECAY)
+            if peer in self._scores:
+                self._scores[peer] = max(SCORE_MIN, self._scores[peer] * SCORE_DECAY)
 
     def score(self, peer: str) -> float:
         with self._lock:
@@ -204,8 +216,29 @@ class FlowControl:
             self._next_probe = now + self._backoff_s
         return True
 
+    def peers(self) -> list[str]:
+        """The peers asked, in the order they came."""
+        return list(self._misses)
+
+    def add_peer(self, peer: str) -> None:
+        """(Open membership) A member joined: a peer like any other, at full score, reachable."""
+        if peer == self.name or peer in self._misses:
+            return
+        self.selector.add(peer)
+        self._misses[peer] = 0
+        self._pause[peer] = self._retry_at[peer] = 0.0
+
+    def remove_peer(self, peer: str) -> None:
+        """(Open membership) A member was removed: it is asked no more. Outcomes of its requests still in
+        flight are ignored."""
+        self.selector.remove(peer)
+        for table in (self._misses, self._pause, self._retry_at):
+            table.pop(peer, None)
+
     def heard(self, peer: str) -> None:
         """The peer answered something (not a request of ours that scores it): it is alive."""
+        if peer not in self._misses:  # removed meanwhile (open membership)
+            return
         self._misses[peer] = 0
         self._pause[peer] = self._retry_at[peer] = 0.0
         if self.alone:
@@ -215,7 +248,7 @@ class FlowControl:
 
     def record(self, peer: str, outcome: str, refusal: str = "") -> None:
         """Learn from one request's outcome (see dpwa.wire.calls for the outcomes)."""
-        if outcome in ("cancelled", "expired"):  # nothing was learned about the peer
+        if outcome in ("cancelled", "expired") or peer not in self._misses:  # nothing learned, or no peer now
             return
         if outcome in ("timeout", "failed"):
             self._misses[peer] += 1

@@ -51,7 +51,7 @@ import hashlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -198,10 +198,12 @@ class JoinServer:
         barriers: BarrierCounts,
         state: Callable[[], NodeState],
         extra: ExtraState | None,
-        peers: list[str],
+        peers: list[str] | Container[str],
     ) -> None:
         self._name, self._store, self._model = name, store, model
-        self._barriers, self._state, self._extra, self._peers = barriers, state, extra, set(peers)
+        self._barriers, self._state, self._extra = barriers, state, extra
+        # the config's peers, or (open membership) the view, asked as it is: its members change
+        self._peers: Container[str] = frozenset(peers) if isinstance(peers, list) else peers
         self._lock = threading.Lock()
         self._offers: dict[int, _Offer] = {}
         self._made = -float("inf")  # when the newest offer was made

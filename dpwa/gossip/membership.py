@@ -226,6 +226,18 @@ class View:
                 self._alive(member, now)
         return added
 
+    def add(self, info: MemberInfo, now: float) -> bool:
+        """Admit a member this node's own configuration names (not gossip: no rate limit, no consent asked);
+        still within ``max_members``, and never a second claim to a name. False if it was not added."""
+        if info.name == self.own.name or info.name in self._members:
+            return False
+        if len(self) >= self._max:
+            self.refused["view_full"] += 1
+            return False
+        self._tombstones.pop(info.name, None)
+        self._members[info.name] = Member(info, heard_at=now, since=now)
+        return True
+
     def _alive(self, member: Member, now: float) -> None:
         member.heard_at = now
         if member.status != "alive":

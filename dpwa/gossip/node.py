@@ -21,7 +21,9 @@ The training thread calls :meth:`Node.update_send` before each batch and
   :class:`~dpwa.gossip.outcomes.Outcomes` (how each finished request counts);
 * :class:`~dpwa.gossip.progress.Progress`: the training thread's clock and loss;
 * :class:`~dpwa.gossip.barrier.BarrierWaiter`: waiting at barriers;
-* :class:`~dpwa.gossip.reporting.Reporter`: ``stats()`` and status.
+* :class:`~dpwa.gossip.reporting.Reporter`: ``stats()`` and status;
+* with open membership (``bootstrap:``), :class:`~dpwa.gossip.members.Members`:
+  the view of who is in the cluster; the node's peers follow it between steps.
 
 Only the training thread writes the model: fetched snapshots, and both
 halves of symmetric exchanges, are applied in ``update_wait`` (or while
@@ -47,6 +49,7 @@ from .barrier import BarrierCounts, BarrierServer, BarrierWaiter
 from .extras import Extras, RuleState
 from .flow import FlowControl
 from .join import ExtraState, Joined
+from .members import Members, MembersServer
 from .outcomes import Outcomes
 from .outer import OuterStep
 from .parts import Parts
@@ -56,7 +59,7 @@ from .pull import PullSteps
 from .reporting import NodeState, Reporter, StatusServer
 from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys
-from .start import join_wait_s, start_together, take_state
+from .start import find_members, join_wait_s, start_together, take_state
 from .steps import WAIT_SLACK_S, Crew, OuterHook, Step, Steps, Update
 from .symmetric import SymmetricSteps
 
@@ -112,6 +115,12 @@ class Node:
         self._extra = Extras.of(optimizer=extra, outer=self._outer, rule=RuleState.of(self.rule))
         self._local_steps = 0  # steps since this node last started an exchange (period)
         self._progress = Progress()
+        # open membership: the view of who is in the cluster (None: the config's node list is the cluster)
+        self.members = (
+            Members(self.config, self.spec, rng=random.Random(rng.random()) if rng else None)
+            if self.config.bootstrap
+            else None
+        )
         self._barriers = BarrierCounts(list(self.peers))
         self._flow = FlowControl(
             self.name,
@@ -145,6 +154,7 @@ class Node:
             stream_to_peers=True,
             exchange_streams=symmetric,
             carry=self.rule.served if self.rule.carries else None,
+            members=self.members,
         )
         try:
             crew = Crew(
@@ -169,7 +179,6 @@ class Node:
             self.parts.own(self._waiter.close)
             self._reporter = Reporter(
                 self.name,
-                list(self.peers),
                 self.counters,
                 self._flow,
                 self._progress,
@@ -185,6 +194,7 @@ class Node:
                     **BarrierServer(self._barriers, list(self.peers)).routes(),
                     **self.parts.joins.routes(),
                     **StatusServer(self._reporter.status).routes(),
+                    **(MembersServer(self.members).routes() if self.members is not None else {}),
                 }
             )
             self._serving = True
@@ -197,6 +207,9 @@ class Node:
     def _start(self, met: Any) -> None:
         """Join (join: auto), publish our state, and start together with the others (see dpwa.gossip.start)."""
         trained = False
+        if self.members is not None:
+            self._start_open()
+            return
         if self.config.join == "auto" and self.peers:
             self.state = "joining"
             self.joined, trained = self._take_state()
@@ -212,7 +225,28 @@ class Node:
                 self.name, list(self.peers), self.parts.client.submit, self.config.timeout_s, join_wait_s(self.config)
             )
 
-    def _take_state(self, trained_only: bool = False, wait_s: float | None = None) -> tuple[Joined | None, bool]:
+    def _start_open(self) -> None:
+        """Open membership: find the members through a bootstrap address, join from them (join: auto) as a
+        late node does, and publish our state. No start barrier: the cluster is whoever is there."""
+        assert self.members is not None
+        answerer = find_members(self.name, self.config, self.members, self.parts.endpoints, self.parts.client.submit)
+        self._sync_members()
+        others = self._flow.peers()
+        if self.config.join == "auto" and others:
+            self.state = "joining"
+            order = [answerer, *(p for p in others if p != answerer)] if answerer else [self.name, *others]
+            self.joined, _ = self._take_state(order=order)
+            self._took_state(self.joined)
+        self._publish(None)
+
+    def _sync_members(self) -> None:
+        """(The training thread) Open membership: our peers follow the view (members come and go)."""
+        if self.members is not None:
+            self.members.sync(self._flow, self.parts.endpoints)
+
+    def _take_state(
+        self, trained_only: bool = False, wait_s: float | None = None, order: list[str] | None = None
+    ) -> tuple[Joined | None, bool]:
         return take_state(
             self.name,
             self.config,
@@ -226,6 +260,7 @@ class Node:
             self.counters,
             trained_only=trained_only,
             wait_s=wait_s,
+            order=order,
         )
 
     def join(self, wait_s: float = 60.0) -> bool:
@@ -324,7 +359,9 @@ class Node:
             step.own.release()
 
     def _tend(self) -> int:
-        """Between steps: drop finished stray calls, offer our state to a joiner, apply what settled."""
+        """Between steps: drop finished stray calls, offer our state to a joiner, apply what settled; with open
+        membership, our peers follow the view."""
+        self._sync_members()
         self._waiter.tidy()
         if self.parts.joins.wanted.is_set() and self.state in ("at_barrier", "lingering"):
             self._publish(self._progress.loss)  # a peer is joining while we make no steps: offer our state as of now
@@ -332,6 +369,7 @@ class Node:
 
     def _idle(self) -> None:
         """While making no steps (lingering, at a barrier): keep taking part."""
+        self._sync_members()
         self._waiter.tidy()
         if self.parts.joins.wanted.is_set():
             self._publish(self._progress.loss)
@@ -521,6 +559,8 @@ class Node:
         if bulk is not None:
             out["bulk_pending"] = bulk.pending()
         out.update({f"rule.{key}": value for key, value in self.rule.report().items()})
+        if self.members is not None:
+            out.update(self.members.report())
         return out
 
     # ----------------------------------------------------------------- lifecycle

@@ -27,7 +27,7 @@ from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
 from ..wire.bulk import BulkServer
-from ..wire.client import ClientThread, DirectClient
+from ..wire.client import ClientThread, DirectClient, PeerBook
 from ..wire.curve import CurveKeys
 from ..wire.endpoints import is_local_host
 from ..wire.schema import LARGEST_HEADER_BYTES
@@ -35,13 +35,21 @@ from ..wire.server import Route, Server
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 from .barrier import BarrierCounts
 from .join import CHUNK_BYTES, ExtraState, JoinServer
+from .members import Members
 from .reporting import NodeState
 from .requesting import ReplyReader
 from .serving import Serving
 from .snapshots import SlotAllocator, SnapshotStore
 from .validation import PeerValues
 
-__all__ = ["BULK_MIN_BYTES", "DIRECT_MAX_BYTES", "MAX_SNAPSHOT_SLOTS", "UNSENT_PER_CLIENT", "Parts"]
+__all__ = [
+    "BULK_MIN_BYTES",
+    "DIRECT_MAX_BYTES",
+    "MAX_SNAPSHOT_SLOTS",
+    "OPEN_PEERS_BUDGET",
+    "UNSENT_PER_CLIENT",
+    "Parts",
+]
 
 MAX_SNAPSHOT_SLOTS = 6  # snapshot slots in use at most; past that (and none stale), publishing is skipped
 UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
@@ -51,6 +59,9 @@ UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (Zer
 DIRECT_MAX_BYTES = 1 << 20
 # Over TCP, snapshots of at least this size stream over raw TCP (dpwa.wire.bulk, config key `bulk`).
 BULK_MIN_BYTES = 4 << 20
+# With open membership the number of peers is not known at start: the budgets sized by it (unsent replies, the
+# bulk server's connections) are sized for at least this many
+OPEN_PEERS_BUDGET = 8
 
 
 class Parts:
@@ -70,6 +81,8 @@ class Parts:
         exchange_streams: read peers' snapshots offered with their exchanges (mode symmetric), on a thread of
             its own (``streams_in``).
         carry: the scalars the node's rule sends with each fetch it serves (dpwa.mixing.rules), or None.
+        members: open membership's view (``bootstrap:``): digests travel with snapshots, requests are accepted
+            from its members, and the clients' address book (``endpoints``) follows it. None: the config's nodes.
     """
 
     def __init__(
@@ -89,14 +102,18 @@ class Parts:
         stream_to_peers: bool,
         exchange_streams: bool = False,
         carry: Callable[[], dict[str, float]] | None = None,
+        members: Members | None = None,
     ) -> None:
         self.name, self.config, self.spec, self.curve = name, config, spec, curve
-        self.peers = {s.name: s for s in config.peers_of(name)}
+        self.members = members
+        self.peers = {s.name: s for s in config.peers_of(name)}  # the config's (open membership: the first view)
+        budgeted = max(len(self.peers), OPEN_PEERS_BUDGET) if members is not None else len(self.peers)
         self._counters = counters
         self._stopped = True  # every thread stopped in time (else the context is left open)
         self._timeout_s = 5.0  # how long each thread is given to stop (close() says)
         self._log = RateLimitedLog()
         self._params, self._model = params, model
+        self._budgeted = budgeted
         with contextlib.ExitStack() as stack:
             self.context = zmq.Context()
             stack.callback(self._term)
@@ -104,7 +121,7 @@ class Parts:
             self.address = config.bind_address(spec) if config.transport == "tcp" else ""
             local = self._same_host_peers()
             self.local = tuple(local)  # same-host peers: their slots can be read (slot_readers)
-            unsent = UNSENT_PER_CLIENT * (len(self.peers) + 1)  # each sender its own budget
+            unsent = UNSENT_PER_CLIENT * (budgeted + 1)  # each sender its own budget
             self.store = SnapshotStore(
                 params.size,
                 model.storage,
@@ -125,7 +142,7 @@ class Parts:
                     counters=counters,
                     max_per_sender=UNSENT_PER_CLIENT,
                     max_pending=unsent,
-                    max_connections=4 * (len(self.peers) + 1),
+                    max_connections=4 * (budgeted + 1),
                 )
                 stack.callback(self._stop, self.bulk.close)  # after the Rx thread: nothing offers transfers any more
             streams = self.bulk is not None and (stream_to_peers or exchange_streams)
@@ -140,6 +157,7 @@ class Parts:
                 sealed=config.secure,
                 name=name,
                 peers=len(self.peers),
+                members=members,
             )
             stack.callback(self.reader.close)  # after the threads that read with it have stopped
             options = None
@@ -147,7 +165,8 @@ class Parts:
                 options = {
                     p: curve.client_options(s.public_key.encode()) for p, s in self.peers.items() if s.public_key
                 }
-            endpoints = {peer: config.endpoint(s) for peer, s in self.peers.items()}
+            # where each peer is: changed as members come and go (open membership), read by every client
+            self.endpoints = endpoints = PeerBook({peer: config.endpoint(s) for peer, s in self.peers.items()})
             max_reply = max(model.nbytes, LARGEST_HEADER_BYTES, CHUNK_BYTES)
             self.client = ClientThread(
                 self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options
@@ -191,8 +210,10 @@ class Parts:
                 bulk_ttl_s=config.timeout_s + 1.0,
                 sender=self.sender,
                 carry=carry,
+                members=members,
             )
-            self.joins = JoinServer(name, self.store, model, barriers, state, extra, list(self.peers))
+            askers = members if members is not None else list(self.peers)  # who may join from us
+            self.joins = JoinServer(name, self.store, model, barriers, state, extra, askers)
             stack.callback(self.joins.close)
             self._stack = stack.pop_all()
 
@@ -235,9 +256,11 @@ class Parts:
             name=self.name,
             counters=self._counters,
             curve=self.curve,
-            senders=[spec.name for spec in self.config.nodes],
+            # who may ask (their `from`): the config's nodes; with open membership any name, and the handlers
+            # that serve only members check it (Serving.check_request: a newcomer may introduce itself; joins)
+            senders=None if self.members is not None else [spec.name for spec in self.config.nodes],
             max_unsent_per_client=UNSENT_PER_CLIENT,
-            max_unsent=UNSENT_PER_CLIENT * (len(self.peers) + 1),
+            max_unsent=UNSENT_PER_CLIENT * (self._budgeted + 1),
         ).start()
         self._stack.callback(self._stop, self.server.close)
 

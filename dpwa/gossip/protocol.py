@@ -33,7 +33,18 @@ ack         requester -> server    "I know your commit of `xid`" (sent when the 
                                    closes; answered with the decision)
 known       server -> requester    (a closing server) "which of these commits of mine
                                    do you know?"; answered known_reply with that subset
+members     anyone -> server       (open membership) "who is in the cluster?", with the
+                                   asker's own entry `me` to announce itself (optional:
+                                   a tool announces nothing); answered members_reply
+members_reply server -> asker      a digest of the server's view (`members`) and
+                                   whether `me` is a member now (`admitted`)
 ==========  =====================  ==================================================
+
+With open membership (``bootstrap:``) the snapshot requests and replies
+(fetch, exchange and their replies) also carry `digest`: at most
+:data:`~dpwa.gossip.membership.DIGEST_MAX` entries of the sender's view, its
+own first (:mod:`dpwa.gossip.members`). Nodes without it send none and
+ignore one.
 
 Errors travel as the transport's ``error`` kind. See :mod:`dpwa.gossip.exchange`
 for the exchange's state machine.
@@ -46,7 +57,21 @@ from ..mixing.model import WireModel
 from ..mixing.rules import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
 from ..wire.errors import ProtocolError
-from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Header, Integer, ListOf, Number, Text, message_kind
+from ..wire.schema import (
+    MAX_ID,
+    NAME_PATTERN,
+    Blob,
+    Choice,
+    Flag,
+    Header,
+    Integer,
+    ListOf,
+    Number,
+    Record,
+    Text,
+    message_kind,
+)
+from .membership import DIGEST_MAX, MAX_COUNT
 
 __all__ = [
     "ACK",
@@ -54,9 +79,12 @@ __all__ = [
     "BULK_PARAMS",
     "KNOWN",
     "KNOWN_REPLY",
+    "MEMBERS",
+    "MEMBERS_REPLY",
     "CONFIRM",
     "DECISION",
     "EXCHANGE",
+    "DIGEST_HEADER_BYTES",
     "FETCH",
     "MAX_CLOCK",
     "MAX_LOSS",
@@ -99,39 +127,67 @@ _CODEC_REPLY = {**_CODEC_REQUEST, "cbase": Integer(0, MAX_ID)}
 _SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 
+# One member as a digest tells it (dpwa.gossip.membership.check_entry checks each field's meaning on arrival):
+# an entry has no `key` where the cluster has none
+ENTRY = Record(
+    {"name": NAME, "endpoint": Text(270), "inc": Integer(0, MAX_COUNT), "beat": Integer(0, MAX_COUNT)},
+    {"key": Text(40)},
+)
+_DIGEST = {"digest": ListOf(ENTRY, max_len=DIGEST_MAX)}  # open membership: the sender's view, sampled
+DIGEST_HEADER_BYTES = 1 << 14  # a kind that may carry a digest: DIGEST_MAX entries of at most ~430 bytes, and more
+
 FETCH = message_kind(
     "fetch",
     {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE},
-    {"shm": Flag(), "bulk": Flag(), **_RULE, **_CODEC_REQUEST},
+    {"shm": Flag(), "bulk": Flag(), **_RULE, **_CODEC_REQUEST, **_DIGEST},
+    max_header_bytes=DIGEST_HEADER_BYTES,
 )
-PARAMS = message_kind("params", _SNAPSHOT, {**_EXCHANGE_REPLY, **_RULE, **_CARRY, **_CODEC_REPLY}, payload=1)
+PARAMS = message_kind(
+    "params",
+    _SNAPSHOT,
+    {**_EXCHANGE_REPLY, **_RULE, **_CARRY, **_CODEC_REPLY, **_DIGEST},
+    payload=1,
+    max_header_bytes=DIGEST_HEADER_BYTES,
+)
 SHM_PARAMS = message_kind(
     "shm_params",
     {**_SNAPSHOT, **_SLOT},
-    {**_EXCHANGE_REPLY, **_RULE, **_CARRY},
+    {**_EXCHANGE_REPLY, **_RULE, **_CARRY, **_DIGEST},
+    max_header_bytes=DIGEST_HEADER_BYTES,
 )
 _TICKET = {"port": Integer(1, 65535), "token": Blob(length=TOKEN_BYTES)}  # a transfer waiting at a bulk port
 _KEY = {"key": Blob(length=KEY_BYTES)}  # a sealed stream's key: only ever sent inside a CURVE-encrypted message
 BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder of the token (dpwa.wire.bulk)
-    "bulk_params", {**_SNAPSHOT, **_TICKET}, {**_KEY, **_EXCHANGE_REPLY, **_RULE, **_CARRY, **_CODEC_REPLY}
+    "bulk_params",
+    {**_SNAPSHOT, **_TICKET},
+    {**_KEY, **_EXCHANGE_REPLY, **_RULE, **_CARRY, **_CODEC_REPLY, **_DIGEST},
+    max_header_bytes=DIGEST_HEADER_BYTES,
 )
 EXCHANGE = message_kind(
     "exchange",
     {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE, "nbytes": NBYTES, "clock": CLOCK, "loss": LOSS},
-    {"shm": Flag(), **_RULE},
+    {"shm": Flag(), **_RULE, **_DIGEST},
     payload=1,
+    max_header_bytes=DIGEST_HEADER_BYTES,
 )
 SHM_EXCHANGE = message_kind(  # an exchange whose snapshot waits in the requester's slot (same host)
-    "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag(), **_RULE}
+    "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag(), **_RULE, **_DIGEST}, max_header_bytes=DIGEST_HEADER_BYTES
 )
 BULK_EXCHANGE = message_kind(  # an exchange whose snapshot waits at the requester's bulk port (another host)
-    "bulk_exchange", {**_SNAPSHOT, **_TICKET}, {**_KEY, "bulk": Flag(), **_RULE}
+    "bulk_exchange",
+    {**_SNAPSHOT, **_TICKET},
+    {**_KEY, "bulk": Flag(), **_RULE, **_DIGEST},
+    max_header_bytes=DIGEST_HEADER_BYTES,
 )
 CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})
 ACK = message_kind("ack", {"from": NAME, "xid": XID})
 KNOWN = message_kind("known", {"from": NAME, "xids": ListOf(XID, max_len=8)})
 KNOWN_REPLY = message_kind("known_reply", {"xids": ListOf(XID, max_len=8)})
+MEMBERS = message_kind("members", {}, {"me": ENTRY})
+MEMBERS_REPLY = message_kind(
+    "members_reply", {"members": _DIGEST["digest"], "admitted": Flag()}, max_header_bytes=DIGEST_HEADER_BYTES
+)
 
 SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAMS.name: BULK_PARAMS}
 

@@ -136,7 +136,6 @@ class Reporter:
 
     Args:
         name: the node.
-        peers: its peers, in config order.
         counters, flow, progress, barriers: where the numbers are kept.
         state: reads the node's state.
         parts: reads the store's and bulk server's numbers (a callable: the parts exist once built).
@@ -146,7 +145,6 @@ class Reporter:
     def __init__(
         self,
         name: str,
-        peers: list[str],
         counters: Counters,
         flow: FlowControl,
         progress: Progress,
@@ -155,7 +153,7 @@ class Reporter:
         parts: Callable[[], dict[str, Any]],
         pending: Callable[[], dict[str, Any]],
     ) -> None:
-        self._name, self._peers, self._counters, self._flow = name, peers, counters, flow
+        self._name, self._counters, self._flow = name, counters, flow
         self._progress, self._barriers, self._state, self._parts, self._pending = (
             progress,
             barriers,
@@ -173,7 +171,7 @@ class Reporter:
                 "latency_s": counts.get(f"peer.{peer}.latency_s"),
                 "averaged": counts.get(f"peer.{peer}.averaged", 0),
             }
-            for peer in self._peers
+            for peer in scores  # flow control's peers: the config's, or the view's members (open membership)
         }
 
     def stats(self) -> dict[str, Any]:
@@ -207,7 +205,7 @@ class Reporter:
             "loss": progress.loss,
             "exchanges_per_s": progress.rate.per_second(now, blends),
             "averaged": blends,
-            "failures": sum(counts.get(f"peer.{p}.failures", 0) for p in self._peers),
+            "failures": sum(counts.get(f"peer.{p}.failures", 0) for p in self._flow.selector.scores()),
             "bytes_in": counts.get("bytes_in", 0) + counts.get("shm_bytes_in", 0),  # sockets and shared memory
             "bytes_out": counts.get("bytes_out", 0) + counts.get("shm_bytes_out", 0),
             "served": counts.get("requests_served", 0),

@@ -40,6 +40,7 @@ from ..wire.errors import ProtocolError
 from ..wire.payload import BufferPool, Payload
 from ..wire.schema import Header, MessageKind, encode
 from ..wire.shm import PeerSlots
+from .members import Members
 from .protocol import BULK_PARAMS, FETCH, MAX_VALUE, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
@@ -136,6 +137,8 @@ class ReplyReader:
         sealed: the cluster has CURVE keys: a stream must be sealed (a plain one would bypass the encryption).
         name: this node, for log lines.
         peers: how many peers it may read from (a codec's memory budget: topk keeps a copy per peer).
+        members: open membership's view: each request carries its digest (:meth:`outgoing`), and the digest
+            each reply carries is merged. None: digests are neither sent nor read.
     """
 
     def __init__(
@@ -150,8 +153,10 @@ class ReplyReader:
         sealed: bool = False,
         name: str = "dpwa",
         peers: int = 1,
+        members: Members | None = None,
     ) -> None:
         self.model = model
+        self.members = members
         self.values = values
         self.readers = readers
         self.bulk_hosts = dict(bulk_hosts or {})
@@ -197,10 +202,18 @@ class ReplyReader:
             failures,
         )
 
+    def outgoing(self) -> dict[str, Any]:
+        """Fields every snapshot request carries besides its own: our view's digest, with open membership."""
+        return {"digest": self.members.digest()} if self.members is not None else {}
+
     def read(self, response: Response, peer: str, deadline: float = math.inf) -> Received:
         """The parameters of a snapshot reply, checked; ProtocolError if unusable (TransportError if a
-        bulk transfer fails). A bulk transfer must be in by `deadline`."""
+        bulk transfer fails). A bulk transfer must be in by `deadline`. With open membership the reply's
+        digest is merged first: it answered, so it is alive."""
         header = response.header
+        if self.members is not None:
+            self.members.heard(peer)
+            self.members.merge(peer, header.get("digest"))
         check_payload(header, self.model)
         if header.kind == SHM_PARAMS.name:
             received = self._read_slot(header, peer)
@@ -333,7 +346,7 @@ class FetchTask:
             self._bulk = "shm" not in self._fields and self._reader.wants_bulk(self.peer)
         fields = {**self._fields, "bulk": True} if self._bulk else self._fields
         held = self._reader.arrivals.request(self.peer)  # what the codec holds from the peer (topk)
-        return [encode(FETCH, request_id, **fields, **held)], SNAPSHOT_REPLIES
+        return [encode(FETCH, request_id, **fields, **held, **self._reader.outgoing())], SNAPSHOT_REPLIES
 
     def run(self, ask: Ask) -> Received:
         attempts_left = SAME_HOST_ATTEMPTS

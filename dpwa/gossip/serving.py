@@ -22,9 +22,10 @@ from ..mixing.codecs import Sender
 from ..mixing.model import WireModel
 from ..stats import Counters
 from ..wire.bulk import BulkServer
-from ..wire.errors import Refused, refused
+from ..wire.errors import ProtocolError, Refused, refused
 from ..wire.schema import Header, encode
 from ..wire.server import Reply, Request, Route
+from .members import Members
 from .protocol import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
 from .snapshots import Lease, SnapshotStore
 
@@ -45,6 +46,8 @@ class Serving:
         sender: the wire codec's encoder (``wire_dtype: int8`` or ``topk``): snapshots are encoded as they
             are sent, for the peer that asked; None: the kept array travels as it is.
         carry: the scalars the node's rule sends with each snapshot a fetch is served (its ``served``), or None.
+        members: open membership's view: the digest a request carries is merged, and each reply carries one.
+            None: digests are neither read nor sent.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class Serving:
         bulk_ttl_s: float = 0.0,
         sender: Sender | None = None,
         carry: Callable[[], dict[str, float]] | None = None,
+        members: Members | None = None,
     ) -> None:
         self.name, self.store = name, store
+        self._members = members
         self._carry = carry
         self.model = model
         self.shm_id = shm_id
@@ -71,7 +76,20 @@ class Serving:
         return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True)}
 
     def check_request(self, header: Header) -> None:
-        """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange)."""
+        """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange).
+
+        With open membership the requester must be a member of our view: one we do not know yet may introduce
+        itself, its own entry first in its digest, as an announcement (:meth:`Members.announce`: rate-limited,
+        within ``members_max``, a name nobody else holds). Then its digest is merged, and it was heard from."""
+        members = self._members
+        if members is not None:
+            sender, digest = header["from"], header.get("digest")
+            if sender not in members and digest and digest[0].get("name") == sender:
+                members.announce(digest[0])
+            if sender not in members:
+                raise ProtocolError("bad_identity", f"{sender!r} is not a member of this node's view")
+            members.heard(sender)
+            members.merge(sender, digest)
         check_payload(header, self.model)
 
     def serve_fetch(self, request: Request) -> Reply:
@@ -164,4 +182,5 @@ class Serving:
             "loss": snap.loss,
             "version": snap.version,
             **({"rule": self.model.rule} if self.model.rule is not None else {}),
+            **({"digest": self._members.digest()} if self._members is not None else {}),
         }

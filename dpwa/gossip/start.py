@@ -9,6 +9,12 @@ Before a node's constructor returns (``join: auto``):
 * :func:`start_together`: at a fresh start of a node list, like DDP's
   constructor, it waits until every peer holds that same initial state (under
   torchrun the start barrier is torchrun's store: :mod:`dpwa.gossip.rendezvous`).
+
+With open membership (``bootstrap:``) :func:`find_members` comes first: it
+asks the bootstrap addresses who the members are, announcing this node, and
+the node then joins from them as a late node does (the node that answered
+counts as "the first node" at a fresh start). There is no start barrier: the
+cluster is whoever is there.
 """
 
 from __future__ import annotations
@@ -17,21 +23,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..logs import logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
 from ..wire.calls import Call
+from ..wire.client import PeerBook
 from .barrier import BarrierCounts, plausible
 from .flow import FlowControl
 from .join import ExtraState, Joined, JoinTerms, join_cluster
+from .members import Members, MembersTask
 from .progress import Progress
 from .reporting import StatusTask
 
-__all__ = ["JOIN_WAIT_MIN_S", "join_wait_s", "start_together", "take_state"]
+__all__ = ["BOOTSTRAP_ROUNDS", "JOIN_WAIT_MIN_S", "find_members", "join_wait_s", "start_together", "take_state"]
 
 JOIN_WAIT_MIN_S = 10.0  # at a fresh start, how long a node waits at least for the first node's parameters
+BOOTSTRAP_ROUNDS = 3  # times a starting node asks every bootstrap address before it starts alone
 
 
 def join_wait_s(config: Config) -> float:
@@ -53,9 +62,11 @@ def take_state(
     *,
     trained_only: bool = False,
     wait_s: float | None = None,
+    order: list[str] | None = None,
 ) -> tuple[Joined | None, bool]:
     """Take the cluster's state from a peer, into `params` (and `extra`, `progress`, `barriers`).
 
+    `order`: the nodes, the first one's state taken at a fresh start (None: the config's node list).
     Returns (what was taken or None, whether the cluster has trained already: a peer's clock is above 0).
     """
     terms = JoinTerms(
@@ -65,7 +76,7 @@ def take_state(
     )
     joined, trained = join_cluster(
         name,
-        [spec.name for spec in config.nodes],
+        order if order is not None else [spec.name for spec in config.nodes],
         submit,
         flow.selector.ranked,
         config.timeout_s,
@@ -136,3 +147,68 @@ def start_together(name: str, peers: list[str], submit: Callable[[Any], Call], t
             return
         time.sleep(pause)  # a bounded poll while the others join
         pause = min(0.2, 2 * pause)
+
+
+def find_members(
+    name: str, config: Config, members: Members, book: PeerBook, submit: Callable[[Any], Call]
+) -> str | None:
+    """Ask the bootstrap addresses in order, at most BOOTSTRAP_ROUNDS times each (``timeout_ms`` each ask),
+    until one answers and admits this node; merge its view. Returns the name of the node that answered, or
+    None when none did (then this node starts alone, or raises ConnectionError with ``bootstrap_alone:
+    false``). Raises ConfigError when a member already has this node's name elsewhere."""
+    own = config.endpoint(config.node(name))
+    addresses = [spec for spec in config.bootstrap_specs if config.endpoint(spec) != own]
+    pause = 0.1
+    try:
+        for round_ in range(BOOTSTRAP_ROUNDS if addresses else 0):
+            for spec in addresses:
+                book.put(spec.name, config.endpoint(spec))
+                call = submit(MembersTask(spec.name, time.monotonic() + config.timeout_s, members.own_entry()))
+                call.wait(config.timeout_s + 0.2)
+                if not call.done.is_set() or call.outcome != "ok":
+                    call.abandon()
+                    logger.info("%s: bootstrap %s:%d did not answer (%s)", name, spec.host, spec.port, call.outcome)
+                    continue
+                digest, admitted = call.take()
+                answerer = digest[0]["name"] if digest else ""
+                taken = [
+                    e for e in digest if e.get("name") == name and e.get("endpoint") != members.own_entry()["endpoint"]
+                ]
+                if taken:
+                    raise ConfigError(
+                        f"{config.source}: the cluster at {spec.host}:{spec.port} has a member named {name!r} at "
+                        f"{taken[0]['endpoint']}; names must be unique"
+                    )
+                members.merge(answerer, digest)
+                if admitted and answerer in members:
+                    logger.info(
+                        "%s: joined the cluster through %s (%s:%d): members %s",
+                        name, answerer, spec.host, spec.port, ", ".join(members.names()),
+                    )  # fmt: skip
+                    return str(answerer)
+                logger.info(
+                    "%s: %s:%d answered but did not admit us yet (rate limit); asking again", name, spec.host, spec.port
+                )
+            if round_ + 1 < BOOTSTRAP_ROUNDS:
+                time.sleep(pause)  # a bounded pause between rounds while the cluster starts
+                pause = min(1.0, 2 * pause)
+    finally:
+        for spec in addresses:
+            book.drop(spec.name)
+    if addresses and not config.bootstrap_alone:
+        raise ConnectionError(
+            f"{name}: no bootstrap address answered in {BOOTSTRAP_ROUNDS} rounds "
+            f"({', '.join(config.bootstrap)}), and bootstrap_alone is false"
+        )
+    others = [n for n in members.names() if n != name]
+    if others:
+        logger.warning(
+            "%s: no bootstrap address answered; starting with the config's nodes %s", name, ", ".join(others)
+        )
+    else:
+        logger.warning(
+            "%s: no bootstrap address answered%s; starting alone, as the first node of the cluster others join",
+            name,
+            "" if addresses else " (they are all this node)",
+        )
+    return None

@@ -98,8 +98,8 @@ class SymmetricSteps:
             "loss": snap.loss,
         }
 
-        def fields(peer: str) -> dict[str, Any]:
-            return {**common, "shm": True} if reader.wants_shm(peer) else common
+        def fields(peer: str) -> dict[str, Any]:  # (Tx thread) with open membership, a fresh digest each time
+            return {**common, **({"shm": True} if reader.wants_shm(peer) else {}), **reader.outgoing()}
 
         def factor(requester: tuple[float, float | None], server: tuple[float, float | None]) -> float:
             return crew.rule.factor(Side(*requester), Side(*server), symmetric=True)

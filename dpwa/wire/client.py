@@ -19,7 +19,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,52 @@ from .errors import DeadlinePassed, ProtocolError, Refused, RequestCancelled, Re
 from .schema import MessageKind
 from .sockets import POLL_SLICE_S
 
-__all__ = ["ClientThread", "DirectCall", "DirectClient"]
+__all__ = ["ClientThread", "DirectCall", "DirectClient", "PeerBook"]
+
+
+class PeerBook(Mapping[str, str]):
+    """Peer name -> endpoint, shared by a node's clients: thread-safe, and changed while they run.
+
+    A plain mapping given to a client is copied into one. An owner that learns of peers as they come
+    and go (open membership, :mod:`dpwa.gossip.members`) changes it with :meth:`put` and :meth:`drop`;
+    a client's channel to a peer whose endpoint changed is replaced at its next request.
+    """
+
+    def __init__(self, endpoints: Mapping[str, str] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, str] = dict(endpoints or {})
+
+    def __getitem__(self, peer: str) -> str:
+        with self._lock:
+            return self._endpoints[peer]
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._endpoints))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._endpoints)
+
+    def __contains__(self, peer: object) -> bool:
+        with self._lock:
+            return peer in self._endpoints
+
+    def get(self, peer: str, default: Any = None) -> Any:
+        with self._lock:
+            return self._endpoints.get(peer, default)
+
+    def put(self, peer: str, endpoint: str) -> None:
+        with self._lock:
+            self._endpoints[peer] = endpoint
+
+    def drop(self, peer: str) -> None:
+        with self._lock:
+            self._endpoints.pop(peer, None)
+
+
+def _book(endpoints: Mapping[str, str]) -> PeerBook:
+    return endpoints if isinstance(endpoints, PeerBook) else PeerBook(endpoints)
 
 
 class _Discard:
@@ -47,7 +92,7 @@ class ClientThread:
 
     Args:
         context: the ZeroMQ context for the channels.
-        endpoints: peer name -> endpoint to connect to.
+        endpoints: peer name -> endpoint to connect to (a :class:`PeerBook` is used as it is, and may change).
         name: the owner's name, for logs and the thread name.
         max_reply_bytes: the largest reply frame accepted.
         socket_options: peer name -> options for its sockets (CURVE keys, say).
@@ -63,7 +108,7 @@ class ClientThread:
         socket_options: Mapping[str, Mapping[int, Any]] | None = None,
     ) -> None:
         self._ctx = context
-        self._endpoints = dict(endpoints)
+        self._endpoints = _book(endpoints)
         self.name = name
         self._max_reply_bytes = max_reply_bytes
         self._socket_options = dict(socket_options or {})
@@ -218,12 +263,16 @@ class _Channels:
 
     def get(self, peer: str) -> Channel:
         channel = self._channels.get(peer)
+        endpoint = self.endpoints.get(peer)
+        if channel is not None and channel.endpoint != endpoint:  # the peer is gone, or came back elsewhere
+            self.drop(peer)
+            channel = None
         if channel is None:
-            if peer not in self.endpoints:
+            if endpoint is None:
                 raise TransportError(f"{self.name}: unknown peer {peer!r}")
             channel = self._channels[peer] = Channel(
                 self._ctx,
-                self.endpoints[peer],
+                endpoint,
                 name=f"{self.name} -> {peer}",
                 max_reply_bytes=self._max_reply_bytes,
                 socket_options=self._socket_options.get(peer),
@@ -289,7 +338,7 @@ class DirectClient:
         max_reply_bytes: int,
         socket_options: Mapping[str, Mapping[int, Any]] | None = None,
     ) -> None:
-        self._channels = _Channels(context, dict(endpoints), name, max_reply_bytes, dict(socket_options or {}))
+        self._channels = _Channels(context, _book(endpoints), name, max_reply_bytes, dict(socket_options or {}))
         self._waiting: dict[str, DirectCall] = {}  # peer -> the call whose reply its channel waits for
 
     def start(self, task: FirstRequest) -> DirectCall:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,7 +134,8 @@ class Server:
         name: used in log messages and thread names.
         counters: where to count served, refused and rejected requests.
         curve: encrypt, and serve only the clients whose keys it allows.
-        senders: without CURVE, the names a request's ``from`` may give (None: any).
+        senders: without CURVE, the names a request's ``from`` may give (None: any); a collection is copied, any
+            other container (a node's view of its members, which changes) is asked as it is.
         max_unsent_per_client, max_unsent: the unsent bulk-reply budget (see the module docstring).
     """
 
@@ -147,7 +148,7 @@ class Server:
         name: str = "dpwa",
         counters: Counters | None = None,
         curve: CurveKeys | None = None,
-        senders: Collection[str] | None = None,
+        senders: Container[str] | None = None,
         max_unsent_per_client: int = 2,
         max_unsent: int = 8,
         heartbeat_ms: int = 1000,
@@ -159,7 +160,7 @@ class Server:
         self.name = name
         self.counters = counters or Counters()
         self._curve = curve
-        self._senders = frozenset(senders) if senders is not None else None
+        self._senders: Container[str] | None = frozenset(senders) if isinstance(senders, Collection) else senders
         self._max_unsent_per_client = max_unsent_per_client
         self._max_unsent = max_unsent
         self._heartbeat_ms = heartbeat_ms

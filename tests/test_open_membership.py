@@ -1,0 +1,470 @@
+"""Open membership (issue 32, stage 1: clusters without keys): nodes that join through a bootstrap address.
+
+Each node's config lists only itself and ``bootstrap:`` (the first node's address, or a survivor's); the
+nodes find each other through the ``members`` call and the digests their exchanges carry
+(dpwa.gossip.members). Checked here, on real nodes over 127.0.0.1:
+
+- five nodes find each other, and average with nodes other than the bootstrap node;
+- members that close, or are killed (SIGKILL, by PID), leave every survivor's view within the stated
+  bound (suspect_after_ms + dead_after_ms, plus slack), and a node that joins through a survivor is seen
+  by everyone;
+- a raw client's hostile ``members`` requests and digests are refused and counted by reason, the honest
+  views keep their names and endpoints, the view stays within members_max, and the node still averages;
+- every configuration open membership refuses, with its message;
+- the node-side view on its own (announcement rate, reachability, peers following the view).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from conftest import free_port, make_config, wait_until
+from dpwa import NumpyParams
+from dpwa.config import ConfigError, parse_config
+from dpwa.gossip.flow import FlowControl
+from dpwa.gossip.members import ANNOUNCES_PER_S, Members
+from dpwa.wire.client import PeerBook
+from dpwa.wire.schema import PROTOCOL_VERSION
+
+SUSPECT_MS, DEAD_MS = 1000, 1000  # short, so that departures show within a test
+TIMEOUT_MS = 500
+
+
+def open_config(spec: dict[str, Any], bootstrap: list[dict[str, Any]], **settings: Any) -> dict[str, Any]:
+    """A config that lists only `spec` itself, and the bootstrap nodes' addresses."""
+    return {
+        "nodes": [spec],
+        "bootstrap": [f"{b['host']}:{b['port']}" for b in bootstrap],
+        "timeout_ms": TIMEOUT_MS,
+        "join": "never",
+        "suspect_after_ms": SUSPECT_MS,
+        "dead_after_ms": DEAD_MS,
+        **settings,
+    }
+
+
+class Steppers:
+    """Each node steps on a thread of its own until stop() (bounded: joined with a deadline)."""
+
+    def __init__(self) -> None:
+        self._threads: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        self.errors: list[BaseException] = []
+
+    def start(self, node: Any) -> None:
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                while not stop.is_set() and not node.closed:
+                    node.update_send()
+                    node.update_wait()
+            except RuntimeError:
+                if not node.closed:
+                    raise
+            except BaseException as exc:  # reported by the test
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=run, name=f"stepper-{node.name}", daemon=True)
+        self._threads[node.name] = (thread, stop)
+        thread.start()
+
+    def stop(self, name: str | None = None) -> None:
+        names = [name] if name is not None else list(self._threads)
+        for key in names:
+            thread, stop = self._threads.pop(key)
+            stop.set()
+            thread.join(10)
+            assert not thread.is_alive(), f"the stepper of {key} did not stop"
+
+
+@pytest.fixture
+def steppers():
+    made = Steppers()
+    yield made
+    made.stop()
+    assert not made.errors, made.errors
+
+
+def views(nodes: list[Any]) -> dict[str, list[str]]:
+    return {node.name: node.members.names() for node in nodes}
+
+
+def start_cluster(nodes, n: int, **settings: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+    specs = make_config(n)["nodes"]
+    made = []
+    for i, spec in enumerate(specs):
+        config = open_config(spec, [specs[0]], **settings)
+        made.append(nodes(config, spec["name"], NumpyParams(np.full(100, float(i), dtype=np.float32))))
+    return specs, made
+
+
+# --------------------------------------------------------------------------- on real nodes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_five_nodes_find_each_other_and_average_beyond_the_bootstrap_node(nodes, steppers):
+    specs, made = start_cluster(nodes, 5)
+    names = sorted(spec["name"] for spec in specs)
+    for node in made:
+        steppers.start(node)
+    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+
+    def beyond_bootstrap(node: Any) -> bool:
+        table = node.stats()["peers"]
+        return any(row["averaged"] > 0 for peer, row in table.items() if peer != "w0")
+
+    assert wait_until(lambda: all(beyond_bootstrap(node) for node in made), 30.0, 0.05), {
+        node.name: node.stats()["peers"] for node in made
+    }
+    for node in made:
+        stats = node.stats()
+        assert stats["members.count"] == 5
+        assert set(stats["peers"]) == set(names) - {node.name}  # flow control follows the view
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_members_that_close_or_are_killed_leave_and_a_newcomer_joins_through_a_survivor(nodes, steppers, children):
+    specs, made = start_cluster(nodes, 4)
+    extra = make_config(2)["nodes"]
+    killed = {**extra[0], "name": "w4"}
+    child = children(open_config(killed, [specs[0]]), "w4", fill=4.0)
+    child.expect("ready", timeout_s=30)
+    child.send(cmd="churn")  # it steps (and so exchanges) until killed
+    for node in made:
+        steppers.start(node)
+    everyone = sorted([*(s["name"] for s in specs), "w4"])
+    assert wait_until(lambda: all(v == everyone for v in views(made).values()), 30.0, 0.05), views(made)
+
+    steppers.stop("w3")
+    made[3].close()
+    child.proc.kill()  # SIGKILL, by PID
+    child.proc.wait(10)
+    survivors = made[:3]
+    left_at = time.monotonic()
+    bound_s = (SUSPECT_MS + DEAD_MS) / 1000 + 5.0  # suspect + dead time, and slack for a loaded machine
+    rest = sorted(s["name"] for s in specs[:3])
+    assert wait_until(lambda: all(v == rest for v in views(survivors).values()), bound_s, 0.05), views(survivors)
+    took = time.monotonic() - left_at
+    assert took >= (SUSPECT_MS + DEAD_MS) / 1000 * 0.5, f"removed after {took:.2f} s: too soon"  # not at once
+    for node in survivors:
+        assert set(node.stats()["peers"]) == set(rest) - {node.name}
+
+    newcomer_spec = {**extra[1], "name": "w5"}
+    newcomer = nodes(open_config(newcomer_spec, [specs[1]]), "w5", NumpyParams(np.full(100, 5.0, dtype=np.float32)))
+    steppers.start(newcomer)
+    now = sorted([*rest, "w5"])
+    assert wait_until(lambda: all(v == now for v in views([*survivors, newcomer]).values()), 30.0, 0.05), views(
+        [*survivors, newcomer]
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_member_that_comes_back_is_admitted_again(nodes, steppers):
+    specs, made = start_cluster(nodes, 3)
+    for node in made:
+        steppers.start(node)
+    names = sorted(s["name"] for s in specs)
+    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    steppers.stop("w2")
+    made[2].close()
+    assert wait_until(lambda: all("w2" not in v for v in views(made[:2]).values()), 10.0, 0.05), views(made[:2])
+    time.sleep(0.01)  # the incarnation is the start time in ms: a restart gets a later one
+    back = nodes(open_config(specs[2], [specs[0]]), "w2", NumpyParams(np.full(100, 2.0, dtype=np.float32)))
+    steppers.start(back)
+    assert wait_until(lambda: all(v == names for v in views([*made[:2], back]).values()), 30.0, 0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_late_node_joins_from_a_member_it_found_through_bootstrap(nodes, steppers):
+    specs = make_config(3)["nodes"]
+    first = nodes(open_config(specs[0], [specs[0]], join="auto"), "w0", NumpyParams(np.full(100, 7.0, np.float32)))
+    assert first.joined is None  # alone: nobody to join from
+    second = nodes(open_config(specs[1], [specs[0]]), "w1", NumpyParams(np.full(100, 7.0, np.float32)))
+    for node in (first, second):
+        steppers.start(node)
+    assert wait_until(lambda: first.clock > 0 and second.clock > 0, 30.0, 0.02)
+    late = nodes(open_config(specs[2], [specs[1]], join="auto"), "w2", NumpyParams(np.zeros(100, np.float32)))
+    assert late.joined is not None and late.joined.rejoined, late.joined
+    assert late.joined.donor in ("w0", "w1")
+    assert np.allclose(late.params.array, 7.0)  # the donor's parameters (every node holds 7)
+    assert late.clock > 0
+    assert sorted(late.members.names()) == ["w0", "w1", "w2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_mode_pull_nodes_find_each_other(nodes, steppers):
+    specs, made = start_cluster(nodes, 3, mode="pull", rule="state")
+    names = sorted(s["name"] for s in specs)
+    for node in made:
+        steppers.start(node)
+    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    assert wait_until(
+        lambda: all(any(r["averaged"] for p, r in n.stats()["peers"].items() if p != "w0") for n in made[1:]),
+        30.0,
+        0.05,
+    )
+
+
+# --------------------------------------------------------------------------- hostile clients
+
+
+class RawClient:
+    """A raw ZeroMQ REQ socket to one node: sends any header, returns the decoded reply (or None)."""
+
+    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+        self._ctx, self._endpoint = context, endpoint
+        self._sock = self._open()
+        self._id = 0
+
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._endpoint)
+        return sock
+
+    def ask(self, kind: str, timeout_s: float = 2.0, **fields: Any) -> dict[str, Any] | None:
+        self._id += 1
+        self._sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "id": self._id, **fields}))
+        if not self._sock.poll(int(timeout_s * 1000)):
+            self._sock.close(linger=0)  # Lazy Pirate: a fresh socket after a lost reply
+            self._sock = self._open()
+            return None
+        return msgpack.unpackb(self._sock.recv(), raw=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def entry(name: str, port: int, inc: int = 1, beat: int = 1, **changes: Any) -> dict[str, Any]:
+    return {"name": name, "endpoint": f"tcp://127.0.0.1:{port}", "inc": inc, "beat": beat, **changes}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hostile_members_requests_are_refused_and_counted(nodes, steppers, zctx):
+    members_max = 12
+    # longer than the other tests' times: while fakes fill the views, honest nodes spend timeouts on them and
+    # hear each other less often (the view heals anyway: a member removed comes back with newer news)
+    specs, made = start_cluster(nodes, 3, members_max=members_max, suspect_after_ms=3000, dead_after_ms=3000)
+    for node in made:
+        steppers.start(node)
+    names = sorted(s["name"] for s in specs)
+    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    honest = {s["name"]: f"tcp://127.0.0.1:{s['port']}" for s in specs}
+    target = made[0]
+    client = RawClient(zctx, target.config.endpoint(target.spec))
+    try:
+        # 1. malformed entries: the schema refuses them (the whole request: rejected), or check_entry does
+        for bad in (
+            {"name": "x", "endpoint": 5, "inc": 1, "beat": 1},  # not a string
+            {"name": "x" * 65, "endpoint": "tcp://127.0.0.1:1", "inc": 1, "beat": 1},  # too long a name
+            {"name": "x", "endpoint": "tcp://127.0.0.1:1", "inc": -1, "beat": 1},  # a negative count
+            {"name": "x", "endpoint": "tcp://127.0.0.1:1", "inc": 1, "beat": 1, "extra": 1},  # an unknown field
+            entry("x", 1, inc=2**53 + 1),  # beyond MAX_COUNT
+        ):
+            reply = client.ask("members", me=bad)
+            assert reply is not None and reply["kind"] == "error", reply
+        for bad in (
+            entry("x", 1, endpoint="http://127.0.0.1:1"),  # not tcp://HOST:PORT
+            entry("x", 1, endpoint="tcp://127.0.0.1:0"),  # port 0
+            entry("x", 1, endpoint="tcp://a b:1"),  # not a host name
+        ):
+            reply = client.ask("members", me=bad)
+            assert reply is not None and reply["kind"] == "members_reply" and not reply["admitted"], reply
+        # 2. an impersonated live name at another endpoint (a later incarnation, too)
+        reply = client.ask("members", me=entry("w1", free_port(), inc=2**52, beat=2**52))
+        assert reply is not None and not reply["admitted"], reply
+        # 3. an oversized digest, on a fetch that names an honest sender: the schema refuses it
+        digest = [entry(f"f{i}", 1000 + i) for i in range(17)]
+        fetch: dict[str, Any] = {"from": "w1", "fp": b"\0" * 16, "dtype": "float32", "digest": digest}
+        reply = client.ask("fetch", **fetch)
+        assert reply is not None and reply["kind"] == "error", reply
+        # a stranger that does not introduce itself is not served; one whose digest names someone else first
+        # is not admitted by it either
+        stranger: dict[str, Any] = {"from": "stranger", "fp": b"\0" * 16, "dtype": "float32"}
+        extras: tuple[dict[str, Any], ...] = ({}, {"digest": [entry("other", free_port())]})
+        for extra in extras:
+            reply = client.ask("fetch", **stranger, **extra)
+            assert reply is not None and reply["kind"] == "error" and reply["reason"] == "bad_identity", reply
+        assert "stranger" not in target.members and "other" not in target.members
+        # 4. 10,000 fake members announced in a loop (bounded in time too)
+        fake_port = free_port()  # nobody listens there
+        began = time.monotonic()
+        deadline = began + 25.0
+        sent = 0
+        while sent < 10_000 and time.monotonic() < deadline:
+            reply = client.ask("members", me=entry(f"fake{sent}", fake_port))
+            assert reply is not None and reply["kind"] == "members_reply"
+            assert len(reply["members"]) <= 16
+            sent += 1
+            assert len(target.members.names()) <= members_max
+        flood_s = time.monotonic() - began
+        assert sent >= 1_000, f"only {sent} announcements in 25 s"
+    finally:
+        client.close()
+
+    stats = target.stats()
+    assert stats["rejected.bad_header"] >= 5, {k: v for k, v in stats.items() if k.startswith("rejected")}
+    assert stats["members.refused.bad_entry"] >= 3
+    assert stats["members.refused.name_taken"] >= 1
+    assert stats["rejected.bad_identity"] >= 2
+    admitted = sent - stats["members.refused.announce_rate"] - stats.get("members.refused.view_full", 0)
+    assert admitted <= ANNOUNCES_PER_S * (flood_s + 1), (admitted, flood_s)  # whatever names they used
+    # the fakes never answer: they leave every view, and the honest views are whole again
+    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    for node in made:  # the honest members, at their own endpoints: nobody took a name
+        view = node.members
+        assert len(view.names()) <= members_max
+        for name, endpoint in honest.items():
+            if name != node.name:
+                assert view.peers()[name].port == int(endpoint.rsplit(":", 1)[1])
+    # the node still averages
+    before = target.stats()["averaged"] + target.stats().get("mirrored", 0)
+    assert wait_until(lambda: target.stats()["averaged"] + target.stats().get("mirrored", 0) > before + 3, 20.0, 0.05)
+    assert target.alive
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _spec(port: int = 45000) -> dict[str, Any]:
+    return {"name": "w0", "host": "127.0.0.1", "port": port}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"bootstrap": "127.0.0.1:45001"}, "bootstrap must be a list of 1 to 64 addresses"),
+        ({"bootstrap": []}, "bootstrap must be a list of 1 to 64 addresses"),
+        ({"bootstrap": [f"127.0.0.1:{46000 + i}" for i in range(65)]}, "bootstrap must be a list of 1 to 64"),
+        ({"bootstrap": ["127.0.0.1"]}, "bootstrap[0] must be HOST:PORT"),
+        ({"bootstrap": ["127.0.0.1:45001", "127.0.0.1:0"]}, "bootstrap[1] must be HOST:PORT"),
+        ({"bootstrap": ["127.0.0.1:70000"]}, "port in 1..65535), got '127.0.0.1:70000'"),
+        ({"bootstrap": [45001]}, "bootstrap[0] must be HOST:PORT"),
+        ({"bootstrap": ["127.0.0.1:45001", "127.0.0.1:45001"]}, "bootstrap[1] '127.0.0.1:45001' is listed twice"),
+        ({"pairing": "hypercube"}, "pairing: hypercube needs fixed indices"),
+        ({"wire_dtype": "topk", "mode": "pull"}, "wire_dtype: topk keeps a copy of each peer's model"),
+        ({"dead_after_ms": 100, "timeout_ms": 1000}, "dead_after_ms (100) must be at least timeout_ms (1000)"),
+        ({"members_max": 0}, "members_max must be a positive integer, got 0"),
+        ({"suspect_after_ms": -1}, "suspect_after_ms must be a positive integer, got -1"),
+    ],
+)
+def test_config_refusals(changes: dict[str, Any], message: str) -> None:
+    config = {"nodes": [_spec()], "bootstrap": ["127.0.0.1:45001"], **changes}
+    with pytest.raises(ConfigError) as caught:
+        parse_config(config, source="open.yaml")
+    assert message in str(caught.value)
+    assert str(caught.value).startswith("open.yaml: ")
+
+
+def test_config_refuses_torchrun_and_keys_with_bootstrap(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="bootstrap cannot be used with nodes: torchrun"):
+        parse_config({"nodes": "torchrun", "bootstrap": ["127.0.0.1:45001"]}, source="open.yaml")
+    from conftest import secure_config
+
+    keyed = secure_config(tmp_path, 2)
+    with pytest.raises(ConfigError, match="keyed open membership is not built yet"):
+        parse_config({**keyed, "bootstrap": ["127.0.0.1:45001"]}, source="open.yaml")
+
+
+def test_config_with_bootstrap_resolves_pairing_and_round_trips() -> None:
+    two = {"nodes": [_spec(), {**_spec(45002), "name": "w1"}], "bootstrap": ["localhost:45001", "[::1]:45003"]}
+    config = parse_config(two, source="open.yaml")
+    assert config.pairing == "random"  # auto would be hypercube for two nodes: no fixed indices here
+    assert config.bootstrap == ("localhost:45001", "[::1]:45003")
+    assert [(s.host, s.port) for s in config.bootstrap_specs] == [("localhost", 45001), ("::1", 45003)]
+    assert parse_config(config.to_mapping(), source="again") == parse_config(config.to_mapping(), source="again")
+    assert parse_config(config.to_mapping(), source="open.yaml") == config
+    without = parse_config({"nodes": [_spec()]}, source="plain.yaml")
+    assert "bootstrap" not in without.to_mapping()  # clusters without it are as before
+    assert without.bootstrap == ()
+
+
+def test_open_membership_keys_without_bootstrap_are_pointless() -> None:
+    from dpwa.config import pointless_settings
+
+    config = parse_config({"nodes": [_spec(), {**_spec(45002), "name": "w1"}], "members_max": 8}, source="x.yaml")
+    assert "x.yaml: members_max apply only with bootstrap (open membership); unused here" in pointless_settings(config)
+    plain = parse_config({"nodes": [_spec(), {**_spec(45002), "name": "w1"}]}, source="x.yaml")
+    assert pointless_settings(plain) == []
+    alone = parse_config({"nodes": [_spec()], "bootstrap": ["127.0.0.1:45001"]}, source="x.yaml")
+    assert pointless_settings(alone) == []  # one node listed: the others come through bootstrap
+
+
+# --------------------------------------------------------------------------- the node-side view
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _members(clock: FakeClock, **settings: Any) -> Members:
+    config = parse_config(
+        {"nodes": [_spec(), {**_spec(45002), "name": "w1"}], "bootstrap": ["127.0.0.1:45001"], **settings},
+        source="open.yaml",
+    )
+    return Members(config, config.node("w0"), clock=clock)
+
+
+def test_announcements_are_rate_limited_whatever_the_names() -> None:
+    clock = FakeClock()
+    members = _members(clock)
+    admitted = [members.announce(entry(f"n{i}", 50000 + i)) for i in range(ANNOUNCES_PER_S + 5)]
+    assert admitted == [True] * ANNOUNCES_PER_S + [False] * 5
+    assert members.report()["members.refused.announce_rate"] == 5
+    clock.now += 1.01
+    assert members.announce(entry("later", 51000))
+    assert members.announce(entry("n0", 50000, beat=2))  # a member already: it is one, not a newcomer
+
+
+def test_a_loopback_cluster_refuses_members_it_cannot_reach() -> None:
+    members = _members(FakeClock())
+    far = {**entry("far", 1), "endpoint": "tcp://10.1.2.3:45000"}
+    assert members.merge("w1", [entry("w1", 45002, beat=5), far, entry("near", 45010)]) == ["near"]
+    assert "far" not in members
+    assert members.report()["members.refused.unreachable"] == 1
+
+
+def test_the_peers_follow_the_view() -> None:
+    import random
+
+    clock = FakeClock()
+    members = _members(clock, suspect_after_ms=1000, dead_after_ms=1000, timeout_ms=500)
+    flow = FlowControl("w0", ["w1"], 1.0, 1.0, random.Random(0))
+    book = PeerBook({"w1": "ipc://old"})
+    members.merge("w1", [entry("w1", 45002, beat=3), entry("w2", 45004)])
+    members.sync(flow, book)
+    assert flow.peers() == ["w1", "w2"]
+    assert book["w2"].startswith("ipc://") and book["w1"] != "ipc://old"
+    for _ in range(3):  # w2 falls silent: suspect after 1 s, removed 1 s later; w1 keeps talking
+        clock.now += 1.0
+        members.heard("w1")
+        members.sync(flow, book)
+    assert flow.peers() == ["w1"] and "w2" not in book
+    assert members.merge("x", [entry("w2", 45004)]) == []  # stale news of it: the tombstone holds
+    assert members.merge("w1", [entry("w2", 45004, inc=2)]) == ["w2"]  # a new incarnation: admitted again
+    members.sync(flow, book)
+    assert flow.peers() == ["w1", "w2"]
+
+
+def test_a_node_without_bootstrap_has_no_members(nodes) -> None:
+    config = make_config(1)
+    node = nodes(config, "w0", NumpyParams(np.zeros(10, dtype=np.float32)))
+    assert node.members is None
+    assert not any(key.startswith("members") for key in node.stats())
