@@ -33,7 +33,6 @@ from dpwa.lab.compare.regimes import (
     map_table,
     plot_map,
     retarget,
-    run_map,
 )
 from dpwa.lab.compare.seeds import aggregate
 from dpwa.lab.compare.tune import TuningError, load_tuning
@@ -67,6 +66,11 @@ def _rule(config: CompareConfig) -> dict[str, Any]:
             "allreduce": straggler * (1.0 + 100 / rate + delay / 10) + 0.13 * seed,
         }
     )
+
+
+def run_map(config: CompareConfig, grid, seeds, run_one, log=lambda _line: None) -> dict[str, Any]:
+    """What the command does with a grid: collect its runs, then judge every cell."""
+    return {"cells": decide_grid(collect(config, grid, seeds, run_one, log=log), seeds, log=log)}
 
 
 def _config(tmp_path: Path, *extra: str) -> CompareConfig:
@@ -128,7 +132,7 @@ def test_the_map_runs_every_cell_at_every_seed_and_finds_the_known_winners(tmp_p
         return _rule(one)
 
     grid = cells((5, 1000), (0, 100), (1, 4))
-    result = run_map(config, grid, [0, 1, 2], run_one, log=lambda _line: None)
+    result = run_map(config, grid, [0, 1, 2], run_one)
     # seeds outermost: the whole grid at seed 0 first
     assert [r[3] for r in ran] == [0] * 8 + [1] * 8 + [2] * 8
     assert sorted(ran) == sorted((c.rate_mbit, c.delay_ms, c.straggler, s) for s in (0, 1, 2) for c in grid)

@@ -54,7 +54,6 @@ __all__ = [
     "map_table",
     "plot_map",
     "retarget",
-    "run_map",
 ]
 
 DEFAULT_RATES = (5.0, 20.0, 100.0, 1000.0)
@@ -245,20 +244,6 @@ def decide_grid(
         )
         log(f"   {cell.describe()}: {_verdict(result)}")
     return found
-
-
-def run_map(
-    config: CompareConfig,
-    grid: Sequence[Cell],
-    seeds: Sequence[int],
-    run_one: Callable[[CompareConfig], dict[str, Any]],
-    tuned: dict[str, Any] | None = None,
-    log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """:func:`collect` and :func:`decide_grid` at the runs' own target."""
-    by_cell = collect(config, grid, seeds, run_one, tuned, log)
-    cells_found = decide_grid(by_cell, seeds, log=log)
-    return {"seeds": list(seeds), "map_settings": _settings_key(config, tuned), "cells": cells_found}
 
 
 def _verdict(result: dict[str, Any]) -> str:
