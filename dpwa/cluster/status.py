@@ -16,6 +16,18 @@ the first node of the config whose secret key file is usable on this
 machine, or the one named by ``--key``. Without CURVE it says it is the
 first node of the config (a node only answers names of its cluster).
 
+**Open membership** (a config with ``bootstrap:``, issue 32): the cluster is
+whoever is in the members' view, not the config's list. Each round first
+sends one ``members`` request (without announcing the tool: it asks, it does
+not join) to every bootstrap address and every listed node, all at once,
+each within ``timeout_ms``; the answers' digests name the members and their
+endpoints. Then every member found, and every listed node, is asked its
+status as above: two steps of one ``timeout_ms`` each. A digest carries at
+most 16 entries (the answering node and a sample of its view), so in a
+cluster of more members one round may miss some: each answer adds its own
+sample, and ``--watch`` rounds find the others (a member found stays asked
+until a round finds it in no answer after it did not answer itself).
+
 A ``nodes: torchrun`` config cannot be asked from outside: its node list,
 endpoints and keys exist only in torchrun's store, for the job's life, and
 each worker's secret key only in its memory. :class:`StatusClient` refuses
@@ -33,6 +45,8 @@ from typing import Any, TextIO
 import zmq
 
 from ..config import Config, ConfigError
+from ..gossip.members import MembersTask, member_spec
+from ..gossip.membership import check_entry
 from ..gossip.reporting import STATUS_REPORT, StatusTask
 from ..gossip.setup import key_pair
 from ..wire.calls import Call
@@ -96,6 +110,8 @@ class StatusClient:
     Sockets stay open between rounds (:meth:`ask` may be called again, as
     ``--watch`` does). Use it as a context manager: :meth:`close` stops the
     threads, which close their sockets with linger 0, and ends the context.
+    With ``bootstrap:`` (open membership) each round asks the members' view
+    first (see the module docstring), and the nodes asked are its members.
 
     Args:
         config: the cluster to ask.
@@ -105,33 +121,90 @@ class StatusClient:
     def __init__(self, config: Config, key: str | None = None) -> None:
         reachable(config)
         self.config = config
-        self.name, curve = asker(config, key)
+        self.name, self._curve = asker(config, key)
         self._ctx = zmq.Context()
-        self._clients: dict[str, ClientThread] = {}
+        self._clients: dict[str, ClientThread] = {}  # by endpoint
+        self._keys: dict[str, str] = {}  # endpoint -> the peer name its client knows it by
+        self._unanswered: set[str] = set()  # the nodes that did not answer the last round
+        self._named: dict[str, str] = {}  # node name -> its endpoint (the config's, and open membership's members)
         try:
             for spec in config.nodes:
-                options = {spec.name: curve.client_options((spec.public_key or "").encode())} if curve else None
-                self._clients[spec.name] = ClientThread(
-                    self._ctx,
-                    {spec.name: config.endpoint(spec)},
-                    name="status",
-                    max_reply_bytes=STATUS_REPORT.max_header_bytes,
-                    socket_options=options,
-                ).start()
+                self._named[spec.name] = self._client(spec.name, config.endpoint(spec), spec.public_key)
         except BaseException:
             self.close()
             raise
 
+    def _client(self, name: str, endpoint: str, public_key: str | None = None) -> str:
+        """A client thread for `endpoint` (its peer named `name` there), made once; returns the endpoint."""
+        if endpoint not in self._clients:
+            self._keys[endpoint] = name
+            curve = self._curve
+            options = {name: curve.client_options((public_key or "").encode())} if curve else None
+            self._clients[endpoint] = ClientThread(
+                self._ctx,
+                {name: endpoint},
+                name="status",
+                max_reply_bytes=STATUS_REPORT.max_header_bytes,
+                socket_options=options,
+            ).start()
+        return endpoint
+
     def ask(self, timeout_s: float) -> list[dict[str, Any]]:
-        """One status round: a row per node, in config order.
+        """One status round: a row per node, in config order (open membership: by name).
 
         A node that answered gives ``{"name", "state", ...every field of its
         report}``; one that did not gives ``{"name", "state": "unreachable",
-        "reason"}``. Returns within about `timeout_s` plus a second.
+        "reason"}``. Returns within about `timeout_s` plus a second (open
+        membership: twice that, the view asked first).
         """
+        if self.config.bootstrap:
+            self._find_members(timeout_s)
         deadline = time.monotonic() + timeout_s
-        calls = {name: client.submit(StatusTask(name, deadline, self.name)) for name, client in self._clients.items()}
-        return [self._row(name, call, deadline) for name, call in calls.items()]
+        names = sorted(self._named) if self.config.bootstrap else list(self._named)
+        calls = {}
+        for name in names:
+            endpoint = self._named[name]
+            calls[name] = self._clients[endpoint].submit(StatusTask(self._keys[endpoint], deadline, self.name))
+        rows = [self._row(name, call, deadline) for name, call in calls.items()]
+        self._unanswered = {row["name"] for row in rows if row["state"] == UNREACHABLE}
+        return rows
+
+    def _find_members(self, timeout_s: float) -> None:
+        """Open membership: ask the bootstrap addresses and the listed nodes for the members (one ``members``
+        request each, all at once, without announcing ourselves); the members found are asked from now on."""
+        deadline = time.monotonic() + timeout_s
+        config = self.config
+        asked = {config.endpoint(spec): spec.name for spec in (*config.bootstrap_specs, *config.nodes)}
+        calls = {}
+        for endpoint, name in asked.items():
+            self._client(name, endpoint)
+            calls[endpoint] = self._clients[endpoint].submit(MembersTask(self._keys[endpoint], deadline, None))
+        found: dict[str, str] = {}
+        for call in calls.values():
+            if not call.wait(max(0.0, deadline - time.monotonic()) + GRACE_S):
+                call.abandon()
+                continue
+            if call.outcome != "ok":
+                continue
+            digest, _ = call.take()
+            for raw in digest:
+                try:
+                    info = check_entry(raw)
+                except ValueError:
+                    continue  # a malformed entry names nobody
+                spec = member_spec(info.name, info.endpoint)
+                if spec is not None and info.name not in found and len(found) < config.members_max:
+                    found[info.name] = config.endpoint(spec)
+        listed = {spec.name for spec in config.nodes}
+        for name in [n for n in self._named if n not in listed and n not in found and n in self._unanswered]:
+            del self._named[name]  # in no answer, and it did not answer itself: gone
+        for name, endpoint in found.items():
+            if name not in listed and (name in self._named or len(self._named) < len(listed) + config.members_max):
+                self._named[name] = self._client(name, endpoint)
+        used = set(asked) | set(self._named.values())
+        for endpoint in [e for e in self._clients if e not in used]:  # members gone: their clients too
+            self._clients.pop(endpoint).close()
+            self._keys.pop(endpoint, None)
 
     def _row(self, name: str, call: Call, deadline: float) -> dict[str, Any]:
         if not call.wait(max(0.0, deadline - time.monotonic()) + GRACE_S):
@@ -141,7 +214,7 @@ class StatusClient:
             return {"name": name, "state": UNREACHABLE, "reason": f"{call.outcome}: {call.reason}"}
         report = call.take()
         if report["name"] != name:  # another cluster's node on this address
-            endpoint = self.config.endpoint(self.config.node(name))
+            endpoint = self._named[name]
             return {"name": name, "state": UNREACHABLE, "reason": f"{endpoint} answered as {report['name']!r}"}
         return {key: report.get(key, 0 if key == "peers_omitted" else None) for key in FIELDS}
 
@@ -149,6 +222,7 @@ class StatusClient:
         """Stop every client thread (each closes its sockets, linger 0), then end the context."""
         stopped = all([client.close() for client in self._clients.values()])
         self._clients.clear()
+        self._keys.clear()
         if stopped:
             self._ctx.term()  # every socket is closed, so this returns at once
         else:  # a thread still holds a socket: term() would wait for it

@@ -28,6 +28,38 @@ A request from a name that is not a peer of the config counts for nothing.
 Counts a joining node takes from its donor are bounded by what the cluster
 reports (:func:`plausible`).
 
+**Open membership** (a config with ``bootstrap:``; issue 32). "Every node" is
+every member of this node's view *now*
+(:class:`~dpwa.gossip.members.Members`), re-read at each poll round; a
+fixed cluster's barriers count the config's nodes as above. Each node
+judges by its own view, which gossip makes the same everywhere in time:
+
+* *A member joins while others wait*: once it is in a waiting node's view
+  it is waited for, and it must make its k-th call. A joiner takes its
+  donor's counts without the call the donor waits at
+  (:meth:`BarrierCounts.offered`), so its next call is that k-th one, and
+  the barrier completes when it makes it. (A joiner with ``join: never``
+  starts at 0: its first calls return at once, as the others are further
+  on, and the others wait until it has made as many calls as they have.)
+* *A member leaves while others wait* (closed, killed, cut off): it is
+  still waited for, and asked, while it is suspect; once it is removed from
+  the view (``suspect_after_ms`` + ``dead_after_ms`` of silence) it is not
+  waited for, and the barrier completes without it, without a timeout.
+  ``timeout_s`` still bounds the whole wait.
+* *A removed member comes back* (a restart, a healed partition: newer news
+  of it) is a member again, and is waited for again, from the counts it
+  reports then.
+* A request from a name the view holds counts, whether the config lists it
+  or not; one from a name we do not know may introduce itself (its own
+  entry first in its digest, an announcement: rate-limited, within
+  ``members_max``), as a fetch's sender may; any other counts for nothing.
+  What we heard of a name that left the view is forgotten: the table holds
+  at most ``members_max`` names.
+* While a node waits, nobody exchanges, so barrier requests and replies
+  carry digests, and every member (arrived or not) is asked again at most
+  ``suspect_after_ms / 3`` (and 1 s) after its last answer: members waiting
+  together keep hearing of each other, and news of joiners keeps spreading.
+
 :class:`BarrierCounts` is pure bookkeeping; :class:`BarrierServer` answers the
 requests (Rx thread); :class:`BarrierTask` asks one peer (Tx thread).
 """
@@ -37,13 +69,18 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..logs import logger
 from ..wire.calls import Ask, Call
-from ..wire.schema import NAME_PATTERN, Integer, MapOf, Text, encode, message_kind
+from ..wire.schema import NAME_PATTERN, Integer, ListOf, MapOf, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
+from .membership import DIGEST_MAX
+from .protocol import DIGEST_HEADER_BYTES, ENTRY
+
+if TYPE_CHECKING:
+    from .members import Members
 
 __all__ = [
     "BARRIER",
@@ -65,9 +102,14 @@ MAX_COUNT = 2**31 - 1  # calls of one barrier name, at most: the wire's bound, a
 SLACK = 1  # a peer's count is believed up to this many calls beyond one past our own
 _NAME = Text(32, NAME_PATTERN)
 COUNTS = MapOf(_NAME, Integer(0, MAX_COUNT), max_len=MAX_BARRIERS)  # name -> calls made
+_DIGEST = {"digest": ListOf(ENTRY, max_len=DIGEST_MAX)}  # open membership only: the sender's view, sampled
 # requester -> server: "these are my counters"; answered with the server's, and what it knows of mine
-BARRIER = message_kind("barrier", {"from": Text(64, NAME_PATTERN), "counters": COUNTS})
-BARRIER_STATE = message_kind("barrier_state", {"counters": COUNTS, "yours": COUNTS})
+BARRIER = message_kind(
+    "barrier", {"from": Text(64, NAME_PATTERN), "counters": COUNTS}, _DIGEST, max_header_bytes=DIGEST_HEADER_BYTES
+)
+BARRIER_STATE = message_kind(
+    "barrier_state", {"counters": COUNTS, "yours": COUNTS}, _DIGEST, max_header_bytes=DIGEST_HEADER_BYTES
+)
 
 
 class BarrierTimeout(TimeoutError):
@@ -90,16 +132,55 @@ class BarrierCounts:
 
     Every count stays within [0, MAX_COUNT]; a peer's is capped at one call past
     ours plus SLACK (see the module docstring).
+
+    Args:
+        peers: the config's other nodes: the peers counted (without `view`).
+        view: open membership: the other members *now* (re-read at each look). Counts are then kept for
+            members only, at most `max_peers` of them: a name that left the view is forgotten.
+        max_peers: with `view`, the most peers whose counts are kept (``members_max``).
     """
 
-    def __init__(self, peers: list[str]) -> None:
+    def __init__(self, peers: list[str], view: Callable[[], Collection[str]] | None = None, max_peers: int = 0) -> None:
         self._lock = threading.Lock()
         self._own: dict[str, int] = {}
         self._heard: dict[str, dict[str, int]] = {peer: {} for peer in peers}
+        self._view, self._max_peers = view, max_peers
+        self._waiting: dict[str, int] = {}  # barrier name -> the call this node waits at (open membership)
+
+    @property
+    def open(self) -> bool:
+        """Do the peers follow a view (open membership)?"""
+        return self._view is not None
+
+    def peers(self) -> list[str]:
+        """The peers a barrier waits for now: the config's, or (open membership) the view's other members."""
+        if self._view is None:
+            with self._lock:
+                return list(self._heard)
+        return sorted(self._view())
 
     def own(self) -> dict[str, int]:
         with self._lock:
             return dict(self._own)
+
+    def offered(self) -> dict[str, int]:
+        """The counts a joiner takes from us. With open membership a barrier we wait at is not counted yet:
+        a joiner that arrives while we wait then makes that call itself, and we wait for it."""
+        with self._lock:
+            counts = dict(self._own)
+            if self._view is not None:
+                for name, k in self._waiting.items():
+                    if counts.get(name) == k:
+                        counts[name] = k - 1
+            return counts
+
+    def waiting(self, name: str, k: int | None) -> None:
+        """This node waits at its k-th call of `name` now (None: no longer)."""
+        with self._lock:
+            if k is None:
+                self._waiting.pop(name, None)
+            else:
+                self._waiting[name] = k
 
     def arrive(self, name: str) -> int:
         """Count one more call of barrier `name`; returns k (this is the k-th)."""
@@ -127,8 +208,17 @@ class BarrierCounts:
 
     def heard(self, peer: str, counts: Mapping[str, int]) -> None:
         """Record what `peer` said of its counts (already checked against the wire schema), capped."""
+        current = set(self._view()) if self._view is not None else None
         with self._lock:
             known = self._heard.get(peer)
+            if current is not None:
+                if peer not in current:
+                    return  # not a member (any more): counts for nothing
+                if known is None:
+                    self._forget(current)
+                    if len(self._heard) >= self._max_peers:
+                        return
+                    known = self._heard[peer] = {}
             if known is None:
                 return  # not a peer of ours: counts for nothing
             for name, count in counts.items():
@@ -136,6 +226,11 @@ class BarrierCounts:
                     continue
                 believed = min(int(count), self._own.get(name, 0) + 1 + SLACK, MAX_COUNT)
                 known[name] = max(known.get(name, 0), believed)
+
+    def _forget(self, current: set[str]) -> None:
+        """(Lock held) drop what we heard of names no longer members."""
+        for gone in [peer for peer in self._heard if peer not in current]:
+            del self._heard[gone]
 
     def of(self, peer: str) -> dict[str, int]:
         with self._lock:
@@ -146,9 +241,14 @@ class BarrierCounts:
             return {peer: dict(counts) for peer, counts in self._heard.items()}
 
     def behind(self, name: str, k: int) -> list[str]:
-        """Peers not known to have made their k-th call of `name`."""
+        """Peers not known to have made their k-th call of `name` (open membership: the view's, now)."""
+        if self._view is None:
+            with self._lock:
+                return [peer for peer, counts in self._heard.items() if counts.get(name, 0) < k]
+        current = sorted(self._view())
         with self._lock:
-            return [peer for peer, counts in self._heard.items() if counts.get(name, 0) < k]
+            self._forget(set(current))
+            return [peer for peer in current if self._heard.get(peer, {}).get(name, 0) < k]
 
 
 def _checked(counts: Mapping[str, int]) -> dict[str, int]:
@@ -178,31 +278,60 @@ def plausible(counts: Mapping[str, int], reports: Iterable[Mapping[str, int]]) -
 
 
 class BarrierServer:
-    """Answers ``barrier`` requests: records the asker's counters, tells it ours and what we know of its."""
+    """Answers ``barrier`` requests: records the asker's counters, tells it ours and what we know of its.
 
-    def __init__(self, counters: BarrierCounts, peers: list[str]) -> None:
-        self._counters, self._peers = counters, set(peers)
+    With open membership (`members`) the asker must be a member of our view (one we do not know yet may
+    introduce itself, its own entry first in its digest, as a fetch's sender may); its digest is merged, it
+    was heard from, and the reply carries our digest."""
+
+    def __init__(self, counters: BarrierCounts, peers: list[str], members: Members | None = None) -> None:
+        self._counters, self._peers, self._members = counters, set(peers), members
 
     def routes(self) -> dict[str, Route]:
         return {BARRIER.name: Route(BARRIER, self.serve)}
 
     def serve(self, request: Request) -> Reply:
         sender = request.sender
-        if sender in self._peers:
+        members = self._members
+        if members is None:
+            known = sender in self._peers
+        else:
+            digest = request.header.get("digest")
+            if sender not in members and digest and digest[0].get("name") == sender:
+                members.announce(digest[0])
+            known = sender in members
+            if known:
+                members.heard(sender)
+                members.merge(sender, digest)
+        if known:
             self._counters.heard(sender, request.header["counters"])
-        yours = self._counters.of(sender) if sender in self._peers else {}
-        return Reply(encode(BARRIER_STATE, request.header.id, counters=self._counters.own(), yours=yours))
+        yours = self._counters.of(sender) if known else {}
+        fields: dict[str, Any] = {"counters": self._counters.own(), "yours": yours}
+        if members is not None:
+            fields["digest"] = members.digest()
+        return Reply(encode(BARRIER_STATE, request.header.id, **fields))
 
 
 class BarrierTask:
-    """Tell one peer our counters and hear its own (and what it knows of ours). Value: (its, ours as it knows)."""
+    """Tell one peer our counters and hear its own (and what it knows of ours). Value: (its, ours as it knows).
 
-    def __init__(self, peer: str, deadline: float, name: str, counters: dict[str, int]) -> None:
+    With open membership (`members`) the request carries our digest, and the reply's is merged here (the
+    Tx thread): the peer answered, so it is alive."""
+
+    def __init__(
+        self, peer: str, deadline: float, name: str, counters: dict[str, int], members: Members | None = None
+    ) -> None:
         self.peer, self.deadline, self._name, self._counters = peer, deadline, name, counters
+        self._members = members
 
     def run(self, ask: Ask) -> tuple[dict[str, int], dict[str, int]]:
         fields: dict[str, Any] = {"from": self._name, "counters": self._counters}
+        if self._members is not None:
+            fields["digest"] = self._members.digest()
         response = ask(lambda rid: [encode(BARRIER, rid, **fields)], {BARRIER_STATE.name: BARRIER_STATE})
+        if self._members is not None:
+            self._members.heard(self.peer)
+            self._members.merge(self.peer, response.header.get("digest"))
         return dict(response.header["counters"]), dict(response.header["yours"])
 
 
@@ -217,21 +346,36 @@ class BarrierWaiter:
 
     Args:
         name: this node.
-        peers: every other node of the cluster.
-        counts: our barrier counts and what we heard of our peers'.
+        counts: our barrier counts and what we heard of our peers'; its :meth:`BarrierCounts.peers` are
+            whom a barrier waits for (open membership: the view's members, re-read at each poll round).
         submit: runs a task on the Tx thread.
         timeout_s: the deadline of one request.
+        members: open membership's view: requests carry digests, and every member is asked again at
+            most `keepalive_s` after its last answer while we wait (so members waiting together keep
+            hearing each other, and the view keeps spreading, while nobody exchanges).
+        keepalive_s: see `members`.
     """
 
     def __init__(
-        self, name: str, peers: list[str], counts: BarrierCounts, submit: Callable[[Any], Call], timeout_s: float
+        self,
+        name: str,
+        counts: BarrierCounts,
+        submit: Callable[[Any], Call],
+        timeout_s: float,
+        members: Members | None = None,
+        keepalive_s: float = BARRIER_POLL_MAX_S,
     ) -> None:
-        self._name, self._peers, self._counts, self._submit, self._timeout_s = name, peers, counts, submit, timeout_s
+        self._name, self._counts, self._submit, self._timeout_s = name, counts, submit, timeout_s
+        self._members = members
+        self._poll_max_s = min(BARRIER_POLL_MAX_S, keepalive_s) if members is not None else BARRIER_POLL_MAX_S
         self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
 
     def tidy(self) -> None:
         """Drop the finished calls nobody waits for."""
         self._stray = [call for call in self._stray if not call.done.is_set()]
+
+    def _task(self, peer: str, deadline: float) -> BarrierTask:
+        return BarrierTask(peer, deadline, self._name, self._counts.own(), self._members)
 
     def wait(
         self,
@@ -243,11 +387,31 @@ class BarrierWaiter:
         idle: Callable[[], None],
     ) -> list[str]:
         """Wait until every peer has made its k-th call of `name` (see Node.barrier); `idle` keeps exchanging."""
+        self._counts.waiting(name, k)
+        try:
+            return self._wait(name, k, deadline, missing, stop, idle)
+        finally:
+            self._counts.waiting(name, None)
+
+    def _wait(
+        self,
+        name: str,
+        k: int,
+        deadline: float,
+        missing: str,
+        stop: Callable[[], bool],
+        idle: Callable[[], None],
+    ) -> list[str]:
         calls: dict[str, Call] = {}
         told: set[str] = set()  # peers that have heard of this arrival
-        next_try = dict.fromkeys(self._peers, 0.0)
-        pause = dict.fromkeys(self._peers, 0.01)
+        next_try: dict[str, float] = {}
+        pause: dict[str, float] = {}
+        keepalive = self._members is not None  # open membership: arrived members are asked again too
         while True:
+            peers = self._counts.peers()  # open membership: the view now (members come and go while we wait)
+            if keepalive and len(pause) > len(peers):  # forget the back-off of members that left (bounded)
+                for gone in set(pause) - set(peers) - set(calls):
+                    del pause[gone], next_try[gone]
             for peer, call in list(calls.items()):
                 if not call.done.is_set():
                     continue
@@ -256,12 +420,12 @@ class BarrierWaiter:
                     theirs, _ = call.take()
                     self._counts.heard(peer, theirs)
                     told.add(peer)
-                pause[peer] = min(BARRIER_POLL_MAX_S, 2 * pause[peer])
+                pause[peer] = min(self._poll_max_s, 2 * pause.get(peer, 0.01))
                 next_try[peer] = time.monotonic() + pause[peer]
             behind = self._counts.behind(name, k)
             now = time.monotonic()
             if not behind:
-                self._tell([p for p in self._peers if p not in told], calls)
+                self._tell([p for p in peers if p not in told], calls)
                 return []
             stopped = stop()
             if now >= deadline or stopped:
@@ -279,12 +443,13 @@ class BarrierWaiter:
                     "%s: barrier %r (call %d): proceeding without %s", self._name, name, k, ", ".join(behind)
                 )
                 return behind
-            for peer in self._peers:
-                if (peer in behind or peer not in told) and peer not in calls and now >= next_try[peer]:
+            for peer in peers:
+                wanted = keepalive or peer in behind or peer not in told
+                if wanted and peer not in calls and now >= next_try.get(peer, 0.0):
                     end = min(deadline, now + self._timeout_s)
-                    calls[peer] = self._submit(BarrierTask(peer, end, self._name, self._counts.own()))
+                    calls[peer] = self._submit(self._task(peer, end))
             idle()
-            wake = min([next_try[p] for p in self._peers if p not in calls] + [now + 0.02])
+            wake = min([next_try.get(p, 0.0) for p in peers if p not in calls] + [now + 0.02])
             time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
 
     def _tell(self, peers: list[str], calls: dict[str, Call]) -> None:
@@ -292,8 +457,7 @@ class BarrierWaiter:
         self._stray.extend(calls.values())
         for peer in peers:
             if peer not in calls:
-                task = BarrierTask(peer, time.monotonic() + self._timeout_s, self._name, self._counts.own())
-                self._stray.append(self._submit(task))
+                self._stray.append(self._submit(self._task(peer, time.monotonic() + self._timeout_s)))
 
     def close(self) -> None:
         for call in self._stray:

@@ -327,7 +327,7 @@ class JoinServer:
         current = self._store.current()
         fields: dict[str, Any] = {
             "clock": current.clock if current is not None else 0.0,
-            "barriers": self._barriers.own(),
+            "barriers": self._barriers.offered(),
             "yours": self._barriers.of(sender),
             "state": self._state(),
             "ready": offer is not None,

@@ -49,7 +49,7 @@ from .flow import FlowControl
 from .membership import DIGEST_MAX, MemberInfo, View, check_entry
 from .protocol import MEMBERS, MEMBERS_REPLY
 
-__all__ = ["ANNOUNCES_PER_S", "Members", "MembersServer", "MembersTask", "TOMBSTONE_MIN_S"]
+__all__ = ["ANNOUNCES_PER_S", "Members", "MembersServer", "MembersTask", "TOMBSTONE_MIN_S", "member_spec"]
 
 ANNOUNCES_PER_S = 8  # members admitted by announcements (``members`` requests) per second, all askers together
 TOMBSTONE_MIN_S = 60.0  # a removed member's last news is kept at least this long (and at least suspect + dead time)
@@ -111,6 +111,11 @@ class Members:
         """Every member's name, this node's included, sorted."""
         with self._lock:
             return self._view.names()
+
+    def others(self) -> set[str]:
+        """Every member's name but this node's (whom a barrier waits for)."""
+        with self._lock:
+            return {member.info.name for member in self._view.members()}
 
     def own_entry(self) -> dict[str, Any]:
         """This node's digest entry, as announced in a ``members`` request (its heartbeat not raised)."""
@@ -250,6 +255,11 @@ def _literal_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def member_spec(name: str, endpoint: str) -> NodeSpec | None:
+    """A member's node entry from its digest endpoint (``tcp://host:port``); None if it is not one."""
+    return _spec_of(endpoint, name)
 
 
 def _spec_of(endpoint: str, name: str) -> NodeSpec | None:

@@ -121,7 +121,13 @@ class Node:
             if self.config.bootstrap
             else None
         )
-        self._barriers = BarrierCounts(list(self.peers))
+        # whom barriers wait for: the config's other nodes, or (open membership) the view's other members now
+        members = self.members
+        self._barriers = (
+            BarrierCounts([], view=members.others, max_peers=self.config.members_max)
+            if members is not None
+            else BarrierCounts(list(self.peers))
+        )
         self._flow = FlowControl(
             self.name,
             list(self.peers),
@@ -174,7 +180,12 @@ class Node:
             self._steps: Steps = SymmetricSteps(crew) if symmetric else PullSteps(crew)
             self.parts.own(self._steps.close)  # after the Rx thread stops: the last decisions it made
             self._waiter = BarrierWaiter(
-                self.name, list(self.peers), self._barriers, self.parts.client.submit, self.config.timeout_s
+                self.name,
+                self._barriers,
+                self.parts.client.submit,
+                self.config.timeout_s,
+                members=self.members,
+                keepalive_s=self.config.suspect_after_ms / 3000.0,
             )
             self.parts.own(self._waiter.close)
             self._reporter = Reporter(
@@ -191,7 +202,7 @@ class Node:
                 {
                     **self.parts.serving.routes(),
                     **self._steps.routes(),
-                    **BarrierServer(self._barriers, list(self.peers)).routes(),
+                    **BarrierServer(self._barriers, list(self.peers), self.members).routes(),
                     **self.parts.joins.routes(),
                     **StatusServer(self._reporter.status).routes(),
                     **(MembersServer(self.members).routes() if self.members is not None else {}),
@@ -421,7 +432,8 @@ class Node:
         """Wait until every node has made as many calls of barrier `name` as this one (this call included).
 
         The k-th call returns once every node of the cluster has made its k-th
-        call with this name, or a later one. There is no master: each node
+        call with this name, or a later one (with ``bootstrap:``, every member of this node's view
+        at the time, re-read while it waits). There is no master: each node
         tells its peers its counters and asks for theirs (see
         :mod:`dpwa.gossip.barrier`). Meanwhile the node keeps serving its
         peers, and settled exchanges are applied. A node that has closed or
