@@ -296,13 +296,7 @@ class BarrierServer:
         if members is None:
             known = sender in self._peers
         else:
-            digest = request.header.get("digest")
-            if sender not in members and digest and digest[0].get("name") == sender:
-                members.announce(digest[0])
-            known = sender in members
-            if known:
-                members.heard(sender)
-                members.merge(sender, digest)
+            known = members.admit(sender, request.header.get("digest"))
         if known:
             self._counters.heard(sender, request.header["counters"])
         yours = self._counters.of(sender) if known else {}

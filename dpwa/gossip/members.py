@@ -35,7 +35,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..config import Config, NodeSpec, split_host_port
@@ -190,6 +190,18 @@ class Members:
             self._view.merge(claim.name, [raw], now)
             member = self._view.get(claim.name)
             return member is not None and member.info.same_node(claim)
+
+    def admit(self, sender: str, digest: Any) -> bool:
+        """A request from `sender` carrying `digest`: is the sender a member? One we do not know yet may
+        introduce itself, its own entry first in its digest (:meth:`announce`: rate-limited, within
+        ``members_max``, a name nobody else holds). A member was heard from, and its digest is merged."""
+        if sender not in self and digest and isinstance(digest[0], Mapping) and digest[0].get("name") == sender:
+            self.announce(digest[0])
+        if sender not in self:
+            return False
+        self.heard(sender)
+        self.merge(sender, digest)
+        return True
 
     def heard(self, name: str) -> None:
         """`name` answered us, or asked us something: it is alive."""

@@ -83,13 +83,9 @@ class Serving:
         within ``members_max``, a name nobody else holds). Then its digest is merged, and it was heard from."""
         members = self._members
         if members is not None:
-            sender, digest = header["from"], header.get("digest")
-            if sender not in members and digest and digest[0].get("name") == sender:
-                members.announce(digest[0])
-            if sender not in members:
+            sender = header["from"]
+            if not members.admit(sender, header.get("digest")):
                 raise ProtocolError("bad_identity", f"{sender!r} is not a member of this node's view")
-            members.heard(sender)
-            members.merge(sender, digest)
         check_payload(header, self.model)
 
     def serve_fetch(self, request: Request) -> Reply:
