@@ -94,6 +94,17 @@ def test_the_grid_is_every_cell_and_bad_values_are_named():
         cells((5,), (0,), ())
 
 
+def test_the_gossip_deadline_grows_with_the_rate_and_the_delay():
+    """charlm's 765 KB model at 20 Mbit/s: four transfers (4 x 306 ms) and a second; each ms of delay adds 20."""
+    from dpwa.lab.compare.comparison import gossip_timeout_ms
+    from dpwa.lab.compare.runner import RunOptions
+
+    model = 765_184
+    assert gossip_timeout_ms(RunOptions(link_mbit=20), model) == 2224
+    assert gossip_timeout_ms(RunOptions(link_mbit=20, link_delay_ms=100), model) == 4224
+    assert gossip_timeout_ms(RunOptions(link_mbit=1000, gossip_timeout_ms=5000), model) == 5000
+
+
 def test_a_cell_shapes_the_links_and_slows_the_last_worker(tmp_path):
     config = _config(tmp_path)
     one = cell_config(config, Cell(20, 25, 4), tmp_path / "c")

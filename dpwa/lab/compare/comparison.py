@@ -28,7 +28,16 @@ from .links import BURST_BYTES
 from .runner import COLLECTIVE, GOSSIP_SYSTEMS, KNOWN_SYSTEMS, RunOptions, SystemRun, run_system
 from .workload import WorkloadSpec, load_workload
 
-__all__ = ["CompareConfig", "EVALUATED_MODEL", "FAULT_SCENARIOS", "link_check", "run_comparison", "weighted_by_mass"]
+__all__ = [
+    "GOSSIP_TIMEOUT_RULE",
+    "CompareConfig",
+    "EVALUATED_MODEL",
+    "FAULT_SCENARIOS",
+    "gossip_timeout_ms",
+    "link_check",
+    "run_comparison",
+    "weighted_by_mass",
+]
 
 WEIGHTED_MEAN = (
     "the mean of every node's parameters and buffers (each node's latest snapshot), each node weighted by its "
@@ -91,6 +100,22 @@ class CompareConfig:
     def metric(self) -> str:
         """acc (higher is better: images) or loss (lower is better: charlm)."""
         return "loss" if self.spec.workload == "charlm" else "acc"
+
+
+#: how the gossip systems' deadline grows on shaped links (recorded with every regime map's cells)
+GOSSIP_TIMEOUT_RULE = "max(gossip_timeout_ms, 1000 + 4 transfers of the model at the rate + 20 one-way delays) ms"
+
+
+def gossip_timeout_ms(options: RunOptions, model_bytes: int) -> int:
+    """The gossip systems' fetch deadline on shaped links (:data:`GOSSIP_TIMEOUT_RULE`).
+
+    A fetch moves one model over the server's link: allow four at once, and a second. Over a delay D each
+    way a fetch or an exchange on a fresh or idle TCP connection takes about ten round trips: the TCP and
+    ZeroMQ handshakes, the request, the model in TCP slow start (a window that doubles each round trip
+    from about 14 KB), and the exchange's confirm: 20 D. The first regime map ran without that term, with
+    1 s: at D = 100 ms every exchange failed (docs/comparison.md)."""
+    transfer_ms = model_bytes * 8 / (options.link_mbit * 1e6) * 1000
+    return max(options.gossip_timeout_ms, int(1000 + 4 * transfer_ms + 20 * options.link_delay_ms))
 
 
 def _ps_order(layout: ModelLayout, servers: int) -> np.ndarray:
@@ -282,9 +307,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
     every = workload.eval_every_samples
     model_bytes = 4 * (initial_view.layout.param_size + initial_view.layout.buffer_size)
     if options.link_mbit:
-        # a fetch moves one model over the server's link; allow four at once, and a second
-        transfer_ms = model_bytes * 8 / (options.link_mbit * 1e6) * 1000
-        options = replace(options, gossip_timeout_ms=max(options.gossip_timeout_ms, int(1000 + 4 * transfer_ms)))
+        options = replace(options, gossip_timeout_ms=gossip_timeout_ms(options, model_bytes))
     target_key = "target_acc" if config.metric == "acc" else "target_loss"
     report: dict[str, Any] = {
         target_key: config.target,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .comparison import CompareConfig
+from .comparison import GOSSIP_TIMEOUT_RULE, CompareConfig
 from .report import write_json
 from .seeds import aggregate, interval
 
@@ -104,7 +104,7 @@ def cell_config(config: CompareConfig, cell: Cell, out_dir: Path) -> CompareConf
 
 def _settings_key(config: CompareConfig, tuned: dict[str, Any] | None) -> dict[str, Any]:
     """What a cell's runs must share to be pooled: the systems, the workload less its seed, the options less the
-    links, the target and each system's tuned settings."""
+    links, the target, each system's tuned settings, and how the gossip deadline follows the links."""
     spec = {k: v for k, v in config.spec.as_dict().items() if k not in ("seed", "straggler")}
     options = {
         k: v for k, v in vars(config.options).items() if k not in ("link_mbit", "link_delay_ms", "gossip_timeout_ms")
@@ -112,7 +112,14 @@ def _settings_key(config: CompareConfig, tuned: dict[str, Any] | None) -> dict[s
     best = None if tuned is None else {s: e["best"] for s, e in tuned["systems"].items()}
     return json.loads(
         json.dumps(
-            {"systems": list(config.systems), "spec": spec, "options": options, "target": config.target, "best": best},
+            {
+                "systems": list(config.systems),
+                "spec": spec,
+                "options": options,
+                "target": config.target,
+                "best": best,
+                "gossip_timeout": GOSSIP_TIMEOUT_RULE,
+            },
             default=str,
         )
     )
