@@ -226,3 +226,24 @@ def test_counts_stay_within_the_schema_and_a_restore_beyond_it_is_refused(nodes)
     assert counts.of("w1") == {"epoch": MAX_COUNT}
     counts.heard("stranger", {"epoch": 1})
     assert "stranger" not in counts.all_heard()
+
+
+def test_an_exchange_settled_while_the_node_waits_at_a_barrier_is_applied_once(nodes):
+    """gossip_optimizer's first update_send starts an exchange before the script's barrier("start"); the
+    barrier's wait settles it (mode symmetric). The step's update_wait then takes no second outcome of it
+    (it raised ValueError: list.remove(x): x not in list, in a node that joined through a bootstrap address
+    and waited at "start")."""
+    cfg = make_config(2, timeout_ms=500)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(0)))
+    w1 = nodes(cfg, "w1", NumpyParams(filled(8)))
+    w0.update_send()  # an exchange with w1, which serves it on its own threads
+    waiting = Arrivals([w0], lambda node: node.barrier("start", timeout_s=30))
+    assert wait_until(lambda: w0.stats()["averaged"] == 1, 10)  # settled and applied during the wait
+    assert w1.barrier("start", timeout_s=30) == []
+    waiting.join()
+    assert not waiting.errors, waiting.errors
+    update = w0.update_wait()
+    assert not update.averaged and "applied while the node waited" in update.reason
+    assert w0.stats()["averaged"] == 1
+    w0.update_send()  # and the next steps go on
+    w0.update_wait()

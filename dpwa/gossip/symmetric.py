@@ -156,7 +156,8 @@ class SymmetricSteps:
         clock = self._crew.progress
         call = step.call
         result = None
-        if call is not None and call.done.is_set():
+        settled = call is not None and call not in self._outstanding  # by tend(), while the node waited (a barrier)
+        if call is not None and not settled and call.done.is_set():
             self._outstanding.remove(call)
             result = self._harvest(call)
         applied = self.tend() + (result.averaged if result is not None else 0)
@@ -167,9 +168,10 @@ class SymmetricSteps:
         if call is None:
             return Update(False, "no_fetch", reason="no exchange was started this step", clock=clock.clock)
         if result is None:
-            return Update(
-                False, "timeout", call.peer, reason="no outcome yet; it is settled in a later step", clock=clock.clock
-            )
+            why = "no outcome yet; it is settled in a later step"
+            if settled:
+                why = "settled and applied while the node waited"
+            return Update(False, "timeout", call.peer, reason=why, clock=clock.clock)
         return result
 
     def abandon(self, step: Step) -> None:
