@@ -47,7 +47,7 @@ from dpwa import NumpyParams
 from dpwa.gossip import exchange as exchange_rules
 from dpwa.gossip.protocol import MAX_CLOCK, MAX_LOSS, MAX_VALUE
 from dpwa.mixing import kernels
-from dpwa.wire.schema import MAX_HEADER_BYTES, MAX_ID, PROTOCOL_VERSION, decode, encode
+from dpwa.wire.schema import KINDS, MAX_ID, PROTOCOL_VERSION, decode, encode
 from helpers.raw_peer import FakePeer
 
 pytestmark = pytest.mark.slow
@@ -267,10 +267,11 @@ class RequestFuzzer:
 
     def oversized_header(self) -> Case:
         kind, fields, payload = self.base()
-        target = self.rng.randrange(MAX_HEADER_BYTES + 1, MAX_HEADER_BYTES + 250)  # under ZMQ_MAXMSGSIZE
+        limit = KINDS[kind].max_header_bytes  # the kind's own (16 KiB for those that may carry a members digest)
+        target = self.rng.randrange(limit + 1, limit + 250)  # under ZMQ_MAXMSGSIZE
         header = self.header(kind, 1, **fields, pad="")
         header = self.header(kind, 1, **fields, pad="x" * (target - len(header)))
-        assert MAX_HEADER_BYTES < len(header) <= MAX_HEADER_BYTES + 255
+        assert limit < len(header) <= limit + 255
         return self.req("oversized header", header, payload, error("header_too_large"))
 
     def schema_violation(self) -> Case:
@@ -822,7 +823,8 @@ def bad_snapshot_replies(rng: random.Random, fp: bytes, good: bytes):
 
     def oversized(request):
         header = params(request, pad="")
-        return [params(request, pad="x" * (MAX_HEADER_BYTES + rng.randrange(1, 200) - len(header))), good]
+        limit = KINDS["params"].max_header_bytes
+        return [params(request, pad="x" * (limit + rng.randrange(1, 200) - len(header))), good]
 
     return [
         (
