@@ -193,7 +193,7 @@ def test_chaos_kills_a_script_of_your_own_and_the_restarted_process_rejoins(tmp_
         "--",
         sys.executable,
         str(SCRIPT),
-        env={"STEPS": "4000"},
+        env={"STEPS": "12000"},  # long enough that a node killed last finds its peers still training
     )
     out = finish(proc, runs, 180)
     assert proc.returncode == 0, out
