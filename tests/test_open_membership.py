@@ -178,7 +178,8 @@ def test_a_member_that_comes_back_is_admitted_again(nodes, steppers):
     steppers.stop("w2")
     made[2].close()
     assert wait_until(lambda: all("w2" not in v for v in views(made[:2]).values()), 10.0, 0.05), views(made[:2])
-    time.sleep(0.01)  # the incarnation is the start time in ms: a restart gets a later one
+    # the incarnation is the start time in ms: the restart must come in a later millisecond than the first start
+    assert wait_until(lambda: int(time.time() * 1000) > made[2].members.incarnation, 1.0, 0.001)
     back = nodes(open_config(specs[2], [specs[0]]), "w2", NumpyParams(np.full(100, 2.0, dtype=np.float32)))
     steppers.start(back)
     assert wait_until(lambda: all(v == names for v in views([*made[:2], back]).values()), 30.0, 0.05)
