@@ -166,8 +166,12 @@ def _certify(args: argparse.Namespace) -> int:
         write_cert(cert_path, cert)
         written = f"wrote {public} (public: share it), {secret} (secret: mode 0600, keep it on {args.name}'s machine)"
         written += f" and {cert_path}"
+        entry = [f'  public_key: "{pair.public.decode()}"', f"  secret_key_file: {secret}", f"  cert_file: {cert_path}"]
     until = datetime.datetime.fromtimestamp(decode(cert).not_after, datetime.timezone.utc)
     print(f"{written} (the cluster's consent to {args.name}'s key, valid until {until:%Y-%m-%d %H:%M} UTC)")
+    if not args.renew:
+        print("in the config's nodes list, for this node (and cluster_key: the cluster's .pub file):")
+        print("\n".join(entry))
     print(cert)
     return 0
 

@@ -184,7 +184,7 @@ def _options(example: str) -> Callable[[Any, str, str], tuple[tuple[str, Any], .
 
 
 BOOTSTRAP_MAX = 64  # bootstrap addresses a config may list
-_OPEN_KEYS = ("bootstrap_alone", "members_max", "suspect_after_ms", "dead_after_ms")  # what only bootstrap uses
+_OPEN_KEYS = ("bootstrap_alone", "cluster_key", "members_max", "suspect_after_ms", "dead_after_ms")  # only bootstrap
 _HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
 
 
@@ -197,22 +197,45 @@ def split_host_port(entry: str) -> tuple[str, int] | None:
 
 
 def _bootstrap(value: Any, key: str, source: str) -> tuple[str, ...]:
-    """At most BOOTSTRAP_MAX addresses, each ``host:port``, none twice."""
+    """At most BOOTSTRAP_MAX addresses, each ``host:port``, none twice; in a keyed cluster each with the
+    node's public key: ``{address: HOST:PORT, public_key: KEY}``, kept as ``"HOST:PORT KEY"``."""
     if not isinstance(value, (list, tuple)) or not value or len(value) > BOOTSTRAP_MAX:
         raise ConfigError(
             f"{source}: {key} must be a list of 1 to {BOOTSTRAP_MAX} addresses like 'localhost:45000', got {value!r:.120}"
         )
     seen: set[str] = set()
+    out = []
     for index, entry in enumerate(value):
-        if not isinstance(entry, str) or split_host_port(entry.strip()) is None:
+        where = f"{source}: {key}[{index}]"
+        if isinstance(entry, Mapping):
+            _reject_unknown(entry, ("address", "public_key"), source, where=f"{key}[{index}].")
+            address, public_key = entry.get("address"), entry.get("public_key")
+        elif isinstance(entry, str):
+            address, _, public_key = entry.strip().partition(" ")
+            public_key = public_key.strip() or None
+        else:
+            address = public_key = None
+        if not isinstance(address, str) or split_host_port(address.strip()) is None:
             raise ConfigError(
-                f"{source}: {key}[{index}] must be HOST:PORT (a host name, an IPv4 address or [an IPv6 one], and a "
-                f"port in 1..65535), got {entry!r:.80}"
+                f"{where} must be HOST:PORT (a host name, an IPv4 address or [an IPv6 one], and a port in "
+                f"1..65535), or {{address: HOST:PORT, public_key: KEY}} in a cluster with keys, got {entry!r:.80}"
             )
-        if entry.strip().lower() in seen:
-            raise ConfigError(f"{source}: {key}[{index}] {entry.strip()!r} is listed twice")
-        seen.add(entry.strip().lower())
-    return tuple(entry.strip() for entry in value)
+        if public_key is not None and not valid_public_key(public_key):
+            raise ConfigError(
+                f"{where}.public_key must be the node's 40-character Z85 CURVE public key, got {public_key!r:.60}"
+            )
+        address = address.strip()
+        if address.lower() in seen:
+            raise ConfigError(f"{where} {address!r} is listed twice")
+        seen.add(address.lower())
+        out.append(f"{address} {public_key}" if public_key else address)
+    return tuple(out)
+
+
+def _path(value: Any, key: str, source: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{source}: {key} must be a path, got {value!r:.80}")
+    return value.strip()
 
 
 def _interface(value: Any, key: str, source: str) -> str:
@@ -231,6 +254,7 @@ class NodeSpec:
     bind: str | None = None  # address, interface name or host name to bind; None binds `host`; "*" every interface
     public_key: str | None = None  # Z85 CURVE public key; set on every node or on none
     secret_key_file: str | None = None  # where this node finds its secret key (absolute path)
+    cert_file: str | None = None  # with bootstrap and keys: this node's member certificate (absolute path)
 
     @property
     def tcp_endpoint(self) -> str:
@@ -390,8 +414,17 @@ class Config:
         _bootstrap,
         "open membership: up to 64 `host:port` addresses of nodes (any one may answer) through which this node "
         "joins the cluster; `nodes` then lists this node (and maybe others: its first view), and `pairing: auto` "
-        "is `random`. Refused for now with keys, `nodes: torchrun`, `pairing: hypercube` and `wire_dtype: topk` "
-        "([Joining through a bootstrap address](operations.md#joining-through-a-bootstrap-address))",
+        "is `random`. With keys each entry is `{address: HOST:PORT, public_key: KEY}`, and `cluster_key` and the "
+        "node's `cert_file` are needed. Refused with `nodes: torchrun`, `pairing: hypercube` and `wire_dtype: "
+        "topk` ([Joining through a bootstrap address](operations.md#joining-through-a-bootstrap-address))",
+        shown="none",
+    )
+    cluster_key: str = setting(
+        "",
+        _path,
+        "with `bootstrap` and keys: the cluster's public key file (`python -m dpwa keygen --cluster-key`), whose "
+        "signature on a member's certificate admits it ([Who may join a keyed "
+        "cluster](security.md#who-may-join-a-keyed-cluster)); relative to the config's folder",
         shown="none",
     )
     bootstrap_alone: bool = setting(
@@ -442,9 +475,10 @@ class Config:
         """The bootstrap addresses as node entries (named ``@0``, ``@1``, ...: no node's name has an ``@``)."""
         out = []
         for index, entry in enumerate(self.bootstrap):
-            host_port = split_host_port(entry)
+            address, _, key = entry.partition(" ")
+            host_port = split_host_port(address)
             assert host_port is not None  # checked at load
-            out.append(NodeSpec(name=f"@{index}", host=host_port[0], port=host_port[1]))
+            out.append(NodeSpec(name=f"@{index}", host=host_port[0], port=host_port[1], public_key=key or None))
         return tuple(out)
 
     @property
@@ -526,6 +560,8 @@ class Config:
                 if not value:
                     continue  # no open membership: the key is absent
                 value = list(value)
+            if name == "cluster_key" and not value:
+                continue
             out[name] = {"value": value.value} if isinstance(value, ConstantOptions) else value
         return out
 
@@ -564,6 +600,8 @@ def key_table() -> str:
         "rendezvous ([Multi-machine use](operations.md#with-torchrun)) |",
         "| `nodes[].public_key`, `nodes[].secret_key_file` | none | CURVE authentication and encryption: every node's "
         "public key, and where that node finds its secret key ([Security](security.md)); on every node or on none |",
+        "| `nodes[].cert_file` | none | with `bootstrap` and keys: the node's member certificate (`python -m dpwa keygen "
+        "NAME --sign-with cluster.secret` writes `NAME.cert`), checked at start and carried in its digest entries |",
     ]
     by_name = {spec.name: spec for spec in dataclasses.fields(Config)}
     for name, meta in settings():
@@ -576,7 +614,7 @@ def key_table() -> str:
 # --------------------------------------------------------------------------- loading
 
 _PLACEHOLDERS = ("clock", "loss")  # interpolations without options: accepted, checked, not kept
-_NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file")
+_NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file", "cert_file")
 _CONSTANT_KEYS = ("value",)
 _OLD_NAMES = {"blend": "rule"}  # keys renamed: still read, under the new name
 
@@ -625,6 +663,8 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         values.setdefault(key, value)  # a key the file gives wins over its preset
     for key in _PLACEHOLDERS:
         _parse_no_options(raw, key, source)
+    if values.get("cluster_key"):
+        values["cluster_key"] = os.path.join(_base_dir(source), os.path.expanduser(values["cluster_key"]))
     config = Config(nodes=nodes, torchrun=torchrun, source=source, **values)
     rule = rules.rule_class(config.rule)
     try:
@@ -669,10 +709,26 @@ def _checked_bootstrap(config: Config) -> Config:
         raise ConfigError(
             f"{source}: bootstrap cannot be used with nodes: torchrun (elastic torchrun is not built yet)"
         )
-    if config.nodes[0].public_key is not None:
+    keyed = config.nodes[0].public_key is not None
+    for spec in config.bootstrap_specs:
+        if keyed and spec.public_key is None:
+            raise ConfigError(
+                f"{source}: bootstrap entry {spec.host}:{spec.port} has no public_key; in a cluster with keys a "
+                "node is reached only with its key: {address: HOST:PORT, public_key: KEY}"
+            )
+        if not keyed and spec.public_key is not None:
+            raise ConfigError(
+                f"{source}: bootstrap entry {spec.host}:{spec.port} has a public_key, but the nodes have none "
+                "(a cluster without keys)"
+            )
+    if keyed and not config.cluster_key:
         raise ConfigError(
-            f"{source}: bootstrap with CURVE keys (public_key): keyed open membership is not built yet; "
-            "use bootstrap in a cluster without keys, or list every node without bootstrap"
+            f"{source}: bootstrap with keys needs cluster_key: the cluster's public key file, whose signature "
+            "on a member's certificate admits it (python -m dpwa keygen --cluster-key --dir DIR writes DIR/cluster.pub)"
+        )
+    if not keyed and config.cluster_key:
+        raise ConfigError(
+            f"{source}: cluster_key is for a cluster with keys (public_key on its nodes); these have none"
         )
     if config.pairing == "hypercube":
         raise ConfigError(
@@ -817,6 +873,13 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
             if public_key is None:
                 raise ConfigError(f"{source}: {where} has a secret_key_file but no public_key")
             secret_file = os.path.join(base_dir, os.path.expanduser(secret_file))
+        cert_file = entry.get("cert_file")
+        if cert_file is not None:
+            if not isinstance(cert_file, str) or not cert_file.strip():
+                raise ConfigError(f"{source}: {where}.cert_file must be a path, got {cert_file!r}")
+            if public_key is None:
+                raise ConfigError(f"{source}: {where} has a cert_file but no public_key (a certificate is for a key)")
+            cert_file = os.path.join(base_dir, os.path.expanduser(cert_file.strip()))
         if name in names:
             raise ConfigError(f"{source}: {where}.name {name!r} is used by two nodes; names must be unique")
         address = (host.strip().lower(), port)
@@ -832,6 +895,7 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
                 bind=bind.strip() if bind else None,
                 public_key=public_key,
                 secret_key_file=secret_file,
+                cert_file=cert_file,
             )
         )
     keyed = [spec.name for spec in specs if spec.public_key is not None]

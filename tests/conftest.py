@@ -352,3 +352,48 @@ def children(tmp_path):
         if child.proc.poll() is None:
             child.proc.kill()
         child.proc.wait(10)
+
+
+# --------------------------------------------------------------------------- nodes stepping on threads
+
+
+class Steppers:
+    """Each node steps on a thread of its own until stop() (bounded: joined with a deadline)."""
+
+    def __init__(self) -> None:
+        self._threads: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        self.errors: list[BaseException] = []
+
+    def start(self, node: Any) -> None:
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                while not stop.is_set() and not node.closed:
+                    node.update_send()
+                    node.update_wait()
+            except RuntimeError:
+                if not node.closed:
+                    raise
+            except BaseException as exc:  # reported by the test
+                self.errors.append(exc)
+
+        thread = threading.Thread(target=run, name=f"stepper-{node.name}", daemon=True)
+        self._threads[node.name] = (thread, stop)
+        thread.start()
+
+    def stop(self, name: str | None = None) -> None:
+        names = [name] if name is not None else list(self._threads)
+        for key in names:
+            thread, stop = self._threads.pop(key)
+            stop.set()
+            thread.join(10)
+            assert not thread.is_alive(), f"the stepper of {key} did not stop"
+
+
+@pytest.fixture
+def steppers():
+    made = Steppers()
+    yield made
+    made.stop()
+    assert not made.errors, made.errors

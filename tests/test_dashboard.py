@@ -629,3 +629,17 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
     assert "dpwa: dashboard: http://127.0.0.1:" in out
     with pytest.raises(OSError):  # the dashboard stopped with the cluster
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_with_bootstrap_the_page_shows_the_members_status_found() -> None:
+    """Open membership: members the config does not list show as the status rounds find them, and go with
+    them; the config's own nodes always show. Without bootstrap, the config's nodes only."""
+    from dpwa.cluster.dashboard import shown_names
+    from dpwa.config import parse_config
+
+    spec = {"name": "w1", "host": "127.0.0.1", "port": 45001}
+    open_config = parse_config({"nodes": [spec], "bootstrap": ["127.0.0.1:45000"]})
+    rows = [{"name": "w0", "state": "training"}, {"name": "w7", "state": "training"}, {"state": "?"}]
+    assert shown_names(open_config, ["w1"], rows) == ["w0", "w1", "w7"]
+    assert shown_names(open_config, ["w1"], rows[:1]) == ["w0", "w1"]  # w7 left the view
+    assert shown_names(parse_config({"nodes": [spec]}), ["w1"], rows) == ["w1"]

@@ -195,7 +195,7 @@ def test_check_entry_names_the_field_at_fault():
 
 def test_a_keyed_cluster_admits_only_keys_it_trusts():
     own = MemberInfo("n0", "tcp://127.0.0.1:20000", KEY)
-    v = View(own, keyed=True, trusted=lambda name, key: (name, key) == ("n1", OTHER_KEY))
+    v = View(own, keyed=True, trusted=lambda name, key, cert: (name, key) == ("n1", OTHER_KEY))
     v.merge("n1", [MemberInfo("n1", "tcp://127.0.0.1:20001", OTHER_KEY).entry()], now=0.0)
     v.merge("n1", [MemberInfo("n2", "tcp://127.0.0.1:20002", KEY).entry()], now=0.0)  # a key not trusted
     v.merge("n1", [info(3).entry()], now=0.0)  # no key at all

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_open_membership import open_config, start_cluster, steppers, views  # noqa: F401 (steppers: a fixture)
+from test_open_membership import open_config, start_cluster, views
 
 from conftest import make_config, wait_until
 from dpwa import NumpyParams

@@ -64,7 +64,7 @@ from .launch import LaunchSpec
 from .observe import EventBoard, RunWatcher, StatusPoller, jsonable
 from .processes import process_start, read_pid_file
 
-__all__ = ["Dashboard", "Refused", "DEFAULT_HOST"]
+__all__ = ["Dashboard", "Refused", "DEFAULT_HOST", "shown_names"]
 
 logger = logging.getLogger("dpwa.dashboard")
 
@@ -88,6 +88,14 @@ class Refused(Exception):
         super().__init__(message)
         self.status = status
         self.allow = allow  # the methods a 405 names
+
+
+def shown_names(config: Config, names: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """The nodes the page shows: the config's; with ``bootstrap:`` (open membership) also every member the
+    last status round found (its rows), by name, so members show as they come and go."""
+    if not config.bootstrap:
+        return names
+    return sorted(set(names) | {row["name"] for row in rows if isinstance(row.get("name"), str)})
 
 
 class Dashboard:
@@ -213,13 +221,14 @@ class Dashboard:
     def state(self) -> dict[str, Any]:
         """Everything the page shows (the latest snapshots; never waits)."""
         files = self._files.snapshot() if self._files is not None else {}
+        status = self._status.snapshot()
         return {
             "title": self.title,
             "now": round(time.time(), 3),
-            "nodes": self.names,
+            "nodes": shown_names(self.config, self.names, status["rows"]),
             "local": self.local_names,
             "kill": self.allow_kill,
-            "status": self._status.snapshot(),
+            "status": status,
             "run": files or None,
             "events": self.events.snapshot(),
         }

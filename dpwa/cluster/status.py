@@ -174,12 +174,12 @@ class StatusClient:
         request each, all at once, without announcing ourselves); the members found are asked from now on."""
         deadline = time.monotonic() + timeout_s
         config = self.config
-        asked = {config.endpoint(spec): spec.name for spec in (*config.bootstrap_specs, *config.nodes)}
+        asked = {config.endpoint(spec): spec for spec in (*config.bootstrap_specs, *config.nodes)}
         calls = {}
-        for endpoint, name in asked.items():
-            self._client(name, endpoint)
+        for endpoint, spec in asked.items():
+            self._client(spec.name, endpoint, spec.public_key)
             calls[endpoint] = self._clients[endpoint].submit(MembersTask(self._keys[endpoint], deadline, None))
-        found: dict[str, str] = {}
+        found: dict[str, tuple[str, str | None]] = {}  # name -> (endpoint, its key: a keyed cluster's)
         for call in calls.values():
             if not call.wait(max(0.0, deadline - time.monotonic()) + GRACE_S):
                 call.abandon()
@@ -192,15 +192,15 @@ class StatusClient:
                     info = check_entry(raw)
                 except ValueError:
                     continue  # a malformed entry names nobody
-                spec = member_spec(info.name, info.endpoint)
-                if spec is not None and info.name not in found and len(found) < config.members_max:
-                    found[info.name] = config.endpoint(spec)
+                member = member_spec(info.name, info.endpoint)
+                if member is not None and info.name not in found and len(found) < config.members_max:
+                    found[info.name] = (config.endpoint(member), info.key)
         listed = {spec.name for spec in config.nodes}
         for name in [n for n in self._named if n not in listed and n not in found and n in self._unanswered]:
             del self._named[name]  # in no answer, and it did not answer itself: gone
-        for name, endpoint in found.items():
+        for name, (endpoint, key) in found.items():
             if name not in listed and (name in self._named or len(self._named) < len(listed) + config.members_max):
-                self._named[name] = self._client(name, endpoint)
+                self._named[name] = self._client(name, endpoint, key)
         used = set(asked) | set(self._named.values())
         for endpoint in [e for e in self._clients if e not in used]:  # members gone: their clients too
             self._clients.pop(endpoint).close()

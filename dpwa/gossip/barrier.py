@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..logs import logger
 from ..wire.calls import Ask, Call
+from ..wire.errors import ProtocolError
 from ..wire.schema import NAME_PATTERN, Integer, ListOf, MapOf, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .membership import DIGEST_MAX
@@ -288,7 +289,7 @@ class BarrierServer:
         self._counters, self._peers, self._members = counters, set(peers), members
 
     def routes(self) -> dict[str, Route]:
-        return {BARRIER.name: Route(BARRIER, self.serve)}
+        return {BARRIER.name: Route(BARRIER, self.serve, newcomers=True)}
 
     def serve(self, request: Request) -> Reply:
         sender = request.sender
@@ -296,7 +297,9 @@ class BarrierServer:
         if members is None:
             known = sender in self._peers
         else:
-            known = members.admit(sender, request.header.get("digest"))
+            known = members.admit(sender, request.header.get("digest"), request.key)
+            if not known and request.key is not None:  # keyed: a key that is no member's learns nothing
+                raise ProtocolError("bad_identity", f"{sender!r} with this key is not a member of this node's view")
         if known:
             self._counters.heard(sender, request.header["counters"])
         yours = self._counters.of(sender) if known else {}

@@ -710,8 +710,8 @@ class ExchangeServer:
 
     def routes(self) -> dict[str, Route]:
         return {
-            EXCHANGE.name: Route(
-                EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.model.nbytes, bulk=True
+            EXCHANGE.name: Route(  # a newcomer may introduce itself with an exchange (Serving.check_request)
+                EXCHANGE, self.serve_exchange, max_payload_bytes=self._serving.model.nbytes, bulk=True, newcomers=True
             ),
             SHM_EXCHANGE.name: Route(SHM_EXCHANGE, self.serve_shm_exchange),
             BULK_EXCHANGE.name: Route(BULK_EXCHANGE, self.serve_bulk_exchange, bulk=True),
@@ -789,7 +789,7 @@ class ExchangeServer:
         """Hold an exchange PENDING and answer with our snapshot. `receive` takes hold of the requester's
         snapshot (checked here); None: it streams in from the requester's bulk port (``bulk_exchange``)."""
         header, peer = request.header, request.sender
-        self._serving.check_request(header)
+        self._serving.check_request(header, request.key)
         self._serving.check_budget(request)
         with contextlib.ExitStack() as undo:
             served = self._reserve(peer)  # cheap refusals before looking at the requester's snapshot

@@ -26,21 +26,37 @@ than ``members_max``.
 Nodes here are reached at their ``tcp://host:port``; in a cluster on
 loopback addresses without keys (ipc transport) a member elsewhere cannot be
 reached, and is refused (``unreachable``).
+
+**With CURVE keys** every entry carries its member's key and certificate
+(:mod:`dpwa.wire.certs`), and a member is admitted only on a certificate the
+cluster key signed for that name and key (``members.refused.untrusted_key``
+otherwise, and ``certs_refused.<reason>`` says why). :attr:`Members.keys` is
+the live key -> name map the Rx thread's ZAP handler and each request's
+identity are looked up in (``CurveKeys.open``): a member's key is known as
+soon as it is admitted, and forgotten when it is removed. A request from a
+key that is no member's (a newcomer) must carry an entry with that very key
+(``members.refused.wrong_key`` otherwise), so nobody announces, or speaks
+for, a member whose secret key it does not hold. A member whose certificate
+expires is removed (``members.refused.cert_expired``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+from zmq.utils import z85
 
 from ..config import Config, NodeSpec, split_host_port
 from ..logs import logger
 from ..wire.calls import Ask
+from ..wire.certs import Certifier
 from ..wire.client import PeerBook
 from ..wire.endpoints import ipc_endpoint
 from ..wire.schema import encode
@@ -49,7 +65,7 @@ from .flow import FlowControl
 from .membership import DIGEST_MAX, MemberInfo, View, check_entry
 from .protocol import MEMBERS, MEMBERS_REPLY
 
-__all__ = ["ANNOUNCES_PER_S", "Members", "MembersServer", "MembersTask", "TOMBSTONE_MIN_S", "member_spec"]
+__all__ = ["ANNOUNCES_PER_S", "KeyBook", "Members", "MembersServer", "MembersTask", "TOMBSTONE_MIN_S", "member_spec"]
 
 ANNOUNCES_PER_S = 8  # members admitted by announcements (``members`` requests) per second, all askers together
 TOMBSTONE_MIN_S = 60.0  # a removed member's last news is kept at least this long (and at least suspect + dead time)
@@ -64,6 +80,10 @@ class Members:
         spec: this node's entry; its incarnation is its start time in ms.
         rng: randomness for digests' samples.
         clock: monotonic seconds (tests pass a fake one).
+        cert: (keyed) this node's member certificate, carried in its own entry.
+        certifier: (keyed) the cluster key's consent, asked of every member gossip brings.
+        client_options: (keyed) a member's raw server key -> the options of our sockets to it.
+        wall_clock: unix seconds, for certificates' expiry.
     """
 
     def __init__(
@@ -72,13 +92,22 @@ class Members:
         spec: NodeSpec,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        cert: str | None = None,
+        certifier: Certifier | None = None,
+        client_options: Callable[[bytes], Mapping[int, Any]] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        self._clock = clock
+        self._clock, self._wall_clock = clock, wall_clock
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self._ipc = config.transport == "ipc"
+        self._keyed = spec.public_key is not None
+        if self._keyed and (cert is None or certifier is None or client_options is None):
+            raise ValueError(f"{spec.name}: a keyed cluster's member needs its certificate, a certifier and keys")
+        self._certifier, self._client_options = certifier, client_options
         self.incarnation = int(time.time() * 1000)
-        own = MemberInfo(spec.name, spec.tcp_endpoint, None, self.incarnation, 0)
+        own = MemberInfo(spec.name, spec.tcp_endpoint, spec.public_key, self.incarnation, 0, cert)
         suspect_s, dead_s = config.suspect_after_ms / 1000.0, config.dead_after_ms / 1000.0
         self._view = View(
             own,
@@ -86,7 +115,13 @@ class Members:
             suspect_after_s=suspect_s,
             dead_after_s=dead_s,
             tombstone_s=max(TOMBSTONE_MIN_S, 2 * (suspect_s + dead_s)),
+            keyed=self._keyed,
+            trusted=certifier if certifier is not None else lambda name, key, cert: True,
         )
+        self.keys = KeyBook()  # a member's raw CURVE key -> its name (keyed): what the Rx thread asks
+        self._expiry: dict[str, int] = {}  # certificate -> its not_after (keyed; bounded, see _expire)
+        self._view_max = config.members_max
+        self._checked = -float("inf")  # when _expire last looked
         self._announced: deque[float] = deque(maxlen=ANNOUNCES_PER_S)  # when announcements admitted members
         self._refused: Counter[str] = Counter()  # refusals made here, before the view (unreachable, announce_rate)
         self._changes = 0  # members added or removed so far: the node's peers follow when it moves
@@ -94,7 +129,8 @@ class Members:
         self._ticked = -float("inf")  # when tick() last looked at the clocks
         now = clock()
         for peer in config.peers_of(spec.name):  # the config's other nodes: the first view
-            self._view.add(MemberInfo(peer.name, peer.tcp_endpoint, None, 0, 0), now)
+            self._view.add(MemberInfo(peer.name, peer.tcp_endpoint, peer.public_key, 0, 0), now)
+        self._rekey()
 
     @property
     def name(self) -> str:
@@ -146,6 +182,8 @@ class Members:
             suspects = sum(1 for m in self._view.members() if m.status == "suspect")
         out: dict[str, Any] = {"members": names, "members.count": len(names), "members.suspect": suspects}
         out.update({f"members.refused.{reason}": count for reason, count in sorted(refused.items())})
+        if self._certifier is not None:
+            out.update(self._certifier.stats())
         return out
 
     # ----------------------------------------------------------------- learning
@@ -158,21 +196,21 @@ class Members:
             entries = [e for e in entries[: DIGEST_MAX + 1] if self._reachable(e)]
         with self._lock:
             added = self._view.merge(sender, entries, self._clock())
-            self._changes += len(added)
+            self._changed(len(added))
         for info in added:
             logger.info("%s: %s joined the view (from %s), at %s", self.name, info.name, sender, info.endpoint)
         return [info.name for info in added]
 
-    def announce(self, raw: Any) -> bool:
+    def announce(self, raw: Any, key: str | None = None) -> bool:
         """A ``members`` request's entry: admit its sender (within ANNOUNCES_PER_S a second); True if it is
-        a member now."""
+        a member now. `key`: the requester's CURVE key (keyed), which the entry must carry."""
         try:
             claim = check_entry(raw)
         except ValueError:
             with self._lock:
                 self._view.refused["bad_entry"] += 1
             return False
-        if not self._reachable(raw):
+        if not self._reachable(raw) or not self._holds(claim.key, key):
             return False
         now = self._clock()
         with self._lock:
@@ -184,20 +222,21 @@ class Members:
                 added = self._view.merge(claim.name, [raw], now)
                 if added:
                     self._announced.append(now)
-                    self._changes += 1
+                    self._changed(1)
                     logger.info("%s: %s announced itself, at %s", self.name, claim.name, claim.endpoint)
                 return bool(added)
             self._view.merge(claim.name, [raw], now)
             member = self._view.get(claim.name)
             return member is not None and member.info.same_node(claim)
 
-    def admit(self, sender: str, digest: Any) -> bool:
+    def admit(self, sender: str, digest: Any, key: str | None = None) -> bool:
         """A request from `sender` carrying `digest`: is the sender a member? One we do not know yet may
         introduce itself, its own entry first in its digest (:meth:`announce`: rate-limited, within
-        ``members_max``, a name nobody else holds). A member was heard from, and its digest is merged."""
+        ``members_max``, a name nobody else holds). A member was heard from, and its digest is merged.
+        `key`: the requester's CURVE key (keyed): the member `sender` names must hold it."""
         if sender not in self and digest and isinstance(digest[0], Mapping) and digest[0].get("name") == sender:
-            self.announce(digest[0])
-        if sender not in self:
+            self.announce(digest[0], key)
+        if sender not in self or not self._holds(self.key_of(sender), key):
             return False
         self.heard(sender)
         self.merge(sender, digest)
@@ -207,6 +246,61 @@ class Members:
         """`name` answered us, or asked us something: it is alive."""
         with self._lock:
             self._view.heard(name, self._clock())
+
+    def options_for(self, key: str | None) -> Mapping[int, Any] | None:
+        """Our sockets' options to a node whose server key is `key` (keyed); None without keys."""
+        if self._client_options is None or key is None:
+            return None
+        return self._client_options(key.encode())
+
+    def key_of(self, name: str) -> str | None:
+        """Member `name`'s CURVE key (Z85), if it is a member with one."""
+        with self._lock:
+            member = self._view.get(name)
+            return member.info.key if member is not None else None
+
+    def _holds(self, claimed: str | None, key: str | None) -> bool:
+        """Keyed: may a requester holding `key` speak for an entry that carries `claimed`? Only if they are
+        the same (a request without CURVE gives no key: an unkeyed cluster, where nothing is compared)."""
+        if not self._keyed or key is None or claimed == key:
+            return True
+        with self._lock:
+            self._refused["wrong_key"] += 1
+        return False
+
+    def _changed(self, count: int) -> None:
+        """(Under the lock) `count` members came or went: the node's peers follow, and so do the keys."""
+        if count:
+            self._changes += count
+            self._rekey()
+
+    def _rekey(self) -> None:
+        if self._keyed:  # this node's own key too: a tool (status) asks with the key of the config's node
+            infos = [self._view.own, *(m.info for m in self._view.members())]
+            self.keys.replace({z85.decode(info.key.encode()): info.name for info in infos if info.key})
+
+    def _expire(self, now: float) -> list[str]:
+        """(Under the lock; keyed) Remove the members whose certificate ran out; at most once a second."""
+        wall = self._wall_clock()
+        if not self._keyed or wall - self._checked < 1.0:
+            return []
+        self._checked = wall
+        assert self._certifier is not None
+        if len(self._expiry) > 4 * self._view_max:
+            self._expiry.clear()
+        gone = []
+        for member in self._view.members():
+            cert = member.info.cert
+            if cert is None:
+                continue  # listed in the config: its consent is the config's
+            not_after = self._expiry.get(cert)
+            if not_after is None:
+                not_after = self._expiry[cert] = self._certifier.not_after(cert) or 0
+            if wall > not_after and self._view.remove(member.info.name, now):
+                self._refused["cert_expired"] += 1
+                gone.append(member.info.name)
+        self._changed(len(gone))
+        return gone
 
     def _reachable(self, raw: Any) -> bool:
         """Over ipc (a loopback cluster without keys) only members on this machine's loopback can be reached:
@@ -230,7 +324,8 @@ class Members:
                 return []
             self._ticked = now
             changed = self._view.tick(now)
-            self._changes += sum(1 for _, what in changed if what == "removed")
+            self._changed(sum(1 for _, what in changed if what == "removed"))
+            changed += [(name, "removed (its certificate expired)") for name in self._expire(now)]
         for name, what in changed:
             logger.info("%s: member %s is %s", self.name, name, what)
         return changed
@@ -250,7 +345,7 @@ class Members:
         for name, spec in current.items():
             endpoint = ipc_endpoint(spec.port) if self._ipc else spec.tcp_endpoint  # as config.endpoint, no lookup
             if book.get(name) != endpoint:
-                book.put(name, endpoint)
+                book.put(name, endpoint, self.options_for(spec.public_key))
             if name not in asked:
                 flow.add_peer(name)
 
@@ -280,7 +375,29 @@ def _spec_of(endpoint: str, name: str) -> NodeSpec | None:
 
 
 def _spec(info: MemberInfo) -> NodeSpec | None:
-    return _spec_of(info.endpoint, info.name)
+    spec = _spec_of(info.endpoint, info.name)
+    return dataclasses.replace(spec, public_key=info.key) if spec is not None and info.key else spec
+
+
+class KeyBook(Mapping[bytes, str]):
+    """A member's raw 32-byte CURVE key -> its name: read by the Rx thread (its ZAP handler, and each
+    request's identity), replaced whole by the thread that changed the view (a dict swap: readers never
+    see one half-built)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[bytes, str] = {}
+
+    def replace(self, keys: dict[bytes, str]) -> None:
+        self._keys = keys
+
+    def __getitem__(self, key: bytes) -> str:
+        return self._keys[key]
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class MembersServer:
@@ -290,12 +407,14 @@ class MembersServer:
         self._members = members
 
     def routes(self) -> dict[str, Route]:
-        return {MEMBERS.name: Route(MEMBERS, self.serve)}
+        return {MEMBERS.name: Route(MEMBERS, self.serve, newcomers=True)}
 
     def serve(self, request: Request) -> Reply:
         me = request.header.get("me")
-        admitted = self._members.announce(me) if me is not None else False
+        admitted = self._members.announce(me, request.key) if me is not None else False
         digest = self._members.digest()
+        if request.key is not None and request.identity is None and not admitted:
+            digest = digest[:1]  # keyed: a key that is no member's learns only who answered, not the view
         return Reply(encode(MEMBERS_REPLY, request.header.id, members=digest, admitted=admitted))
 
 

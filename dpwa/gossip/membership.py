@@ -32,8 +32,13 @@ they can be tested without a network:
   pushed out, by claims about it. Claims about this node itself are not
   taken from others at all, and one naming it elsewhere is refused the same way.
 * **Consent.** Where the cluster has keys, a member is admitted only if
-  ``trusted(name, key)`` says so (an allowlist, or a cluster key's
-  signature, decided by the caller); a claim without a key is refused there.
+  ``trusted(name, key, cert)`` says so (a cluster key's signature on a
+  member certificate the entry carries, :mod:`dpwa.wire.certs`, decided by
+  the caller); a claim without a key is refused there. Later news of a
+  member may bring a renewed certificate; one that is not trusted is not
+  taken (the news is, with the certificate the view had), so nobody can
+  spread a bad certificate in a member's name. :meth:`View.remove` drops a
+  member whose consent ended (its certificate expired).
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ MAX_COUNT = 2**53  # an incarnation or a heartbeat beyond this is refused: nobod
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as a config's node names, at most 64 characters
 _ENDPOINT_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
 _KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")  # a Z85 CURVE public key
-_FIELDS = ("name", "endpoint", "key", "inc", "beat")
+_CERT_RE = re.compile(r"^[A-Za-z0-9_-]{1,256}$")  # a member certificate: base64url, as dpwa.wire.certs has it
+_FIELDS = ("name", "endpoint", "key", "cert", "inc", "beat")
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class MemberInfo:
     key: str | None = None  # its Z85 CURVE public key, in a keyed cluster
     incarnation: int = 0  # a new one at each start of the node (the caller picks it: its start time, say)
     beat: int = 0  # raised by the node itself with each digest it sends
+    cert: str | None = None  # its member certificate, in a keyed cluster (not part of who it is: it is renewed)
 
     def same_node(self, other: MemberInfo) -> bool:
         """The same node: the same name, endpoint and key."""
@@ -76,8 +83,8 @@ class MemberInfo:
 
     def entry(self) -> dict[str, Any]:
         """The digest entry of this member (what :func:`check_entry` reads back)."""
-        return {"name": self.name, "endpoint": self.endpoint, "key": self.key, "inc": self.incarnation,
-                "beat": self.beat}  # fmt: skip
+        return {"name": self.name, "endpoint": self.endpoint, "key": self.key, "cert": self.cert,
+                "inc": self.incarnation, "beat": self.beat}  # fmt: skip
 
 
 def check_entry(raw: Any) -> MemberInfo:
@@ -87,7 +94,7 @@ def check_entry(raw: Any) -> MemberInfo:
     unknown = set(raw) - set(_FIELDS)
     if unknown:
         raise ValueError(f"unknown fields {sorted(map(str, unknown))}")
-    name, endpoint, key = raw.get("name"), raw.get("endpoint"), raw.get("key")
+    name, endpoint, key, cert = raw.get("name"), raw.get("endpoint"), raw.get("key"), raw.get("cert")
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ValueError(f"name must be 1 to 64 letters, digits, '_', '.', '-', got {name!r:.80}")
     match = _ENDPOINT_RE.fullmatch(endpoint) if isinstance(endpoint, str) else None
@@ -95,13 +102,15 @@ def check_entry(raw: Any) -> MemberInfo:
         raise ValueError(f"{name}: endpoint must be tcp://HOST:PORT, got {endpoint!r:.80}")
     if key is not None and (not isinstance(key, str) or not _KEY_RE.fullmatch(key)):
         raise ValueError(f"{name}: key must be a 40-character Z85 public key or null, got {key!r:.80}")
+    if cert is not None and (not isinstance(cert, str) or not _CERT_RE.fullmatch(cert) or key is None):
+        raise ValueError(f"{name}: cert must be a member certificate (base64url, with a key) or null, got {cert!r:.80}")
     counts = []
     for field in ("inc", "beat"):
         value = raw.get(field)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNT:
             raise ValueError(f"{name}: {field} must be an integer in [0, 2**53], got {value!r:.80}")
         counts.append(value)
-    return MemberInfo(name, str(endpoint), key, counts[0], counts[1])
+    return MemberInfo(name, str(endpoint), key, counts[0], counts[1], cert)
 
 
 @dataclass
@@ -112,6 +121,10 @@ class Member:
     heard_at: float  # monotonic seconds: it answered us, or its heartbeat rose in someone's digest
     status: Status = "alive"
     since: float = 0.0  # when its status last changed
+
+
+def _consent(info: MemberInfo) -> tuple[str, str | None, str | None]:
+    return info.name, info.key, info.cert
 
 
 class View:
@@ -125,7 +138,7 @@ class View:
         tombstone_s: a removed member's last news is kept this long: gossip no newer is ignored.
         new_per_sender: members one sender may introduce per `new_interval_s`.
         keyed: the cluster has CURVE keys: a member must have one, and `trusted` must accept it.
-        trusted: ``trusted(name, key)``: may this member join? (keyed clusters; an allowlist or a signature.)
+        trusted: ``trusted(name, key, cert)``: may this member join? (keyed clusters: a cluster key's signature.)
     """
 
     def __init__(
@@ -139,7 +152,7 @@ class View:
         new_per_sender: int = 8,
         new_interval_s: float = 1.0,
         keyed: bool = False,
-        trusted: Callable[[str, str | None], bool] = lambda name, key: True,
+        trusted: Callable[[str, str | None, str | None], bool] = lambda name, key, cert: True,
     ) -> None:
         if max_members < 1 or new_per_sender < 1:
             raise ValueError("max_members and new_per_sender must be at least 1")
@@ -222,6 +235,9 @@ class View:
             elif not member.info.same_node(claim):
                 self.refused["name_taken"] += 1
             elif claim.newer_than(member.info):
+                if self._keyed and claim.cert != member.info.cert and not self._trusted(*_consent(claim)):
+                    self.refused["untrusted_cert"] += 1  # the news, but not a certificate we cannot trust
+                    claim = replace(claim, cert=member.info.cert)
                 member.info = claim
                 self._alive(member, now)
         return added
@@ -238,6 +254,15 @@ class View:
         self._members[info.name] = Member(info, heard_at=now, since=now)
         return True
 
+    def remove(self, name: str, now: float) -> bool:
+        """Drop member `name` now (its consent ended: a certificate expired), remembering its last news as
+        :meth:`tick` does: only later news brings it back. False if it is not a member."""
+        member = self._members.pop(name, None)
+        if member is None:
+            return False
+        self._tombstones[name] = (member.info, now)
+        return True
+
     def _alive(self, member: Member, now: float) -> None:
         member.heard_at = now
         if member.status != "alive":
@@ -249,7 +274,7 @@ class View:
             if not claim.newer_than(buried[0]):
                 return False  # stale gossip about a member removed
             del self._tombstones[claim.name]
-        if self._keyed and (claim.key is None or not self._trusted(claim.name, claim.key)):
+        if self._keyed and (claim.key is None or not self._trusted(*_consent(claim))):
             self.refused["untrusted_key"] += 1
             return False
         if len(self) >= self._max:

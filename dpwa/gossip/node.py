@@ -49,7 +49,7 @@ from .barrier import BarrierCounts, BarrierServer, BarrierWaiter
 from .extras import Extras, RuleState
 from .flow import FlowControl
 from .join import ExtraState, Joined
-from .members import Members, MembersServer
+from .members import MembersServer
 from .outcomes import Outcomes
 from .outer import OuterStep
 from .parts import Parts
@@ -58,7 +58,7 @@ from .protocol import MAX_CLOCK
 from .pull import PullSteps
 from .reporting import NodeState, Reporter, StatusServer
 from .settings import pairing_of, rule_of, start_share_of
-from .setup import ConfigSource, identify, node_keys
+from .setup import ConfigSource, identify, node_keys, open_membership
 from .start import find_members, join_wait_s, start_together, take_state
 from .steps import WAIT_SLACK_S, Crew, OuterHook, Step, Steps, Update
 from .symmetric import SymmetricSteps
@@ -115,12 +115,9 @@ class Node:
         self._extra = Extras.of(optimizer=extra, outer=self._outer, rule=RuleState.of(self.rule))
         self._local_steps = 0  # steps since this node last started an exchange (period)
         self._progress = Progress()
-        # open membership: the view of who is in the cluster (None: the config's node list is the cluster)
-        self.members = (
-            Members(self.config, self.spec, rng=random.Random(rng.random()) if rng else None)
-            if self.config.bootstrap
-            else None
-        )
+        # open membership: the view of who is in the cluster (None: the config's node list is the cluster); with
+        # keys, the keys allowed follow it. Key and certificate problems are reported before any socket exists.
+        self.members, curve = open_membership(who, node_keys(who), random.Random(rng.random()) if rng else None)
         # whom barriers wait for: the config's other nodes, or (open membership) the view's other members now
         members = self.members
         self._barriers = (
@@ -139,7 +136,6 @@ class Node:
         self._step: Step | None = None
         self._serving = False  # the Rx thread runs (settling at close needs it)
         self._close_lock = threading.Lock()
-        curve = node_keys(who)  # key problems are reported before any socket exists
 
         logger.info("%s: starting on %s; %s", self.name, self.config.bind_endpoint(self.spec), self.config.describe())
         for note in pointless_settings(self.config):

@@ -56,6 +56,7 @@ from ..mixing import codecs
 from ..mixing.model import WireModel
 from ..mixing.rules import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR
 from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
+from ..wire.certs import CERT_MAX
 from ..wire.errors import ProtocolError
 from ..wire.schema import (
     MAX_ID,
@@ -131,7 +132,7 @@ _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
 # an entry has no `key` where the cluster has none
 ENTRY = Record(
     {"name": NAME, "endpoint": Text(270), "inc": Integer(0, MAX_COUNT), "beat": Integer(0, MAX_COUNT)},
-    {"key": Text(40)},
+    {"key": Text(40), "cert": Text(CERT_MAX)},
 )
 _DIGEST = {"digest": ListOf(ENTRY, max_len=DIGEST_MAX)}  # open membership: the sender's view, sampled
 DIGEST_HEADER_BYTES = 1 << 14  # a kind that may carry a digest: DIGEST_MAX entries of at most ~430 bytes, and more

@@ -73,23 +73,24 @@ class Serving:
         self._sender = sender  # a compressing codec: snapshots are encoded as they are sent
 
     def routes(self) -> dict[str, Route]:
-        return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True)}
+        return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True, newcomers=True)}
 
-    def check_request(self, header: Header) -> None:
+    def check_request(self, header: Header, key: str | None = None) -> None:
         """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange).
 
         With open membership the requester must be a member of our view: one we do not know yet may introduce
         itself, its own entry first in its digest, as an announcement (:meth:`Members.announce`: rate-limited,
-        within ``members_max``, a name nobody else holds). Then its digest is merged, and it was heard from."""
+        within ``members_max``, a name nobody else holds). Then its digest is merged, and it was heard from.
+        `key`: the requester's CURVE key (open membership with keys), which that member must hold."""
         members = self._members
         if members is not None:
             sender = header["from"]
-            if not members.admit(sender, header.get("digest")):
+            if not members.admit(sender, header.get("digest"), key):
                 raise ProtocolError("bad_identity", f"{sender!r} is not a member of this node's view")
         check_payload(header, self.model)
 
     def serve_fetch(self, request: Request) -> Reply:
-        self.check_request(request.header)
+        self.check_request(request.header, request.key)
         self.check_budget(request)
         lease = self.store.lease()
         if lease is None:

@@ -9,7 +9,9 @@ uses too).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +20,13 @@ from zmq.utils import z85
 
 from ..config import Config, ConfigError, NodeSpec, load_config, parse_config
 from ..logs import logger
+from ..wire.certs import PROBLEMS as CERT_PROBLEMS
+from ..wire.certs import Certifier, load_cluster_public, read_cert
 from ..wire.curve import CurveKeys, KeyFileError, KeyPair, load_secret
+from .members import Members
 from .rendezvous import Rendezvous, rendezvous
 
-__all__ = ["Identity", "identify", "key_pair", "node_keys"]
+__all__ = ["Identity", "identify", "key_pair", "node_keys", "open_membership"]
 
 ConfigSource = Config | str | os.PathLike[str] | Mapping[str, Any] | list
 
@@ -58,6 +63,44 @@ def identify(config: ConfigSource, name: str | None) -> Identity:
     if name is None:
         raise ConfigError(f"{resolved.source}: which node is this? give its name (None only with nodes: torchrun)")
     return Identity(resolved, name, resolved.node(name), met)
+
+
+def open_membership(
+    identity: Identity, curve: CurveKeys | None, rng: random.Random | None
+) -> tuple[Members | None, CurveKeys | None]:
+    """With ``bootstrap:``, this node's view of the members; and its keys, which then follow the view: a
+    member's key is allowed while it is a member (``CurveKeys.open``), and a node that a bootstrap entry names
+    lets newcomers complete the handshake, to announce themselves. Without ``bootstrap:``: (None, `curve`).
+
+    In a keyed cluster this node's certificate is read and checked here (ConfigError naming the file and
+    what is wrong), before any socket exists."""
+    config, spec = identity.config, identity.spec
+    if not config.bootstrap:
+        return None, curve
+    if curve is None:
+        return Members(config, spec, rng=rng), None
+    if spec.cert_file is None:
+        raise ConfigError(
+            f"{config.source}: node {spec.name!r} has no cert_file: in a keyed cluster with bootstrap each node "
+            f"presents a certificate of the cluster key (python -m dpwa keygen {spec.name} --dir keys --sign-with "
+            "cluster.secret writes keys/NAME.cert)"
+        )
+    try:
+        cluster = load_cluster_public(config.cluster_key)
+        cert = read_cert(spec.cert_file)
+    except KeyFileError as exc:
+        raise ConfigError(f"{config.source}: node {spec.name!r}: {exc}") from None
+    certifier = Certifier(cluster)
+    verdict = certifier.check(spec.name, spec.public_key, cert)
+    if verdict != "ok":
+        raise ConfigError(
+            f"{config.source}: node {spec.name!r}: {spec.cert_file}: the certificate is refused here "
+            f"({verdict}: {CERT_PROBLEMS[verdict]}); the cluster would refuse it too"
+        )
+    members = Members(config, spec, rng=rng, cert=cert, certifier=certifier, client_options=curve.client_options)
+    own = {(spec.host.lower(), spec.port)}
+    newcomers = any((b.host.lower(), b.port) in own for b in config.bootstrap_specs)
+    return members, dataclasses.replace(curve, allowed=members.keys, open=True, newcomers=newcomers)
 
 
 def key_pair(spec: NodeSpec) -> CurveKeys:

@@ -162,7 +162,7 @@ def find_members(
     try:
         for round_ in range(BOOTSTRAP_ROUNDS if addresses else 0):
             for spec in addresses:
-                book.put(spec.name, config.endpoint(spec))
+                book.put(spec.name, config.endpoint(spec), members.options_for(spec.public_key))
                 call = submit(MembersTask(spec.name, time.monotonic() + config.timeout_s, members.own_entry()))
                 call.wait(config.timeout_s + 0.2)
                 if not call.done.is_set() or call.outcome != "ok":

@@ -84,6 +84,7 @@ __all__ = [
     "MAX_TIME",
     "MAX_VALID_S",
     "NAME_RE",
+    "PROBLEMS",
     "REFUSALS",
     "VERSION",
     "Certificate",
@@ -94,6 +95,7 @@ __all__ = [
     "key_id",
     "load_cluster_public",
     "load_cluster_secret",
+    "read_cert",
     "sign",
     "verify",
     "write_cert",
@@ -120,6 +122,16 @@ REFUSALS: Final = (
     "not_yet_valid",
     "expired",
 )
+PROBLEMS: Final = {  # each refusal, as a sentence for an error message
+    "no_cert": "no certificate was given",
+    "bad_cert": "it is not a certificate this dpwa reads",
+    "wrong_cluster": "another cluster key signed it",
+    "bad_signature": "its signature does not verify: it was altered or forged",
+    "name_mismatch": "it is for another name",
+    "key_mismatch": "it is for another CURVE key",
+    "not_yet_valid": "it was issued in the future (check the clocks)",
+    "expired": "it expired: renew it (python -m dpwa keygen NAME --sign-with cluster.secret --renew)",
+}
 VERSION: Final = 1
 CERT_MAX: Final = 256  # characters a certificate may have (the longest name gives 248)
 CLOCK_SKEW_S: Final = 300  # a certificate issued this far in the verifier's future is still accepted
@@ -259,12 +271,12 @@ def verify(cluster_public: Ed25519PublicKey, cert: object, name: object, key: ob
 
 
 class Certifier:
-    """A keyed cluster's consent, as :class:`dpwa.gossip.membership.View` asks it: ``trusted(name, key)``.
+    """A keyed cluster's consent, as :class:`dpwa.gossip.membership.View` asks it: ``trusted(name, key, cert)``.
 
     Args:
         cluster_public: the cluster's public key (:func:`load_cluster_public`).
-        certs: name -> the certificate that member presented (a string, or anything a peer sent). Held, not
-            copied: the caller adds certificates as they arrive, and bounds how many it keeps.
+        certs: name -> the certificate that member presented, for a caller that asks ``trusted(name, key)``
+            without one. Held, not copied.
         clock: unix seconds now (``time.time``; a test gives its own).
 
     Each refusal is counted by its reason in :attr:`refused` (:meth:`stats` for a node's ``stats()``).
@@ -273,10 +285,10 @@ class Certifier:
     def __init__(
         self,
         cluster_public: Ed25519PublicKey,
-        certs: Mapping[str, object],
+        certs: Mapping[str, object] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.cluster_public, self.certs, self._clock = cluster_public, certs, clock
+        self.cluster_public, self.certs, self._clock = cluster_public, certs if certs is not None else {}, clock
         self.refused: Counter[str] = Counter()  # certificates refused, by reason
 
     def check(self, name: object, key: object, cert: object) -> Verdict:
@@ -286,9 +298,17 @@ class Certifier:
             self.refused[verdict] += 1
         return verdict
 
-    def __call__(self, name: str, key: str | None) -> bool:
-        """May member `name` join with `key`? Only with a valid certificate for both in :attr:`certs`."""
-        return self.check(name, key, self.certs.get(name)) == "ok"
+    def __call__(self, name: str, key: str | None, cert: object = None) -> bool:
+        """May member `name` join with `key`? Only with a valid certificate for both: `cert`, else the one
+        :attr:`certs` holds for `name`."""
+        return self.check(name, key, cert if cert is not None else self.certs.get(name)) == "ok"
+
+    def not_after(self, cert: object) -> int | None:
+        """When a certificate stops being valid (unix seconds), or None if it cannot be read."""
+        try:
+            return decode(cert).not_after
+        except ValueError:
+            return None
 
     def stats(self) -> dict[str, int]:
         """The refusals so far, as ``certs_refused.REASON`` counts."""
@@ -422,6 +442,22 @@ def load_cluster_secret(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
             f"{path}: the cluster secret key file belongs to uid {st.st_uid}, not to this user ({os.geteuid()})"
         )
     return Ed25519PrivateKey.from_private_bytes(raw)
+
+
+def read_cert(path: str | os.PathLike[str]) -> str:
+    """The certificate in `path` (as :func:`write_cert` writes it: one line); KeyFileError naming the file and
+    what is wrong."""
+    path = Path(path)
+    data, _ = _read_key_file(path, "certificate")
+    try:
+        text = data.decode("ascii").strip()
+        decode(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise KeyFileError(
+            f"{path}: not a member certificate (python -m dpwa keygen NAME --sign-with cluster.secret writes "
+            f"keys/NAME.cert): {exc}"
+        ) from None
+    return text
 
 
 def write_cert(path: str | os.PathLike[str], cert: str, *, replace: bool = False) -> Path:

@@ -46,6 +46,7 @@ class PeerBook(Mapping[str, str]):
     def __init__(self, endpoints: Mapping[str, str] | None = None) -> None:
         self._lock = threading.Lock()
         self._endpoints: dict[str, str] = dict(endpoints or {})
+        self._options: dict[str, Mapping[int, Any]] = {}  # peer -> its sockets' options, where put() gave them
 
     def __getitem__(self, peer: str) -> str:
         with self._lock:
@@ -67,13 +68,25 @@ class PeerBook(Mapping[str, str]):
         with self._lock:
             return self._endpoints.get(peer, default)
 
-    def put(self, peer: str, endpoint: str) -> None:
+    def put(self, peer: str, endpoint: str, options: Mapping[int, Any] | None = None) -> None:
+        """`peer` is at `endpoint`; its sockets take `options` (CURVE keys: a member learned by gossip),
+        else the client's own options for it."""
         with self._lock:
             self._endpoints[peer] = endpoint
+            if options is None:
+                self._options.pop(peer, None)
+            else:
+                self._options[peer] = dict(options)
 
     def drop(self, peer: str) -> None:
         with self._lock:
             self._endpoints.pop(peer, None)
+            self._options.pop(peer, None)
+
+    def options(self, peer: str) -> Mapping[int, Any] | None:
+        """The socket options put() gave `peer`, if any."""
+        with self._lock:
+            return self._options.get(peer)
 
 
 def _book(endpoints: Mapping[str, str]) -> PeerBook:
@@ -275,9 +288,12 @@ class _Channels:
                 endpoint,
                 name=f"{self.name} -> {peer}",
                 max_reply_bytes=self._max_reply_bytes,
-                socket_options=self._socket_options.get(peer),
+                socket_options=self._book_options(peer) or self._socket_options.get(peer),
             )
         return channel
+
+    def _book_options(self, peer: str) -> Mapping[int, Any] | None:
+        return self.endpoints.options(peer) if isinstance(self.endpoints, PeerBook) else None
 
     def drop(self, peer: str) -> None:
         channel = self._channels.pop(peer, None)

@@ -26,7 +26,9 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-__all__ = ["CurveKeys", "KeyPair", "KeyFileError", "generate", "load_secret", "valid_public_key"]
+__all__ = ["KEY_IDENTITY", "CurveKeys", "KeyPair", "KeyFileError", "generate", "load_secret", "valid_public_key"]
+
+KEY_IDENTITY = "key:"  # with open membership, a connection's ZAP user id: this, then its client key in Z85
 
 
 class KeyFileError(ValueError):
@@ -39,7 +41,14 @@ class CurveKeys:
 
     public: bytes  # this endpoint's public key, Z85
     secret: bytes  # this endpoint's secret key, Z85
-    allowed: Mapping[bytes, str] = field(default_factory=dict)  # raw 32-byte client key -> name
+    # raw 32-byte client key -> name; with `open`, a live mapping its owner changes as members come and go
+    allowed: Mapping[bytes, str] = field(default_factory=dict)
+    # open membership: a connection is named by its key (KEY_IDENTITY + Z85), and its requests by whose key
+    # it is *now* (``allowed``, looked up per request), so members admitted later are known on it
+    open: bool = False
+    # with `open`: a key ``allowed`` does not hold may complete the handshake too (a newcomer, to announce
+    # itself with its certificate); its requests reach only the routes that take newcomers
+    newcomers: bool = False
 
     def server_options(self) -> dict[int, Any]:
         return {

@@ -16,7 +16,12 @@ What a client can make the server do is bounded, whoever the client is:
 * **Who is asking.** With CURVE, the ZAP handler (run in this same thread)
   admits only listed keys and names each connection after its key's node; a
   request whose ``from`` field names another node is rejected. Without
-  CURVE, ``from`` must at least name a known sender.
+  CURVE, ``from`` must at least name a known sender. With open membership
+  (``CurveKeys.open``) the listed keys change as members come and go, so a
+  connection is named by its key and each request by whose key it is at
+  the time; a node that takes newcomers lets any key complete the handshake,
+  but a key that is no member's reaches only the routes marked
+  ``newcomers``, whose handlers admit it only on a certificate for that key.
 * **Replies nobody reads.** Replies go out with ``NOBLOCK``: a client whose
   queue is full (``SNDHWM``) loses its reply, and nobody else waits. Replies
   that carry a payload are sent without a copy and their memory stays held
@@ -53,7 +58,7 @@ import zmq.utils.z85
 
 from ..logs import RateLimitedLog, logger
 from ..stats import Counters
-from .curve import CurveKeys
+from .curve import KEY_IDENTITY, CurveKeys
 from .endpoints import EndpointInUse, EndpointLock
 from .errors import EncodeError, ProtocolError, Refused, TransportError, refused
 from .payload import CHUNK_BYTES, Hold, Payload, group, send_frames
@@ -72,10 +77,13 @@ class Request:
     header: Header
     payload: Sequence[Payload]  # the kind's payloads, exactly as many as it declares (most: none)
     client: bytes  # the ROUTER routing id of the connection (opaque)
-    identity: str | None  # the node its CURVE key belongs to; None without CURVE
+    identity: str | None  # the node its CURVE key belongs to; None without CURVE (or a newcomer's key)
     # False when the sender has its budget of unsent payload replies: answer without a payload
     # (a same-host slot, say), or refuse "busy" (the server refuses a payload reply anyway)
     may_send_payload: bool = True
+    # open membership with CURVE: the connection's client key (Z85), whoever it belongs to; the handlers
+    # that take newcomers (identity None) check that the entry a newcomer announces carries this key
+    key: str | None = None
 
     @property
     def sender(self) -> str:
@@ -100,6 +108,9 @@ class Route:
     handler: Callable[[Request], Reply]
     max_payload_bytes: int = 0  # the most payload bytes a request of this kind may carry
     bulk: bool = False  # replies carry a payload: subject to the unsent-reply budget
+    # open membership with CURVE: a key that is no member's (identity None, Request.key set) may ask this;
+    # the handler must check that the requester's entry carries that key. Every other route refuses it.
+    newcomers: bool = False
 
 
 @dataclass
@@ -325,8 +336,13 @@ class Server:
         version, request_id, _domain, address, _identity, mechanism = frames[:6]
         credentials = frames[6:]
         name = None
-        if mechanism == b"CURVE" and len(credentials) == 1:
-            name = self._curve.allowed.get(credentials[0])
+        curve = self._curve
+        if mechanism == b"CURVE" and len(credentials) == 1 and len(credentials[0]) == 32:
+            name = curve.allowed.get(credentials[0])
+            if curve.open and (name is not None or curve.newcomers):
+                if name is None:
+                    self.counters.add("auth_newcomers")
+                name = KEY_IDENTITY + zmq.utils.z85.encode(credentials[0]).decode()
         if name is not None:
             zap.send_multipart([version, request_id, b"200", b"OK", name.encode(), b""])
             return
@@ -337,11 +353,12 @@ class Server:
         self._log(
             30,
             "auth",
-            "%s: refused a %s connection from %s with public key %s: not in the config",
+            "%s: refused a %s connection from %s with public key %s: %s",
             self.name,
             mechanism.decode(errors="replace"),
             address.decode(errors="replace"),
             key,
+            "no member's (this node takes no newcomers)" if curve.open else "not in the config",
         )
         zap.send_multipart([version, request_id, b"400", b"key not allowed", b"", b""])
 
@@ -364,6 +381,11 @@ class Server:
         client = frames[0].bytes
         user = frames[2].get("User-Id") if self._curve is not None else None
         identity = user if isinstance(user, str) and user else None
+        key = None
+        if identity is not None and identity.startswith(KEY_IDENTITY):  # open membership: whose key is it now?
+            assert self._curve is not None
+            key = identity[len(KEY_IDENTITY) :]
+            identity = self._curve.allowed.get(zmq.utils.z85.decode(key))
         try:
             header = decode(frames[2].buffer, self._accept)
         except ProtocolError as exc:
@@ -374,12 +396,13 @@ class Server:
             self._reply_error(sock, client, header, "unexpected_kind", f"{header.kind!r} is not a request")
             return
         route = self._routes[header.kind]
-        request = Request(header, (), client, identity)
+        request = Request(header, (), client, identity, key=key)
         try:
             request.payload = group(frames[3:], route.kind.payload)
             self._check(route, request)
-            key = identity or header.get("from") or client  # checked: a node of the cluster, or its key's
-            request.may_send_payload = not route.bulk or self._within_budget(key)
+            # whose budget: a member's (its key's or its checked `from`), a newcomer's key, or the connection's
+            budget = identity or (key and KEY_IDENTITY + key) or header.get("from") or client
+            request.may_send_payload = not route.bulk or self._within_budget(budget)
             reply = route.handler(request)
             if reply.payload and not request.may_send_payload:
                 if reply.hold is not None:
@@ -404,12 +427,16 @@ class Server:
             return
         self.counters.add("requests_served")
         self.counters.add(f"served.{header.kind}")
-        self._send(sock, client, reply, key=key)
+        self._send(sock, client, reply, key=budget)
 
     def _check(self, route: Route, request: Request) -> None:
         size = sum(len(p) for p in request.payload)
         if size > route.max_payload_bytes:
             raise ProtocolError("too_large", f"{size} payload bytes, at most {route.max_payload_bytes}")
+        if request.identity is None and request.key is not None and not route.newcomers:
+            raise ProtocolError(
+                "bad_identity", f"key {request.key} is no member's; a newcomer announces itself first (members)"
+            )
         claimed = request.header.get("from")
         if claimed is None:
             return
