@@ -180,10 +180,10 @@ class Members:
             names = self._view.names()
             refused = self._view.refused + self._refused
             suspects = sum(1 for m in self._view.members() if m.status == "suspect")
+            certs = self._certifier.stats() if self._certifier is not None else {}  # it counts under this lock
         out: dict[str, Any] = {"members": names, "members.count": len(names), "members.suspect": suspects}
         out.update({f"members.refused.{reason}": count for reason, count in sorted(refused.items())})
-        if self._certifier is not None:
-            out.update(self._certifier.stats())
+        out.update(certs)
         return out
 
     # ----------------------------------------------------------------- learning

@@ -274,15 +274,16 @@ class View:
             if not claim.newer_than(buried[0]):
                 return False  # stale gossip about a member removed
             del self._tombstones[claim.name]
-        if self._keyed and (claim.key is None or not self._trusted(*_consent(claim))):
-            self.refused["untrusted_key"] += 1
-            return False
         if len(self) >= self._max:
             self.refused["view_full"] += 1
             return False
         introduced = self._introduced.setdefault(sender, deque(maxlen=self._new_per_sender))
         if len(introduced) == self._new_per_sender and now - introduced[0] < self._new_interval:
             self.refused["rate_limited"] += 1
+            return False
+        # the signature last: a claim that cannot be admitted anyway costs no verification
+        if self._keyed and (claim.key is None or not self._trusted(*_consent(claim))):
+            self.refused["untrusted_key"] += 1
             return False
         introduced.append(now)
         self._members[claim.name] = Member(claim, heard_at=now, since=now)

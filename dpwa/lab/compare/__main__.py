@@ -294,6 +294,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also kill a sync worker mid-task, a parameter server, a trainer, a gossip node and a rank",
     )
     p.add_argument(
+        "--churn",
+        type=_positive_int,
+        metavar="N",
+        help="N workers leave (SIGKILL) while each run trains, at 1/(N+1) of its samples and every such fraction "
+        "after: gossip runs with open membership and replaces each at once by a newcomer that joins through "
+        "bootstrap addresses; all-reduce restarts every rank from its last checkpoint, as under torchrun "
+        "--max-restarts (systems: the gossip ones and allreduce)",
+    )
+    p.add_argument(
         "--gossip-set",
         action="append",
         default=[],
@@ -357,6 +366,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
         if args.faults:
             p.error("--faults with --byzantine is not supported (a fault would kill a Byzantine node)")
+    if args.churn and (args.tune or args.map or args.link_mbit or args.byzantine or args.faults):
+        p.error(
+            "--churn runs a plain comparison over loopback: not with --tune, --map, --link-mbit, --byzantine or "
+            "--faults (tune first, then give --tuned-from)"
+        )
     if args.tune and (args.faults or args.byzantine):
         p.error("--tune with --faults or --byzantine: tune a plain comparison, then run those at its settings")
     if args.seeds > 1 and args.faults:
@@ -482,6 +496,7 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
         gossip_settings=gossip_settings(args.gossip_set),
         byzantine=args.byzantine,
         attack=args.attack,
+        churn=args.churn or 0,
     )
     check_gossip_systems(args.systems, options.gossip_settings)
     out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")

@@ -22,6 +22,7 @@ from ..systems.allreduce import ring_allreduce_bytes
 from ..systems.layout import ModelLayout, ModuleView
 from ..systems.ps.sharding import make_plan
 from .byzantine import ATTACKS
+from .churn import CHURN_SYSTEMS, Churn
 from .evaluation import Point, build_curve, summarize
 from .faults import fault_for
 from .links import BURST_BYTES
@@ -90,6 +91,15 @@ class CompareConfig:
                 )
             if self.faults:
                 raise ValueError("--faults with --byzantine is not supported: the fault would kill a Byzantine node")
+        if self.options.churn:
+            others = [s for s in self.systems if s not in CHURN_SYSTEMS]
+            if others:
+                raise ValueError(
+                    f"--churn runs {', '.join(CHURN_SYSTEMS)} (members leave and join; all-reduce restarts as "
+                    f"under torchrun --max-restarts), not {', '.join(others)}"
+                )
+            if self.faults:
+                raise ValueError("--churn with --faults: churn kills workers already; give one of them")
         if self.faults and self.options.link_mbit:
             raise ValueError(
                 "--faults with --link-mbit is not supported: the sync-master fault asks the master over its socket, "
@@ -387,9 +397,26 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
             log(f"  {system}: {run.error.splitlines()[0]}")
         return run, summary
 
+    if options.churn:
+        report["churn"] = {
+            "leaving": options.churn,
+            "what": (
+                f"{options.churn} workers leave (SIGKILL) as the run trains, at 1/{options.churn + 1} of its samples "
+                "and every such fraction after; gossip: each replaced at once by a newcomer that joins through "
+                "bootstrap addresses and takes a member's state (open membership, pairing random); all-reduce: "
+                "every rank restarted from rank 0's last checkpoint, as under torchrun --max-restarts (see "
+                "dpwa/lab/compare/churn.py)"
+            ),
+            "events": {},
+        }
     for system in config.systems:
         log(f"{system}: {spec.workers} workers, {_budget(spec)} of {workload.spec.data}")
-        run, summary = one(system, system, spec)
+        churn = Churn(system, options.churn, spec.workers, workload.total_samples) if options.churn else None
+        run, summary = one(system, system, spec, churn)
+        if churn is not None:
+            summary["churn"] = report["churn"]["events"][system] = churn.done
+            for event in churn.done:
+                log(f"  {system}: at {event['at_s']:.1f} s {event['killed']} left; " + _churn_text(event))
         report["systems"][system] = summary
         report["evaluated_model"][system] = summary["evaluated_model"]
         if options.link_mbit and system in COLLECTIVE:
@@ -417,6 +444,12 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
             report["faults"][scenario] = entry
             log(f"  {entry['outcome']}")
     return report
+
+
+def _churn_text(event: dict[str, Any]) -> str:
+    if "joined" in event:
+        return f"{event['joined']} joined with its shard from sample {event['skip_samples']}"
+    return f"every rank restarted (round {event['round']}; the others stopped in {event['stop_s']:.1f} s)"
 
 
 def _budget(spec: WorkloadSpec) -> str:

@@ -267,7 +267,7 @@ def summarize(run: SystemRun, curve: LearningCurve, target: float, metric: str =
     final = curve.final
     steps = [w.get("steps", 0) for w in workers]
     per_step = [w["bytes"] / w["steps"] for w in workers if w.get("steps") and "bytes" in w]
-    ends = [w["go"] + w["run_s"] for w in workers if "run_s" in w]
+    ends = [w.get("ended_at") or w["go"] + w["run_s"] for w in workers if "run_s" in w]
     out: dict[str, Any] = {
         "completed": run.completed,
         "error": run.error,

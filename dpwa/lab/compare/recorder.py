@@ -71,7 +71,8 @@ class Recorder:
         (self.workdir / "snapshots").mkdir(exist_ok=True)
         (self.workdir / "results").mkdir(exist_ok=True)
         self._index = self.workdir / "snapshots" / f"{name}.jsonl"
-        self._count = 0
+        # a process restarted under the same name (--churn: all-reduce's elastic restart) numbers on
+        self._count = len(self._index.read_text(encoding="utf-8").splitlines()) if self._index.exists() else 0
         self.spent_s = 0.0  # time spent writing, which the caller may leave out of its timings
 
     def snapshot(self, state: np.ndarray, samples: int, **extra: Any) -> None:

@@ -34,7 +34,16 @@ from .recorder import open_gate
 from .spawning import Processes
 from .workload import WorkloadSpec
 
-__all__ = ["KNOWN_SYSTEMS", "OPT_IN_SYSTEMS", "SYSTEMS", "Fault", "RunOptions", "SystemRun", "run_system"]
+__all__ = [
+    "KNOWN_SYSTEMS",
+    "OPT_IN_SYSTEMS",
+    "SYSTEMS",
+    "Fault",
+    "RunOptions",
+    "SystemRun",
+    "open_config",
+    "run_system",
+]
 
 # The gossip systems: dpwa as a user gets it (its defaults), and one key away from them: the low-bandwidth
 # preset, the original's rule (pull, state, a random peer), push-sum (pull, pushsum; the defaults'
@@ -84,6 +93,7 @@ class RunOptions:
     grace_s: float = 10.0  # between SIGTERM and SIGKILL
     byzantine: int = 0  # gossip: the last K workers publish wrong snapshots (dpwa/lab/compare/byzantine.py)
     attack: str = "offset"  # gossip: what a Byzantine worker publishes (byzantine.ATTACKS)
+    churn: int = 0  # workers that leave during the run, each replaced by a newcomer (dpwa/lab/compare/churn.py)
 
     def __post_init__(self) -> None:
         if self.lease_s <= 0 or self.ps_timeout_s <= 0 or self.gossip_timeout_ms < 1 or self.gloo_timeout_s <= 0:
@@ -103,6 +113,10 @@ class RunOptions:
             raise ValueError(f"byzantine must be at least 0, got {self.byzantine}")
         if self.attack not in ATTACKS:
             raise ValueError(f"unknown attack {self.attack!r}; choose from {', '.join(ATTACKS)}")
+        if self.churn < 0:
+            raise ValueError(f"churn must be at least 0, got {self.churn}")
+        if self.churn and (self.link_mbit or self.byzantine):
+            raise ValueError("churn runs over loopback without Byzantine workers (not with link_mbit or byzantine)")
 
 
 class Fault(Protocol):
@@ -142,7 +156,8 @@ class LiveRun:
     run: dict[str, Any]
     procs: Processes
     go: float
-    workers: list[str]
+    workers: list[str]  # the training processes' names (a fault that starts a newcomer adds it)
+    env: dict[str, str] = field(default_factory=dict)  # what the processes' environment adds (a restart's too)
 
     @property
     def elapsed_s(self) -> float:
@@ -204,7 +219,11 @@ def plan_processes(
             config["insecure"] = True
         gossip_opts = {"byzantine": byzantine_workers(system, spec, options), "attack": options.attack}
         starts = [(n, "gossip", i) for i, n in enumerate(workers)]
-        return {"gossip_config": config, "options": gossip_opts}, starts, workers
+        described: dict[str, Any] = {"gossip_config": config, "options": gossip_opts}
+        if options.churn:  # open membership: each node lists itself, and joins through the first workers
+            described["gossip_configs"] = {n: open_config(config, n) for n in workers}
+            described["joiners"] = {}
+        return described, starts, workers
     if system == "sync-master":
         endpoint = _endpoints(tag, ["master"], links)["master"]
         sync_opts = {
@@ -233,10 +252,25 @@ def plan_processes(
     if system in COLLECTIVE:
         ranks = [f"rank{i}" for i in range(spec.workers)]
         opts: dict[str, Any] = {"store": str(workdir / "gloo.rendezvous"), "gloo_timeout_s": options.gloo_timeout_s}
+        if options.churn:
+            opts["elastic"] = True  # checkpoints, and a restarted group resumes from the last (roles/allreduce.py)
         if system == "diloco":
             opts.update(period=options.diloco_period, outer_lr=options.outer_lr, outer_momentum=options.outer_momentum)
         return {"options": opts}, [(r, system, i) for i, r in enumerate(ranks)], ranks
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(KNOWN_SYSTEMS)}")
+
+
+BOOTSTRAP_NODES = 3  # --churn: the first workers, whose addresses every node's bootstrap list names
+
+
+def open_config(config: dict[str, Any], name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """--churn: node `name`'s open-membership config: the run's gossip config listing only this node (`extra`:
+    a newcomer's own entry), with the first workers' addresses to join through, and join: auto (a newcomer
+    takes a member's state)."""
+    nodes = config["nodes"]
+    own = extra if extra is not None else next(n for n in nodes if n["name"] == name)
+    bootstrap = [f"{n['host']}:{n['port']}" for n in nodes[:BOOTSTRAP_NODES]]
+    return {**config, "nodes": [own], "bootstrap": bootstrap, "join": "auto" if extra is not None else "never"}
 
 
 def run_system(
@@ -281,7 +315,7 @@ def run_system(
             if error is None:
                 go = open_gate(workdir)
                 log(f"  {system}: {len(starts)} processes started, training")
-                live = LiveRun(system, workdir, run, procs, go, workers)
+                live = LiveRun(system, workdir, run, procs, go, workers, env)
                 completed, error = _wait_done(system, live, options, fault)
                 failed_at_s = None if completed else time.time() - go
         finally:
@@ -319,13 +353,13 @@ def _training_names(system: str, live: LiveRun) -> list[str]:
 def _wait_done(system: str, live: LiveRun, options: RunOptions, fault: Fault | None) -> tuple[bool, str | None]:
     procs = live.procs
     deadline = time.monotonic() + options.time_limit_s
-    training = _training_names(system, live)
     while time.monotonic() < deadline:
         if fault is not None:
             fault.poll(live)
+        training = _training_names(system, live)  # read again: a fault may have started a newcomer
         for name, code in procs.exit_codes().items():
-            if code not in (None, 0) and name not in procs.killed:
-                if system in COLLECTIVE and fault is not None and procs.killed:
+            if code not in (None, 0) and name not in procs.killed and name not in procs.stopped:
+                if system in COLLECTIVE and fault is not None and procs.killed and not options.churn:
                     return False, f"{name} exited with status {code} after a rank was killed"
                 return False, f"{name} exited with status {code}:\n{procs.log_tail(name)}"
         if all(not procs.running(n) for n in training):

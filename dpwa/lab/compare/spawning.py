@@ -38,6 +38,7 @@ class Processes:
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.killed: dict[str, float] = {}  # name -> when we sent SIGKILL on purpose (time.time())
+        self.stopped: set[str] = set()  # names whose process was stopped on purpose, and not started again
 
     def start(
         self,
@@ -59,7 +60,9 @@ class Processes:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self.procs[name] = proc
+        self.procs[name] = proc  # a name started again (a restarted rank) is this new process from now on
+        self.killed.pop(name, None)
+        self.stopped.discard(name)
         write_pid_file(self.workdir / "pids" / f"{name}.pid", proc.pid)
         return proc
 

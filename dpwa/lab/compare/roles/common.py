@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -15,7 +16,9 @@ from typing import Any
 from ..recorder import Recorder, StepTimer
 from ..workload import Workload, WorkloadSpec, load_workload
 
-__all__ = ["Role", "StopFlag", "load_role", "run_collective", "timed"]
+__all__ = ["ROUND_ENV", "Role", "StopFlag", "load_role", "run_collective", "timed"]
+
+ROUND_ENV = "DPWA_CMP_ROUND"  # set by the runner for a restarted group (--churn)
 
 
 class StopFlag:
@@ -54,6 +57,12 @@ class Role:
     @property
     def options(self) -> dict[str, Any]:
         return self.run["options"]
+
+    @property
+    def round(self) -> int:
+        """How many times this process's group was restarted before it (--churn: all-reduce's elastic
+        restarts, as torchrun's ``TORCHELASTIC_RESTART_COUNT``); 0 for a first start."""
+        return int(os.environ.get(ROUND_ENV, "0"))
 
     @property
     def is_straggler(self) -> bool:
@@ -105,4 +114,5 @@ def run_collective(role: Role, train: Callable[[Role], None]) -> None:
 
     opts, world = role.options, role.spec.workers
     backend = allreduce.backend_for(role.spec.device, world)
-    allreduce.run_rank(role.index, lambda *_: train(role), world, opts["store"], opts["gloo_timeout_s"], (), backend)
+    store = opts["store"] + (f".{role.round}" if role.round else "")  # a restarted group meets afresh
+    allreduce.run_rank(role.index, lambda *_: train(role), world, store, opts["gloo_timeout_s"], (), backend)

@@ -22,6 +22,7 @@ exactly after it.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ...systems.layout import ModuleView
@@ -41,10 +42,16 @@ def run(role: Role) -> None:
     stride = w.snapshot_stride()
     progress: list[list[float]] = []
     step, samples, loss_value = 0, 0, None
+    config = role.run.get("gossip_configs", {}).get(role.name, role.run["gossip_config"])
+    # --churn: a node that replaces one that left goes on with its shard from where that one was
+    skip = int(role.run.get("joiners", {}).get(role.name, {}).get("skip_samples", 0))
+    batches = w.train_batches(role.index)
+    if skip:
+        batches, step = _skipped(batches, skip)
     averaged = failed = 0
     attack = role.options.get("attack") if role.name in role.options.get("byzantine", ()) else None
     published = [0]  # wrong snapshots published (a Byzantine node)
-    with DpwaPyTorchAdapter(net, role.name, role.run["gossip_config"]) as conn:
+    with DpwaPyTorchAdapter(net, role.name, config) as conn:
         if attack is not None:
             _publish_wrong(conn, net, attack, published)
         go = wait_for_go(role.workdir, role.name)
@@ -52,7 +59,7 @@ def run(role: Role) -> None:
         # the model before training, for points before its first snapshot
         rec.snapshot(view.state(), 0, mass=rule.mass())
         timer.start()
-        for x, y in timed(w.train_batches(role.index), timer):
+        for x, y in timed(batches, timer):
             if role.stop:
                 break
             for group in optimizer.param_groups:
@@ -82,7 +89,7 @@ def run(role: Role) -> None:
             # as train.py lingers: until no peer was served for max(2 s, 4 steps, 2 fetch timeouts); in mode
             # symmetric the lingering node publishes a fresh snapshot once its last one served an exchange
             step_s = timer.summary()["run_s"] / max(step, 1)
-            timeout_s = role.run["gossip_config"]["timeout_ms"] / 1000
+            timeout_s = config["timeout_ms"] / 1000
             idle_s = max(2.0, 4 * step_s, 2 * timeout_s)
             lingered = conn.linger(idle_s, limit_s=role.options.get("linger_s", 60.0), stop=lambda: bool(role.stop))
         mass_at_end = rule.mass()  # in mode pull lingering moves no parameter, only (push-sum) weight given away
@@ -100,8 +107,24 @@ def run(role: Role) -> None:
         stopped=role.stop.signal_name,
         byzantine=attack,
         published_wrong=published[0],
+        joined=None if conn.joined is None else conn.joined.donor,
+        skipped_samples=skip,
         **timer.summary(left_out),
     )
+
+
+def _skipped(batches: Iterable[Any], samples: int) -> tuple[Iterator[Any], int]:
+    """`batches` past the first `samples` samples (whole batches), and how many batches were passed."""
+    iterator = iter(batches)
+    passed = seen = 0
+    while seen < samples:
+        try:
+            _, y = next(iterator)
+        except StopIteration:
+            break
+        seen += len(y)
+        passed += 1
+    return iterator, passed
 
 
 def _publish_wrong(conn: Any, net: Any, attack: str, count: list[int]) -> None:

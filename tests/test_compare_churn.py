@@ -1,0 +1,122 @@
+"""python -m dpwa.compare --churn: workers leave while each run trains, and what each system does about it.
+
+Gossip (open membership) replaces each leaver at once by a newcomer that joins through bootstrap addresses
+and takes a member's state; all-reduce restarts every rank from rank 0's last checkpoint, as torchrun
+--max-restarts does. Checked: the schedule and its refusals on their own, and a real run of both on the
+digits, each reaching the target after the churn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dpwa.lab.compare.__main__ import main
+from dpwa.lab.compare.churn import Churn, trained_samples
+from dpwa.lab.compare.runner import RunOptions, open_config
+
+
+def write_snapshots(folder: Path, name: str, samples: list[int]) -> None:
+    (folder / "snapshots").mkdir(parents=True, exist_ok=True)
+    lines = [
+        json.dumps({"k": k, "t": float(k), "samples": s, "file": f"{name}-{k}.npy"}) for k, s in enumerate(samples)
+    ]
+    (folder / "snapshots" / f"{name}.jsonl").write_text("\n".join(lines) + '\n{"k": 9, "t"')  # a torn last line
+
+
+def test_events_come_at_fractions_of_the_samples_and_are_read_from_the_snapshots(tmp_path) -> None:
+    churn = Churn("gossip", 3, 4, 4000)
+    assert churn.thresholds == [1000, 2000, 3000]
+    write_snapshots(tmp_path, "w0", [0, 100, 250])
+    write_snapshots(tmp_path, "w1", [0, 300])
+    assert trained_samples(tmp_path, "gossip", ["w0", "w1", "w2"]) == 550  # w2 has written nothing yet
+    write_snapshots(tmp_path, "rank0", [0, 600, 1200])
+    write_snapshots(tmp_path, "rank1", [0, 5])  # every rank holds the same: rank 0 speaks for the cluster
+    assert trained_samples(tmp_path, "allreduce", ["rank0", "rank1"]) == 1200
+
+
+@pytest.mark.parametrize(
+    ("system", "events", "workers", "message"),
+    [
+        ("diloco", 1, 4, "--churn runs gossip"),
+        ("sync-master", 1, 4, "--churn runs gossip"),
+        ("gossip", 0, 4, "at least 1 event"),
+        ("allreduce", 1, 1, "at least 2 workers"),
+    ],
+)
+def test_churn_refuses_what_it_does_not_run(system, events, workers, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Churn(system, events, workers, 1000)
+
+
+def test_a_churn_config_lists_only_its_node_and_joins_through_the_first_workers() -> None:
+    nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": 45000 + i} for i in range(5)]
+    config: dict[str, Any] = {"nodes": nodes, "timeout_ms": 1000, "join": "never"}
+    mine = open_config(config, "w4")
+    assert mine["nodes"] == [nodes[4]] and mine["join"] == "never"
+    assert mine["bootstrap"] == ["127.0.0.1:45000", "127.0.0.1:45001", "127.0.0.1:45002"]
+    newcomer = open_config(config, "w5", {"name": "w5", "host": "127.0.0.1", "port": 46000})
+    assert newcomer["nodes"] == [{"name": "w5", "host": "127.0.0.1", "port": 46000}] and newcomer["join"] == "auto"
+    from dpwa.config import parse_config
+
+    assert parse_config(newcomer).pairing == "random"  # open membership has no fixed indices
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--churn", "1", "--systems", "gossip,diloco"],
+        ["--churn", "1", "--faults"],
+        ["--churn", "1", "--tune", "2"],
+        ["--churn", "1", "--link-mbit", "20"],
+        ["--churn", "0"],
+    ],
+)
+def test_the_command_refuses_churn_with_what_it_cannot_run_with(argv, capsys, tmp_path) -> None:
+    code: object
+    try:
+        code = main(["--out", str(tmp_path / "out"), *argv])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--churn" in err, err
+
+
+def test_run_options_refuse_churn_with_links_or_byzantine_workers() -> None:
+    with pytest.raises(ValueError, match="churn runs over loopback"):
+        RunOptions(churn=1, byzantine=1)
+    with pytest.raises(ValueError, match="at least 0"):
+        RunOptions(churn=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_churn_run_replaces_a_gossip_node_and_restarts_all_reduce_and_both_reach_the_target(tmp_path) -> None:
+    out = tmp_path / "out"
+    code = main(
+        [
+            "--workload", "digits", "--workers", "3", "--quick", "--systems", "gossip,allreduce",
+            "--churn", "1", "--target-acc", "0.95", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "compare.json").read_text())
+    gossip, allreduce = report["systems"]["gossip"], report["systems"]["allreduce"]
+    assert [e["killed"] for e in gossip["churn"]] == ["w2"]
+    assert gossip["churn"][0]["joined"] == "w3" and gossip["churn"][0]["shard"] == 2
+    assert gossip["churn"][0]["skip_samples"] > 0  # it went on from where w2 was
+    assert allreduce["churn"][0]["killed"] == "rank2" and allreduce["churn"][0]["round"] == 1
+    for summary in (gossip, allreduce):
+        assert summary["completed"], summary["error"]
+        assert summary["time_to_target_s"] is not None, summary["curve"]
+        assert summary["final_test_acc"] >= 0.95
+    results = {p.stem: json.loads(p.read_text()) for p in (out / "work" / "gossip" / "results").glob("*.json")}
+    assert results["w3"]["joined"] in ("w0", "w1") and results["w3"]["skipped_samples"] > 0
+    assert "w2" not in results  # killed: it wrote nothing
+    ranks = {p.stem: json.loads(p.read_text()) for p in (out / "work" / "allreduce" / "results").glob("*.json")}
+    assert sorted(ranks) == ["rank0", "rank1", "rank2"] and all(r["round"] == 1 for r in ranks.values())
+    assert report["churn"]["leaving"] == 1 and set(report["churn"]["events"]) == {"gossip", "allreduce"}
