@@ -397,3 +397,13 @@ def steppers():
     yield made
     made.stop()
     assert not made.errors, made.errors
+
+
+def close_together(group) -> None:
+    """Close every node at once, as a cluster that finishes does: each settles with the others."""
+    threads = [threading.Thread(target=node.close) for node in group]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(node.closed for node in group)

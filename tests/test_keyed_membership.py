@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
+from test_open_membership import RawClient
 
 from conftest import make_config, wait_until
 from dpwa import NumpyParams
@@ -36,7 +36,6 @@ from dpwa.gossip.membership import MemberInfo
 from dpwa.gossip.setup import identify, open_membership
 from dpwa.wire import certs
 from dpwa.wire.curve import CurveKeys, generate
-from dpwa.wire.schema import PROTOCOL_VERSION
 
 SUSPECT_MS, DEAD_MS = 1000, 1000
 TIMEOUT_MS = 500
@@ -75,13 +74,18 @@ def cluster(tmp_path: Path) -> Cluster:
     return Cluster(tmp_path)
 
 
-def start(nodes, cluster: Cluster, n: int, **settings: Any) -> tuple[list[dict[str, Any]], list[Any]]:
+def start(nodes, steppers, cluster: Cluster, n: int) -> tuple[list[dict[str, Any]], list[Any], list[str]]:
+    """`n` keyed nodes joining through the first, stepping; returned once every view holds them all."""
     specs = [cluster.member(spec) for spec in make_config(n)["nodes"]]
     made = []
     for i, spec in enumerate(specs):
         params = NumpyParams(np.full(100, float(i), dtype=np.float32))
-        made.append(nodes(cluster.config(spec, [specs[0]], **settings), spec["name"], params))
-    return specs, made
+        made.append(nodes(cluster.config(spec, [specs[0]]), spec["name"], params))
+    for node in made:
+        steppers.start(node)
+    names = sorted(s["name"] for s in specs)
+    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    return specs, made, names
 
 
 def views(made: list[Any]) -> dict[str, list[str]]:
@@ -91,11 +95,7 @@ def views(made: list[Any]) -> dict[str, list[str]]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_keyed_nodes_find_each_other_through_one_address_and_average(nodes, steppers, cluster):
-    specs, made = start(nodes, cluster, 3)
-    names = sorted(s["name"] for s in specs)
-    for node in made:
-        steppers.start(node)
-    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    specs, made, names = start(nodes, steppers, cluster, 3)
 
     def beyond_bootstrap(node: Any) -> bool:
         return any(row["averaged"] > 0 for peer, row in node.stats()["peers"].items() if peer != "w0")
@@ -117,10 +117,7 @@ def test_keyed_nodes_find_each_other_through_one_address_and_average(nodes, step
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_node_certified_by_another_cluster_key_is_refused(nodes, steppers, cluster, tmp_path):
-    specs, made = start(nodes, cluster, 2)
-    for node in made:
-        steppers.start(node)
-    assert wait_until(lambda: all(v == ["w0", "w1"] for v in views(made).values()), 30.0, 0.05), views(made)
+    specs, made, _ = start(nodes, steppers, cluster, 2)
     other = Cluster(tmp_path / "other")
     spec = other.member({"name": "intruder", "host": "127.0.0.1", "port": make_config(1)["nodes"][0]["port"]})
     config = other.config(spec, [specs[0]], bootstrap_alone=False)
@@ -134,14 +131,13 @@ def test_a_node_certified_by_another_cluster_key_is_refused(nodes, steppers, clu
 # --------------------------------------------------------------------------- a hostile client
 
 
-class KeyedClient:
+class KeyedClient(RawClient):
     """A raw REQ socket with a CURVE key pair of its own, to one node: sends any header, returns the reply."""
 
     def __init__(self, context: zmq.Context, endpoint: str, server_key: str) -> None:
         self.public, self.secret = zmq.curve_keypair()
-        self._ctx, self._endpoint, self._server_key = context, endpoint, server_key.encode()
-        self._sock = self._open()
-        self._id = 0
+        self._server_key = server_key.encode()
+        super().__init__(context, endpoint)
 
     @property
     def key(self) -> str:
@@ -156,18 +152,6 @@ class KeyedClient:
         sock.connect(self._endpoint)
         return sock
 
-    def ask(self, kind: str, timeout_s: float = 2.0, **fields: Any) -> dict[str, Any] | None:
-        self._id += 1
-        self._sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "id": self._id, **fields}))
-        if not self._sock.poll(int(timeout_s * 1000)):
-            self._sock.close(linger=0)
-            self._sock = self._open()
-            return None
-        return msgpack.unpackb(self._sock.recv(), raw=False)
-
-    def close(self) -> None:
-        self._sock.close(linger=0)
-
 
 def entry(name: str, port: int, key: str, cert: str | None = None, inc: int = 1, beat: int = 1) -> dict[str, Any]:
     out = {"name": name, "endpoint": f"tcp://127.0.0.1:{port}", "key": key, "inc": inc, "beat": beat}
@@ -181,11 +165,7 @@ def refused(reply: dict[str, Any] | None, reason: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_key_without_the_clusters_consent_gets_nowhere(nodes, steppers, cluster, zctx):
-    specs, made = start(nodes, cluster, 3)
-    for node in made:
-        steppers.start(node)
-    names = sorted(s["name"] for s in specs)
-    assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
+    specs, made, names = start(nodes, steppers, cluster, 3)
     honest = {node.name: node.members.peers() for node in made}
     boot, other = made[0], made[1]
     port = specs[2]["port"] + 1000

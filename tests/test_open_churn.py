@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from test_open_membership import open_config
 
-from conftest import make_config, wait_until
+from conftest import close_together, make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.cluster.status import StatusClient
 
@@ -106,15 +106,6 @@ def all_pairs_exchanged(rows: dict[str, dict[str, Any]], names: list[str]) -> bo
         return int(rows.get(a, {}).get("peers", {}).get(b, {}).get("averaged", 0))
 
     return all(averaged(a, b) + averaged(b, a) > 0 for a, b in itertools.combinations(names, 2))
-
-
-def close_together(group: list[Any]) -> None:
-    threads = [threading.Thread(target=node.close) for node in group]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert all(node.closed for node in group)
 
 
 @pytest.mark.slow

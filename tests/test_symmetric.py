@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import filled, make_config, serving_only, step_until_averaged, wait_until
+from conftest import close_together, filled, make_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.wire.schema import encode
 from helpers.chaos import ChaosProxy, Rule
@@ -104,16 +104,6 @@ def test_symmetric_mode_keeps_the_mean_while_training(nodes, make_cluster, mode)
         assert sum(s.get("averaged", 0) for s in stats) == sum(s.get("mirrored", 0) for s in stats)
     else:
         assert drift > 0.05, drift
-
-
-def close_together(group) -> None:
-    """Close every node at once, as a cluster that finishes does: each settles with the others."""
-    threads = [threading.Thread(target=node.close) for node in group]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(node.closed for node in group)
 
 
 def test_a_reply_delayed_past_the_timeout_changes_neither_side(nodes):
