@@ -9,6 +9,7 @@ digits, each reaching the target after the churn.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,54 @@ def test_a_churn_run_replaces_a_gossip_node_and_restarts_all_reduce_and_both_rea
     ranks = {p.stem: json.loads(p.read_text()) for p in (out / "work" / "allreduce" / "results").glob("*.json")}
     assert sorted(ranks) == ["rank0", "rank1", "rank2"] and all(r["round"] == 1 for r in ranks.values())
     assert report["churn"]["leaving"] == 1 and set(report["churn"]["events"]) == {"gossip", "allreduce"}
+
+
+class FakeProcs:
+    """What Churn asks of a run's processes, recorded instead of done."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.procs = dict.fromkeys(names)
+        self.killed: dict[str, float] = {}
+        self.stopped: set[str] = set()
+        self.started: list[tuple[str, str, int]] = []
+
+    def running(self, name: str) -> bool:
+        return name not in self.killed
+
+    def kill(self, name: str) -> bool:
+        self.killed[name] = 0.0
+        return True
+
+    def start(self, name: str, role: str, run_file: Path, index: int = 0, **_: Any) -> None:
+        self.procs[name] = None
+        self.started.append((name, role, index))
+
+
+def test_a_newcomer_replaced_in_turn_hands_on_where_the_shard_was(tmp_path) -> None:
+    """Three workers, two events: w2 leaves at its 900th sample and w3 takes shard 2 from there; then w3 (the
+    only one that may leave: w0 and w1 are the bootstrap nodes) leaves at its own 500th, and w4 goes on from
+    sample 1,400 of shard 2."""
+    from dpwa.lab.compare.runner import LiveRun
+
+    nodes: list[dict[str, Any]] = [{"name": f"w{i}", "host": "127.0.0.1", "port": 45000 + i} for i in range(3)]
+    config: dict[str, Any] = {"nodes": nodes, "timeout_ms": 1000, "join": "never"}
+    run: dict[str, Any] = {
+        "run_file": str(tmp_path / "run.json"),
+        "gossip_config": config,
+        "gossip_configs": {n["name"]: open_config(config, n["name"]) for n in nodes},
+        "joiners": {},
+    }
+    procs = FakeProcs(["w0", "w1", "w2"])
+    live = LiveRun("gossip", tmp_path, run, procs, time.time(), ["w0", "w1", "w2"])  # type: ignore[arg-type]
+    churn = Churn("gossip", 2, 3, 6000)
+    for name, samples in (("w0", [2000]), ("w1", [2000]), ("w2", [0, 900])):
+        write_snapshots(tmp_path, name, samples)
+    churn.poll(live)
+    assert procs.started == [("w3", "gossip", 2)] and run["joiners"]["w3"]["skip_samples"] == 900
+    assert run["gossip_configs"]["w3"]["join"] == "auto"
+    assert json.loads((tmp_path / "run.json").read_text())["joiners"]["w3"]["skip_samples"] == 900
+    write_snapshots(tmp_path, "w3", [0, 500])
+    churn._read_at = 0.0  # noqa: SLF001 - its pacing is not what is tested
+    churn.poll(live)
+    assert procs.started[-1] == ("w4", "gossip", 2) and run["joiners"]["w4"]["skip_samples"] == 1400
+    assert [e["killed"] for e in churn.done] == ["w2", "w3"] and live.workers[-2:] == ["w3", "w4"]

@@ -112,7 +112,9 @@ class Churn:
         name = f"w{self.workers + len(self.done)}"
         entry = dict(live.run["gossip_configs"][victim]["nodes"][0], name=name, port=_free_port())
         live.run["gossip_configs"][name] = open_config(live.run["gossip_config"], name, entry)
-        live.run["joiners"][name] = {"skip_samples": int(line["samples"]) if line is not None else 0, "index": index}
+        # where the victim was in its shard: a newcomer counts its samples from where it began
+        done = int(live.run["joiners"].get(victim, {}).get("skip_samples", 0)) + (int(line["samples"]) if line else 0)
+        live.run["joiners"][name] = {"skip_samples": done, "index": index}
         run_file = Path(live.run["run_file"])
         tmp = run_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(live.run, indent=1))
