@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -106,8 +107,11 @@ def _settings_key(config: CompareConfig, tuned: dict[str, Any] | None) -> dict[s
     """What a cell's runs must share to be pooled: the systems, the workload less its seed, the options less the
     links, the target, each system's tuned settings, and how the gossip deadline follows the links."""
     spec = {k: v for k, v in config.spec.as_dict().items() if k not in ("seed", "straggler")}
+    # churn is never part of a map (refused with --map): left out, so cells written before it existed still pool
     options = {
-        k: v for k, v in vars(config.options).items() if k not in ("link_mbit", "link_delay_ms", "gossip_timeout_ms")
+        k: v
+        for k, v in vars(config.options).items()
+        if k not in ("link_mbit", "link_delay_ms", "gossip_timeout_ms", "churn")
     }
     best = None if tuned is None else {s: e["best"] for s, e in tuned["systems"].items()}
     return json.loads(
@@ -198,7 +202,11 @@ def collect(
             report = _load(path, key)
             if report is None:
                 log(f"== {where}")
-                one = cell_config(config, cell, cell_dir / f"seed-{seed}")
+                partial = cell_dir / f"seed-{seed}"
+                if partial.exists():  # a run stopped before its report was written: run it again, from nothing
+                    shutil.rmtree(partial)
+                    log(f"   (removed {partial}, left by a run that was stopped)")
+                one = cell_config(config, cell, partial)
                 report = run_one(replace(one, spec=replace(one.spec, seed=seed)))
                 write_json({"map_settings": key, "report": report}, path)
             else:
