@@ -209,13 +209,27 @@ def test_no_mutation_of_a_certificate_raises_or_passes():
 def test_the_certifier_decides_for_a_view_and_counts_refusals_by_reason():
     held = {"w1": W1_CERT, "w2": cert_for("w2", OTHER_KEY), "w3": cert_for("w3", secret=OTHER)}
     clock = [NOW + 60.0]
-    certifier = certs.Certifier(CLUSTER.public_key(), held, clock=lambda: clock[0])
+    certifier = certs.Certifier(CLUSTER.public_key(), clock=lambda: clock[0])
     own = membership.MemberInfo("w0", "tcp://10.0.0.1:5000", KEY)
     view = membership.View(own, keyed=True, trusted=certifier)
     digest = [
-        {"name": "w1", "endpoint": "tcp://10.0.0.2:5000", "key": KEY, "inc": 1, "beat": 1},
-        {"name": "w2", "endpoint": "tcp://10.0.0.3:5000", "key": KEY, "inc": 1, "beat": 1},  # not its key
-        {"name": "w3", "endpoint": "tcp://10.0.0.4:5000", "key": KEY, "inc": 1, "beat": 1},  # another cluster
+        {"name": "w1", "endpoint": "tcp://10.0.0.2:5000", "key": KEY, "cert": held["w1"], "inc": 1, "beat": 1},
+        {
+            "name": "w2",
+            "endpoint": "tcp://10.0.0.3:5000",
+            "key": KEY,
+            "cert": held["w2"],
+            "inc": 1,
+            "beat": 1,
+        },  # not its key
+        {
+            "name": "w3",
+            "endpoint": "tcp://10.0.0.4:5000",
+            "key": KEY,
+            "cert": held["w3"],
+            "inc": 1,
+            "beat": 1,
+        },  # another cluster
         {"name": "w4", "endpoint": "tcp://10.0.0.5:5000", "key": KEY, "inc": 1, "beat": 1},  # no certificate
     ]
     added = view.merge("w1", digest, now=0.0)
@@ -223,7 +237,7 @@ def test_the_certifier_decides_for_a_view_and_counts_refusals_by_reason():
     assert view.refused["untrusted_key"] == 3
     assert certifier.refused == {"key_mismatch": 1, "wrong_cluster": 1, "no_cert": 1}
     clock[0] = NOT_AFTER + 1
-    assert certifier("w1", KEY) is False
+    assert certifier("w1", KEY, W1_CERT) is False
     assert certifier.stats() == {
         "certs_refused.expired": 1,
         "certs_refused.key_mismatch": 1,

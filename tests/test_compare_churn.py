@@ -129,7 +129,6 @@ class FakeProcs:
     def __init__(self, names: list[str]) -> None:
         self.procs = dict.fromkeys(names)
         self.killed: dict[str, float] = {}
-        self.stopped: set[str] = set()
         self.started: list[tuple[str, str, int]] = []
 
     def running(self, name: str) -> bool:

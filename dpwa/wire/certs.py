@@ -66,7 +66,7 @@ import stat
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Literal
@@ -275,8 +275,6 @@ class Certifier:
 
     Args:
         cluster_public: the cluster's public key (:func:`load_cluster_public`).
-        certs: name -> the certificate that member presented, for a caller that asks ``trusted(name, key)``
-            without one. Held, not copied.
         clock: unix seconds now (``time.time``; a test gives its own).
 
     Each refusal is counted by its reason in :attr:`refused` (:meth:`stats` for a node's ``stats()``).
@@ -285,10 +283,9 @@ class Certifier:
     def __init__(
         self,
         cluster_public: Ed25519PublicKey,
-        certs: Mapping[str, object] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.cluster_public, self.certs, self._clock = cluster_public, certs if certs is not None else {}, clock
+        self.cluster_public, self._clock = cluster_public, clock
         self.refused: Counter[str] = Counter()  # certificates refused, by reason
 
     def check(self, name: object, key: object, cert: object) -> Verdict:
@@ -298,10 +295,9 @@ class Certifier:
             self.refused[verdict] += 1
         return verdict
 
-    def __call__(self, name: str, key: str | None, cert: object = None) -> bool:
-        """May member `name` join with `key`? Only with a valid certificate for both: `cert`, else the one
-        :attr:`certs` holds for `name`."""
-        return self.check(name, key, cert if cert is not None else self.certs.get(name)) == "ok"
+    def __call__(self, name: str, key: str | None, cert: object) -> bool:
+        """May member `name` join with `key`? Only with `cert`, a valid certificate for both."""
+        return self.check(name, key, cert) == "ok"
 
     def not_after(self, cert: object) -> int | None:
         """When a certificate stops being valid (unix seconds), or None if it cannot be read."""

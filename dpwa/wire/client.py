@@ -259,7 +259,7 @@ class _Channels:
     def __init__(
         self,
         context: zmq.Context,
-        endpoints: Mapping[str, str],
+        endpoints: PeerBook,
         name: str,
         max_reply_bytes: int,
         socket_options: Mapping[str, Mapping[int, Any]],
@@ -288,12 +288,9 @@ class _Channels:
                 endpoint,
                 name=f"{self.name} -> {peer}",
                 max_reply_bytes=self._max_reply_bytes,
-                socket_options=self._book_options(peer) or self._socket_options.get(peer),
+                socket_options=self.endpoints.options(peer) or self._socket_options.get(peer),
             )
         return channel
-
-    def _book_options(self, peer: str) -> Mapping[int, Any] | None:
-        return self.endpoints.options(peer) if isinstance(self.endpoints, PeerBook) else None
 
     def drop(self, peer: str) -> None:
         channel = self._channels.pop(peer, None)

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...cluster.processes import free_ports
 from .roles.common import ROUND_ENV
 from .runner import BOOTSTRAP_NODES, GOSSIP_SYSTEMS, LiveRun, open_config
 
@@ -110,7 +111,7 @@ class Churn:
         procs.kill(victim)
         index = int(live.run["joiners"].get(victim, {}).get("index", victim[1:]))  # its shard
         name = f"w{self.workers + len(self.done)}"
-        entry = dict(live.run["gossip_configs"][victim]["nodes"][0], name=name, port=_free_port())
+        entry = dict(live.run["gossip_configs"][victim]["nodes"][0], name=name, port=free_ports(1)[0])
         live.run["gossip_configs"][name] = open_config(live.run["gossip_config"], name, entry)
         # where the victim was in its shard: a newcomer counts its samples from where it began
         done = int(live.run["joiners"].get(victim, {}).get("skip_samples", 0)) + (int(line["samples"]) if line else 0)
@@ -130,8 +131,7 @@ class Churn:
         ranks = [f"rank{i}" for i in range(self.workers)]
         others = [r for r in ranks if r != victim]
         t0 = time.monotonic()
-        procs.stop(others, STOP_GRACE_S)
-        procs.stopped.update(others)
+        procs.stop(others, STOP_GRACE_S)  # started again below: their exit codes are not the run's
         run_file = Path(live.run["run_file"])
         env = {**live.env, ROUND_ENV: str(round_)}
         for i, rank in enumerate(ranks):
@@ -140,9 +140,3 @@ class Churn:
 
     def report(self) -> dict[str, Any]:
         return {"fault": f"churn: {self.events} leaving", "events": self.done, "planned_at_samples": self.thresholds}
-
-
-def _free_port() -> int:
-    from ...cluster.processes import free_ports
-
-    return free_ports(1)[0]

@@ -358,8 +358,8 @@ def _wait_done(system: str, live: LiveRun, options: RunOptions, fault: Fault | N
             fault.poll(live)
         training = _training_names(system, live)  # read again: a fault may have started a newcomer
         for name, code in procs.exit_codes().items():
-            if code not in (None, 0) and name not in procs.killed and name not in procs.stopped:
-                if system in COLLECTIVE and fault is not None and procs.killed and not options.churn:
+            if code not in (None, 0) and name not in procs.killed:
+                if system in COLLECTIVE and fault is not None and procs.killed:
                     return False, f"{name} exited with status {code} after a rank was killed"
                 return False, f"{name} exited with status {code}:\n{procs.log_tail(name)}"
         if all(not procs.running(n) for n in training):

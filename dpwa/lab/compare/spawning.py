@@ -38,7 +38,6 @@ class Processes:
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         self.killed: dict[str, float] = {}  # name -> when we sent SIGKILL on purpose (time.time())
-        self.stopped: set[str] = set()  # names whose process was stopped on purpose, and not started again
 
     def start(
         self,
@@ -62,7 +61,6 @@ class Processes:
             )
         self.procs[name] = proc  # a name started again (a restarted rank) is this new process from now on
         self.killed.pop(name, None)
-        self.stopped.discard(name)
         write_pid_file(self.workdir / "pids" / f"{name}.pid", proc.pid)
         return proc
 
