@@ -179,6 +179,12 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+def served_clock(node) -> float:
+    """The clock of the snapshot `node` serves its peers (published at update_send: a step behind node.clock)."""
+    current = node.parts.store.current()
+    return current.clock if current is not None else 0.0
+
+
 def step_until_averaged(node, timeout_s: float = 30.0, peer: str | None = None, step=None):
     """Run steps until one blends a peer's parameters (`peer`'s, if given), or the deadline passes.
 

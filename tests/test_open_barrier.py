@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_open_membership import open_config, start_cluster, views
 
-from conftest import make_config, wait_until
+from conftest import make_config, served_clock, wait_until
 from dpwa import NumpyParams
 from dpwa.config import parse_config
 
@@ -66,7 +66,8 @@ def converged(made: list[Any], steppers: Any) -> None:  # noqa: F811 (the fixtur
     for node in made:
         steppers.start(node)
     assert wait_until(lambda: all(v == names for v in views(made).values()), 30.0, 0.05), views(made)
-    assert wait_until(lambda: all(node.clock > 0 for node in made), 30.0, 0.05)
+    # what a joiner reads is the published snapshot's clock, a step behind node.clock: wait for that one
+    assert wait_until(lambda: all(served_clock(node) > 0 for node in made), 30.0, 0.05)
     steppers.stop()
 
 

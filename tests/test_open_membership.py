@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import free_port, make_config, wait_until
+from conftest import free_port, make_config, served_clock, wait_until
 from dpwa import NumpyParams
 from dpwa.config import ConfigError, parse_config
 from dpwa.gossip.flow import FlowControl
@@ -151,7 +151,7 @@ def test_a_late_node_joins_from_a_member_it_found_through_bootstrap(nodes, stepp
     second = nodes(open_config(specs[1], [specs[0]]), "w1", NumpyParams(np.full(100, 7.0, np.float32)))
     for node in (first, second):
         steppers.start(node)
-    assert wait_until(lambda: first.clock > 0 and second.clock > 0, 30.0, 0.02)
+    assert wait_until(lambda: served_clock(first) > 0 and served_clock(second) > 0, 30.0, 0.02)
     late = nodes(open_config(specs[2], [specs[1]], join="auto"), "w2", NumpyParams(np.zeros(100, np.float32)))
     assert late.joined is not None and late.joined.rejoined, late.joined
     assert late.joined.donor in ("w0", "w1")
