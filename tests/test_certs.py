@@ -212,25 +212,15 @@ def test_the_certifier_decides_for_a_view_and_counts_refusals_by_reason():
     certifier = certs.Certifier(CLUSTER.public_key(), clock=lambda: clock[0])
     own = membership.MemberInfo("w0", "tcp://10.0.0.1:5000", KEY)
     view = membership.View(own, keyed=True, trusted=certifier)
+
+    def entry(name: str, host: int, **cert: object) -> dict[str, object]:
+        return {"name": name, "endpoint": f"tcp://10.0.0.{host}:5000", "key": KEY, **cert, "inc": 1, "beat": 1}
+
     digest = [
-        {"name": "w1", "endpoint": "tcp://10.0.0.2:5000", "key": KEY, "cert": held["w1"], "inc": 1, "beat": 1},
-        {
-            "name": "w2",
-            "endpoint": "tcp://10.0.0.3:5000",
-            "key": KEY,
-            "cert": held["w2"],
-            "inc": 1,
-            "beat": 1,
-        },  # not its key
-        {
-            "name": "w3",
-            "endpoint": "tcp://10.0.0.4:5000",
-            "key": KEY,
-            "cert": held["w3"],
-            "inc": 1,
-            "beat": 1,
-        },  # another cluster
-        {"name": "w4", "endpoint": "tcp://10.0.0.5:5000", "key": KEY, "inc": 1, "beat": 1},  # no certificate
+        entry("w1", 2, cert=held["w1"]),
+        entry("w2", 3, cert=held["w2"]),  # not its key
+        entry("w3", 4, cert=held["w3"]),  # another cluster
+        entry("w4", 5),  # no certificate
     ]
     added = view.merge("w1", digest, now=0.0)
     assert [m.name for m in added] == ["w1"]
