@@ -28,7 +28,7 @@ from conftest import free_port, make_config, served_clock, wait_until
 from dpwa import NumpyParams
 from dpwa.config import ConfigError, parse_config
 from dpwa.gossip.flow import FlowControl
-from dpwa.gossip.members import ANNOUNCES_PER_S, Members
+from dpwa.gossip.members import ANNOUNCES_PER_S, Members, MembersTask
 from dpwa.wire.client import PeerBook
 from dpwa.wire.schema import PROTOCOL_VERSION
 
@@ -428,3 +428,132 @@ def test_a_node_without_bootstrap_has_no_members(nodes) -> None:
     node = nodes(config, "w0", NumpyParams(np.zeros(10, dtype=np.float32)))
     assert node.members is None
     assert not any(key.startswith("members") for key in node.stats())
+
+
+# --------------------------------------------------------------------------- the way back (dpwa.gossip.refresh)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_members_that_removed_each_other_find_each_other_again_through_bootstrap(nodes, steppers):
+    """Two members that never exchange (fetch_probability 0) hear nothing of each other and remove each other
+    after suspect + dead; neither would ever ask the other again. The one whose bootstrap address is the
+    other asks it again (BootstrapRefresh), and both views hold both once more."""
+    specs = make_config(2)["nodes"]
+    made = [nodes(open_config(spec, [specs[0]], fetch_probability=0), spec["name"], NumpyParams(np.zeros(10, np.float32)))
+            for spec in specs]  # fmt: skip
+    assert views(made) == {"w0": ["w0", "w1"], "w1": ["w0", "w1"]}  # w1 announced itself to w0
+    for node in made:
+        steppers.start(node)
+    assert wait_until(lambda: views(made) == {"w0": ["w0"], "w1": ["w1"]}, 10.0, 0.01), views(made)
+    assert wait_until(lambda: views(made) == {"w0": ["w0", "w1"], "w1": ["w0", "w1"]}, 10.0, 0.01), views(made)
+    refresh = made[1]._refresh
+    assert refresh is not None and refresh.asked >= 1 and refresh.answered >= 1
+    assert made[0]._refresh is not None and made[0]._refresh.asked == 0  # its only bootstrap address is its own
+
+
+def _bootstrap_members(clock: FakeClock) -> tuple[Any, Members]:
+    """w0's view in a cluster whose bootstrap address is w1's (127.0.0.1:45002), on a fake clock."""
+    config = parse_config(
+        {
+            "nodes": [_spec()],
+            "bootstrap": ["127.0.0.1:45002"],
+            "suspect_after_ms": 1000,
+            "dead_after_ms": 1000,
+            "timeout_ms": 500,
+        },
+        source="open.yaml",
+    )
+    return config, Members(config, config.node("w0"), clock=clock)
+
+
+def test_a_bootstrap_address_is_asked_again_only_while_no_member_is_there() -> None:
+    from dpwa.gossip.refresh import REFRESH_MAX_S, BootstrapRefresh
+    from dpwa.wire.calls import Call
+
+    clock = FakeClock()
+    config, members = _bootstrap_members(clock)
+    book = PeerBook()
+    calls: list[Call] = []
+
+    def submit(task: Any) -> Call:
+        calls.append(Call(task))
+        return calls[-1]
+
+    refresh = BootstrapRefresh("w0", config, members, book, submit, clock=clock)
+    assert refresh.first_interval_s == 2.0
+    members.merge("w1", [entry("w1", 45002, beat=3)])  # a member at the bootstrap address: nothing to ask
+    for _ in range(5):
+        clock.now += 2.0
+        members.heard("w1")
+        refresh.tend()
+    assert calls == []
+    for _ in range(4):  # w1 falls silent: suspect, then removed
+        clock.now += 1.0
+        members.tick()
+    assert "w1" not in members
+    refresh.tend()
+    assert len(calls) == 1 and "@0" in book  # asked, announcing w0 (its heartbeat raised)
+    task = calls[0].task
+    assert isinstance(task, MembersTask) and task.peer == "@0" and task._me is not None and task._me["name"] == "w0"
+    refresh.tend()
+    assert len(calls) == 1  # one request at a time
+    # nobody answers: abandoned after its deadline, and the interval doubles each time, up to REFRESH_MAX_S
+    intervals = []
+    for _ in range(12):
+        clock.now += config.timeout_s + 1.0
+        refresh.tend()
+        assert calls[-1].cancelled and "@0" not in book
+        intervals.append(refresh.interval_s)
+        clock.now += refresh.interval_s
+        refresh.tend()
+    assert intervals[:3] == [4.0, 8.0, 16.0] and intervals[-1] == REFRESH_MAX_S
+    assert len(calls) == 13
+    # it answers: its digest is merged (w1 and a member it names come back) and the interval is the first again
+    calls[-1].finish("ok", value=([entry("w1", 45002, beat=9), entry("w2", 45004, beat=1)], True))
+    refresh.tend()
+    assert sorted(members.names()) == ["w0", "w1", "w2"]
+    assert refresh.answered == 1 and refresh.interval_s == 2.0 and "@0" not in book
+    clock.now += 2.0
+    refresh.tend()
+    assert len(calls) == 13  # w1 is a member again: nothing to ask
+    members.tick()  # (w1 was heard at the merge: not suspect)
+    for _ in range(4):
+        clock.now += 1.0
+        members.tick()
+    refresh.tend()
+    assert len(calls) == 14
+    refresh.close()
+    assert calls[-1].cancelled and "@0" not in book
+    refresh.close()  # idempotent
+
+
+def test_any_answer_keeps_a_member_alive_a_refusal_included() -> None:
+    """Flow control tells the view of every peer that answered: one that only ever answers busy (its hands
+    full with exchanges to dead peers) is alive; one that never answers is not."""
+    import random
+
+    from dpwa.gossip.outcomes import Outcomes
+    from dpwa.stats import Counters
+    from dpwa.wire.calls import Call
+
+    clock = FakeClock()
+    members = _members(clock, suspect_after_ms=1000, dead_after_ms=1000, timeout_ms=500)
+    members.merge("w1", [entry("w1", 45002, beat=3), entry("w2", 45004), entry("w3", 45006)])
+    flow = FlowControl("w0", ["w1", "w2", "w3"], 1.0, 0.5, random.Random(0), on_heard=members.heard)
+    outcomes = Outcomes("w0", flow, Counters())
+
+    class Exchange:  # an exchange task that met w2 busy on its way to w3, which did not answer
+        peer, busy, busy_peers, deadline = "w3", 1, {"w2"}, 0.0
+
+        def run(self, ask: Any) -> None:
+            raise AssertionError("never run")
+
+    for _ in range(4):
+        clock.now += 1.0
+        flow.record("w1", "refused", "busy")
+        call = Call(Exchange())
+        call.finish("timeout", "no reply")
+        outcomes.record(call)
+        members.tick()
+    assert sorted(members.names()) == ["w0", "w1", "w2"]  # w3 removed; w1 and w2 only answered busy

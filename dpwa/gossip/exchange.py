@@ -259,6 +259,7 @@ class ExchangeTask:
         self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
         self._min_confirm_s, self._busy_budget_s = min_confirm_s, busy_budget_s
         self.busy = 0  # busy answers met on the way
+        self.busy_peers: set[str] = set()  # who answered them (they are alive: flow control and the view learn it)
 
     def release(self) -> None:
         """Let go of our snapshot unless a half took it: for a call that ended without running (cancelled
@@ -386,6 +387,7 @@ class ExchangeTask:
                         if exc.reason != "busy":
                             raise
                         self.busy += 1
+                        self.busy_peers.add(peer)
                         break
             if time.monotonic() + pause >= give_up:
                 raise refused("busy", f"every peer asked is busy ({', '.join(self._peers)})")

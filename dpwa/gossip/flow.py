@@ -144,6 +144,7 @@ class FlowControl:
         schedule: round -> (the scheduled partner, whether this node starts the exchange)
             (pairing: hypercube); None: a random peer by score.
         clock: the time source (tests pass a fake one).
+        on_heard: told of every peer that answered anything (open membership: it is alive, whatever it said).
     """
 
     def __init__(
@@ -155,10 +156,11 @@ class FlowControl:
         rng: random.Random,
         schedule: Callable[[int], tuple[str, bool]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_heard: Callable[[str], None] = lambda peer: None,
     ) -> None:
         self.name = name
         self._schedule = schedule
-        self._clock = clock
+        self._clock, self._on_heard = clock, on_heard
         self.rounds = 0  # steps that asked whom to ask
         self.selector = PeerSelector(peers, rng=rng)
         self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
@@ -237,6 +239,7 @@ class FlowControl:
 
     def heard(self, peer: str) -> None:
         """The peer answered something (not a request of ours that scores it): it is alive."""
+        self._on_heard(peer)
         if peer not in self._misses:  # removed meanwhile (open membership)
             return
         self._misses[peer] = 0

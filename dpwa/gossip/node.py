@@ -56,6 +56,7 @@ from .parts import Parts
 from .progress import Progress, loss_value
 from .protocol import MAX_CLOCK
 from .pull import PullSteps
+from .refresh import BootstrapRefresh
 from .reporting import NodeState, Reporter, StatusServer
 from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys, open_membership
@@ -132,8 +133,12 @@ class Node:
             self.config.timeout_s,
             rng or random.Random(),
             schedule=pairing_of(self.config, self.name),
+            # open membership: a member that answered anything, a refusal included, is alive (issue 32's
+            # walkthrough: members busy with exchanges to two dead peers answered each other only "busy")
+            on_heard=self.members.heard if self.members is not None else lambda peer: None,
         )
         self._step: Step | None = None
+        self._refresh: BootstrapRefresh | None = None  # open membership: a bootstrap address asked again
         self._serving = False  # the Rx thread runs (settling at close needs it)
         self._close_lock = threading.Lock()
 
@@ -237,6 +242,9 @@ class Node:
         late node does, and publish our state. No start barrier: the cluster is whoever is there."""
         assert self.members is not None
         answerer = find_members(self.name, self.config, self.members, self.parts.endpoints, self.parts.client.submit)
+        self._refresh = BootstrapRefresh(
+            self.name, self.config, self.members, self.parts.endpoints, self.parts.client.submit
+        )
         self._sync_members()
         others = self._flow.peers()
         if self.config.join == "auto" and others:
@@ -247,8 +255,11 @@ class Node:
         self._publish(None)
 
     def _sync_members(self) -> None:
-        """(The training thread) Open membership: our peers follow the view (members come and go)."""
+        """(The training thread) Open membership: our peers follow the view (members come and go), and a
+        bootstrap address is asked again while no member is at one (see dpwa.gossip.refresh)."""
         if self.members is not None:
+            if self._refresh is not None:
+                self._refresh.tend()
             self.members.sync(self._flow, self.parts.endpoints)
 
     def _take_state(
@@ -602,6 +613,8 @@ class Node:
             self.state = "closing"
         try:
             self._abandon_step()
+            if self._refresh is not None:
+                self._refresh.close()
             if self._serving:
                 self._steps.settle(time.monotonic() + timeout_s)
             self.parts.close(timeout_s)

@@ -45,6 +45,8 @@ class Outcomes:
     def record(self, call: Call) -> None:
         """Count a finished request and let flow control learn from it."""
         self._flow.record(call.peer, call.outcome, call.refusal)
+        for peer in getattr(call.task, "busy_peers", ()):  # peers skipped on the way: each answered busy
+            self._flow.heard(peer)
         busy = getattr(call.task, "busy", 0)
         if busy:
             self._counters.add("busy_answers", busy)
