@@ -108,14 +108,16 @@ class BootstrapRefresh:
         assert self._asking is not None
         spec, call, deadline = self._asking
         now = self._clock()
-        if not call.done.is_set():
+        finished = call.done.is_set()  # read once: a call abandoned below may still finish meanwhile
+        if not finished:
             if now < deadline + _COLLECT_SLACK_S:
                 return
             call.abandon()
         self._asking = None
         self._book.drop(spec.name)
-        if call.done.is_set() and call.outcome == "ok":
-            digest, _ = call.take()
+        value = call.take() if finished and call.outcome == "ok" else None
+        if isinstance(value, tuple):
+            digest, _ = value
             answerer = str(digest[0].get("name", "")) if digest and isinstance(digest[0], dict) else ""
             added = self._members.merge(answerer, digest)
             self.answered += 1
