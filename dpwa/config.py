@@ -481,6 +481,11 @@ class Config:
             out.append(NodeSpec(name=f"@{index}", host=host_port[0], port=host_port[1], public_key=key or None))
         return tuple(out)
 
+    def bootstrap_for(self, name: str) -> list[NodeSpec]:
+        """The bootstrap addresses node `name` asks: all but its own (the first node may list itself)."""
+        own = self.endpoint(self.node(name))
+        return [spec for spec in self.bootstrap_specs if self.endpoint(spec) != own]
+
     @property
     def transport(self) -> str:
         """``ipc`` for a cluster on loopback addresses without keys (only this user can connect), else ``tcp``

@@ -64,8 +64,7 @@ class BootstrapRefresh:
         submit: Callable[[Any], Call],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        own = config.endpoint(config.node(name))
-        self._specs = [spec for spec in config.bootstrap_specs if config.endpoint(spec) != own]
+        self._specs = config.bootstrap_for(name)
         self._config, self._members, self._book, self._submit, self._clock = config, members, book, submit, clock
         self.first_interval_s = (config.suspect_after_ms + config.dead_after_ms) / 1000.0
         self.interval_s = self.first_interval_s  # the next pause: doubles while nobody answers

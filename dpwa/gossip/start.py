@@ -156,8 +156,7 @@ def find_members(
     until one answers and admits this node; merge its view. Returns the name of the node that answered, or
     None when none did (then this node starts alone, or raises ConnectionError with ``bootstrap_alone:
     false``). Raises ConfigError when a member already has this node's name elsewhere."""
-    own = config.endpoint(config.node(name))
-    addresses = [spec for spec in config.bootstrap_specs if config.endpoint(spec) != own]
+    addresses = config.bootstrap_for(name)
     pause = 0.1
     try:
         for round_ in range(BOOTSTRAP_ROUNDS if addresses else 0):
