@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
-# Run every check: sets up .venv from requirements.txt if needed (and, as root with apt-get,
-# Debian's chromium for the dashboard's browser test), then ruff (lint and format: dpwa/, tests/,
-# examples/) and mypy (dpwa/ and tests/), then pytest. Extra arguments go to pytest, e.g. ./test.sh -k config -x
-#   ./test.sh            everything (what CI runs)
-#   ./test.sh --quick    the fast lane for the inner loop: the same checks, and the tests not marked slow
+# Run the checks: sets up .venv from requirements.txt if needed (and, for the full run as root with apt-get,
+# Debian's chromium for the dashboard's browser tests). Extra arguments go to pytest, e.g. ./test.sh -k config -x
+#   ./test.sh            everything (what CI runs): ruff (lint, format) and mypy, then every test, on 2 workers
+#   ./test.sh --lint     ruff check, ruff format --check and mypy over dpwa/, tests/ and examples/; no test
+#   ./test.sh --quick    the tests not marked slow (no lint): unit and one-process tests, a few minutes
+#   ./test.sh --unit     the unit tests alone (no process, socket or sleep; tests/helpers/lanes.py): under a minute
+# docs/testing.md says what each lane holds and what the full run may take.
 set -euo pipefail
 cd "$(dirname "$0")"
-quick=()
-if [ "${1:-}" = "--quick" ]; then
-    shift
-    quick=(-m "not slow")
-fi
+lane=full
+case "${1:-}" in
+    --lint | --quick | --unit) lane="${1#--}"; shift ;;
+esac
 source scripts/ensure-venv.sh
-source scripts/ensure-chromium.sh
-echo "ruff check && ruff format --check && mypy" >&2
-"$PY" -m ruff check
-"$PY" -m ruff format --check
-"$PY" -m mypy
-exec "$PY" -m pytest "${quick[@]}" "$@"
+
+lint() {
+    echo "ruff check && ruff format --check && mypy" >&2
+    "$PY" -m ruff check
+    "$PY" -m ruff format --check
+    "$PY" -m mypy
+}
+
+case "$lane" in
+    lint) lint ;;
+    unit) exec "$PY" -m pytest -m "not slow and not io" "$@" ;;
+    quick) exec "$PY" -m pytest -m "not slow" "$@" ;;
+    full)
+        source scripts/ensure-chromium.sh
+        lint
+        # Two workers (pytest-xdist), one a core: most tests wait on sockets and deadlines, not on a core.
+        # Ports and folders are each worker's own (docs/testing.md, 'Parallel workers').
+        exec "$PY" -m pytest -n "${DPWA_TEST_WORKERS:-2}" --dist loadgroup "$@"
+        ;;
+esac

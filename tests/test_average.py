@@ -256,6 +256,7 @@ def test_the_command_writes_the_mean_and_says_which_files_it_used(tmp_path, caps
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.io
 def test_python_m_dpwa_average_end_to_end(tmp_path):
     run = write_run(tmp_path / "run", {"w0": 0.0, "w1": 2.0, "w2": 4.0})
     out = tmp_path / "mean.pt"

@@ -56,6 +56,7 @@ def server():
 
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
+@pytest.mark.io
 def test_bytes_arrive_exactly_checked_block_by_block_over_one_reused_connection(server, sealed):
     bulk = server(sealed=sealed)
     data = np.random.default_rng(0).integers(0, 256, 3 * BLOCK_BYTES + 123, dtype=np.uint8)
@@ -94,6 +95,7 @@ def test_bytes_arrive_exactly_checked_block_by_block_over_one_reused_connection(
         receiver.close()
 
 
+@pytest.mark.io
 def test_tokens_serve_once_a_wrong_one_closes_the_connection_and_offers_expire(server):
     bulk = server()
     data = np.arange(1000, dtype=np.uint8)
@@ -116,6 +118,7 @@ def test_tokens_serve_once_a_wrong_one_closes_the_connection_and_offers_expire(s
         receiver.close()
 
 
+@pytest.mark.io
 def test_each_sender_has_a_budget_of_pending_transfers(server):
     bulk = server(max_per_sender=2, max_pending=3)
     holds = [FakeHold() for _ in range(4)]
@@ -177,6 +180,7 @@ class ResettingServer:
 
 
 @pytest.mark.parametrize("resets", [1, 3])
+@pytest.mark.io
 def test_a_requester_reset_before_its_first_byte_connects_again_with_the_same_token(resets):
     """An evicted connection is reset; the requester's token is still unused, so it connects again (up to
     EVICTED_ATTEMPTS connections in all) and gets its bytes."""
@@ -193,6 +197,7 @@ def test_a_requester_reset_before_its_first_byte_connects_again_with_the_same_to
     assert fake.tokens == [b"t" * TOKEN_BYTES] * (resets + 1)
 
 
+@pytest.mark.io
 def test_a_requester_reset_every_time_gives_up_after_the_allowed_connections():
     fake = ResettingServer(b"", EVICTED_ATTEMPTS + 5)
     receiver = BulkReceiver("r")
@@ -205,6 +210,7 @@ def test_a_requester_reset_every_time_gives_up_after_the_allowed_connections():
     assert len(fake.tokens) == EVICTED_ATTEMPTS
 
 
+@pytest.mark.io
 def test_silent_flooding_and_never_reading_clients_cost_bounded_time_and_nobody_else_waits(server):
     """Four connections that never send a token fill the connection limit with a fifth that
     claims a 64 MB transfer and never reads. A newcomer evicts the oldest silent one (never the
@@ -240,6 +246,7 @@ def test_silent_flooding_and_never_reading_clients_cost_bounded_time_and_nobody_
             s.close()
 
 
+@pytest.mark.io
 def test_a_failed_check_stops_the_stream_and_the_connection_is_not_reused(server):
     bulk = server()
     data = np.zeros(4 * BLOCK_BYTES, np.uint8)
@@ -334,6 +341,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.io
 def test_a_server_killed_mid_stream_fails_the_transfer_and_nothing_half_read_is_kept():
     """The receiver holds back after the first block (its check blocks) until the serving
     process is killed with SIGKILL; the rest of the stream never comes: TransportError."""
@@ -368,6 +376,7 @@ def test_a_server_killed_mid_stream_fails_the_transfer_and_nothing_half_read_is_
 # --------------------------------------------------------------------------- fair accepting
 
 
+@pytest.mark.io
 def test_a_newcomer_is_refused_only_when_every_connection_belongs_to_a_sender(server):
     """Two connections each claim a transfer and never read (the limit is 2): they belong to a
     sender, so a third connection cannot evict them and is closed at once."""
@@ -391,6 +400,7 @@ def test_a_newcomer_is_refused_only_when_every_connection_belongs_to_a_sender(se
             sock.close()
 
 
+@pytest.mark.io
 def test_a_sender_owns_at_most_max_per_sender_connections(server):
     """A third connection that claims a transfer for a sender with two idle connections closes the
     oldest of them; a sender whose connections are all streaming cannot claim on another one."""
@@ -417,6 +427,7 @@ def test_a_sender_owns_at_most_max_per_sender_connections(server):
             sock.close()
 
 
+@pytest.mark.io
 def test_a_flood_of_silent_connections_delays_a_stream_but_cannot_stop_it(server):
     """Thirty silent connections, each reopened as soon as it is closed, against a limit of 5:
     a requester that connects anew for each of ten transfers still gets every one."""

@@ -126,6 +126,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
+@pytest.mark.io
 def test_a_hostile_sealed_stream_fails_before_a_bad_block_is_used(name):
     chunks, bad = HOSTILE[name]
     fds = open_fds()
@@ -155,6 +156,7 @@ def test_a_hostile_sealed_stream_fails_before_a_bad_block_is_used(name):
     assert open_fds() == fds
 
 
+@pytest.mark.io
 def test_a_receiver_with_the_wrong_key_fails_at_the_first_block():
     fds = open_fds()
     server = RawBulkServer(HONEST, hold=True)
@@ -177,6 +179,7 @@ def test_a_receiver_with_the_wrong_key_fails_at_the_first_block():
     assert checked == [] and open_fds() == fds
 
 
+@pytest.mark.io
 def test_the_honest_stream_of_the_same_test_passes():
     """The control for the hostile cases: the same server sending the honest blocks."""
     server = RawBulkServer(HONEST)
@@ -190,6 +193,7 @@ def test_the_honest_stream_of_the_same_test_passes():
     assert np.array_equal(out, DATA)
 
 
+@pytest.mark.io
 def test_a_sealed_server_sends_only_ciphertext_of_the_announced_length():
     """A raw client claims a sealed transfer: exactly sealed_bytes(total) bytes come, which decrypt
     to the snapshot with the ticket's key, and no 64-byte run of the plaintext is among them."""
@@ -225,6 +229,7 @@ def test_a_sealed_server_sends_only_ciphertext_of_the_announced_length():
         assert bulk.close()
 
 
+@pytest.mark.io
 def test_keys_are_fresh_for_every_transfer():
     bulk = BulkServer("127.0.0.1", sealed=True, name="b")
     try:

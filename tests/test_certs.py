@@ -384,6 +384,7 @@ def test_keygen_refuses_what_it_cannot_do_and_writes_nothing(tmp_path, capsys):
     assert not keys.exists()  # nothing was made for w1
 
 
+@pytest.mark.io
 def test_python_m_dpwa_keygen_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
 

@@ -69,6 +69,7 @@ class Payload:
         return (os.system, ("echo pwned > /dev/null",))
 
 
+@pytest.mark.io
 def test_loading_unpickles_nothing_but_tensors_and_plain_data(tmp_path):
     """A checkpoint that holds an arbitrary object, with a manifest whose hash matches it, is still
     refused: torch.load(weights_only=True) will not build it."""
@@ -119,6 +120,7 @@ def _private_tmpfs(disk, size: str, script: str, timeout: float, env: dict | Non
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.io
 def test_a_full_disk_fails_the_save_with_the_file_named_and_leaves_earlier_checkpoints_whole(tmp_path):
     """On a 1 MB tmpfs: a node file that does not fit, then one that fits but whose manifest does not.
     Each raises CheckpointError naming the file and the reason; no temporary or unlisted file stays,

@@ -62,6 +62,7 @@ def test_load_metrics_skips_the_cut_off_line(tmp_path):
     assert [r["kind"] for r in metrics["w1"]] == ["start"] + ["step"] * 4 + ["eval"] * 2
 
 
+@pytest.mark.io
 def test_draw_writes_a_png_and_shows_the_average_when_known(tmp_path):
     run_dir = write_run(tmp_path / "run")
     (run_dir / "summary.json").write_text(json.dumps({"average": {"test_acc": 0.95, "test_loss": 0.2}}))
@@ -100,6 +101,7 @@ def test_help_lists_every_subcommand_with_its_docstring(capsys):
     assert "dashboard" in text and "Serve a live web page of a cluster" in text
 
 
+@pytest.mark.io
 def test_dashboard_errors_name_what_is_wrong(tmp_path):
     missing = dpwa("dashboard", tmp_path / "nope")
     assert missing.returncode == 1
@@ -135,6 +137,7 @@ def test_status_shows_the_table_and_that_nothing_runs(tmp_path, capsys):
     assert "not a run folder" in capsys.readouterr().err
 
 
+@pytest.mark.io
 def test_keygen_writes_keys_that_a_config_accepts(tmp_path):
     from dpwa.wire.curve import load_secret
 

@@ -21,7 +21,8 @@ from dpwa.lab.compare.__main__ import main
 from dpwa.lab.compare.evaluation import states
 from dpwa.lab.compare.runner import SYSTEMS, SystemRun
 
-pytestmark = pytest.mark.timeout(300)
+# one worker runs the comparison once for the module's tests (xdist: --dist loadgroup)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("compare-quick")]
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,7 @@ def test_device_cuda_without_a_gpu_is_refused_before_anything_starts(tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.io
 def test_the_gpu_check_says_there_is_no_gpu_and_runs_nothing(tmp_path):
     """scripts/gpu-check.sh on a machine without a GPU: exit status 2, the reason, and only gpu.txt written."""
     import torch
@@ -207,6 +209,7 @@ def test_gossip_points_average_each_nodes_latest_snapshot_when_the_cluster_reach
     assert points == [(2.0, 100, 0.5), (2.5, 200, 3.0), (3.0, 250, 3.0)]
 
 
+@pytest.mark.io
 def test_noloco_is_an_opt_in_gossip_system_at_its_authors_settings():
     """--systems gossip-noloco: the defaults but an exchange every 10 steps and NoLoCo's outer step at lr 0.7,
     momentum 0.3 (the settings of its authors' configs); the default run leaves it out."""

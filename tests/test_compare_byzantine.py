@@ -85,6 +85,7 @@ def test_an_unknown_attack_is_refused():
         RunOptions(byzantine=1, attack="swap")
 
 
+@pytest.mark.io
 def test_the_byzantine_workers_are_the_last_k_of_a_gossip_system():
     spec = WorkloadSpec(data="digits", data_dir="", workers=5, epochs=1, batch_size=32, lr=0.05)
     options = RunOptions(byzantine=2, attack="flip")

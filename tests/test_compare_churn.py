@@ -143,6 +143,7 @@ class FakeProcs:
         self.started.append((name, role, index))
 
 
+@pytest.mark.io
 def test_a_newcomer_replaced_in_turn_hands_on_where_the_shard_was(tmp_path) -> None:
     """Three workers, two events: w2 leaves at its 900th sample and w3 takes shard 2 from there; then w3 (the
     only one that may leave: w0 and w1 are the bootstrap nodes) leaves at its own 500th, and w4 goes on from

@@ -134,6 +134,7 @@ def test_the_winner_is_fastest_at_every_seed_and_its_margin_is_paired():
     assert alone["winner"] == "a" and alone["runner_up"] is None and "the others missed" in alone["note"]
 
 
+@pytest.mark.io
 def test_the_map_runs_every_cell_at_every_seed_and_finds_the_known_winners(tmp_path):
     config = _config(tmp_path)
     ran: list[tuple[float, float, float, int]] = []

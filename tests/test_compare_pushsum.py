@@ -49,6 +49,7 @@ def test_pushsum_is_a_gossip_system_that_the_default_run_leaves_out():
     assert "push-sum weight" in EVALUATED_MODEL["gossip-pushsum"]
 
 
+@pytest.mark.io
 def test_its_nodes_run_pull_and_pushsum_and_otherwise_the_defaults():
     spec = WorkloadSpec(data="digits", data_dir="", workers=4, epochs=1, batch_size=32, lr=0.05)
     system_options, starts, ready = plan_processes("gossip-pushsum", spec, RunOptions(), "t", Path("/nonexistent"))

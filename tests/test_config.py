@@ -83,6 +83,7 @@ def test_ipv6_host_and_bind_address():
         ("localhost", "127.0.0.1"),  # a host name: IPv4 first, as ZeroMQ resolves it
     ],
 )
+@pytest.mark.io
 def test_bind_resolves_to_one_address_every_listener_can_bind(value, expected):
     from dpwa.wire.endpoints import bind_address
 
@@ -272,6 +273,7 @@ def test_keygen_config_keys_every_node_and_the_result_loads(tmp_path):
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in written)
 
 
+@pytest.mark.io
 def test_a_torchrun_config_has_no_node_list_until_the_workers_meet(tmp_path):
     from dpwa import Node, NumpyParams
     from dpwa.gossip.rendezvous import TorchrunEnv, advertised_address

@@ -319,6 +319,7 @@ def test_state_never_waits_for_an_unreachable_node(tmp_path, nodes):
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-dashboard")]
 
 
+@pytest.mark.io
 def test_the_page_is_served_with_a_fresh_nonce_and_strict_headers(tmp_path):
     with Dashboard(write_run(tmp_path)) as board:
         status, headers, body = http(board.url)
@@ -398,6 +399,7 @@ def sleepers(tmp_path):
         proc.wait(10)
 
 
+@pytest.mark.io
 def test_the_kill_button_kills_exactly_the_node_asked_by_its_pid(sleepers):
     run_dir, procs = sleepers
     with Dashboard(run_dir, allow_kill=True, timeout_s=0.3) as board:
@@ -413,6 +415,7 @@ def test_the_kill_button_kills_exactly_the_node_asked_by_its_pid(sleepers):
         assert any(e["kind"] == "kill" and e["node"] == "w2" for e in board.events.snapshot())
 
 
+@pytest.mark.io
 def test_the_kill_button_refuses_everything_else(sleepers):
     run_dir, procs = sleepers
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -459,6 +462,7 @@ def test_the_kill_button_refuses_everything_else(sleepers):
 
 @needs_chromium
 @pytest.mark.timeout(120)
+@pytest.mark.io
 def test_the_page_shows_hostile_names_and_text_as_text(tmp_path):
     """A state whose node names, reasons, events and log lines are markup: the page shows each as text."""
     run_dir = write_run(tmp_path, names=("w1", "w2"))

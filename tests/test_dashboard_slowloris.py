@@ -77,6 +77,7 @@ def sockets():
         sock.close()
 
 
+@pytest.mark.io
 def test_the_owner_is_answered_while_32_slowloris_connections_trickle_and_they_are_cut_at_the_deadline(
     tmp_path, monkeypatch, sockets
 ):
@@ -139,6 +140,7 @@ def test_the_owner_is_answered_while_32_slowloris_connections_trickle_and_they_a
     assert not [t for t in threading.enumerate() if t.name.startswith("dpwa-dashboard")]
 
 
+@pytest.mark.io
 def test_connections_still_coming_in_are_capped_per_address_and_a_newcomer_closes_the_oldest(
     tmp_path, monkeypatch, sockets
 ):
@@ -156,6 +158,7 @@ def test_connections_still_coming_in_are_capped_per_address_and_a_newcomer_close
         assert not any(closed_by_server(s) for s in sockets[7:])
 
 
+@pytest.mark.io
 def test_connections_still_coming_in_are_capped_in_all(tmp_path, monkeypatch, sockets):
     monkeypatch.setattr(dashboard_module, "REQUEST_DEADLINE_S", 30.0)
     monkeypatch.setattr(dashboard_module, "MAX_PENDING", 8)
@@ -167,6 +170,7 @@ def test_connections_still_coming_in_are_capped_in_all(tmp_path, monkeypatch, so
         assert owner_get(board.url) is not None
 
 
+@pytest.mark.io
 def test_a_request_is_bounded_in_size(tmp_path, sockets):
     with Dashboard(write_run(tmp_path), timeout_s=0.3) as board:
         host = f"Host: 127.0.0.1:{board.port}\r\n"
@@ -196,6 +200,7 @@ def test_a_request_is_bounded_in_size(tmp_path, sockets):
         assert large.startswith(b"HTTP/1.0 413 ") and b"a body of at most 1024 bytes" in large
 
 
+@pytest.mark.io
 def test_an_answer_must_be_taken_by_its_deadline():
     """A client that never reads: the write gives up at the answer's deadline, it does not block."""
     ours, theirs = socket.socketpair()

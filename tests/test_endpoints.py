@@ -52,6 +52,7 @@ def test_close_removes_the_endpoint_files(endpoint):
     assert files(endpoint) == []
 
 
+@pytest.mark.io
 def test_files_of_a_killed_owner_are_swept_and_a_live_owner_is_left_alone(endpoint):
     live_endpoint = endpoint + "-live"
     dead, live = holder(endpoint), holder(live_endpoint)

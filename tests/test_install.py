@@ -21,7 +21,8 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.slow
+# one worker builds and installs the wheel once for the module's tests (xdist: --dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("install")]
 
 
 @pytest.fixture(scope="module")

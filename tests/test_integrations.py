@@ -277,6 +277,7 @@ def test_the_session_pairs_every_wait_with_a_send_and_closes_once():
     assert session.stats() == {"state": "closed"} and session.send() is False
 
 
+@pytest.mark.io
 def test_importing_the_integrations_package_needs_no_framework_and_a_missing_extra_says_what_to_install():
     code = (
         "import sys; import dpwa.integrations, dpwa.integrations.env\n"
@@ -296,6 +297,7 @@ def test_importing_the_integrations_package_needs_no_framework_and_a_missing_ext
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+@pytest.mark.io
 def test_under_dpwas_launcher_the_session_writes_the_nodes_metrics_lines(tmp_path, monkeypatch):
     """With $DPWA_RUN_DIR set (python -m dpwa run sets it), the callbacks' session writes start, step and end
     lines into RUN_DIR/metrics/NAME.jsonl, which the launcher's live table and the dashboard read."""

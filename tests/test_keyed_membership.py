@@ -335,6 +335,7 @@ def test_a_node_checks_its_own_certificate_before_it_opens_a_socket(cluster, tmp
     assert keys is not None and keys.open and not keys.newcomers
 
 
+@pytest.mark.io
 def test_the_operations_guides_keyed_commands_and_config_make_a_node_that_starts(tmp_path) -> None:
     """docs/operations.md, "With keys": its commands run as written, and its config (the keys put in) is one
     a node accepts, its certificate checked."""

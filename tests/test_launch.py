@@ -57,12 +57,14 @@ def log_says(spec, name, text):
 # --------------------------------------------------------------------------- ports, folders, PID files
 
 
+@pytest.mark.io
 def test_free_ports_are_distinct_and_bindable():
     ports = processes.free_ports(5)
     assert len(set(ports)) == 5
     processes.check_ports_free("127.0.0.1", ports)
 
 
+@pytest.mark.io
 def test_free_ports_skip_a_port_whose_ipc_endpoint_a_node_holds(tmp_path):
     """A loopback node listens on ipc://.../node-PORT, not on PORT: a port whose endpoint is locked by a
     live node is not free though nothing listens on it. Such a port is never handed out."""
@@ -90,6 +92,36 @@ def test_free_ports_skip_a_port_whose_ipc_endpoint_a_node_holds(tmp_path):
             lock.close()
 
 
+@pytest.mark.io
+def test_free_ports_come_from_the_range_dpwa_ports_names_and_skip_a_bound_one(monkeypatch):
+    # Below the kernel's ephemeral range (in this worker's own range under xdist), where no connection of
+    # anyone's takes a port by itself: the only bound port in the range is the one this test holds.
+    mine = processes.port_range()
+    with socket.socket() as held:
+        for taken in range((mine[0] if mine else 23000) + 100, 32000, 7):
+            try:
+                held.bind(("127.0.0.1", taken))
+                break
+            except OSError:
+                continue
+        lo = taken - 2
+        monkeypatch.setenv(processes.PORTS_ENV, f"{lo}-{lo + 5}")
+        drawn = processes.free_ports(3) + processes.free_ports(2)
+        assert len(set(drawn)) == 5, "successive draws of one process go on through the range"
+        assert all(lo <= p <= lo + 5 for p in drawn) and taken not in drawn
+        with pytest.raises(OSError, match=rf"DPWA_PORTS={lo}-{lo + 5}"):
+            processes.free_ports(6)  # five free ports in a range of six, one of them bound
+
+
+@pytest.mark.parametrize("text", ["20000", "20000-", "b-c", "900-2000", "3000-2000", "60000-70000"])
+def test_a_dpwa_ports_range_that_is_not_lo_hi_is_refused_saying_what_is_expected(text):
+    with pytest.raises(ValueError, match=r"\$DPWA_PORTS=.*expected LO-HI"):
+        processes.port_range({processes.PORTS_ENV: text})
+    assert processes.port_range({}) is None and processes.port_range({processes.PORTS_ENV: " "}) is None
+    assert processes.port_range({processes.PORTS_ENV: "20000-20999"}) == (20000, 20999)
+
+
+@pytest.mark.io
 def test_a_busy_port_is_named_with_the_way_out():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -106,6 +138,7 @@ def test_each_run_gets_a_fresh_folder_and_latest_points_to_the_newest(tmp_path):
     assert (tmp_path / "latest").resolve() == second.resolve()
 
 
+@pytest.mark.io
 def test_a_pid_file_identifies_its_process_and_no_other(tmp_path):
     processes.write_pid_file(tmp_path / "me.pid", os.getpid())
     pid, start = processes.read_pid_file(tmp_path / "me.pid")

@@ -50,6 +50,7 @@ def root_links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.io
 def test_without_root_it_refuses_and_says_why(monkeypatch):
     with pytest.raises(LinksUnavailable, match=r"--link-mbit needs root.*user id 1000.*leave out --link-mbit"):
         links.check_root(euid=1000)

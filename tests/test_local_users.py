@@ -139,6 +139,7 @@ def test_a_run_folder_is_0700_and_its_files_0600_whatever_the_umask(tmp_path, um
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.io
 def test_train_py_writes_its_run_folder_privately_under_umask_000(tmp_path):
     """The example's node, started by hand with --run-dir a new folder and umask 000: the run folder,
     metrics/, checkpoints/ and models/ are 0700, its metrics lines, checkpoint, manifest, lock and final
@@ -220,6 +221,7 @@ def test_a_folder_others_may_write_to_is_refused_naming_it(tmp_path):
 
 
 @needs_root
+@pytest.mark.io
 def test_another_users_folder_in_a_world_writable_run_folder_is_refused(shared):
     """A run folder in a folder anyone may write to (mode 1777, like /tmp): another user makes its
     checkpoints/ first, to read or plant checkpoints. save() refuses it, naming the folder and its
@@ -242,6 +244,7 @@ def test_another_users_folder_in_a_world_writable_run_folder_is_refused(shared):
 
 
 @needs_root
+@pytest.mark.io
 def test_another_user_can_neither_read_a_checkpoint_nor_lock_its_manifest(shared):
     """The attack of issue 28: a run folder (mode 0755, as made by hand or by an older dpwa) in a folder
     anyone may enter; another user opens manifest.lock read-only and takes an exclusive flock, which
@@ -287,6 +290,7 @@ sys.stdin.read()  # until the test closes our stdin
 """
 
 
+@pytest.mark.io
 def test_a_held_lock_is_a_checkpoint_error_at_its_deadline_naming_the_file_and_its_holder(tmp_path):
     """Another process of this user holds a manifest's lock and never lets go (hung, or hostile). save()
     and discard() each raise CheckpointError once their deadline has passed, naming the lock file and
@@ -366,6 +370,7 @@ def files_holding(root: Path, secret: str) -> list[str]:
 
 @needs_root
 @pytest.mark.timeout(120)
+@pytest.mark.io
 def test_the_kill_token_of_a_detached_dashboard_is_in_dashboard_json_only(shared):
     """The attack of issue 28: ./run.sh --detach --dashboard --allow-kill wrote the URL with its token
     into logs/launcher.log (0644 in a 0755 folder); another user read it, POSTed /api/kill and killed

@@ -16,6 +16,8 @@ import pkgutil
 import re
 from pathlib import Path
 
+import pytest
+
 import dpwa
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +66,7 @@ def references() -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.io
 def test_every_dpwa_name_the_code_and_docs_give_exists():
     missing = {name: places[:3] for name, places in sorted(references().items()) if not resolves(name)}
     assert missing == {}, "names that do not exist (rename them to the module that holds them now)"

@@ -72,6 +72,7 @@ def test_it_is_exported_at_the_top_level_and_from_the_adapters():
     assert adapters.gossip_optimizer is gossip_optimizer
 
 
+@pytest.mark.io
 def test_an_unchanged_loop_blends_the_peer_in_after_each_step_and_the_block_closes_it(peers):
     """w0 (all 0) steps with lr 0 inside the block; w1 (all 10) only serves. The exchange the hook starts on
     entry is finished by the first opt.step(): w0 is at 5, and w1 at 5 once it applies its half. After the
@@ -102,6 +103,7 @@ def test_an_unchanged_loop_blends_the_peer_in_after_each_step_and_the_block_clos
     assert conn.steps == 1 and conn.stats() == after and values(net) == {5.0}
 
 
+@pytest.mark.io
 def test_two_nodes_each_with_an_unchanged_loop_average_to_the_mean(peers):
     """Both nodes train through the hook, each in its own thread (lr 0): they exchange, both end at exactly
     5 (the mean of 0 and 10), each counts blends, and both close."""
@@ -140,6 +142,7 @@ def test_two_nodes_each_with_an_unchanged_loop_average_to_the_mean(peers):
         assert values(nets[name]) == {5.0}, name
 
 
+@pytest.mark.io
 def test_an_exception_inside_the_block_removes_the_hook_and_closes_the_adapter(peers):
     cfg = make_config(2)
     peers(filled(10.0), "w1", {**cfg, "fetch_probability": 0}).update_send()
@@ -153,6 +156,7 @@ def test_an_exception_inside_the_block_removes_the_hook_and_closes_the_adapter(p
     assert conn.steps == 1
 
 
+@pytest.mark.io
 def test_the_config_and_the_name_come_from_the_environment(peers, tmp_path, monkeypatch):
     path = tmp_path / "cluster.yaml"
     path.write_text(json.dumps({**make_config(3), "fetch_probability": 0}))  # JSON is YAML
@@ -173,6 +177,7 @@ def test_the_config_and_the_name_come_from_the_environment(peers, tmp_path, monk
     one_step(net, opt)  # no hook was left behind by the failed start
 
 
+@pytest.mark.io
 def test_the_clock_counts_the_batch_size_and_the_last_send_at_a_normal_exit(peers):
     """batch_size is what each step adds to the clock; the send after the last step counts its batch when
     the block ends (its update_wait), so a block of 3 steps of 8 samples ends at 32, alone."""
@@ -187,6 +192,7 @@ def test_the_clock_counts_the_batch_size_and_the_last_send_at_a_normal_exit(peer
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["with-optimizer-state", "optimizer-None"])
+@pytest.mark.io
 def test_a_late_node_takes_its_donors_optimizer_state_unless_told_not_to(peers, share):
     """The hook gives the optimizer to the adapter: a node that joins a trained cluster takes its donor's
     momentum too. ``optimizer=None`` among the keyword arguments: parameters only."""
@@ -224,6 +230,7 @@ def test_a_late_node_takes_its_donors_optimizer_state_unless_told_not_to(peers, 
     assert not lingering.is_alive()
 
 
+@pytest.mark.io
 def test_linger_s_serves_peers_after_a_normal_exit_before_closing(peers):
     """With linger_s, a normal exit keeps the node serving until none was served for min(1 s, linger_s)."""
     cfg = {**make_config(2), "fetch_probability": 0}

@@ -152,6 +152,7 @@ def test_a_parameter_the_optimizer_leaves_out_stays_where_averaging_put_it(adapt
     assert torch.all(linear.bias == 4.0) and torch.all(linear.weight == 3.0)
 
 
+@pytest.mark.io
 def test_outer_optimizer_beside_outer_in_the_config_is_refused_before_anything_starts():
     """A ValueError naming both, before a socket or a thread exists, and before the factory is called."""
     called: list[object] = []
@@ -228,6 +229,7 @@ def test_restore_starts_the_outer_optimizer_afresh_from_the_loaded_weights(adapt
     assert mine.outer_optimizer.state and mine.clock == 3.0
 
 
+@pytest.mark.io
 def test_leaving_the_adapter_leaves_nothing_behind():
     """`with` closes the node: no dpwa thread, the endpoint free, the model's tensors the same storage
     with no gradient written, and the adapter refuses further steps."""

@@ -33,6 +33,7 @@ def prepare(target, **env):
     )
 
 
+@pytest.mark.io
 def test_an_unreachable_url_fails_with_what_to_do(tmp_path):
     done = prepare(tmp_path / "data", CIFAR10_URL=f"file://{tmp_path}/missing.tar.gz")
     assert done.returncode == 1
@@ -43,6 +44,7 @@ def test_an_unreachable_url_fails_with_what_to_do(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="file:// downloads need curl")
+@pytest.mark.io
 def test_download_verify_and_unpack(tmp_path):
     archive, md5 = tiny_archive(tmp_path)
     target = tmp_path / "data"
@@ -57,6 +59,7 @@ def test_download_verify_and_unpack(tmp_path):
     assert again.returncode == 0 and "already prepared" in again.stdout
 
 
+@pytest.mark.io
 def test_an_archive_with_the_wrong_checksum_is_refused_and_not_unpacked(tmp_path):
     archive, md5 = tiny_archive(tmp_path)
     target = tmp_path / "data"

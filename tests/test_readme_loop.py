@@ -41,6 +41,7 @@ def test_the_api_page_shows_the_readmes_loop():
 
 
 @pytest.mark.timeout(RUN_S + 30)
+@pytest.mark.io
 def test_the_readme_loop_runs_as_two_nodes_that_average(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(readme_loop() + RESULT)

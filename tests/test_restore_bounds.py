@@ -144,6 +144,7 @@ def test_a_donor_and_a_checkpoint_are_refused_by_the_same_check(what):
         checked_outer_state(bad, "nesterov", SIZE, "x")
 
 
+@pytest.mark.io
 def test_the_pytorch_adapter_refuses_a_hostile_checkpoint_outer_state():
     torch = pytest.importorskip("torch")
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter

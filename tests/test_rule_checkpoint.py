@@ -199,6 +199,7 @@ def test_pushsum_keeps_no_checkpoint_state_and_refuses_one(nodes, saved, message
     assert node.rule.mass() == 0.5 and node.clock == 3.0 and node.barrier_counters() == {"epoch": 1}
 
 
+@pytest.mark.io
 def test_the_pytorch_adapter_saves_and_restores_the_rule_state():
     torch = pytest.importorskip("torch")
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
@@ -221,6 +222,7 @@ def test_the_pytorch_adapter_saves_and_restores_the_rule_state():
         b.close()
 
 
+@pytest.mark.io
 def test_the_examples_checkpoint_holds_the_rule_state_and_restores_it(tmp_path):
     """examples/pytorch-cifar/train.py: node_state() saves conn.rule_state() under dpwa.rule; a checkpoint
     written and read back (checkpoints.save, weights_only load) restores it with load_checkpoint; one

@@ -58,6 +58,7 @@ def results(run_dir: Path, marker: str) -> dict[str, dict]:
     return found
 
 
+@pytest.mark.io
 def test_without_a_command_it_says_to_give_one_after_the_double_dash(tmp_path):
     proc = dpwa_run(tmp_path / "runs", "--nodes", "2")
     out = finish(proc, tmp_path / "runs", 60)
@@ -77,6 +78,7 @@ def test_a_command_without_the_double_dash_is_shown_with_it(capsys):
     assert capsys.readouterr().err.strip().endswith("unrecognized arguments: --nodez 2")
 
 
+@pytest.mark.io
 def test_the_example_launcher_names_the_double_dash_when_it_meets_a_script(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "pytorch-cifar" / "cluster.py"), "main.py"],

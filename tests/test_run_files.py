@@ -176,6 +176,7 @@ def test_python_m_dpwa_plot_reports_each_bad_line_and_draws_the_good_ones(tmp_pa
     assert_reported(said, run_dir / "metrics" / "w1.jsonl", {**EXPECTED, **LAST})
 
 
+@pytest.mark.io
 def test_plot_draws_exactly_the_good_lines(tmp_path):
     run_dir = write_bad_run(tmp_path)
     said = []
@@ -229,6 +230,7 @@ def test_the_monitor_reports_each_bad_line_once_above_its_table(tmp_path):
     ]
 
 
+@pytest.mark.io
 def test_the_dashboard_reports_each_bad_line_as_an_event_and_serves_the_good_ones(tmp_path):
     run_dir = write_bad_run(tmp_path)
     with open(run_dir / "events.jsonl", "wb") as fh:

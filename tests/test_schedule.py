@@ -122,6 +122,7 @@ def test_the_schedule_is_exported_at_the_top_level():
     assert {"ClockSchedule", "step_decay"} <= set(dpwa.__all__)
 
 
+@pytest.mark.io
 def test_two_nodes_whose_clocks_were_apart_agree_on_the_rate_after_an_exchange():
     """Mode symmetric, blend delta, f = 1/2 (the defaults), pairing hypercube: w0 asks w1 every round and
     w1 asks nobody. w0's clock is at 0, w1's at 3,000 (lr 20,

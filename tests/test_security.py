@@ -67,6 +67,7 @@ def test_config_rules_for_keys(tmp_path):
     assert resolved.nodes[0].secret_key_file == str(tmp_path / "keys" / "w0.key_secret")
 
 
+@pytest.mark.io
 def test_a_readable_secret_key_stops_the_node_before_it_opens_a_socket(tmp_path):
     cfg = secure_config(tmp_path, 2)
     os.chmod(cfg["nodes"][0]["secret_key_file"], 0o640)

@@ -81,6 +81,7 @@ def test_reader_lock_and_version_rules(root):
     slots.close()
 
 
+@pytest.mark.io
 def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
     slots = SharedSlots("w0", 45000, 40, F32, root=root)
     store = SnapshotStore(10, F32, max_slots=2, memory=slots.allocate)
@@ -112,6 +113,7 @@ def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
     slots.close()
 
 
+@pytest.mark.io
 def test_directories_are_swept_by_their_owner_lock_not_by_pid(root):
     """A live owner is known by the lock it holds, which is seen across PID namespaces; a PID is not:
     the live directory names a PID that does not exist here, the dead one names our own live PID."""
@@ -190,6 +192,7 @@ def test_same_host_off_creates_no_shared_memory(nodes):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.io
 def test_a_full_dev_shm_falls_back_to_tcp_and_never_kills_the_node(tmp_path):
     """Under a 64 MB /dev/shm (Docker's default), two nodes with a 44.7 MB model each: at most one
     slot fits. The allocation that does not fit fails with ENOSPC (slots are allocated for real),

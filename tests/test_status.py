@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import pytest
 import yaml
 
 from conftest import ORIGINAL, ROOT, filled, make_config, secure_config, step_until_averaged, wait_until
@@ -261,6 +262,7 @@ def test_a_node_of_another_cluster_answers_no_status(tmp_path, nodes):
     assert rows["x0"]["state"] == "unreachable" and "bad_identity" in rows["x0"]["reason"]
 
 
+@pytest.mark.io
 def test_errors_name_the_file_and_what_is_wrong(tmp_path):
     bad = write(tmp_path, {**make_config(2), "timeout_ms": -5}, "bad.yaml")
     done = dpwa_status(bad)
@@ -275,6 +277,7 @@ def test_errors_name_the_file_and_what_is_wrong(tmp_path):
     assert dpwa_status(bad, "--count", 2).returncode == 1
 
 
+@pytest.mark.io
 def test_a_torchrun_config_is_refused_at_once_saying_why_and_what_to_use_instead(tmp_path):
     """Its nodes and keys live in torchrun's store only: no key file to try, no node to ask."""
     path = write(tmp_path, {"nodes": "torchrun", "timeout_ms": 2500}, "torchrun.yaml")

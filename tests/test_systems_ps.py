@@ -76,6 +76,7 @@ def block_of(size: int, kind: str = "param", depth: int = 8) -> tuple[BlockAppli
     return BlockApplier(block, values, PLAIN_SGD, None, queue_depth=depth), values
 
 
+@pytest.mark.io
 def test_a_block_applies_updates_one_at_a_time_in_order_and_records_staleness():
     applier, values = block_of(3)
     for k in (1.0, 2.0, 3.0):  # three trainers all computed on version 0
@@ -90,6 +91,7 @@ def test_a_block_applies_updates_one_at_a_time_in_order_and_records_staleness():
     assert applier.samples == 48
 
 
+@pytest.mark.io
 def test_a_buffer_block_adds_scaled_deltas():
     layout = ModelLayout([("p", (1,), "param"), ("rm", (2,), "buffer")])
     block = make_plan(layout, 1).block("rm")
@@ -146,6 +148,7 @@ def ask(endpoint, frames, accept, rid=7):
         ctx.term()
 
 
+@pytest.mark.io
 def test_pull_and_push_with_values_known_in_advance(servers):
     layout = ModelLayout([("a", (3,), "param"), ("b", (2,), "param")])
     plan = make_plan(layout, 1)
@@ -175,6 +178,7 @@ def test_pull_and_push_with_values_known_in_advance(servers):
         ({"from": "intruder"}, "bad_identity"),
     ],
 )
+@pytest.mark.io
 def test_bad_pushes_are_rejected_and_the_server_serves_on(servers, change, reason):
     layout = ModelLayout([("a", (3,), "param"), ("b", (2,), "param")])
     plan = make_plan(layout, 1)
@@ -191,6 +195,7 @@ def test_bad_pushes_are_rejected_and_the_server_serves_on(servers, change, reaso
     assert np.allclose(server.snapshot()[0], -0.1)  # only the good push was applied
 
 
+@pytest.mark.io
 def test_curve_keys_admit_the_listed_trainer_only(servers):
     import zmq
 
@@ -225,6 +230,7 @@ def shards(plan, layout, state):
     return [state[plan.state_index(k, layout.param_size)] for k in range(plan.count)]
 
 
+@pytest.mark.io
 def test_trainers_fetch_before_the_forward_pass_and_push_gradients(servers):
     view = ModuleView(net())
     plan = make_plan(view.layout, 2)
@@ -267,6 +273,7 @@ def test_trainers_fetch_before_the_forward_pass_and_push_gradients(servers):
         assert (view.module(x).argmax(1) == y).float().mean().item() > 0.85
 
 
+@pytest.mark.io
 def test_a_dead_server_is_marked_down_and_its_blocks_keep_their_values(servers):
     view = ModuleView(net())
     plan = make_plan(view.layout, 2)

@@ -276,6 +276,7 @@ def service():
     assert not leftover, f"threads left behind: {leftover}"
 
 
+@pytest.mark.io
 def test_a_second_master_on_the_same_endpoint_is_refused(service):
     svc, layout = service()
     model = GlobalModel(
@@ -287,6 +288,7 @@ def test_a_second_master_on_the_same_endpoint_is_refused(service):
     assert svc.server.alive
 
 
+@pytest.mark.io
 def test_a_report_with_an_old_version_is_refused_over_the_wire(service):
     svc, layout = service(sufficient=1)
     grads, deltas = np.zeros(layout.param_size, np.float32), np.zeros(layout.buffer_size, np.float32)
@@ -308,6 +310,7 @@ def test_a_report_with_an_old_version_is_refused_over_the_wire(service):
     assert status["refused"] == {"stale_version": 1} and status["version"] == 2
 
 
+@pytest.mark.io
 def test_a_busy_refusal_is_asked_again_and_the_call_succeeds(service, monkeypatch):
     """The master refuses a worker ``busy`` while its ZeroMQ still holds earlier replies to it (CI saw a worker
     die of one on a loaded machine): the client asks again after a short pause, and the call succeeds."""
@@ -328,6 +331,7 @@ def test_a_busy_refusal_is_asked_again_and_the_call_succeeds(service, monkeypatc
         assert client.busy_retries == 2
 
 
+@pytest.mark.io
 def test_bad_requests_are_rejected_over_the_wire_and_the_master_serves_on(service):
     svc, layout = service(sufficient=2)
     grads, deltas = np.zeros(layout.param_size, np.float32), np.zeros(layout.buffer_size, np.float32)
@@ -367,6 +371,7 @@ def test_bad_requests_are_rejected_over_the_wire_and_the_master_serves_on(servic
     assert svc.server.alive and svc.status()["pending_gradients"] == 1
 
 
+@pytest.mark.io
 def test_a_stalled_holder_is_refused_after_its_lease_and_the_task_is_done_once(service):
     svc, layout = service(tasks=1, sufficient=1, lease_s=0.3)
     grads, deltas = np.zeros(layout.param_size, np.float32), np.zeros(layout.buffer_size, np.float32)
@@ -390,6 +395,7 @@ def test_a_stalled_holder_is_refused_after_its_lease_and_the_task_is_done_once(s
     assert svc.complete
 
 
+@pytest.mark.io
 def test_curve_keys_admit_the_listed_worker_only(service):
     server_pub, server_sec = zmq.curve_keypair()
     worker_pub, worker_sec = zmq.curve_keypair()
@@ -406,6 +412,7 @@ def test_curve_keys_admit_the_listed_worker_only(service):
     assert svc.status()["holders"] == {"w1": [[0, 0]]}
 
 
+@pytest.mark.io
 def test_workers_train_a_tiny_model_through_the_master(service):
     """Two worker threads, real gradients: every task done once, and the global model learned the task."""
     svc, layout = service(tasks=8)

@@ -18,12 +18,15 @@ the run folder is this user's alone too.
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..runfiles.private import make_private_dir, open_private, write_private
@@ -32,7 +35,9 @@ from ..wire.endpoints import ipc_claimed, is_loopback
 __all__ = [
     "PRIVATE_UMASK",
     "Cluster",
+    "PORTS_ENV",
     "free_ports",
+    "port_range",
     "check_ports_free",
     "process_start",
     "write_pid_file",
@@ -47,20 +52,61 @@ PRIVATE_UMASK = 0o077  # the processes a launcher starts create files 0600 and f
 # --------------------------------------------------------------------------- ports
 
 
+PORTS_ENV = "DPWA_PORTS"  # LO-HI: free_ports draws from this range instead of the kernel's ephemeral one
+
+
+def port_range(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """The range `$DPWA_PORTS` names (``LO-HI``, both included), or None where it is unset or empty."""
+    text = (os.environ if environ is None else environ).get(PORTS_ENV, "").strip()
+    if not text:
+        return None
+    lo_text, sep, hi_text = text.partition("-")
+    try:
+        lo, hi = int(lo_text), int(hi_text)
+    except ValueError:
+        lo = hi = -1
+    if not sep or not 1024 <= lo <= hi <= 65535:
+        raise ValueError(f"${PORTS_ENV}={text!r}: expected LO-HI, two port numbers 1024 <= LO <= HI <= 65535")
+    return lo, hi
+
+
+_range_cursor: dict[tuple[int, int], int] = {}  # where this process's next draw from a $DPWA_PORTS range starts
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct TCP ports on `host` that were free a moment ago. On a loopback host a port whose
-    ipc endpoint is claimed is skipped too: loopback nodes listen there (node-PORT), not on the port."""
+    ipc endpoint is claimed is skipped too: loopback nodes listen there (node-PORT), not on the port.
+
+    The kernel picks them, from its ephemeral range; where `$DPWA_PORTS` names a range (``LO-HI``), they come
+    from that range instead, tried on from where this process's last draw ended (the first from a random place): a firewall's open range, or one of its own for
+    each of several launchers on one host (the test suite's parallel workers), so that none draws a port
+    another has just drawn and let go."""
     if count <= 0:
         return []
     loopback = is_loopback(host)
+    chosen = port_range()
+    candidates: Iterator[int] = iter(lambda: 0, None)  # port 0: the kernel's choice, each time
+    tries = count + 100  # bounded: each claimed port costs one more draw
+    if chosen is not None:
+        lo, hi = chosen
+        start = _range_cursor.get(chosen, random.randrange(lo, hi + 1))
+        candidates = itertools.chain(range(start, hi + 1), range(lo, start))
+        tries = hi - lo + 1
     sockets: list[socket.socket] = []  # all kept open until the end, so no port is drawn twice
     ports: list[int] = []
     try:
-        for _ in range(count + 100):  # bounded: each claimed port costs one more draw
+        for candidate in itertools.islice(candidates, tries):
             s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(s)
-            s.bind((host, 0))
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                if candidate == 0:
+                    raise
+                continue  # in use: the next one in the range
             port = s.getsockname()[1]
+            if chosen is not None:  # the next draw goes on from here: a port comes round again only after the rest
+                _range_cursor[chosen] = port + 1 if port < chosen[1] else chosen[0]
             if not (loopback and ipc_claimed(port)):
                 ports.append(port)
                 if len(ports) == count:
@@ -72,7 +118,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in sockets:
             s.close()
-    raise OSError(f"no {count} ports on {host} whose ipc endpoints are unclaimed in {count + 100} draws")
+    where = f"${PORTS_ENV}={chosen[0]}-{chosen[1]}" if chosen else f"{tries} draws"
+    raise OSError(f"no {count} free ports on {host} whose ipc endpoints are unclaimed in {where}")
 
 
 def check_ports_free(host: str, ports: list[int]) -> None:
