@@ -78,9 +78,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     ipc endpoint is claimed is skipped too: loopback nodes listen there (node-PORT), not on the port.
 
     The kernel picks them, from its ephemeral range; where `$DPWA_PORTS` names a range (``LO-HI``), they come
-    from that range instead, tried on from where this process's last draw ended (the first from a random place): a firewall's open range, or one of its own for
-    each of several launchers on one host (the test suite's parallel workers), so that none draws a port
-    another has just drawn and let go."""
+    from that range instead, tried on from where this process's last draw ended (the first from a random
+    place): a firewall's open range, or one of its own for each of several launchers on one host (the test
+    suite's parallel workers), so that none draws a port another has just drawn and let go."""
     if count <= 0:
         return []
     loopback = is_loopback(host)
