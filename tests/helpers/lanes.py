@@ -60,7 +60,7 @@ _guard = threading.local()
 _guarded_threads: set[int] = set()  # the threads of the unit test now running (its own, and those it started)
 _guard_lock = threading.Lock()
 _patched = False
-_unit_ports = itertools.count(20000)  # handed out to unit tests that build configs: nothing of theirs listens
+_unit_ports = itertools.count()  # handed out to unit tests that build configs: nothing of theirs listens
 
 
 def guarded() -> bool:
@@ -71,7 +71,7 @@ def guarded() -> bool:
 def unit_port() -> int:
     """A port number for a config a unit test builds: it is never bound (the guard forbids it), so it need
     not be free; each is distinct within the run."""
-    return 20000 + (next(_unit_ports) - 20000) % 12000
+    return 20000 + next(_unit_ports) % 12000
 
 
 def _refuse(what: str) -> None:
