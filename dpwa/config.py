@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -486,10 +487,11 @@ class Config:
         own = self.endpoint(self.node(name))
         return [spec for spec in self.bootstrap_specs if self.endpoint(spec) != own]
 
-    @property
+    @functools.cached_property
     def transport(self) -> str:
         """``ipc`` for a cluster on loopback addresses without keys (only this user can connect), else ``tcp``
-        (with ``bootstrap``, its addresses count too)."""
+        (with ``bootstrap``, its addresses count too). Worked out once per config: it resolves every node's
+        host, and :meth:`endpoint` asks it for each node (700 nodes once took a minute to start)."""
         specs = (*self.nodes, *self.bootstrap_specs)
         if self.secure or self.insecure or not self.nodes or not all(spec.loopback for spec in specs):
             return "tcp"

@@ -73,12 +73,12 @@ def test_a_missing_node_is_named_and_proceed_skips_it(nodes, caplog):
     cfg = make_config(3, timeout_ms=200)
     w0, w1 = nodes(cfg, "w0", NumpyParams(filled(0))), nodes(cfg, "w1", NumpyParams(filled(1)))
 
-    def script(node):
+    def script(node):  # w0 and w1 hear each other within milliseconds: the wait is for w2, which never comes
         if node.name == "w0":
             with pytest.raises(BarrierTimeout) as info:
-                node.barrier("epoch", timeout_s=1.5)
+                node.barrier("epoch", timeout_s=0.75)
             return info.value
-        return node.barrier("epoch", timeout_s=1.5, missing="proceed")
+        return node.barrier("epoch", timeout_s=0.75, missing="proceed")
 
     t0 = time.monotonic()
     run = Arrivals([w0, w1], script).join()
@@ -126,9 +126,11 @@ def test_serving_goes_on_at_a_barrier_and_a_lingering_node_still_answers(nodes):
     assert w0.barrier("start", timeout_s=30) == []
     waiting.join()
     assert not waiting.errors and waiting.results["w1"] == []
-    lingering = Arrivals([w0], lambda node: node.linger(idle_s=3.0, limit_s=20))
+    # w0 lingers for 1.5 s without service: w1's barrier call (0.5 s) is over well before that (asserted)
+    lingering = Arrivals([w0], lambda node: node.linger(idle_s=1.5, limit_s=20))
     assert wait_until(lambda: w0.state == "lingering", 10)
     assert w1.barrier("exit", timeout_s=0.5, missing="proceed") == ["w0"]  # w0 never calls "exit" ...
+    assert w0.state == "lingering"  # ... but was still lingering all along
     assert w1.stats()["barriers"] == {"start": 1, "exit": 1}
     lingering.join()
 
@@ -195,10 +197,15 @@ def test_a_forged_arrival_moves_a_peers_count_two_calls_at_most_and_a_stranger_c
     assert replies[0].kind == "barrier_state" and replies[1].kind == "error"
     assert replies[1]["reason"] == "bad_identity"
     assert w0.stats()["requests_rejected"] >= 1
+    # w1 never heard the forged arrival: it names w2 missing at every call, and needs no more than a short
+    # wait for that; w0 waits long enough for w1's next arrival (a few tenths of a second apart)
     missing = (
         Arrivals(
             [w0, w1],
-            lambda node: [node.barrier("epoch", timeout_s=1.5, missing="proceed") for _ in range(1 + SLACK + 1)],
+            lambda node: [
+                node.barrier("epoch", timeout_s=1.0 if node is w0 else 0.3, missing="proceed")
+                for _ in range(1 + SLACK + 1)
+            ],
         )
         .join()
         .results

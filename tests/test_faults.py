@@ -30,6 +30,9 @@ MARGIN_S = 0.5  # scheduling margin on a busy 2-core machine
 
 @pytest.fixture
 def proxies():
+    """The proxies between nodes, closed after the test. A test asks for it before `nodes` (and `children`),
+    so that they are torn down after the nodes: closing nodes still reach each other to settle (a closing
+    server waits, up to its close deadline, for each requester to acknowledge its commits)."""
     made: dict[tuple[int, int], Proxy] = {}
     yield made
     for proxy in made.values():
@@ -66,10 +69,12 @@ def bounded_step(node, delta: float = 0.0):
     return update
 
 
-def test_a_peer_killed_mid_transfer(nodes, children, proxies):
+def test_a_peer_killed_mid_transfer(proxies, children, nodes):
     """Over ZeroMQ (bulk: off; tests/test_bulk.py kills a bulk stream's server mid-stream)."""
     size = 4_000_000  # 16 MB, slowed down by the proxy so the kill lands mid-reply
-    base, configs = proxied_configs(proxies, 2, timeout_ms=4000, bulk="off")
+    # 2 s: the reply's first megabyte comes within a few tenths of a second, and the kill must land before the
+    # deadline (asserted), which the wait then runs out (a killed peer says nothing)
+    base, configs = proxied_configs(proxies, 2, timeout_ms=2000, bulk="off")
     peer = children(base, "w1", fill=8, size=size, fetch=False)
     peer.expect("ready")
     link = proxies[(0, 1)]
@@ -77,8 +82,10 @@ def test_a_peer_killed_mid_transfer(nodes, children, proxies):
     mine = filled(0, size)
     node = nodes(configs[0], "w0", NumpyParams(mine))
     node.update_send()
+    deadline = time.monotonic() + node.config.timeout_s
     assert wait_until(lambda: link.downstream_total > 1_000_000, 10), "the transfer never started"
     peer.proc.send_signal(signal.SIGKILL)
+    assert time.monotonic() < deadline, "killed after the deadline: not mid-transfer"
     peer.proc.wait(10)
     mine += 1.0  # training continues meanwhile
     t0 = time.monotonic()
@@ -94,10 +101,13 @@ def test_a_peer_killed_mid_transfer(nodes, children, proxies):
     restarted.expect("ready")
     assert step_until_averaged(node, 30, step=bounded_step) is not None
     assert np.all(mine == 5.0)  # (1 + 9) / 2
+    # w0 first, while w1 still answers: its ack of w1's commit is delivered (to a peer already gone, a closing
+    # requester's ack would wait out its close deadline), and w1 then closes with nothing left to ask
+    node.close()
     assert restarted.stop() == 0
 
 
-def test_a_peer_slower_than_the_timeout_never_delivers_a_stale_reply(nodes, proxies):
+def test_a_peer_slower_than_the_timeout_never_delivers_a_stale_reply(proxies, nodes):
     base, configs = proxied_configs(proxies, 2, **ORIGINAL, timeout_ms=300, constant={"value": 1.0})
     peer_values = filled(1)
     peer = nodes({**configs[1], "fetch_probability": 0}, "w1", NumpyParams(peer_values))
@@ -115,7 +125,7 @@ def test_a_peer_slower_than_the_timeout_never_delivers_a_stale_reply(nodes, prox
     assert np.all(mine == 2.0)  # the late reply (1s) was never taken for a new one
 
 
-def test_a_peer_that_accepts_and_never_replies(nodes, proxies):
+def test_a_peer_that_accepts_and_never_replies(proxies, nodes):
     base, configs = proxied_configs(proxies, 3, timeout_ms=250)
     for k in (1, 2):
         peer = nodes({**configs[k], "fetch_probability": 0}, f"w{k}", NumpyParams(filled(4)))
@@ -131,7 +141,7 @@ def test_a_peer_that_accepts_and_never_replies(nodes, proxies):
     assert node.alive
 
 
-def test_a_partition_heals_into_consensus(nodes, proxies):
+def test_a_partition_heals_into_consensus(proxies, nodes):
     """Groups {w0, w1} and {w2, w3} cannot reach each other for a while: each group
     agrees internally, the groups drift apart. After the partition heals, all four agree."""
     n = 4

@@ -24,7 +24,7 @@ import zmq
 from conftest import ORIGINAL, filled, make_config, secure_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
-from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, PARAMS
+from dpwa.gossip.protocol import ACK, CONFIRM, EXCHANGE, FETCH, PARAMS
 from dpwa.wire.schema import PROTOCOL_VERSION, decode, encode
 from helpers.raw_peer import FakePeer
 from helpers.raw_zmtp import RawZmtp, ZmtpError, frames_blob, greeting
@@ -631,6 +631,10 @@ def confirm_request(sender, xid, request_id=2):
     return [encode(CONFIRM, request_id, **{"from": sender}, xid=xid)]
 
 
+def ack_request(sender, xid, request_id=3):
+    return [encode(ACK, request_id, **{"from": sender}, xid=xid)]
+
+
 @pytest.mark.timeout(120)
 def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
     """Break: clients confirm an xid they were not given, confirm another sender's xid, repeat
@@ -725,6 +729,9 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
     assert step_until_averaged(honest, 30, peer="w0") is not None
     node.update_wait()
     assert np.all(theirs == 4.5) and np.all(mine == 4.5)
+    # w1 says it holds its commit, as a closing requester does: a raw client serves no ``known``, and the
+    # node's close would otherwise wait its whole deadline (5 s) for word from it
+    assert call(ack_request("w1", x1))["outcome"] == "commit"
 
 
 # --------------------------------------------------------------------------- a peer that garbles decisions

@@ -48,8 +48,11 @@ def test_a_late_node_takes_a_trained_peers_state_before_it_starts(nodes):
     """w0 and w1 train; w2 starts late with join: auto. Before its constructor returns it holds the
     state of a donor (same hash as the donor's offer), the donor's clock and barrier counters."""
     cfg = make_config(3, join="auto", fetch_probability=0, timeout_ms=500)
-    w0 = nodes(cfg, "w0", NumpyParams(filled(1, 10_000)))
-    w1 = nodes(cfg, "w1", NumpyParams(filled(1, 10_000)))
+    # w0 and w1 stand for a cluster that trains already: join: never, as with join: auto each would wait out
+    # the start barrier (10 s) for the peers not started yet (w2 above all, late by design); w2 runs join: auto
+    trained = {**cfg, "join": "never"}
+    w0 = nodes(trained, "w0", NumpyParams(filled(1, 10_000)))
+    w1 = nodes(trained, "w1", NumpyParams(filled(1, 10_000)))
     w0.restore(barriers={"start": 1, "epoch": 3})
     w1.restore(barriers={"start": 1, "epoch": 3})
     trainers = [Training(w0), Training(w1)]
@@ -397,10 +400,12 @@ def test_a_donors_barrier_counts_are_adopted_only_near_what_the_cluster_reports(
     finally:
         trainer.join()
     try:
-        # w1 arrives at its 4th epoch barrier: the joiner (at 3 or 4) answers it; the fake w0 never does
-        waiting = threading.Thread(target=lambda: joiner.barrier("epoch", timeout_s=3, missing="proceed"))
+        # w1 arrives at its 4th epoch barrier: the joiner (at 3 or 4) answers it; the fake w0 never does (both
+        # barriers wait out their timeout for it: 1.5 s is three of the cluster's 0.5 s timeouts, time enough
+        # to hear the joiner in this one process)
+        waiting = threading.Thread(target=lambda: joiner.barrier("epoch", timeout_s=1.5, missing="proceed"))
         waiting.start()
-        assert honest.barrier("epoch", timeout_s=3, missing="proceed") == ["w0"]
+        assert honest.barrier("epoch", timeout_s=1.5, missing="proceed") == ["w0"]
         waiting.join(10)
     finally:
         donor.close()

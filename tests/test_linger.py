@@ -3,6 +3,7 @@ nobody is served any more (refusals and rejections do not keep it up)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -11,8 +12,9 @@ import zmq
 
 from conftest import filled, make_config
 from dpwa import NumpyParams, parse_config
-from dpwa.gossip.protocol import FETCH
-from dpwa.wire.schema import encode
+from dpwa.gossip.protocol import ACK, FETCH, KNOWN
+from dpwa.gossip.reporting import STATUS
+from dpwa.wire.schema import decode, encode
 
 
 class Lingering:
@@ -120,3 +122,49 @@ def test_refused_and_rejected_requests_do_not_keep_a_node_lingering(nodes):
         pesterer.join(10)
     assert spent < 10 and len(sent) > 5
     assert peer.stats()["rejected.bad_fingerprint"] == len(sent) or peer.stats()["rejected.bad_fingerprint"] > 5
+
+
+def test_what_no_training_peer_sends_does_not_keep_a_node_lingering(nodes):
+    """Status requests and what a closing peer sends (its acks, its queries) are served, but they are not a peer still
+    training (LINGER_KINDS): a client that keeps sending them cannot hold a finished node up, and neither can
+    peers that close one after another (the acks of each closing one once kept the next one lingering)."""
+    cfg = make_config(2, insecure=True)
+    peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
+    peer.update_send()
+    peer.update_wait()
+    stop = threading.Event()
+    sent = []
+    endpoint = parse_config(cfg).endpoint(parse_config(cfg).node("w1"))
+
+    def pester():
+        ctx = zmq.Context()
+        try:
+            for i in itertools.count(1):  # bounded: until the test stops it (its linger's limit is 20 s)
+                if stop.is_set():
+                    break
+                s = ctx.socket(zmq.REQ)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(endpoint)
+                if i % 3 == 0:
+                    s.send(encode(STATUS, i, **{"from": "w0"}))
+                elif i % 3 == 1:
+                    s.send(encode(ACK, i, **{"from": "w0", "xid": i}))  # what a closing requester sends
+                else:
+                    s.send(encode(KNOWN, i, **{"from": "w0", "xids": [i]}))  # what a closing server asks
+                if s.poll(1000):
+                    sent.append(decode(s.recv_multipart()[0]).kind)
+                s.close(0)
+        finally:
+            ctx.destroy(0)
+
+    pesterer = threading.Thread(target=pester)
+    pesterer.start()
+    try:
+        spent = peer.linger(idle_s=1.0, limit_s=20.0)
+    finally:
+        stop.set()
+        pesterer.join(10)
+    stats = peer.stats()
+    served = [stats.get(f"served.{kind}", 0) for kind in ("status", "ack", "known")]
+    assert min(served) > 3, (stats, sent)  # each was served, all the while
+    assert spent < 10

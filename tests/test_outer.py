@@ -332,7 +332,9 @@ def test_a_joiner_whose_donor_sent_no_outer_state_starts_afresh_from_the_donors_
     """The donor has outer: none (its cluster config differs): the joiner's anchor is the donor's
     parameters, not its own from before the join."""
     cfg = make_config(2, join="auto", fetch_probability=0, timeout_ms=500)
-    donor = nodes(cfg, "w0", NumpyParams(filled(6, 300)))
+    # join: never for the donor, which starts alone: join: auto would make it wait out the start barrier (10 s)
+    # for w1, which starts only once w0 has trained; the joiner runs join: auto
+    donor = nodes({**cfg, "join": "never"}, "w0", NumpyParams(filled(6, 300)))
     for _ in range(3):
         donor.update_send()
         donor.update_wait()

@@ -213,7 +213,9 @@ def test_a_joining_node_takes_its_donors_parameters_and_optimizer_state(adapters
     torch.manual_seed(0)
     donor_net = Net()
     donor_opt = make_optimizer(donor_net.parameters())
-    donor = adapters(donor_net, "w0", cfg, optimizer=donor_opt)
+    # the donor starts alone with join: never: with join: auto it would wait out the start barrier (10 s) for
+    # w1, which this test starts only once w0 has trained; the joiner runs join: auto, as a late node does
+    donor = adapters(donor_net, "w0", {**cfg, "join": "never"}, optimizer=donor_opt)
     x = torch.randn(8, 2, 6, 6)
     for _ in range(3):
         donor.update_send(None, batch_size=8)

@@ -12,12 +12,13 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from test_cluster import alive, metrics, reap
 
-from conftest import HELPERS, ROOT
+from conftest import HELPERS, ROOT, wait_until
 from dpwa.cluster import runner
 from dpwa.runfiles.metrics import MetricsError, MetricsWriter
 
@@ -46,6 +47,41 @@ def finish(proc: subprocess.Popen, runs: Path, timeout_s: float) -> str:
     finally:
         reap(proc, runs)
     return out
+
+
+class Output:
+    """A launcher's output, read on a thread while the test waits for something else."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+        stdout = proc.stdout
+        assert stdout is not None
+        self.reader = threading.Thread(target=lambda: self.lines.extend(stdout), daemon=True)
+        self.reader.start()
+
+    def text(self) -> str:
+        return "".join(list(self.lines))
+
+    def wait(self, timeout_s: float) -> str:
+        self.proc.wait(timeout_s)
+        self.reader.join(10)
+        return self.text()
+
+
+def every_node_killed_and_back(run_dir: Path, nodes: tuple[str, ...] = ("w1", "w2", "w3")) -> bool:
+    """Chaos has killed each of `nodes` once, and each has started again and trained a step since."""
+    events = run_dir / "events.jsonl"
+    lines = events.read_text().splitlines() if events.exists() else []
+    kills = {event["node"] for event in map(json.loads, lines) if event["kind"] == "kill"}
+    if kills != set(nodes):
+        return False
+    for node in nodes:
+        records = metrics(run_dir, node)
+        starts = [i for i, r in enumerate(records) if r["kind"] == "start"]
+        if len(starts) < 2 or not any(r["kind"] == "step" for r in records[starts[1] :]):
+            return False
+    return True
 
 
 def results(run_dir: Path, marker: str) -> dict[str, dict]:
@@ -178,8 +214,12 @@ def test_a_script_of_your_own_runs_on_the_cluster_and_shows_in_its_table(tmp_pat
 def test_chaos_kills_a_script_of_your_own_and_the_restarted_process_rejoins(tmp_path):
     """python -m dpwa run --nodes 3 --chaos 1 --restarts 1 -- python gossip_script.py: the launcher kills
     training nodes and starts them again; each restarted process joins the cluster from a live peer (its
-    start line says so), every node ends done, and the summary counts as many rejoins as kills."""
-    runs = tmp_path / "runs"
+    start line says so), every node ends done, and the summary counts as many rejoins as kills.
+
+    The nodes train until the test writes their stop file (STEPS is only a ceiling), and it writes it once
+    chaos has killed every node (with --restarts 1 no node can be killed twice: no kill can come after) and
+    each has trained again since its restart: so every restarted process met peers still training."""
+    runs, stop = tmp_path / "runs", tmp_path / "stop"
     proc = dpwa_run(
         runs,
         "--nodes",
@@ -195,16 +235,24 @@ def test_chaos_kills_a_script_of_your_own_and_the_restarted_process_rejoins(tmp_
         "--",
         sys.executable,
         str(SCRIPT),
-        env={"STEPS": "12000"},  # long enough that a node killed last finds its peers still training
+        env={"STEPS": "1000000", "STOP_FILE": str(stop)},  # the ceiling: far past the test's deadline
     )
-    out = finish(proc, runs, 180)
+    output = Output(proc)
+    try:
+        assert wait_until(lambda: (runs / "latest").exists(), 60), output.text()
+        run_dir = (runs / "latest").resolve()
+        assert wait_until(lambda: every_node_killed_and_back(run_dir), 120, interval_s=0.2), output.text()
+        stop.touch()
+        out = output.wait(60)
+    finally:
+        reap(proc, runs)
     assert proc.returncode == 0, out
-    run_dir = (runs / "latest").resolve()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["kills"] >= 1 and summary["restarts"] == summary["kills"], summary
+    assert summary["kills"] == 3 and summary["restarts"] == summary["kills"], summary
     assert summary["rejoins"] == summary["kills"], summary
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     killed = [e["node"] for e in events if e["kind"] == "kill"]
+    assert sorted(killed) == ["w1", "w2", "w3"], killed
     for node in killed:
         starts = [r for r in metrics(run_dir, node) if r["kind"] == "start"]
         assert len(starts) == 2 and starts[1]["started"].startswith("joined the cluster from w"), starts
@@ -214,6 +262,7 @@ def test_chaos_kills_a_script_of_your_own_and_the_restarted_process_rejoins(tmp_
     for name, result in found.items():
         assert result["env"]["DPWA_NAME"] == name and result["env"]["DPWA_RUN_DIR"] == str(run_dir)
         assert result["env"]["DPWA_CONFIG"] == str(run_dir / "config.yaml")
+        assert result["stopped_by"] == "stop file", result  # still training when the last one rejoined
     assert all(metrics(run_dir, n)[-1]["reason"] == "done" for n in ("w1", "w2", "w3"))
     assert alive(runs) == []
 

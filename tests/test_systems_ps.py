@@ -309,7 +309,7 @@ def test_a_killed_trainer_does_not_stop_the_others(tmp_path):
     from dpwa.lab.compare.workload import WorkloadSpec, load_workload
 
     spec = WorkloadSpec(
-        data="digits", data_dir=str(tmp_path), workers=3, epochs=6, batch_size=32, lr=0.05, eval_points=4
+        data="digits", data_dir=str(tmp_path), workers=3, epochs=2, batch_size=32, lr=0.05, eval_points=4
     )
     fault = KillProcess("w2", 0.5, "a trainer killed")
     run = run_system(

@@ -464,7 +464,7 @@ def test_a_worker_killed_mid_task_loses_no_task_and_none_is_done_twice(tmp_path)
     from dpwa.lab.compare.workload import WorkloadSpec, load_workload
 
     spec = WorkloadSpec(
-        data="digits", data_dir=str(tmp_path), workers=3, epochs=4, batch_size=32, lr=0.05, eval_points=4
+        data="digits", data_dir=str(tmp_path), workers=3, epochs=2, batch_size=32, lr=0.05, eval_points=4
     )
     layout = ModuleView(load_workload(spec).build_model()).layout
     fault = KillSyncWorkerMidTask("w2", 0.5, layout)
@@ -485,6 +485,6 @@ def test_a_worker_killed_mid_task_loses_no_task_and_none_is_done_twice(tmp_path)
     assert 0.5 <= report["requeued_after_s"] < 5.0, report
     assert run.completed, run.error
     tasks = run.results["master"]["tasks"]
-    assert tasks["done"] == tasks["total"] == 4 * load_workload(spec).segments_per_epoch
+    assert tasks["done"] == tasks["total"] == spec.epochs * load_workload(spec).segments_per_epoch
     assert tasks["done_twice"] == 0 and tasks["expired"] >= 1
     assert run.exit_codes["w2"] == -9 and all(code == 0 for n, code in run.exit_codes.items() if n != "w2")

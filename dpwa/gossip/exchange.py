@@ -50,7 +50,8 @@ each exchange is applied on both sides exactly once, or on neither:
 * ``close()`` settles by the same rule, within the close's deadline: new
   exchanges are refused (``closing``); confirms are still answered and
   in-doubt ones still asked, until nothing of ours is in doubt and no confirm
-  arrived for :data:`SETTLE_QUIET_S`. Then the server stops committing:
+  arrived for :data:`SETTLE_QUIET_S` (at once when no exchange we serve is
+  pending: nothing is left to commit). Then the server stops committing:
   a confirm of an exchange still PENDING is answered abort (its requester
   applies nothing). It keeps answering the commits it made until each
   requester is known to hold its decision: a closing requester says so
@@ -143,7 +144,7 @@ RESOLVE_RETRY_MAX_S = 0.5  # in doubt: ask again at most this long after the las
 RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the link is)
 DECISION_RETENTION_S = 2 * RESOLVE_LIMIT_S  # a server remembers a decision this long...
 DECISIONS_PER_PEER = 64  # ... and at most this many per peer
-SETTLE_QUIET_S = 1.0  # close() waits until no confirm arrived for this long (two retry intervals)
+SETTLE_QUIET_S = 1.0  # close() waits until no confirm arrived for this long (two retry intervals), while one is pending
 ACK_TRIES = 3  # a closing requester sends the ack of a commit at most this many times
 KNOWN_PER_PEER = 8  # commits a requester remembers knowing, per peer (the latest; it is in doubt about one at most)
 KNOWN_PEERS_MAX = 4096  # peers whose commits a requester remembers (open membership: members come and go)
@@ -543,6 +544,7 @@ class ExchangeClient:
         self._doubts: dict[tuple[str, int], _Doubt] = {}
         self.known = KnownCommits(list(peers))
         self._acks: list[tuple[AckTask, Call, int]] = []  # a closing node's acks on their way (task, call, tries)
+        self._closing = False  # send_acks was called: a commit learned from now on is acknowledged at once
 
     def __len__(self) -> int:
         return len(self._doubts)
@@ -564,12 +566,19 @@ class ExchangeClient:
     def hold(self, half: ClientHalf) -> None:
         """We hold (have applied) `half`'s commit: a closing peer that asks learns it."""
         self.known.record(half.peer, half.xid)
+        if self._closing:  # in doubt until we closed: once we are gone that peer cannot ask us, so tell it now
+            self._ack(half.peer, half.xid)
 
     def send_acks(self) -> None:
-        """Closing: tell each peer we hold its latest commit, so a closing peer need not wait or ask."""
+        """Closing: tell each peer we hold its latest commit, so a closing peer need not wait or ask (and each
+        commit learned from now on, as it is held)."""
+        self._closing = True
         for peer, xid in self.known.latest(RESOLVE_LIMIT_S).items():
-            task = AckTask(peer, self.closing_deadline(), self.name, xid)
-            self._acks.append((task, self._submit(task), 1))
+            self._ack(peer, xid)
+
+    def _ack(self, peer: str, xid: int) -> None:
+        task = AckTask(peer, self.closing_deadline(), self.name, xid)
+        self._acks.append((task, self._submit(task), 1))
 
     def closing_deadline(self) -> float:
         """The deadline of a request a closing node queues now: one request's time from when the acks queued

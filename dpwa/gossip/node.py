@@ -45,16 +45,16 @@ from ..logs import logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
-from .barrier import BarrierCounts, BarrierServer, BarrierWaiter
+from .barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter
 from .extras import Extras, RuleState
 from .flow import FlowControl
-from .join import ExtraState, Joined
+from .join import JOIN_CHUNK, JOIN_INFO, ExtraState, Joined
 from .members import MembersServer
 from .outcomes import Outcomes
 from .outer import OuterStep
 from .parts import Parts
 from .progress import Progress, loss_value
-from .protocol import MAX_CLOCK
+from .protocol import BULK_EXCHANGE, CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, SHM_EXCHANGE
 from .pull import PullSteps
 from .refresh import BootstrapRefresh
 from .reporting import NodeState, Reporter, StatusServer
@@ -64,7 +64,13 @@ from .start import find_members, join_wait_s, start_together, take_state
 from .steps import WAIT_SLACK_S, Crew, OuterHook, Step, Steps, Update
 from .symmetric import SymmetricSteps
 
-__all__ = ["Node", "Update", "WAIT_SLACK_S"]
+__all__ = ["LINGER_KINDS", "Node", "Update", "WAIT_SLACK_S"]
+
+# What a peer still training asks of a lingering node (linger stays up while these are served): its fetches,
+# its exchanges and their confirms, its barriers, and a joiner's state. Not status requests, membership news
+# (live peers send it now and then, for ever), nor a closing peer's acks and queries of what we know.
+LINGER_KINDS = tuple(kind.name for kind in (FETCH, EXCHANGE, SHM_EXCHANGE, BULK_EXCHANGE, CONFIRM, BARRIER))
+LINGER_KINDS += (JOIN_INFO.name, JOIN_CHUNK.name)
 
 
 class Node:
@@ -400,7 +406,9 @@ class Node:
 
         A node that finishes first and exits would cost each remaining peer a
         request timeout per step; staying up while it is still asked avoids
-        it. Only requests actually served count (not refusals, nor status requests). In mode
+        it. Only requests actually served count (not refusals), and only those a peer still training sends
+        (:data:`LINGER_KINDS`): not a status request, nor what a closing peer sends (acks, queries of what we
+        know) or a live one's membership news, which would keep finished nodes up one after another. In mode
         symmetric the exchanges peers confirm are applied, and a new snapshot
         is published after each, so a lingering node keeps taking part.
         Returns the time spent.
@@ -410,8 +418,8 @@ class Node:
         self.state = "lingering"
         start = last_change = time.monotonic()
 
-        def served() -> int:  # what peers still training ask for (not someone watching our status)
-            return self.counters.get("requests_served") - self.counters.get("served.status")
+        def served() -> int:  # what peers still training ask for
+            return sum(self.counters.get(f"served.{kind}") for kind in LINGER_KINDS)
 
         last = served()
         wakeup = self._steps.wakeup

@@ -295,7 +295,10 @@ class SymmetricSteps:
                 # our own exchanges decided (our acks may still be on their way: an ack to a peer that closed
                 # first waits out its deadline, and must not keep us from asking the others about our commits)
                 decided = not (self._outstanding or len(client))
-                if not frozen and decided and time.monotonic() - server.last_confirm >= SETTLE_QUIET_S:
+                # the quiet time is for a confirm on its way to an exchange we serve: with none pending (new
+                # ones are refused), there is nothing left to commit, and nothing to wait for
+                quiet = not server.pending() or time.monotonic() - server.last_confirm >= SETTLE_QUIET_S
+                if not frozen and decided and quiet:
                     server.stop_committing()
                     frozen = True
                 if frozen:

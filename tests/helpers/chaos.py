@@ -124,6 +124,11 @@ class ChaosProxy:
         with self._lock:
             self._hooks[kind] = callback
 
+    def counts(self) -> collections.Counter[tuple[str, str]]:
+        """A copy of ``stats``, safe to read while the proxy's threads still count."""
+        with self._lock:
+            return collections.Counter(self.stats)
+
     def heal(self) -> None:
         """From now on, forward everything untouched."""
         self.enabled = False

@@ -25,17 +25,30 @@ def set_when_stdin_closes(event: threading.Event) -> None:
     event.set()
 
 
+_handed_out: set[int] = set()  # every port free_port gave: helpers start side by side, so a port is bound late
+
+
 def free_port() -> int:
+    """A free port that this process has not handed out before (the kernel may offer a port again once it is
+    let go, and a helper started side by side with others binds its port only later)."""
     from dpwa.cluster.processes import free_ports
 
-    return free_ports(1)[0]
+    for _ in range(100):  # bounded: the ports handed out are few
+        port = free_ports(1)[0]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port that this benchmark has not used already ({len(_handed_out)} used)")
 
 
 class Child:
     """A helper process of the benchmark; stopped by PID, never by name. Its stderr goes to the bench's log."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        log_path = os.environ.get(LOG_ENV)
+    def __init__(self, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> None:
+        """Start the helper; with `wait`, return once it serves (else call :meth:`wait_ready` before using it,
+        so that several helpers start side by side)."""
+        self.args = args
+        log_path = self.log_path = os.environ.get(LOG_ENV)
         log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed below; the child keeps a copy)
         try:
             self.proc = subprocess.Popen(
@@ -50,11 +63,21 @@ class Child:
             if log is not None:
                 log.close()
         assert self.proc.stdout is not None and self.proc.stdin is not None
-        line = self.proc.stdout.readline()
+        self.ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once the helper said it serves; stop it and raise if it said anything else (or died)."""
+        if self.ready:
+            return
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # bounded: the helper says ready, or exits and the pipe closes
         if line.strip() != "ready":
             self.stop()
-            where = f"; see {log_path}" if log_path else ""
-            raise RuntimeError(f"benchmark helper {args} failed to start (said {line!r}){where}")
+            where = f"; see {self.log_path}" if self.log_path else ""
+            raise RuntimeError(f"benchmark helper {self.args} failed to start (said {line!r}){where}")
+        self.ready = True
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -122,12 +122,15 @@ class DpwaPair:
         path = write_pair_config(
             directory, same_host=same_host, wire_dtype=wire_dtype, bulk=bulk, curve=curve, mode=mode
         )
-        self.child = Child("--serve-node", path, str(size))
+        self.child = Child("--serve-node", path, str(size), wait=False)
         try:
             self.node = Node(path, "client", NumpyParams(np.zeros(size, np.float32)), rng=random.Random(0))
         except BaseException:
             self.child.stop()
             raise
+
+    def ready(self) -> None:
+        self.child.wait_ready()
 
     def sample(self) -> dict[str, float]:
         for pause in BUSY_PAUSES_S:
@@ -180,6 +183,10 @@ class RawClientOfNode:
         self.sock = self.ctx.socket(zmq.REQ)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(config.endpoint(config.node("server")))
+        self.pair = pair
+
+    def ready(self) -> None:
+        self.pair.ready()
 
     def sample(self) -> dict[str, float]:
         for pause in BUSY_PAUSES_S:

@@ -87,6 +87,9 @@ class CopyFloor:
     def __init__(self, size: int) -> None:
         self.src, self.dst = np.ones(size, np.float32), np.empty(size, np.float32)
 
+    def ready(self) -> None:
+        pass
+
     def sample(self) -> dict[str, float]:
         t0 = time.perf_counter()
         np.copyto(self.dst, self.src)
@@ -109,14 +112,17 @@ class ZmqFloor:
         if curve:  # (k): both ends with throwaway CURVE keys
             server_public, server_secret = zmq.curve_keypair()
             env = {CURVE_ENV: f"{server_public.decode()},{server_secret.decode()}"}
-        self.child = Child("--serve-raw-router" if router else "--serve-raw", str(port), str(size), env=env)
+        self.child = Child("--serve-raw-router" if router else "--serve-raw", str(port), str(size), env=env, wait=False)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.REQ)
         self.sock.setsockopt(zmq.LINGER, 0)
         if curve:
             self.sock.curve_serverkey = server_public
             self.sock.curve_publickey, self.sock.curve_secretkey = zmq.curve_keypair()
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.sock.connect(f"tcp://127.0.0.1:{port}")  # ZeroMQ connects once the helper serves
+
+    def ready(self) -> None:
+        self.child.wait_ready()
 
     def sample(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -169,14 +175,21 @@ class RawTcpFloor:
     def __init__(self, size: int) -> None:
         import socket
 
-        port = free_port()
-        self.child = Child("--serve-raw-tcp", str(port), str(size))
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.port = free_port()
+        self.child = Child("--serve-raw-tcp", str(self.port), str(size), wait=False)
+        self.sock: socket.socket | None = None
         self.buffer = np.empty(size, np.float32)
         self.view = self.buffer.data.cast("B")
 
+    def ready(self) -> None:
+        import socket
+
+        self.child.wait_ready()
+        self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def sample(self) -> dict[str, float]:
+        assert self.sock is not None, "ready() first"
         t0 = time.perf_counter()
         self.sock.sendall(b"x")
         got, total = 0, self.view.nbytes
@@ -188,5 +201,6 @@ class RawTcpFloor:
         return {"ms": time.perf_counter() - t0}
 
     def close(self) -> None:
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
         self.child.stop()

@@ -15,7 +15,8 @@ def median_ms(samples: list[float]) -> float:
 
 
 def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
-    """Every measurement for one model size, interleaved: one sample of each per repetition."""
+    """Every measurement for one model size, interleaved: one sample of each per repetition. The subjects'
+    helper processes start side by side; sampling begins once every one serves."""
     from dpwa.gossip.parts import BULK_MIN_BYTES
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -41,6 +42,8 @@ def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) 
             subjects["curve_symmetric"] = DpwaPair(size, tmp, same_host=False, curve=True, mode="symmetric")
             for dtype in wire_dtypes:
                 subjects[f"tcp_{dtype}"] = DpwaPair(size, tmp, same_host=False, wire_dtype=dtype)
+            for subject in subjects.values():  # their helper processes started side by side
+                subject.ready()
             samples: dict[str, list[dict[str, float]]] = {name: [] for name in subjects}
             for rep in range(warmup + reps):
                 for name, subject in subjects.items():

@@ -209,7 +209,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
 
                 plain, with_dpwa, averaged = _alternate(step, dpwa_step, steps)
             ours, theirs = f"ipc://{tmp}/raw-client", f"ipc://{tmp}/raw-server"
-            with Child("--serve-training", path, geometry, str(batch), "--raw", f"{theirs},{ours}", env=env):
+            with Child("--serve-training", path, geometry, str(batch), "--raw", f"{theirs},{ours}", env=env) as peer:
                 exchange = RawExchange(_wire_bytes(net), ours, theirs)
                 try:
 
@@ -249,6 +249,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
                     if confirming:
                         exchange.wait()
                 finally:
+                    peer.stop()  # first: its last fetch is answered while ours still serves (it waits on it)
                     exchange.close()
     finally:
         torch.set_num_threads(threads)
