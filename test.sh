@@ -3,7 +3,7 @@
 # Debian's chromium for the dashboard's browser tests). Extra arguments go to pytest, e.g. ./test.sh -k config -x
 #   ./test.sh            everything (what CI runs): ruff (lint, format) and mypy, then every test
 #   ./test.sh --lint     ruff check, ruff format --check and mypy over dpwa/, tests/ and examples/; no test
-#   ./test.sh --quick    the tests not marked slow (no lint): unit and one-process tests, about 15 minutes
+#   ./test.sh --quick    the tests not marked slow (no lint): unit and one-process tests, about 6 minutes
 #   ./test.sh --unit     the unit tests alone (no process, socket or sleep; tests/helpers/lanes.py): under a minute
 # docs/testing.md says what each lane holds and what the full run may take.
 set -euo pipefail

@@ -23,11 +23,6 @@ from dpwa.cluster.processes import read_pid_file
 
 pytestmark = pytest.mark.slow
 
-# Every node passes the exit barrier in these runs, so none needs a peer to linger for it. Lingering, a node's
-# idle wait starts again when the one before it closes (its settling counts as served): 2, 4, 8 s for three
-# nodes, then a close deadline, about 12 s of each run's end (test_cluster's run keeps the default linger).
-NO_LINGER = ("--linger-s", "0")
-
 
 class Foreground:
     """run.sh in the foreground, its output collected on a thread."""
@@ -84,7 +79,7 @@ def test_a_node_killed_mid_run_rejoins_from_a_peer_and_the_run_finishes(tmp_path
     on from the donor's, and it trains on from the cluster's epoch. The run finishes with every
     node done and in the usual accuracy band."""
     runs = tmp_path / "runs"
-    run = Foreground(runs, "--nodes", "3", "--epochs", "10", "--restarts", "1", "--print-every", "5", *NO_LINGER)
+    run = Foreground(runs, "--nodes", "3", "--epochs", "10", "--restarts", "1", "--print-every", "5")
     try:
         assert wait_until(lambda: every_node_reached(runs, ("w1", "w2", "w3"), 2), 90), "".join(run.out)
         run_dir = run_dir_of(runs)
@@ -129,7 +124,6 @@ def test_chaos_mode_kills_nodes_now_and_then_and_they_rejoin(tmp_path):
         "4",
         "--print-every",
         "5",
-        *NO_LINGER,
     )
     try:
         out = run.wait(180)
@@ -174,7 +168,6 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
             "--detach",
             "--grace",
             "10",
-            *NO_LINGER,  # kept by the resumed run, which trains to its end
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

@@ -339,12 +339,16 @@ def test_a_server_closing_right_after_its_commit_still_applies_its_half(through_
     assert peer.stats()["mirrored"] == 1
 
 
-def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_the_requester_holds_it(through_chaos):
+def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_the_requester_holds_it(
+    through_chaos, caplog
+):
     """The server commits; its decision is lost, and so are the requester's next three confirms, so
     no confirm reaches the server for well over a second while both close together. The closing
     server keeps answering its commit until the requester is known to hold it (it asks: ``known``):
     the fourth confirm gets through, and both sides moved, exactly once. (Before: the server closed
-    once no confirm had come for 1 s; the requester gave up on the exchange, and the sum moved.)"""
+    once no confirm had come for 1 s; the requester gave up on the exchange, and the sum moved.) The
+    requester, which learned the commit while closing, says it holds it: the server does not close
+    "unsettled" (it did, after its whole deadline, when only commits known before the close were acked)."""
     node, peer, proxy, mine, theirs = through_chaos()
     proxy.plan("decision", "drop")
     proxy.plan("confirm", "pass", "drop", "drop", "drop")  # the first confirm commits; three re-asks are lost
@@ -355,6 +359,7 @@ def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_th
     assert node.stats()["averaged"] == 1 and peer.stats()["mirrored"] == 1
     assert proxy.stats[("confirm", "drop")] == 3
     assert node.stats().get("exchanges_dropped", 0) == 0
+    assert not [r for r in caplog.records if "unsettled" in r.getMessage()], caplog.text
 
 
 # --------------------------------------------------------------------------- chaos at every step

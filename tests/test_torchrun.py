@@ -28,10 +28,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 TRAIN = str(ROOT / "examples" / "pytorch-cifar" / "train.py")
 SAMPLE = str(ROOT / "samples" / "torchrun.yaml")
-# The example's workers pass their exit barrier together here, so none needs a peer to linger for it. Lingering,
-# each one's idle wait (2 x timeout_ms: 5 s) starts again when the one before it closes, as its settling counts
-# as served: 5, 10, 20 s for three workers, then a close deadline, about 25 s of a run's end.
-NO_LINGER = ["--linger-s", "0"]
 
 
 class Agents:
@@ -135,7 +131,6 @@ def test_a_worker_killed_under_max_restarts_rejoins_and_the_run_finishes(agents,
             str(run_dir),
             "--epochs",
             "10",
-            *NO_LINGER,
         ],
         tmp_path / "torchrun.log",
     )
@@ -226,7 +221,7 @@ def test_two_hosts_train_the_digits_example_across_network_namespaces(agents, tm
         "--rdzv-id",
         "dpwa-test",
     ]
-    train = [TRAIN, "--config", SAMPLE, "--run-dir", str(run_dir), "--epochs", "8", *NO_LINGER]
+    train = [TRAIN, "--config", SAMPLE, "--run-dir", str(run_dir), "--epochs", "8"]
     host = {addr_a: "a", addr_b: "b"}
     procs = []
     for ns, address, is_host in ((ns_a, addr_a, 1), (ns_b, addr_b, 0)):
