@@ -89,27 +89,26 @@ def test_a_node_whose_last_snapshot_served_an_exchange_publishes_a_fresh_one_to_
     assert np.allclose(mine + theirs, 10 + 20 * 0.5)
 
 
-def test_refused_and_rejected_requests_do_not_keep_a_node_lingering(nodes):
-    """Requests that are refused or rejected (a wrong model, say) are not service: a client that
-    keeps sending them cannot hold a finished node up until its limit."""
-    cfg = make_config(2, insecure=True)
-    peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
-    peer.update_send()
-    peer.update_wait()
+def linger_pestered(cfg, peer, request) -> tuple[float, list]:
+    """`peer`.linger(idle_s=1, limit_s=20) while a client sends it `request(i)` for i = 1, 2, ... on a fresh REQ
+    socket each, until the linger ends. Returns the time lingered and each request's reply kind (None: none
+    within 1 s)."""
+    endpoint = parse_config(cfg).endpoint(parse_config(cfg).node(peer.name))
     stop = threading.Event()
-    sent = []
+    replies: list = []
 
     def pester():
         ctx = zmq.Context()
         try:
-            while not stop.is_set():
+            for i in itertools.count(1):  # bounded: until the linger ends (its limit is 20 s)
+                if stop.is_set():
+                    break
                 s = ctx.socket(zmq.REQ)
                 s.setsockopt(zmq.LINGER, 0)
-                s.connect(parse_config(cfg).endpoint(parse_config(cfg).node("w1")))
-                s.send(encode(FETCH, 1, **{"from": "w0"}, fp=b"\x00" * 16, dtype="float32"))
-                s.poll(1000)
+                s.connect(endpoint)
+                s.send(request(i))
+                replies.append(decode(s.recv_multipart()[0]).kind if s.poll(1000) else None)
                 s.close(0)
-                sent.append(1)
         finally:
             ctx.destroy(0)
 
@@ -120,6 +119,19 @@ def test_refused_and_rejected_requests_do_not_keep_a_node_lingering(nodes):
     finally:
         stop.set()
         pesterer.join(10)
+    return spent, replies
+
+
+def test_refused_and_rejected_requests_do_not_keep_a_node_lingering(nodes):
+    """Requests that are refused or rejected (a wrong model, say) are not service: a client that
+    keeps sending them cannot hold a finished node up until its limit."""
+    cfg = make_config(2, insecure=True)
+    peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
+    peer.update_send()
+    peer.update_wait()
+    spent, sent = linger_pestered(
+        cfg, peer, lambda i: encode(FETCH, 1, **{"from": "w0"}, fp=b"\x00" * 16, dtype="float32")
+    )
     assert spent < 10 and len(sent) > 5
     assert peer.stats()["rejected.bad_fingerprint"] == len(sent) or peer.stats()["rejected.bad_fingerprint"] > 5
 
@@ -132,38 +144,12 @@ def test_what_no_training_peer_sends_does_not_keep_a_node_lingering(nodes):
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(filled(1)))
     peer.update_send()
     peer.update_wait()
-    stop = threading.Event()
-    sent = []
-    endpoint = parse_config(cfg).endpoint(parse_config(cfg).node("w1"))
-
-    def pester():
-        ctx = zmq.Context()
-        try:
-            for i in itertools.count(1):  # bounded: until the test stops it (its linger's limit is 20 s)
-                if stop.is_set():
-                    break
-                s = ctx.socket(zmq.REQ)
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(endpoint)
-                if i % 3 == 0:
-                    s.send(encode(STATUS, i, **{"from": "w0"}))
-                elif i % 3 == 1:
-                    s.send(encode(ACK, i, **{"from": "w0", "xid": i}))  # what a closing requester sends
-                else:
-                    s.send(encode(KNOWN, i, **{"from": "w0", "xids": [i]}))  # what a closing server asks
-                if s.poll(1000):
-                    sent.append(decode(s.recv_multipart()[0]).kind)
-                s.close(0)
-        finally:
-            ctx.destroy(0)
-
-    pesterer = threading.Thread(target=pester)
-    pesterer.start()
-    try:
-        spent = peer.linger(idle_s=1.0, limit_s=20.0)
-    finally:
-        stop.set()
-        pesterer.join(10)
+    requests = (
+        lambda i: encode(STATUS, i, **{"from": "w0"}),
+        lambda i: encode(ACK, i, **{"from": "w0", "xid": i}),  # what a closing requester sends
+        lambda i: encode(KNOWN, i, **{"from": "w0", "xids": [i]}),  # what a closing server asks
+    )
+    spent, sent = linger_pestered(cfg, peer, lambda i: requests[i % 3](i))
     stats = peer.stats()
     served = [stats.get(f"served.{kind}", 0) for kind in ("status", "ack", "known")]
     assert min(served) > 3, (stats, sent)  # each was served, all the while
