@@ -74,6 +74,17 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N` (./test.sh runs -n 2): a test at a time, but a module that builds something once for all
+    its tests runs on one worker (helpers/workers.py). Another `--dist` keeps xdist's own scheduler."""
+    if config.getoption("dist") != "load":
+        return None
+    from helpers.workers import OneWorkerPerSharedModule
+
+    return OneWorkerPerSharedModule(config, log)
+
+
 # --------------------------------------------------------------------------- lanes (helpers/lanes.py)
 
 

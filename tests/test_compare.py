@@ -21,8 +21,8 @@ from dpwa.lab.compare.__main__ import main
 from dpwa.lab.compare.evaluation import states
 from dpwa.lab.compare.runner import SYSTEMS, SystemRun
 
-# one worker runs the comparison once for the module's tests (xdist: --dist loadgroup)
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("compare-quick")]
+# under parallel workers one worker runs all of this module's tests (tests/helpers/workers.py)
+pytestmark = [pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

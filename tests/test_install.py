@@ -21,8 +21,8 @@ import pytest
 
 from conftest import ROOT
 
-# one worker builds and installs the wheel once for the module's tests (xdist: --dist loadgroup)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("install")]
+# under parallel workers one worker runs all of this module's tests (tests/helpers/workers.py)
+pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
