@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ORIGINAL, filled, make_config, tcp_endpoint, wait_until
+from conftest import ORIGINAL, filled, free_port, make_config, tcp_endpoint, wait_until
 from dpwa import NumpyParams
 from dpwa.gossip.join import Joined
 from helpers.chaos import ChaosProxy
@@ -509,3 +509,42 @@ def test_at_a_fresh_start_no_node_trains_before_every_node_holds_the_first_nodes
         made[0].update_send()
         averaged += made[0].update_wait().averaged
     assert averaged == 5
+
+
+def test_a_peer_that_asked_from_its_start_barrier_counts_as_started_though_it_cannot_be_asked(nodes, caplog):
+    """w1 takes w0's state and asks w0's status from its own start barrier (at_start): that tells w0 that w1
+    has joined. w0's config lists w1 at an address where nothing listens, so w0 can never ask w1 itself, as
+    when a short script's node has trained and gone before w0's next poll (`dpwa run` with 40 steps: w0
+    waited out its 10 s and the two never averaged). w0's constructor returns without waiting that out."""
+    from dpwa import parse_config
+    from dpwa.cluster.status import StatusClient
+
+    caplog.set_level(logging.WARNING, logger="dpwa")
+    cfg1 = make_config(2, **ORIGINAL, join="auto", timeout_ms=500)
+    cfg0 = {**cfg1, "nodes": [cfg1["nodes"][0], {**cfg1["nodes"][1], "port": free_port()}]}
+    made, errors = {}, []
+
+    def start_w0():
+        try:
+            made[0] = nodes(cfg0, "w0", NumpyParams(np.full(100, 1.0, np.float32)))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    first = threading.Thread(target=start_w0)
+    first.start()
+    with StatusClient(parse_config(cfg0)) as client:
+        assert wait_until(lambda: client.ask(1.0)[0]["state"] == "at_barrier", 20)
+    w1 = nodes(cfg1, "w1", NumpyParams(np.full(100, 2.0, np.float32)))
+    assert w1.joined is not None and w1.joined.donor == "w0"
+    first.join(60)
+    assert not first.is_alive() and not errors, errors
+    assert not [r for r in caplog.records if "did not start within" in r.getMessage()]
+
+
+def test_only_a_peer_of_the_config_is_heard_at_the_start_barrier():
+    from dpwa.gossip.start import AtStart
+
+    at_start = AtStart(["w1", "w2"])
+    for sender in ("mallory", "?", "w1", "w1"):
+        at_start.heard(sender)
+    assert at_start.names() == {"w1"}

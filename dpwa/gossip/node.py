@@ -60,7 +60,7 @@ from .refresh import BootstrapRefresh
 from .reporting import NodeState, Reporter, StatusServer
 from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys, open_membership
-from .start import find_members, join_wait_s, start_together, take_state
+from .start import AtStart, find_members, join_wait_s, start_together, take_state
 from .steps import WAIT_SLACK_S, Crew, OuterHook, Step, Steps, Update
 from .symmetric import SymmetricSteps
 
@@ -108,6 +108,7 @@ class Node:
         self._own_outer = outer  # the caller's outer step (not sent to joiners, not in outer_state)
         self.params = params
         self.peers = {spec.name: spec for spec in self.config.peers_of(self.name)}
+        self._at_start = AtStart(list(self.peers))  # the peers that asked us from their start barrier
         self.rule = rule_of(self.config)  # how this node mixes; peers that mix otherwise are refused (bad_rule)
         self.model = WireModel(
             params.fingerprint, self.config.wire_dtype, params.size, self.rule.fingerprint(), self.config.wire_options
@@ -211,7 +212,7 @@ class Node:
                     **self._steps.routes(),
                     **BarrierServer(self._barriers, list(self.peers), self.members).routes(),
                     **self.parts.joins.routes(),
-                    **StatusServer(self._reporter.status).routes(),
+                    **StatusServer(self._reporter.status, self._at_start.heard).routes(),
                     **(MembersServer(self.members).routes() if self.members is not None else {}),
                 }
             )
@@ -240,7 +241,12 @@ class Node:
             met.start_barrier()
         elif self.config.join == "auto" and self.peers and not trained:
             start_together(
-                self.name, list(self.peers), self.parts.client.submit, self.config.timeout_s, join_wait_s(self.config)
+                self.name,
+                list(self.peers),
+                self.parts.client.submit,
+                self.config.timeout_s,
+                join_wait_s(self.config),
+                self._at_start,
             )
 
     def _start_open(self) -> None:

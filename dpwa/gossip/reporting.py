@@ -24,7 +24,7 @@ import msgpack
 
 from ..stats import Counters
 from ..wire.calls import Ask
-from ..wire.schema import NAME_PATTERN, Choice, Integer, MapOf, Number, Record, Text, clamp, encode, message_kind
+from ..wire.schema import NAME_PATTERN, Choice, Flag, Integer, MapOf, Number, Record, Text, clamp, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import MAX_BARRIERS, BarrierCounts
 from .flow import FlowControl
@@ -42,7 +42,8 @@ _COUNT = Integer(0, 1 << 62)
 _SECONDS = Number(0.0, 1e9, optional=True)
 # averaged: how many times the node blended this peer's parameters (optional: older nodes do not say)
 _PEER = Record({"score": Number(0.0, 1.0), "failures": _COUNT}, {"latency_s": _SECONDS, "averaged": _COUNT})
-STATUS = message_kind("status", {"from": _NAME})
+# at_start: the asker waits at its start barrier, so it holds the cluster's initial state (dpwa.gossip.start)
+STATUS = message_kind("status", {"from": _NAME}, {"at_start": Flag()})
 STATUS_REPORT = message_kind(
     "status_report",
     {
@@ -68,15 +69,18 @@ STATUS_REPORT = message_kind(
 
 
 class StatusServer:
-    """Answers ``status`` requests from `report()`, a thread-safe read of the node's numbers."""
+    """Answers ``status`` requests from `report()`, a thread-safe read of the node's numbers; tells
+    `at_start(sender)` of every asker that says it waits at its start barrier."""
 
-    def __init__(self, report: Callable[[], dict[str, Any]]) -> None:
-        self._report = report
+    def __init__(self, report: Callable[[], dict[str, Any]], at_start: Callable[[str], None] | None = None) -> None:
+        self._report, self._at_start = report, at_start
 
     def routes(self) -> dict[str, Route]:
         return {STATUS.name: Route(STATUS, self.serve)}
 
     def serve(self, request: Request) -> Reply:
+        if self._at_start is not None and request.header.get("at_start"):
+            self._at_start(request.sender)
         return Reply(encode(STATUS_REPORT, request.header.id, **fit(self._report())))
 
 
@@ -103,11 +107,12 @@ def fit(report: dict[str, Any]) -> dict[str, Any]:
 class StatusTask:
     """Ask one node for its status (value: the report's fields)."""
 
-    def __init__(self, peer: str, deadline: float, name: str) -> None:
-        self.peer, self.deadline, self._name = peer, deadline, name
+    def __init__(self, peer: str, deadline: float, name: str, at_start: bool = False) -> None:
+        self.peer, self.deadline, self._name, self._at_start = peer, deadline, name, at_start
 
     def run(self, ask: Ask) -> dict[str, Any]:
-        response = ask(lambda rid: [encode(STATUS, rid, **{"from": self._name})], {STATUS_REPORT.name: STATUS_REPORT})
+        fields: dict[str, Any] = {"from": self._name, **({"at_start": True} if self._at_start else {})}
+        response = ask(lambda rid: [encode(STATUS, rid, **fields)], {STATUS_REPORT.name: STATUS_REPORT})
         return dict(response.header.fields)
 
 

@@ -19,6 +19,7 @@ cluster is whoever is there.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ from .members import Members, MembersTask
 from .progress import Progress
 from .reporting import StatusTask
 
-__all__ = ["BOOTSTRAP_ROUNDS", "JOIN_WAIT_MIN_S", "find_members", "join_wait_s", "start_together", "take_state"]
+__all__ = ["AtStart", "BOOTSTRAP_ROUNDS", "JOIN_WAIT_MIN_S", "find_members", "join_wait_s", "start_together", "take_state"]
 
 JOIN_WAIT_MIN_S = 10.0  # at a fresh start, how long a node waits at least for the first node's parameters
 BOOTSTRAP_ROUNDS = 3  # times a starting node asks every bootstrap address before it starts alone
@@ -118,15 +119,47 @@ def take_state(
     return joined, trained
 
 
-def start_together(name: str, peers: list[str], submit: Callable[[Any], Call], timeout_s: float, wait_s: float) -> None:
+class AtStart:
+    """The peers that told us they wait at their start barrier (their status requests say ``at_start``):
+    written by the Rx thread (StatusServer), read by :func:`start_together` on the training thread.
+
+    Such a peer has joined, so it counts as started even if it has trained and gone again by the time we
+    ask it: a short script's peer can be done within the pause between two of our polls."""
+
+    def __init__(self, peers: list[str]) -> None:
+        self._peers = frozenset(peers)
+        self._lock = threading.Lock()
+        self._heard: set[str] = set()
+
+    def heard(self, sender: str) -> None:
+        if sender in self._peers:  # the config's names only: anything else a client claims is ignored
+            with self._lock:
+                self._heard.add(sender)
+
+    def names(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._heard)
+
+
+def start_together(
+    name: str,
+    peers: list[str],
+    submit: Callable[[Any], Call],
+    timeout_s: float,
+    wait_s: float,
+    at_start: AtStart | None = None,
+) -> None:
     """A fresh start of a node list: wait until every peer has joined (taken the first node's state),
-    or has trained already, or `wait_s` passed (then say who is missing and go on: it joins later)."""
+    or has trained already, or `wait_s` passed (then say who is missing and go on: it joins later).
+
+    A peer has joined when its status says so, or when it asked for ours from its own start barrier
+    (`at_start`); our requests say we wait at ours."""
     deadline = time.monotonic() + wait_s
     waiting = set(peers)
     pause = 0.01
     while waiting:
         end = time.monotonic() + timeout_s
-        calls = {peer: submit(StatusTask(peer, end, name)) for peer in waiting}
+        calls = {peer: submit(StatusTask(peer, end, name, at_start=True)) for peer in waiting}
         for peer, call in calls.items():
             call.wait(timeout_s + 0.2)
             if not call.done.is_set() or call.outcome != "ok":
@@ -135,6 +168,8 @@ def start_together(name: str, peers: list[str], submit: Callable[[Any], Call], t
             report = call.take()
             if report["state"] not in ("starting", "joining") or report["clock"] > 0:
                 waiting.discard(peer)
+        # after asking: every peer asked once hears that we wait, so it need not find us here in turn
+        waiting -= at_start.names() if at_start is not None else frozenset()
         if not waiting:
             return
         if time.monotonic() + pause >= deadline:

@@ -196,7 +196,7 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
             path = write_pair_config(tmp, same_host=True, mode=mode)
             net, step = training_setup(shape, batch, seed=0)
             with (
-                Child("--serve-training", path, geometry, str(batch), env=env),
+                Child("--serve-training", path, geometry, str(batch), env=env) as server,
                 DpwaPyTorchAdapter(net, "client", path, rng=random.Random(0)) as conn,
             ):
                 loss: float | None = None
@@ -207,7 +207,15 @@ def bench_training(shape: tuple[int, ...], batch: int, steps: int, mode: str = "
                     loss = step()
                     return conn.update_wait(loss).averaged
 
-                plain, with_dpwa, averaged = _alternate(step, dpwa_step, steps)
+                try:
+                    plain, with_dpwa, averaged = _alternate(step, dpwa_step, steps)
+                finally:
+                    # Each side's last message is answered while the other still serves, not waited out for its
+                    # deadline (5 to 10 s), as one to a node that closed would be. Mode pull: the helper's last
+                    # fetch from us, so it stops first. Symmetric: our confirm to it, so we close first (the
+                    # with's own order).
+                    if mode == "pull":
+                        server.stop()
             ours, theirs = f"ipc://{tmp}/raw-client", f"ipc://{tmp}/raw-server"
             with Child("--serve-training", path, geometry, str(batch), "--raw", f"{theirs},{ours}", env=env) as peer:
                 exchange = RawExchange(_wire_bytes(net), ours, theirs)
