@@ -38,7 +38,15 @@ from .members import Members, MembersTask
 from .progress import Progress
 from .reporting import StatusTask
 
-__all__ = ["AtStart", "BOOTSTRAP_ROUNDS", "JOIN_WAIT_MIN_S", "find_members", "join_wait_s", "start_together", "take_state"]
+__all__ = [
+    "AtStart",
+    "BOOTSTRAP_ROUNDS",
+    "JOIN_WAIT_MIN_S",
+    "find_members",
+    "join_wait_s",
+    "start_together",
+    "take_state",
+]
 
 JOIN_WAIT_MIN_S = 10.0  # at a fresh start, how long a node waits at least for the first node's parameters
 BOOTSTRAP_ROUNDS = 3  # times a starting node asks every bootstrap address before it starts alone
