@@ -362,6 +362,26 @@ def test_a_server_closing_while_its_requester_is_still_in_doubt_answers_until_th
     assert not [r for r in caplog.records if "unsettled" in r.getMessage()], caplog.text
 
 
+def test_an_exchange_in_doubt_with_a_peer_removed_from_the_view_ends_at_once(through_chaos):
+    """Break: the decision and every confirm are lost, so the requester is in doubt with w1; then w1 is
+    removed from the view, as open membership removes a peer it declared dead (members.sync). Promise:
+    the doubt is dropped (counted and logged) at the next step, not after RESOLVE_LIMIT_S (60 s), in
+    which the node could start no exchange at all (one in doubt at a time). Found as a 15 s wait for
+    "pending" to reach 0 in test_open_churn, after a peer was SIGKILLed between its reply and decision."""
+    node, peer, proxy, mine, theirs = through_chaos()
+    proxy.plan("decision", "drop")
+    proxy.rules["confirm"] = Rule(drop=1.0)
+    node.update_send()
+    assert node.update_wait().outcome == "in_doubt"
+    assert node.stats()["exchanges_unsettled"] == 1
+    node._flow.remove_peer("w1")  # what the view's sync does for a removed member
+    tend(node)
+    assert node.stats()["exchanges_unsettled"] == 0 and node.stats()["exchanges_dropped"] == 1
+    assert np.all(mine == 0.0)  # nothing of w1's applied here
+    assert settle(node, peer, lambda: peer.stats().get("exchanges_expired", 0) == 1)
+    assert np.all(theirs == 10.0)  # and w1, which heard no confirm, aborted: the sum kept
+
+
 # --------------------------------------------------------------------------- chaos at every step
 
 

@@ -88,7 +88,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -631,6 +631,12 @@ class ExchangeClient:
                     task = ResolveTask(doubt.half.peer, now + self._timeout_s, self.name, doubt.half.xid)
                     doubt.call = self._submit(task)
         return ready
+
+    def forget_gone(self, members: Collection[str]) -> None:
+        """(Open membership) A peer removed from the view will not answer: an exchange in doubt with it is
+        dropped now (logged), not after RESOLVE_LIMIT_S, in which no exchange of ours could start."""
+        for key in [key for key in self._doubts if key[0] not in members]:
+            self._drop(key, "it was removed from the view (declared dead)")
 
     def _drop(self, key: tuple[str, int], why: str) -> None:
         doubt = self._doubts.pop(key)

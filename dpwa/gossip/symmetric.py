@@ -263,6 +263,7 @@ class SymmetricSteps:
         for call in [c for c in self._outstanding if c.done.is_set()]:
             self._outstanding.remove(call)
             applied += self._harvest(call).averaged
+        self.client.forget_gone(crew.flow.peers())  # open membership: a removed peer will not answer
         for client_half in self.client.poll():  # in doubt until now: our latest own exchange (nothing else started)
             self._apply_client_half(client_half, self._ticket)
             applied += 1
