@@ -129,6 +129,15 @@ def positive_int() -> Check:
     return check
 
 
+def slot_count() -> Check:
+    def check(value: Any, key: str, source: str) -> str | int:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value in (1, 2)):
+            return value
+        raise ConfigError(f"{source}: {key} must be auto, 1 or 2, got {value!r}")
+
+    return check
+
+
 def flag() -> Check:
     def check(value: Any, key: str, source: str) -> bool:
         if not isinstance(value, bool):
@@ -355,6 +364,14 @@ class Config:
         "auto",
         one_of(SAME_HOST_MODES),
         "`auto`: peers on this machine exchange parameters through shared memory; `off`: over the socket for everyone",
+    )
+    snapshot_slots: str | int = setting(
+        "auto",
+        slot_count(),
+        "snapshot slots a node publishes into, each a copy of the model: `auto`: 2 when every peer known at start "
+        "is on this machine (read in place), else 1 (a peer's snapshot from another machine takes a buffer of "
+        "the model's size: 2 copies in all); `2` publishes more often while a reader holds a slot, for one more "
+        "copy ([Memory](design.md#memory))",
     )
     max_peer_distance: float = setting(
         0.0,

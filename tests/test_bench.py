@@ -77,3 +77,27 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     assert summary[len(sizes) + 1].startswith("  training, digits, batch 32, run.sh's defaults: dpwa adds ")
     assert summary[len(sizes) + 2].startswith("  training, digits, batch 32, mode pull: dpwa adds ")
     assert summary[len(sizes) + 3] == f"  the benchmark's own nodes' log: {log} ({len(logged.splitlines())} lines)"
+
+
+@pytest.mark.timeout(200)
+def test_the_memory_table_counts_what_a_node_holds_beyond_its_model(tmp_path):
+    """`--memory --quick`: two nodes of a 5M-parameter model in the default mode, on one host and over TCP.
+    Memory is what is asserted, from /proc (not time): beside a same-host peer a node holds its two
+    snapshot slots in shared memory and next to nothing on the heap; over TCP, one heap slot and one
+    receive buffer (the library's own few MB on top). Before the budget: 5 copies over TCP, 4 on one host."""
+    out = tmp_path / "memory.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dpwa.bench", "--memory", "--quick", "--json", str(out), "--log", str(tmp_path / "log")],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {row["label"]: row for row in json.loads(out.read_text())["memory"]}
+    assert sorted(rows) == ["symmetric (default), TCP", "symmetric (default), same host"]
+    same_host, tcp = rows["symmetric (default), same host"], rows["symmetric (default), TCP"]
+    assert same_host["shm_copies"] == pytest.approx(2.0, abs=0.01) and same_host["anon_copies"] < 0.5, same_host
+    assert tcp["shm_copies"] == 0 and tcp["anon_copies"] < 2.5, tcp
+    assert all(row["blends"] > 0 for row in rows.values()), rows

@@ -43,6 +43,20 @@ def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
         node.update_wait(loss)
 
 
+@pytest.mark.parametrize(
+    "slots, same_host, expected", [("auto", "auto", 2), ("auto", "off", 1), (2, "off", 2), (1, "auto", 1)]
+)
+def test_a_node_has_two_snapshot_slots_beside_same_host_peers_and_one_with_a_peer_over_tcp(
+    nodes, slots, same_host, expected
+):
+    """docs/design.md#memory: a node that receives a peer's snapshot into a buffer of the model's size (a peer
+    over TCP) publishes into one slot, so that it holds two copies in all; `snapshot_slots` says otherwise."""
+    cfg = make_config(2, snapshot_slots=slots, same_host=same_host, insecure=True)
+    node = nodes(cfg, "w0", NumpyParams(np.zeros(10, np.float32)))
+    assert bool(node.parts.local) == (same_host == "auto")
+    assert node.parts.store.max_slots == expected
+
+
 def test_a_fetch_returns_the_peers_exact_bytes(nodes, make_cluster):
     cfg = make_cluster(2, **ORIGINAL, constant={"value": 1.0})
     theirs = np.random.default_rng(3).standard_normal(100_003).astype(np.float32)

@@ -181,6 +181,83 @@ def test_a_delta_blend_keeps_running_statistics_convex():
     assert torch.allclose(net[1].running_var, torch.tensor([0.505, 0.505]))  # 0.01 + 0.5 * (1 - 0.01)
 
 
+def _large_model(seed: int) -> nn.Module:
+    """Tensors whose boundaries fall inside chunks, a tiny one, and running statistics spanning a chunk's end."""
+    torch.manual_seed(seed)
+    net = nn.Module()
+    net.a = nn.Parameter(torch.randn(3_000_001))
+    net.b = nn.Parameter(torch.randn(2_500_000))
+    net.c = nn.Parameter(torch.randn(7))
+    net.register_buffer("running_var", torch.rand(1_200_003))
+    return net
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_a_large_model_blends_chunk_by_chunk_to_the_same_bits_with_no_model_sized_buffer(wire):
+    """A CPU model above CHUNKED_MIN_ELEMENTS is blended piece by piece in place: the same bits as the flat
+    path (forced here on an identical model), with at most three chunks of scratch instead of a float32 work
+    buffer of the model's size (and, for a half-precision wire, two more conversion buffers)."""
+    from dpwa.adapters.pytorch import CHUNK_ELEMENTS, CHUNKED_MIN_ELEMENTS
+
+    chunked, flat = _large_model(0), _large_model(0)
+    ours, theirs = TorchParams(chunked), TorchParams(flat)
+    assert ours.size > CHUNKED_MIN_ELEMENTS and ours._chunks is not None
+    theirs._chunks = None  # the flat path, for reference
+    storage = np.float32 if wire == "float32" else np.uint16
+    a, b = np.empty(ours.size, storage), np.empty(ours.size, storage)
+    TorchParams(_large_model(1)).copy_to(a, wire)
+    TorchParams(_large_model(2)).copy_to(b, wire)
+    for blend in (lambda p: p.lerp_from(a, 0.3, wire), lambda p: p.add_scaled_diff_from(a, b, 0.25, wire)):
+        blend(ours)
+        blend(theirs)
+        for (name, x), y in zip(chunked.state_dict().items(), flat.state_dict().values(), strict=True):
+            assert torch.equal(x, y), name
+    assert ours.scratch_nbytes() <= 3 * CHUNK_ELEMENTS * 4 < ours.size * 4 <= theirs.scratch_nbytes()
+
+
+def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(adapters, make_cluster):
+    """The memory budget (docs/design.md#memory), counted, not timed: two nodes of a 5.5M-parameter model in
+    the default mode, stepping side by side until each has blended a few times (over TCP, the snapshots
+    stream both ways; the default way, they are read in place from shared memory). Each holds at most
+    two copies of its model: two snapshot slots beside a same-host peer, one slot and one receive buffer
+    over TCP; it never retired a slot, and its adapter's scratch is three chunks, not a model-sized buffer."""
+    from dpwa.adapters.pytorch import CHUNK_ELEMENTS
+    from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS
+
+    cfg = make_cluster(2, timeout_ms=5000)
+    pair = [adapters(_large_model(i), f"w{i}", cfg) for i in range(2)]
+    errors: list[BaseException] = []
+
+    def train(adapter: DpwaPyTorchAdapter) -> None:
+        try:
+            for _ in range(200):  # bounded; ends once this node blended 4 times
+                adapter.update_send(1.0)
+                adapter.update_wait(1.0)
+                stats = adapter.node.stats()
+                if stats["averaged"] + stats.get("mirrored", 0) >= 4:
+                    break
+            adapter.node.barrier("done", timeout_s=60)  # neither closes while the other still steps
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(adapter,)) for adapter in pair]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    for adapter in pair:
+        stats, parts = adapter.node.stats(), adapter.node.parts
+        assert stats["averaged"] + stats.get("mirrored", 0) >= 4, stats
+        # beside a same-host peer: 2 slots, its snapshots read in place; over TCP: 1 slot and 1 receive buffer
+        received = 0 if parts.local else 1
+        assert parts.store.max_slots == MAX_SNAPSHOT_SLOTS - received, parts.local
+        assert stats["snapshot_slots"] + received <= 2 and stats["slots_retired"] == 0, stats
+        readers = [parts.reader] + ([parts.streams_in[1]] if parts.streams_in is not None else [])
+        assert all(reader.arrivals.wire.most_out <= received for reader in readers)
+        assert adapter.params.scratch_nbytes() <= 3 * CHUNK_ELEMENTS * 4
+
+
 def test_a_symmetric_delta_exchange_through_the_adapter(adapters, make_cluster):
     """w0 (all 2) asks w1 (all 6), f = 1/2, blend delta: w0 moves to 4 at once, and w1 to 4
     at its next update (the mirror image), buffers included."""

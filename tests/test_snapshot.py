@@ -78,11 +78,56 @@ def test_a_lease_handed_to_a_tracker_lasts_until_the_send_is_done():
     store = SnapshotStore(10, np.float32, max_slots=2)
     store.publish(fill_with(1.0), 0, None)
     tracker = FakeTracker()
-    leased(store).release_when(cast(zmq.MessageTracker, tracker))
-    store.publish(fill_with(2.0), 0, None)
-    assert not store.publish(fill_with(3.0), 0, None)  # slot 1 still being sent
+    sent = leased(store)
+    sent.release_when(cast(zmq.MessageTracker, tracker))
+    store.publish(fill_with(2.0), 0, None)  # slot 1
+    assert leased(store).snapshot.slot == 1
+    leased(store).release_when(cast(zmq.MessageTracker, FakeTracker()))  # slot 1 being sent too
+    assert not store.publish(fill_with(3.0), 0, None)  # both still being sent: skipped
+    assert np.all(sent.snapshot.array == 1.0)
     tracker.done = True
-    assert store.publish(fill_with(3.0), 0, None)
+    assert store.publish(fill_with(3.0), 0, None) and newest(store).slot == 0
+
+
+def test_past_max_slots_the_current_slot_is_rewritten_in_place_and_leased_to_nobody_meanwhile():
+    """Two slots, one held by a reader: the next publish rewrites the current one (nobody holds it). While
+    it is written, no lease is given, and the refusal says why (busy); then the new snapshot is current."""
+    store = SnapshotStore(10, np.float32, max_slots=2)
+    store.publish(fill_with(1.0), 0, None)
+    reader = leased(store)  # slot 0, held
+    store.publish(fill_with(2.0), 0, None)  # slot 1, current, free
+    during: list[object] = []
+
+    def fill(array: np.ndarray) -> None:
+        during.append(store.lease())
+        during.append(store.refusal())
+        array[:] = 3.0
+
+    assert store.publish(fill, 0, None)
+    assert during == [None, ("busy", "the snapshot is being rewritten; ask again")]
+    snap = newest(store)
+    assert snap.slot == 1 and snap.version == 3 and np.all(snap.array == 3.0)
+    assert np.all(reader.snapshot.array == 1.0) and store.slots == 2 and store.skipped == 0
+    reader.release()
+
+
+def test_a_failed_rewrite_in_place_leaves_no_snapshot_to_lease():
+    """The fill raises while the current slot is rewritten in place: its contents are gone, so nothing is
+    leased (not a half-written snapshot) until the next publish."""
+    store = SnapshotStore(10, np.float32, max_slots=2)
+    store.publish(fill_with(1.0), 0, None)
+    reader = leased(store)
+    store.publish(fill_with(2.0), 0, None)
+
+    def broken(array: np.ndarray) -> None:
+        array[:5] = 9.0
+        raise RuntimeError("the copy failed")
+
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        store.publish(broken, 0, None)
+    assert store.lease() is None and store.refusal()[0] == "not_ready"
+    reader.release()
+    assert store.publish(fill_with(4.0), 0, None) and np.all(newest(store).array == 4.0)
 
 
 def counting_memory(allocations: list[int]):

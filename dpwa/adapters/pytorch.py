@@ -50,7 +50,12 @@ from ..mixing import kernels
 from ..mixing.params import FlatParams, fingerprint
 from .outer import OuterOptimizerFactory, TorchOuter
 
-__all__ = ["DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
+__all__ = ["CHUNKED_MIN_ELEMENTS", "CHUNK_ELEMENTS", "DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
+
+# A CPU model larger than this is blended chunk by chunk, each tensor in place, instead of through one flat
+# float32 work buffer of the model's size: its scratch is three chunks (12 MiB), not a copy of the model.
+CHUNKED_MIN_ELEMENTS = 1 << 22  # 16 MiB in float32
+CHUNK_ELEMENTS = 1 << 20
 
 
 class TorchParams(FlatParams):
@@ -95,20 +100,68 @@ class TorchParams(FlatParams):
         self._first_stat, self._stats_from = n_params, sum(self._sizes[:n_params])
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
+        # A large model on the CPU is blended in chunks, each tensor in place: no model-sized work buffer
+        # (docs/design.md#memory), only CHUNK_ELEMENTS-sized scratch buffers.
+        self._chunks = (
+            _chunk_pieces(self._sizes, CHUNK_ELEMENTS)
+            if self.device.type == "cpu" and self.size > CHUNKED_MIN_ELEMENTS and all(f is not None for f in self._flat)
+            else None
+        )
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
         self._work_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._work_np: tuple[np.ndarray, torch.Tensor | None, np.ndarray] | None = None
 
-    def _buffer(self, where: str, wire: str) -> torch.Tensor:
-        """A flat work buffer of dtype `wire`: "pinned" (host), or any other name (on the model's device)."""
+    def _buffer(self, where: str, wire: str, size: int | None = None) -> torch.Tensor:
+        """A flat work buffer of dtype `wire`: "pinned" (host), or any other name (on the model's device);
+        of the model's size unless `size` says otherwise (a chunk's scratch)."""
         key = (where, wire)
         if key not in self._buffers:
             dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
+            n = self.size if size is None else size
             if where == "pinned":
-                self._buffers[key] = torch.empty(self.size, dtype=dtype, pin_memory=True)
+                self._buffers[key] = torch.empty(n, dtype=dtype, pin_memory=True)
             else:
-                self._buffers[key] = torch.empty(self.size, dtype=dtype, device=self.device)
+                self._buffers[key] = torch.empty(n, dtype=dtype, device=self.device)
         return self._buffers[key]
+
+    def scratch_nbytes(self) -> int:
+        """The bytes of work buffers this adapter holds now (docs/design.md#memory)."""
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    def _chunk_source(self, array: np.ndarray, start: int, end: int, wire: str, slot: str) -> torch.Tensor:
+        """Elements [start, end) of the flat `array` (of dtype `wire`) as float32: a view, or converted into
+        the chunk scratch buffer `slot`."""
+        source = kernels.as_torch(kernels.aligned(array[start:end]), wire)
+        if wire == "float32":
+            return source
+        return self._buffer(slot, "float32", CHUNK_ELEMENTS)[: end - start].copy_(source)
+
+    def _blend_chunked(self, a: np.ndarray, b: np.ndarray | None, f: float, wire: str) -> None:
+        """(A large CPU model) Chunk by chunk, each tensor's piece in place: ``x += f (a - b)`` for parameters
+        and ``x += f (a - x)`` for running statistics; with `b` None, ``x += f (a - x)`` (lerp) for all.
+        Float32 tensors get the same bits as the flat path; a lower-precision one is computed in float32
+        and rounded once (the flat path adds in its dtype: the two may differ in the last bit)."""
+        assert self._chunks is not None
+        for start, end, pieces in self._chunks:
+            first = self._chunk_source(a, start, end, wire, "chunk_a")
+            second = self._chunk_source(b, start, end, wire, "chunk_b") if b is not None else None
+            for index, lo, hi, at in pieces:
+                target = self._flat[index]
+                assert target is not None
+                piece, peer = target[lo:hi], first[at : at + hi - lo]
+                exact = piece.dtype == torch.float32
+                x = piece if exact else self._buffer("chunk_x", "float32", CHUNK_ELEMENTS)[: hi - lo].copy_(piece)
+                if second is None:  # lerp in float32, written back in the tensor's dtype
+                    x.lerp_(peer, float(f))
+                    if not exact:
+                        piece.copy_(x)
+                    continue
+                diff = self._buffer("chunk_d", "float32", CHUNK_ELEMENTS)[: hi - lo]
+                # running statistics move towards the peer's snapshot, as in the flat path
+                torch.sub(peer, second[at : at + hi - lo] if index < self._first_stat else x, out=diff)
+                x.add_(diff, alpha=float(f))
+                if not exact:
+                    piece.copy_(x)  # rounded once, from float32
 
     def _work(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """The flat float32 work buffer on the model's device, and its per-tensor views (fast ones 1-D,
@@ -174,6 +227,9 @@ class TorchParams(FlatParams):
     @torch.no_grad()
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
         """x += f (peer - x), computed flat in float32 (torch's lerp: exact at f = 0 and f = 1)."""
+        if self._chunks is not None:
+            self._blend_chunked(peer, None, f, wire)
+            return
         source = self._float32_source(peer, wire, "device")
         work, fast, slow = self._work()
         self._gather(work)
@@ -186,6 +242,9 @@ class TorchParams(FlatParams):
     @torch.no_grad()
     def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
         """Parameters: ``x += f (a - b)``; buffers (running statistics): ``x += f (a - x)``, convex."""
+        if self._chunks is not None:
+            self._blend_chunked(a, b, f, wire)
+            return
         work, fast, slow = self._work()
         if self.device.type == "cpu" and wire == "float32" and self.size < kernels.TORCH_MIN_ELEMENTS:
             # A small model: the same float32 subtractions by numpy (as dpwa.mixing.kernels does below that
@@ -216,6 +275,28 @@ class TorchParams(FlatParams):
             tail = work.narrow(0, self._stats_from, self.size - self._stats_from)
             self._work_np = work.numpy(), tail if self._stats_from < self.size else None, tail.numpy()
         return self._work_np
+
+
+def _chunk_pieces(sizes: list[int], chunk: int) -> list[tuple[int, int, list[tuple[int, int, int, int]]]]:
+    """The flat vector of tensors of `sizes` cut into chunks of `chunk` elements: (start, end, pieces) per
+    chunk, each piece (tensor index, start and end within that tensor, start within the chunk)."""
+    chunks: list[tuple[int, int, list[tuple[int, int, int, int]]]] = []
+    total = sum(sizes)
+    offsets = np.cumsum([0, *sizes]).tolist()
+    index = 0
+    for start in range(0, total, chunk):
+        end = min(total, start + chunk)
+        pieces = []
+        while index < len(sizes) and offsets[index] < end:
+            lo, hi = max(start, offsets[index]), min(end, offsets[index + 1])
+            if hi > lo:
+                pieces.append((index, lo - offsets[index], hi - offsets[index], lo - start))
+            if offsets[index + 1] <= end:
+                index += 1
+            else:
+                break
+        chunks.append((start, end, pieces))
+    return chunks
 
 
 _TENSOR_DTYPES = {

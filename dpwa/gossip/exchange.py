@@ -852,7 +852,7 @@ class ExchangeServer:
                 raise refused("busy", f"your last exchanges failed on your side; ask again in {until - now:.1f} s")
             served = self._store.lease()
             if served is None:
-                raise refused("not_ready", "no snapshot published yet")
+                raise refused(*self._store.refusal())
             # see dpwa.mixing.admission: a second unsettled exchange, or a stale snapshot, could erase our state
             version = served.snapshot.version
             if not self._admission.take(version, "served") and not self._preempt(peer, now, version):

@@ -94,7 +94,7 @@ class Serving:
         self.check_budget(request)
         lease = self.store.lease()
         if lease is None:
-            raise refused("not_ready", "no snapshot published yet")
+            raise refused(*self.store.refusal())
         if self._carry is None or request.header.get("rule") is None:
             # a tool's fetch (status, average: it names no rule) takes nothing: a push-sum weight given to a
             # tool would be lost to the cluster

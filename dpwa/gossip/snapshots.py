@@ -8,7 +8,10 @@ A lease ends when its owner releases it (a ``with`` block), or, for a
 zero-copy ZeroMQ send, when ZeroMQ's ``MessageTracker`` says the bytes left.
 
 So a snapshot is never served torn, and publishing never waits for a reader:
-when every slot is held, a new one is allocated, up to ``max_slots``. A slot
+when every slot is held, a new one is allocated, up to ``max_slots``. Past
+that, the current slot itself is rewritten when nobody holds it: while it is
+written no lease is given (:meth:`SnapshotStore.refusal` says why), and
+the new snapshot is current once it is whole. A slot
 held *only* by others (unsent replies, or a same-host reader's file lock) for
 longer than ``hold_limit_s`` is **retired**: the store forgets it (its memory
 lives on until the last sender or reader lets go) and allocates a fresh one
@@ -30,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import zmq
@@ -196,8 +199,8 @@ class SnapshotStore:
     ) -> None:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
-        if max_slots < 2:
-            raise ValueError(f"max_slots must be >= 2 (one to serve, one to fill), got {max_slots}")
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.size = size
         self.dtype = np.dtype(dtype)
         self.max_slots = max_slots
@@ -209,6 +212,7 @@ class SnapshotStore:
         self._slots: list[_Slot] = []
         self._retired: list[_Slot] = []
         self._current: tuple[_Slot, Snapshot] | None = None
+        self._writing: _Slot | None = None  # the current slot, while it is rewritten in place (no lease given)
         self.skipped = 0  # publishes dropped because every slot was held
         self.retired = 0  # slots retired because others held them too long
 
@@ -242,14 +246,17 @@ class SnapshotStore:
                 return False
             version = self._current[1].version + 1 if self._current else 1
             try:
-                fill(slot.array)  # outside the lock: readers only ever lease the current slot
+                fill(slot.array)  # outside the lock: readers only ever lease the current slot, never this one
             except BaseException:
                 slot.memory.end_write(0)
+                with self._lock:
+                    if self._writing is slot:  # the current snapshot was being rewritten: it is gone
+                        self._current, self._writing = None, None
                 raise
             slot.memory.end_write(version)
             snapshot = Snapshot(slot.array, version, float(clock), loss, slot.index, slot.memory.shared)
             with self._lock:
-                self._current = (slot, snapshot)
+                self._current, self._writing = (slot, snapshot), None
             return True
         finally:
             self._publishing.release()
@@ -270,8 +277,14 @@ class SnapshotStore:
                     slot.blocked_since = slot.blocked_since or now  # a same-host reader holds its lock
                 if stale is None and slot.stale(now, self.hold_limit_s):
                     stale = slot
+            if stale is None and current is not None and current.stale(now, self.hold_limit_s):
+                stale = current  # (one slot) retired like any other; it is served until the fresh one is whole
             if len(self._slots) < self.max_slots:
                 index = len(self._slots)
+            elif current is not None and not current.held() and current.memory.begin_write():
+                self._writing = current  # rewritten in place: no lease of it until the new snapshot is whole
+                current.blocked_since = None
+                return current
             elif stale is not None:
                 self._retired = [s for s in self._retired if s.held()]
                 if len(self._retired) >= self.max_retired:
@@ -307,13 +320,20 @@ class SnapshotStore:
             return self._current[1] if self._current else None
 
     def lease(self) -> Lease | None:
-        """Lease the current snapshot, or None if nothing was published yet."""
+        """Lease the current snapshot, or None if there is none to lease now (:meth:`refusal` says why)."""
         with self._lock:
-            if self._current is None:
+            if self._current is None or self._current[0] is self._writing:
                 return None
             slot, snapshot = self._current
             slot.leases += 1
             return Lease(self, slot, snapshot)
+
+    def refusal(self) -> tuple[Literal["busy", "not_ready"], str]:
+        """Why :meth:`lease` gave nothing: the refusal a requester gets (reason, in words)."""
+        with self._lock:
+            if self._writing is not None:
+                return "busy", "the snapshot is being rewritten; ask again"
+            return "not_ready", "no snapshot published yet"
 
     def held(self) -> int:
         """How many slots in use are held by readers now."""

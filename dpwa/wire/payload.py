@@ -184,19 +184,25 @@ class BufferPool:
         self._keep = keep
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
+        self.out = 0  # buffers taken and not given back now
+        self.most_out = 0  # the most ever out at once (docs/design.md#memory: the receive buffers a node holds)
 
     def take(self) -> tuple[np.ndarray, Callable[[], None]]:
         """A buffer of `nbytes` bytes and the function that returns it (idempotent)."""
         with self._lock:
             buffer = self._free.pop() if self._free else None
+            self.out += 1
+            self.most_out = max(self.most_out, self.out)
         if buffer is None:
             buffer = np.empty(self.nbytes, np.uint8)
         out = [buffer]  # emptied when given back, so a second call does nothing
 
         def give_back() -> None:
             with self._lock:
-                if out and len(self._free) < self._keep:
-                    self._free.append(out[0])
+                if out:
+                    self.out -= 1
+                    if len(self._free) < self._keep:
+                        self._free.append(out[0])
                 out.clear()
 
         return buffer, give_back

@@ -7,6 +7,8 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --quick                 # small sizes and one that streams, few repetitions: a smoke test
     python -m dpwa.bench --log bench.log         # the benchmark's own nodes' log lines go here
     python -m dpwa.bench --training              # only the digits model's training-step rows (about a minute)
+    python -m dpwa.bench --memory                # what a node holds beyond its model: 10M, 50M and 100M parameters
+    python -m dpwa.bench --memory --largest 500000000   # and a row at 500M (8 GB of models and gradients)
 
 The benchmark's own nodes log what any node logs (its configurations are
 deliberately odd: ``fetch_probability: 0`` for a node that only serves, plain
@@ -66,6 +68,7 @@ from typing import Any
 from .children import LOG_ENV, log_to
 from .exchange import serve_node
 from .floors import serve_raw, serve_raw_tcp
+from .memory import bench_memory, memory_rows, serve_memory_node
 from .report import format_scale, format_size_row, format_summary, format_training, machine
 from .scale import bench_scale
 from .sizes import measure_size
@@ -116,6 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the training-step rows of the digits model (run.sh's default mode, and mode pull)",
     )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="only the memory table: two nodes per row, what each holds beyond its model and gradients",
+    )
+    parser.add_argument(
+        "--largest",
+        type=int,
+        metavar="PARAMETERS",
+        help="with --memory: a last row (the defaults, same host and TCP) at this many parameters",
+    )
+    parser.add_argument(
+        "--memory-node", nargs=5, metavar=("CONFIG", "NAME", "SIZE", "DTYPE", "STEPS"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-router", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-tcp", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
@@ -123,7 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-training", nargs=3, metavar=("CONFIG", "SHAPE", "BATCH"), help=argparse.SUPPRESS)
     parser.add_argument("--raw", metavar="SERVE_AT,FETCH_FROM", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    helper = args.serve_raw or args.serve_raw_router or args.serve_raw_tcp or args.serve_node or args.serve_training
+    helper = (
+        args.serve_raw
+        or args.serve_raw_router
+        or args.serve_raw_tcp
+        or args.serve_node
+        or args.serve_training
+        or args.memory_node
+    )
     if helper and os.environ.get(LOG_ENV):
         log_to(Path(os.environ[LOG_ENV]))
     if not helper:
@@ -146,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_training:
         serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]), args.raw)
         return 0
+    if args.memory_node:
+        config, name, size, dtype, steps = args.memory_node
+        serve_memory_node(config, name, int(size), dtype, int(steps))
+        return 0
+    if args.memory:  # --quick: the default mode's two rows at 5M parameters (blended chunk by chunk)
+        sizes = [5_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
+        rows = bench_memory(memory_rows(sizes, args.largest, quick=args.quick))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "memory": rows}, indent=2))
+            print(f"\nwrote {args.json}")
+        return 0 if all("error" not in row for row in rows) else 1
     if args.training:  # the digits rows alone, with their floors (--quick: a few steps)
         results = run([], 0, 0, [], 0, [], training_steps=0.02 if args.quick else 1.0, workloads=WORKLOADS[:2])
     elif args.quick:  # STREAMED runs the bulk rows (plain and sealed), with few repetitions
