@@ -60,6 +60,7 @@ PRESET_SETTINGS: dict[str, dict[str, Any]] = {
     "original": {"mode": "pull", "rule": "state", "pairing": "random"},
 }
 SAME_HOST_MODES = ("auto", "off")
+SNAPSHOT_SLOTS = (1, 2)  # snapshot_slots: the most a node publishes into (docs/design.md#memory)
 BULK_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 JOINS = ("auto", "never")
@@ -130,10 +131,10 @@ def positive_int() -> Check:
 
 
 def slot_count() -> Check:
-    def check(value: Any, key: str, source: str) -> str | int:
-        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value in (1, 2)):
+    def check(value: Any, key: str, source: str) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value in SNAPSHOT_SLOTS:
             return value
-        raise ConfigError(f"{source}: {key} must be auto, 1 or 2, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be 1 or 2, got {value!r}")
 
     return check
 
@@ -365,13 +366,12 @@ class Config:
         one_of(SAME_HOST_MODES),
         "`auto`: peers on this machine exchange parameters through shared memory; `off`: over the socket for everyone",
     )
-    snapshot_slots: str | int = setting(
-        "auto",
+    snapshot_slots: int = setting(
+        2,
         slot_count(),
-        "snapshot slots a node publishes into, each a copy of the model: `auto`: 2 when every peer known at start "
-        "is on this machine (read in place), else 1 (a peer's snapshot from another machine takes a buffer of "
-        "the model's size: 2 copies in all); `2` publishes more often while a reader holds a slot, for one more "
-        "copy ([Memory](design.md#memory))",
+        "snapshot slots a node publishes into, each a copy of the model ([Memory](design.md#memory)); `1` saves "
+        "a copy, but while a reader holds the slot the node's publishes are skipped and its peers get an older "
+        "snapshot (in mode symmetric over TCP, fewer exchanges)",
     )
     max_peer_distance: float = setting(
         0.0,

@@ -185,8 +185,8 @@ def replace_line(old: str, new: str) -> str:
             r"divergence_threshold must be a number >= 0, got -1",
         ),
         (replace_line("- clock: 0 ", "- clock: {speed: 2} "), r"clock interpolation takes no options"),
-        (ORIGINAL + "- snapshot_slots: 3\n", r"snapshot_slots must be auto, 1 or 2, got 3"),
-        (ORIGINAL + "- snapshot_slots: true\n", r"snapshot_slots must be auto, 1 or 2, got True"),
+        (ORIGINAL + "- snapshot_slots: 3\n", r"snapshot_slots must be 1 or 2, got 3"),
+        (ORIGINAL + "- snapshot_slots: true\n", r"snapshot_slots must be 1 or 2, got True"),
         (ORIGINAL + "- timeout_ms: 10\n", r"key 'timeout_ms' is given twice"),
         ("- nodes: []\n", r"'nodes' must be a non-empty list"),
         ("- fetch_probability: 1\n", r"missing key 'nodes'"),
@@ -233,7 +233,7 @@ def test_every_setting_survives_a_round_trip_through_to_mapping(tmp_path):
     text = ORIGINAL.replace(
         "- loss: 0",
         "- loss: 0\n- mode: symmetric\n- blend: delta\n- wire_dtype: bfloat16\n"
-        "- same_host: 'off'\n- snapshot_slots: 2\n- max_peer_distance: 3.5",
+        "- same_host: 'off'\n- snapshot_slots: 1\n- max_peer_distance: 3.5",
     )
     key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
     text = text.replace(
@@ -247,7 +247,7 @@ def test_every_setting_survives_a_round_trip_through_to_mapping(tmp_path):
     config = parse_config(text, source=str(tmp_path / "c.yaml"))
     again = parse_config(config.to_mapping(), source=config.source)
     assert again == config
-    assert again.secure and again.mode == "symmetric" and again.wire_dtype == "bfloat16" and again.snapshot_slots == 2
+    assert again.secure and again.mode == "symmetric" and again.wire_dtype == "bfloat16" and again.snapshot_slots == 1
     assert again.nodes[0].secret_key_file == str(tmp_path / "keys" / "w1.key_secret")
 
 

@@ -43,18 +43,15 @@ def publish(node: Node, loss=None, batch_size=1, steps=1) -> None:
         node.update_wait(loss)
 
 
-@pytest.mark.parametrize(
-    "slots, same_host, expected", [("auto", "auto", 2), ("auto", "off", 1), (2, "off", 2), (1, "auto", 1)]
-)
-def test_a_node_has_two_snapshot_slots_beside_same_host_peers_and_one_with_a_peer_over_tcp(
-    nodes, slots, same_host, expected
-):
-    """docs/design.md#memory: a node that receives a peer's snapshot into a buffer of the model's size (a peer
-    over TCP) publishes into one slot, so that it holds two copies in all; `snapshot_slots` says otherwise."""
-    cfg = make_config(2, snapshot_slots=slots, same_host=same_host, insecure=True)
-    node = nodes(cfg, "w0", NumpyParams(np.zeros(10, np.float32)))
-    assert bool(node.parts.local) == (same_host == "auto")
-    assert node.parts.store.max_slots == expected
+@pytest.mark.parametrize("same_host", ["auto", "off"])
+def test_a_node_publishes_into_two_snapshot_slots_or_the_one_its_config_says(nodes, same_host):
+    """docs/design.md#memory: 2 slots by default, on one host or over TCP; `snapshot_slots: 1` saves a copy."""
+    for slots in (None, 1):
+        cfg = make_config(2, same_host=same_host, insecure=True, **({"snapshot_slots": slots} if slots else {}))
+        node = nodes(cfg, "w0", NumpyParams(np.zeros(10, np.float32)))
+        assert bool(node.parts.local) == (same_host == "auto")
+        assert node.parts.store.max_slots == (slots or 2)
+        node.close()
 
 
 def test_a_fetch_returns_the_peers_exact_bytes(nodes, make_cluster):

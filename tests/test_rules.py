@@ -3,7 +3,6 @@ peers that mix by another rule refused. And ClippedGossip, the first rule added 
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 import time
@@ -208,8 +207,14 @@ def test_a_joiner_takes_its_donors_clipping_history_so_it_clips_from_its_first_e
     assert "rule" in (w2.joined.extra_state or {}), w2.joined
     seen = w2.rule.state()["seen"]
     assert len(seen) >= 5 and seen[0] > 0, seen
-    first = round(math.log2(2.0 / seen[0]))  # how many slid out
-    assert seen == [2.0 * 0.5 ** (first + i) for i in range(len(seen))], seen
+    # the distances w0's pulls saw, in float32: halving until the gap is below float32's resolution at 2,
+    # then 0 (a slow join lets w0 pull that long)
+    x, distances = np.float32(0), []
+    for _ in range(64):
+        distances.append(float(np.float32(2) - x))
+        x = np.float32(x + np.float32(0.5) * (np.float32(2) - x))
+    first = distances.index(seen[0])  # how many slid out
+    assert seen == distances[first : first + len(seen)], seen
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-from ..config import Config, NodeSpec
+from ..config import SNAPSHOT_SLOTS, Config, NodeSpec
 from ..logs import RateLimitedLog, logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
@@ -51,7 +51,7 @@ __all__ = [
     "Parts",
 ]
 
-MAX_SNAPSHOT_SLOTS = 2  # `snapshot_slots: auto`: 2 beside same-host peers only, else 1 (docs/design.md#memory)
+MAX_SNAPSHOT_SLOTS = max(SNAPSHOT_SLOTS)  # the most snapshot slots a node has (`snapshot_slots`, docs/design.md#memory)
 UNSENT_PER_CLIENT = 3  # replies with a payload one client may leave unsent (ZeroMQ reports "sent" a little late)
 # Pull-mode fetches of models up to this size from peers on other machines run on the training thread
 # (DirectClient): two thread wake-ups cost more than checking a small reply; larger ones are received
@@ -122,14 +122,10 @@ class Parts:
             local = self._same_host_peers()
             self.local = tuple(local)  # same-host peers: their slots can be read (slot_readers)
             unsent = UNSENT_PER_CLIENT * (budgeted + 1)  # each sender its own budget
-            # a peer read over TCP costs a receive buffer of the model's size: one slot fewer keeps the node
-            # at two copies of its model (docs/design.md#memory); decided from the peers known at start
-            remote = any(peer not in self.local for peer in self.peers)
-            slots = config.snapshot_slots
             self.store = SnapshotStore(
                 params.size,
                 model.storage,
-                max_slots=int(slots) if slots != "auto" else MAX_SNAPSHOT_SLOTS - 1 if remote else MAX_SNAPSHOT_SLOTS,
+                max_slots=config.snapshot_slots,
                 memory=SlotAllocator(params.size, model.storage, params.allocate, self.shared, name),
                 hold_limit_s=config.timeout_s + 1.0,
                 max_retired=unsent,

@@ -57,7 +57,7 @@ class MemoryRow:
 
 
 def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> list[MemoryRow]:
-    """The table: every path and codec at the first size; the defaults, two slots over TCP and mode pull at
+    """The table: every path and codec at the first size; the defaults, one slot over TCP and mode pull at
     the others; the defaults at `largest` (the biggest model two nodes hold on this machine; None: no such
     row). `quick`: the default mode's two rows at each size, nothing else."""
     same_host, tcp = {"same_host": "auto"}, {"same_host": "off", "insecure": True}
@@ -70,7 +70,7 @@ def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> l
         if quick:
             continue
         rows += [
-            MemoryRow("symmetric, TCP, snapshot_slots: 2", size, {**tcp, "snapshot_slots": 2}),
+            MemoryRow("symmetric, TCP, snapshot_slots: 1", size, {**tcp, "snapshot_slots": 1}),
             MemoryRow("pull, same host", size, {**same_host, "mode": "pull"}),
             MemoryRow("pull, TCP", size, {**tcp, "mode": "pull"}),
         ]
@@ -166,7 +166,7 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
     """One node of a row: train `steps` steps exchanging every step, and print what it measured as JSON."""
     import torch
 
-    from dpwa import DpwaPyTorchAdapter
+    from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
     torch.set_num_threads(1)
     net = _model(parameters, dtype, fill=1.0 if name == "a" else 3.0)
