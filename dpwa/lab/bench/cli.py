@@ -8,7 +8,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --log bench.log         # the benchmark's own nodes' log lines go here
     python -m dpwa.bench --training              # only the digits model's training-step rows (about a minute)
     python -m dpwa.bench --memory                # what a node holds beyond its model: 10M, 50M and 100M parameters
-    python -m dpwa.bench --memory --largest 500000000   # and a row at 500M (8 GB of models and gradients)
+    python -m dpwa.bench --memory --largest 500000000   # and rows at 500M (8 GB of models and gradients)
 
 The benchmark's own nodes log what any node logs (its configurations are
 deliberately odd: ``fetch_probability: 0`` for a node that only serves, plain
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "--largest",
         type=int,
         metavar="PARAMETERS",
-        help="with --memory: a last row (the defaults, same host and TCP) at this many parameters",
+        help="with --memory: last rows at this many parameters (the defaults on one host; one slot over TCP)",
     )
     parser.add_argument(
         "--memory-node", nargs=5, metavar=("CONFIG", "NAME", "SIZE", "DTYPE", "STEPS"), help=argparse.SUPPRESS
