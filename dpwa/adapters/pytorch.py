@@ -53,7 +53,8 @@ from .outer import OuterOptimizerFactory, TorchOuter
 __all__ = ["CHUNKED_MIN_ELEMENTS", "CHUNK_ELEMENTS", "DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
 
 # A CPU model larger than this is blended chunk by chunk, each tensor in place, instead of through one flat
-# float32 work buffer of the model's size: its scratch is three chunks (12 MiB), not a copy of the model.
+# float32 work buffer of the model's size: its scratch is three chunks (12 MiB; four for a half-precision
+# model on a half-precision wire), not a copy of the model.
 CHUNKED_MIN_ELEMENTS = 1 << 22  # 16 MiB in float32
 CHUNK_ELEMENTS = 1 << 20
 

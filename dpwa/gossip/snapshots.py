@@ -331,7 +331,7 @@ class SnapshotStore:
     def refusal(self) -> tuple[Literal["busy", "not_ready"], str]:
         """Why :meth:`lease` gave nothing: the refusal a requester gets (reason, in words)."""
         with self._lock:
-            if self._writing is not None:
+            if self._current is not None:  # lease() found it being rewritten (it may be whole by now)
                 return "busy", "the snapshot is being rewritten; ask again"
             return "not_ready", "no snapshot published yet"
 

@@ -177,7 +177,7 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
     adapter = DpwaPyTorchAdapter(net, name, config_path)
     shared = adapter.node.parts.shared
     sampler = _Sampler(str(shared.dir) if shared is not None else None)
-    exchange_s: list[float] = []
+    step_s: list[float] = []
     try:
         loss = 1.0
         adapter.node.barrier("memory-start", timeout_s=120)  # both train at once: every step may exchange
@@ -189,13 +189,13 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
                     p.add_(p.grad, alpha=-0.1)
             time.sleep(STEP_S)  # the rest of a step's compute (a stand-in: what is measured is memory)
             adapter.update_wait(loss)
-            exchange_s.append(time.perf_counter() - t0)
+            step_s.append(time.perf_counter() - t0)
         steady = sampler.sample()
         stats = adapter.node.stats()
         adapter.node.barrier("memory-end", timeout_s=120)  # neither closes while the other still steps
-        adapter.close()
     finally:
         sampler.stop()
+        adapter.close()
     print(
         json.dumps(
             {
@@ -204,7 +204,7 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
                 "baseline": baseline,
                 "steady": [steady[0] - baseline, steady[1]],
                 "peak": [sampler.peak[0] - baseline, sampler.peak[1]],
-                "step_ms": statistics.median(exchange_s) * 1e3,
+                "step_ms": statistics.median(step_s) * 1e3,
                 "blends": stats.get("averaged", 0) + stats.get("mirrored", 0),
                 "busy": stats.get("busy_answers", 0),
             }
