@@ -341,9 +341,11 @@ class Config:
         shown="{}",
     )
     wire_dtype: str = setting(
-        "float32",
-        one_of(WIRE_DTYPES),
-        "the wire codec. `float32`, `float16` or `bfloat16`: parameters travel (and snapshots are kept) in this "
+        "auto",
+        one_of(("auto", *WIRE_DTYPES)),
+        "the wire codec. `auto`: the model's own dtype when every tensor it blends is float16 or every one "
+        "bfloat16 (no float32 copy of a half-precision model, and nothing lost), else float32. "
+        "`float32`, `float16` or `bfloat16`: parameters travel (and snapshots are kept) in this "
         "dtype; `int8`: they travel as blocks of 1,024 signed bytes with a float32 scale each (3.98 times fewer "
         "bytes than float32), and what rounding leaves out is sent with the next snapshot (error feedback); "
         "`topk` (mode pull): the largest 5% (`wire_options`) of the change since what the requester holds, as "
@@ -565,6 +567,10 @@ class Config:
         self.node(name)
         return tuple(spec for spec in self.nodes if spec.name != name)
 
+    def wire_of(self, natural: str) -> str:
+        """The wire codec for a model whose own wire dtype is `natural` (FlatParams.natural_wire)."""
+        return natural if self.wire_dtype == "auto" else self.wire_dtype
+
     def to_mapping(self) -> dict[str, Any]:
         """Every setting as plain data that :func:`parse_config` reads back to an equal Config
         (secret key paths are absolute, so the mapping can be written anywhere)."""
@@ -695,7 +701,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         rule.check_mode(config.mode, rule.checked_options(dict(config.rule_options)))
     except rules.RuleError as exc:
         raise ConfigError(f"{source}: rule_options: {exc}") from None
-    codec = codecs.codec_class(config.wire_dtype)
+    codec = codecs.codec_class(config.wire_of("float32"))  # auto: a plain dtype, whichever the model's
     try:
         codec.checked_options(dict(config.wire_options))
     except ValueError as exc:

@@ -354,7 +354,7 @@ def test_a_preset_sets_its_keys_and_a_key_in_the_file_wins():
         "auto",
         1,
         "none",
-        "float32",
+        "auto",
     )
     cfg = parse_config({**nodes, "preset": "original"})
     assert (cfg.mode, cfg.rule, cfg.pairing) == ("pull", "state", "random")

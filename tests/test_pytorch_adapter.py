@@ -215,6 +215,29 @@ def test_a_large_model_blends_chunk_by_chunk_to_the_same_bits_with_no_model_size
     assert ours.scratch_nbytes() <= 3 * CHUNK_ELEMENTS * 4 < ours.size * 4 <= theirs.scratch_nbytes()
 
 
+def test_a_model_all_in_one_half_precision_is_snapshotted_and_sent_in_it(adapters):
+    """`wire_dtype: auto` (the default): a bfloat16 or float16 model is kept and sent in its own dtype, so a
+    slot is a copy of its own bytes, not of a float32 version of it; a model of mixed dtypes, or a float32
+    one, travels in float32; a wire_dtype the file names wins."""
+    cases = [
+        ([torch.bfloat16], {}, "bfloat16"),
+        ([torch.float16, torch.float16], {}, "float16"),
+        ([torch.bfloat16, torch.float32], {}, "float32"),
+        ([torch.float32], {}, "float32"),
+        ([torch.bfloat16], {"wire_dtype": "float32"}, "float32"),
+    ]
+    for dtypes, settings, wire in cases:
+        net = nn.Module()
+        net.weights = nn.ParameterList([nn.Parameter(torch.ones(10, dtype=d)) for d in dtypes])
+        adapter = adapters(net, "w0", make_config(2, fetch_probability=0, **settings))
+        assert adapter.node.config.wire_dtype == wire, dtypes
+        adapter.update_send(1.0)
+        adapter.update_wait(1.0)
+        snapshot = adapter.node.parts.store.current()
+        assert snapshot is not None and snapshot.array.nbytes == 10 * len(dtypes) * (4 if wire == "float32" else 2)
+        adapter.close()
+
+
 def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(adapters, make_cluster):
     """The memory budget (docs/design.md#memory), counted, not timed: two nodes of a 5.5M-parameter model in
     the default mode, stepping side by side until each has blended a few times (over TCP, the snapshots

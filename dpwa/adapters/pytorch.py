@@ -90,6 +90,9 @@ class TorchParams(FlatParams):
         self._sizes = [t.numel() for t in self._tensors]
         self.size = sum(self._sizes)
         self.fingerprint = fingerprint((n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in named)
+        dtypes = {t.dtype for t in self._tensors}  # a model all in one half precision travels in it, whole
+        half = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+        self.natural_wire = half[next(iter(dtypes))] if len(dtypes) == 1 and dtypes <= half.keys() else "float32"
         # Every op is a few flat ones over one work buffer: the tensors are gathered into it with one cat and
         # written back with one foreach call (a per-tensor op costs microseconds each; a small model has dozens).
         # Contiguous tensors are read through cached 1-D views of themselves; the rest are flattened per call.

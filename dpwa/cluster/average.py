@@ -399,7 +399,7 @@ def average_live(
         )
     name, curve = asker(config, key)
     params = TorchParams(model, include_buffers=include_buffers)
-    wire = WireModel(params.fingerprint, config.wire_dtype, params.size, None, config.wire_options)
+    wire = WireModel(params.fingerprint, config.wire_of(params.natural_wire), params.size, None, config.wire_options)
     deadline = time.monotonic() + (config.timeout_s if timeout_s is None else timeout_s)
     total = _Sum()
     sources: dict[str, str] = {}

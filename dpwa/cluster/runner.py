@@ -122,7 +122,7 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--wire-dtype",
         default=None,
-        choices=WIRE_DTYPES,
+        choices=("auto", *WIRE_DTYPES),
         help=f"config: dtype of parameters on the wire (default: {DEFAULTS['wire_dtype']})",
     )
     g.add_argument(

@@ -32,6 +32,7 @@ lingering, at a barrier, or at close).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -100,6 +101,8 @@ class Node:
     ) -> None:
         who = identify(config, name)  # raises before any socket exists
         self.config, self.name, self.spec = who.config, who.name, who.spec
+        if self.config.wire_dtype == "auto":  # the model's own dtype, or float32
+            self.config = dataclasses.replace(self.config, wire_dtype=params.natural_wire)
         if outer is not None and self.config.outer != "none":
             raise ValueError(
                 f"{self.config.source}: outer: {self.config.outer} and an outer step given to the node "

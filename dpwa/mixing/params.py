@@ -38,6 +38,7 @@ class FlatParams(ABC):
 
     size: int
     fingerprint: bytes  # equal on two nodes exactly when their layouts are equal
+    natural_wire = "float32"  # the wire dtype that holds these parameters whole (`wire_dtype: auto`)
 
     @abstractmethod
     def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
