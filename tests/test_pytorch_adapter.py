@@ -238,6 +238,31 @@ def test_a_model_all_in_one_half_precision_is_snapshotted_and_sent_in_it(adapter
         adapter.close()
 
 
+@pytest.mark.parametrize("size", [1_000, 5_000_001])  # the flat path, and the chunked one
+def test_a_bfloat16_model_blends_to_the_same_bits_from_a_bfloat16_wire_as_from_float32(size):
+    """What `wire_dtype: auto` promises a bfloat16 model: nothing lost. Its values are bfloat16 either way,
+    so the peer's snapshot in bfloat16 or in float32 blends to the same bits."""
+    nets = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = nn.Module()
+        net.w = nn.Parameter(torch.randn(size).to(torch.bfloat16))
+        nets.append(net)
+    params = [TorchParams(net) for net in nets]
+    assert params[0].natural_wire == "bfloat16"
+    torch.manual_seed(1)
+    peer, own = (torch.randn(size).to(torch.bfloat16) for _ in range(2))
+    wires = {
+        "bfloat16": [t.view(torch.int16).numpy().view(np.uint16) for t in (peer, own)],
+        "float32": [t.float().numpy() for t in (peer, own)],
+    }
+    for p, wire in zip(params, wires, strict=True):
+        a, b = wires[wire]
+        p.lerp_from(a, 0.3, wire)
+        p.add_scaled_diff_from(a, b, 0.25, wire)
+    assert torch.equal(nets[0].w, nets[1].w)
+
+
 def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(adapters, make_cluster):
     """The memory budget (docs/design.md#memory), counted, not timed: two nodes of a 5.5M-parameter model in
     the default mode, stepping side by side until each has blended a few times (over TCP, the snapshots
