@@ -278,11 +278,10 @@ def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(
 
     def train(adapter: DpwaPyTorchAdapter) -> None:
         try:
-            for _ in range(200):  # bounded; ends once this node blended 4 times
-                adapter.update_send(1.0)
+            for _ in range(200):  # bounded; ends once both nodes blended 4 times (one that stopped early
+                adapter.update_send(1.0)  # would leave its peer a spent snapshot to ask for)
                 adapter.update_wait(1.0)
-                stats = adapter.node.stats()
-                if stats["averaged"] + stats.get("mirrored", 0) >= 4:
+                if all(p.node.stats()["averaged"] + p.node.stats().get("mirrored", 0) >= 4 for p in pair):
                     break
             adapter.node.barrier("done", timeout_s=60)  # neither closes while the other still steps
         except BaseException as exc:

@@ -64,20 +64,10 @@ def test_reader_lock_and_version_rules(root):
     view = reader.acquire(slots.id, 0, 1, 40, F32)
     assert np.all(view.array == 1.0)
     store.publish(lambda a: a.fill(2.0), 0, None)  # slot 1, version 2
-    # slot 0 is locked by the reader: slot 1, which nobody holds, is rewritten in place (version 3)
-    assert store.publish(lambda a: a.fill(3.0), 0, None)
-    current = store.current()
-    assert current is not None and (current.slot, current.version) == (1, 3)
-    assert np.all(view.array == 1.0)  # slot 0 untouched
-    with pytest.raises(ProtocolError) as info:  # a reply naming version 2 of slot 1, rewritten before we locked it
-        reader.acquire(slots.id, 1, 2, 40, F32)
-    assert info.value.reason == "shm_stale"
-    held = store.lease()  # slot 1 held here too: nothing is free
-    assert held is not None
-    assert not store.publish(lambda a: a.fill(4.0), 0, None)  # skipped, not waited for
+    assert not store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 is locked by the reader: skipped
+    assert np.all(view.array == 1.0)  # and untouched
     view.release()
-    held.release()
-    assert store.publish(lambda a: a.fill(4.0), 0, None)  # slot 0 again, version 4
+    assert store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 again, version 3
     with pytest.raises(ProtocolError) as info:  # an old reply naming version 1 of slot 0
         reader.acquire(slots.id, 0, 1, 40, F32)
     assert info.value.reason == "shm_stale"
@@ -112,15 +102,10 @@ def test_the_lock_of_a_dead_reader_is_dropped_by_the_kernel(root):
     try:
         assert holder.stdout is not None
         assert holder.stdout.readline().strip() == "locked"
-        held = store.lease()  # slot 1, the current one, held here: nothing is free
-        assert held is not None
         assert not store.publish(lambda a: a.fill(3.0), 0, None)  # slot 0 held by the other process
         holder.kill()
         holder.wait(10)
         assert store.publish(lambda a: a.fill(3.0), 0, None)  # its lock died with it
-        current = store.current()
-        assert current is not None and current.slot == 0
-        held.release()
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -89,10 +89,25 @@ def test_a_lease_handed_to_a_tracker_lasts_until_the_send_is_done():
     assert store.publish(fill_with(3.0), 0, None) and newest(store).slot == 0
 
 
-def test_past_max_slots_the_current_slot_is_rewritten_in_place_and_leased_to_nobody_meanwhile():
-    """Two slots, one held by a reader: the next publish rewrites the current one (nobody holds it). While
-    it is written, no lease is given, and the refusal says why (busy); then the new snapshot is current."""
+def test_two_slots_with_the_other_held_skip_the_publish_and_serve_the_previous_snapshot():
+    """Two slots, one held by a reader, the current one free: the publish is skipped rather than the current
+    rewritten in place, so a requester (mode pull above all) gets the previous snapshot, never `busy`."""
     store = SnapshotStore(10, np.float32, max_slots=2)
+    store.publish(fill_with(1.0), 0, None)
+    reader = leased(store)  # slot 0, held
+    store.publish(fill_with(2.0), 0, None)  # slot 1, current, free
+    assert not store.publish(fill_with(3.0), 0, None) and store.skipped == 1
+    snap = newest(store)
+    assert snap.slot == 1 and snap.version == 2 and np.all(snap.array == 2.0)
+    reader.release()
+    assert store.publish(fill_with(3.0), 0, None) and newest(store).slot == 0
+
+
+def test_with_rewrite_in_place_the_current_slot_is_rewritten_and_leased_to_nobody_meanwhile():
+    """Mode symmetric's store: two slots, one held by a reader; the next publish rewrites the current one
+    (nobody holds it). While it is written, no lease is given, and the refusal says why (busy); then the
+    new snapshot is current."""
+    store = SnapshotStore(10, np.float32, max_slots=2, rewrite_in_place=True)
     store.publish(fill_with(1.0), 0, None)
     reader = leased(store)  # slot 0, held
     store.publish(fill_with(2.0), 0, None)  # slot 1, current, free
@@ -111,13 +126,34 @@ def test_past_max_slots_the_current_slot_is_rewritten_in_place_and_leased_to_nob
     reader.release()
 
 
-def test_a_failed_rewrite_in_place_leaves_no_snapshot_to_lease():
-    """The fill raises while the current slot is rewritten in place: its contents are gone, so nothing is
-    leased (not a half-written snapshot) until the next publish."""
-    store = SnapshotStore(10, np.float32, max_slots=2)
+def test_a_single_slot_is_rewritten_in_place_and_leased_to_nobody_meanwhile():
+    """`snapshot_slots: 1`: the slot is rewritten in place when nobody holds it. While it is written no lease
+    is given, and the refusal says why (busy); then the new snapshot is current. A held slot skips the
+    publish instead."""
+    store = SnapshotStore(10, np.float32, max_slots=1)
     store.publish(fill_with(1.0), 0, None)
+    during: list[object] = []
+
+    def fill(array: np.ndarray) -> None:
+        during.append(store.lease())
+        during.append(store.refusal())
+        array[:] = 3.0
+
+    assert store.publish(fill, 0, None)
+    assert during == [None, ("busy", "the snapshot is being rewritten; ask again")]
+    snap = newest(store)
+    assert snap.slot == 0 and snap.version == 2 and np.all(snap.array == 3.0)
     reader = leased(store)
-    store.publish(fill_with(2.0), 0, None)
+    assert not store.publish(fill_with(4.0), 0, None) and store.skipped == 1
+    assert np.all(reader.snapshot.array == 3.0) and store.slots == 1
+    reader.release()
+
+
+def test_a_failed_rewrite_in_place_leaves_no_snapshot_to_lease():
+    """The fill raises while the one slot is rewritten in place: its contents are gone, so nothing is
+    leased (not a half-written snapshot) until the next publish."""
+    store = SnapshotStore(10, np.float32, max_slots=1)
+    store.publish(fill_with(1.0), 0, None)
 
     def broken(array: np.ndarray) -> None:
         array[:5] = 9.0
@@ -126,7 +162,6 @@ def test_a_failed_rewrite_in_place_leaves_no_snapshot_to_lease():
     with pytest.raises(RuntimeError, match="the copy failed"):
         store.publish(broken, 0, None)
     assert store.lease() is None and store.refusal()[0] == "not_ready"
-    reader.release()
     assert store.publish(fill_with(4.0), 0, None) and np.all(newest(store).array == 4.0)
 
 

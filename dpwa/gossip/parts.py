@@ -126,6 +126,7 @@ class Parts:
                 params.size,
                 model.storage,
                 max_slots=config.snapshot_slots,
+                rewrite_in_place=config.mode == "symmetric",  # a spent snapshot is refused anyway
                 memory=SlotAllocator(params.size, model.storage, params.allocate, self.shared, name),
                 hold_limit_s=config.timeout_s + 1.0,
                 max_retired=unsent,
@@ -270,8 +271,8 @@ class Parts:
         """Copy the model into a snapshot peers are served; capture the extra state if a joiner waits."""
         fill = functools.partial(self._params.copy_to, wire=self._model.kept)
         if not self.store.publish(fill, clock, loss):
-            self._log(
-                30,
+            self._log(  # info: with two slots, a send still under way when the next step publishes is common
+                20,
                 "publish_skipped",
                 "%s: every snapshot slot is held by readers; peers get the previous snapshot",
                 self.name,

@@ -9,9 +9,11 @@ zero-copy ZeroMQ send, when ZeroMQ's ``MessageTracker`` says the bytes left.
 
 So a snapshot is never served torn, and publishing never waits for a reader:
 when every slot is held, a new one is allocated, up to ``max_slots``. Past
-that, the current slot itself is rewritten when nobody holds it: while it is
-written no lease is given (:meth:`SnapshotStore.refusal` says why), and
-the new snapshot is current once it is whole. A slot
+that the publish is skipped, and readers get the previous snapshot; or, with
+``rewrite_in_place`` (and always with one slot), the current slot is
+rewritten when nobody holds it: while it is written no lease is given
+(:meth:`SnapshotStore.refusal` says why), and the new snapshot is current
+once it is whole. A slot
 held *only* by others (unsent replies, or a same-host reader's file lock) for
 longer than ``hold_limit_s`` is **retired**: the store forgets it (its memory
 lives on until the last sender or reader lets go) and allocates a fresh one
@@ -185,6 +187,10 @@ class SnapshotStore:
         memory: makes slot `index`'s memory; heap arrays by default.
         hold_limit_s: a slot held only by others for longer is retired.
         max_retired: retired slots still alive (held by their readers) at most.
+        rewrite_in_place: past `max_slots`, rewrite the current slot when nobody holds it, instead of
+            skipping the publish (no lease is given meanwhile). Right where a snapshot serves one
+            exchange (mode symmetric): once spent it is refused anyway, and this brings the next one
+            sooner. One slot is always rewritten in place: there is no other to fill.
     """
 
     def __init__(
@@ -196,6 +202,7 @@ class SnapshotStore:
         memory: Callable[[int], SlotMemory] | None = None,
         hold_limit_s: float = 5.0,
         max_retired: int = 8,
+        rewrite_in_place: bool = False,
     ) -> None:
         if size < 0:
             raise ValueError(f"size must be >= 0, got {size}")
@@ -204,6 +211,7 @@ class SnapshotStore:
         self.size = size
         self.dtype = np.dtype(dtype)
         self.max_slots = max_slots
+        self.in_place = rewrite_in_place or max_slots == 1
         self.hold_limit_s = hold_limit_s
         self.max_retired = max_retired
         self._memory = memory or (lambda index: HeapMemory(np.empty(self.size, dtype=self.dtype)))
@@ -277,11 +285,14 @@ class SnapshotStore:
                     slot.blocked_since = slot.blocked_since or now  # a same-host reader holds its lock
                 if stale is None and slot.stale(now, self.hold_limit_s):
                     stale = slot
-            if stale is None and current is not None and current.stale(now, self.hold_limit_s):
-                stale = current  # (one slot) retired like any other; it is served until the fresh one is whole
+            # Else (not in_place) a publish that finds every other slot held is skipped, and peers get the
+            # previous snapshot: a rewrite in place would answer them `busy` while it lasts.
+            single = self.max_slots == 1
+            if single and stale is None and current is not None and current.stale(now, self.hold_limit_s):
+                stale = current  # retired like any other; it is served until the fresh one is whole
             if len(self._slots) < self.max_slots:
                 index = len(self._slots)
-            elif current is not None and not current.held() and current.memory.begin_write():
+            elif self.in_place and current is not None and not current.held() and current.memory.begin_write():
                 self._writing = current  # rewritten in place: no lease of it until the new snapshot is whole
                 current.blocked_since = None
                 return current
