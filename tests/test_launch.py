@@ -319,3 +319,49 @@ def test_a_signal_during_the_average_evaluation_stops_that_too(tmp_path):
     assert summary["average"] == {"error": "stopped during the evaluation"}
     pid, start = processes.read_pid_file(finish_pid)
     assert processes.process_start(pid) != start  # the evaluation process is gone too
+
+
+class _FakeCluster:
+    """What the supervisor uses of a Cluster: every node alive until killed, nothing restarted here."""
+
+    def __init__(self, names):
+        self.commands = dict.fromkeys(names)
+        self.procs = {n: type("P", (), {"pid": 1000 + i})() for i, n in enumerate(names)}
+        self.killed: list[str] = []
+
+    def alive(self):
+        return [n for n in self.commands if n not in self.killed]
+
+    def kill(self, name):
+        self.killed.append(name)
+        return True
+
+    def exited(self):
+        return {}
+
+
+def test_a_chaos_kill_that_falls_due_while_a_node_starts_waits_for_it_instead_of_being_dropped(tmp_path):
+    """CI once ran a whole `--chaos 1.5` run without a kill: each time one fell due, some node was not yet
+    training, and the kill was dropped for a new random wait. A due kill now stays due until every node
+    trains, and comes at the first look after."""
+    from dpwa.cluster.monitor import NodeState
+
+    names = ["w1", "w2", "w3"]
+    spec = launch.LaunchSpec(run_dir=str(tmp_path), config={}, command=[], restarts=2, chaos_s=1.5, chaos_seed=3)
+    cluster = _FakeCluster(names)
+    metrics = type("M", (), {"nodes": {n: NodeState(n) for n in names}})()
+    messages: list[str] = []
+    view = type("V", (), {"message": lambda self, text: messages.append(text)})()
+    events = type("E", (), {"write": lambda self, *a, **k: None})()
+    supervisor = launch._Supervisor(spec, cluster, metrics, view, events)  # type: ignore[arg-type]
+    for name in ["w1", "w2"]:  # w3 has started but logged no step yet
+        metrics.nodes[name].start, metrics.nodes[name].step = {"t": 1.0}, {"t": 2.0}
+    metrics.nodes["w3"].start = {"t": 1.0}
+    supervisor.next_kill = 0.0  # due
+    for _ in range(3):
+        supervisor.tend(stopping=False)
+        assert cluster.killed == [] and supervisor.next_kill == 0.0  # not up: still due, nobody killed
+    metrics.nodes["w3"].step = {"t": 3.0}
+    supervisor.tend(stopping=False)
+    assert len(cluster.killed) == 1 and messages == [f"dpwa: chaos: SIGKILL to {cluster.killed[0]}"]
+    assert metrics.nodes[cluster.killed[0]].kills == 1 and supervisor.next_kill > 0.0  # the next one drawn

@@ -328,7 +328,12 @@ class _Supervisor:
                     nodes[victim].kills += 1
                     self.events.write("kill", victim, pid=self.cluster.procs[victim].pid, by="chaos")
                     self.view.message(f"dpwa: chaos: SIGKILL to {victim}")
-            self.next_kill = self._next_kill()
+                self.next_kill = self._next_kill()
+            elif not victims:
+                self.next_kill = self._next_kill()
+            # else a kill that is due waits for the cluster to be up again (looked at every tick), rather
+            # than being dropped: on a loaded machine a node starting again took longer than the mean
+            # interval, and a whole run could pass without one kill.
         for name, code in self.cluster.exited().items():
             finished = code == 0 and nodes[name].end is not None
             if finished or self.restarts[name] >= self.spec.restarts:

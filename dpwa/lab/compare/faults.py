@@ -74,8 +74,11 @@ class KillSyncWorkerMidTask(KillProcess):
 
     def _status(self, run: LiveRun) -> dict[str, Any] | None:
         if self._client is None:
+            # Patient enough for a master busy with gradients on a loaded machine, and within half a
+            # lease: the frozen victim's task must still be held when the second look is answered.
+            wait_s = max(0.5, run.run["options"]["lease_s"] / 2)
             self._client = MasterClient(
-                run.run["options"]["endpoint"], OBSERVER, self._layout, timeout_s=0.5, unreachable_s=0.5
+                run.run["options"]["endpoint"], OBSERVER, self._layout, timeout_s=wait_s, unreachable_s=wait_s
             )
         try:
             return self._client.status()
@@ -88,18 +91,27 @@ class KillSyncWorkerMidTask(KillProcess):
             return None
         return next((t for t in status["holders"].get(self.victim, []) if t[1] >= 1), None)
 
+    def _missed(self, why: str) -> bool:
+        """Count a look that found nothing to kill, by why (in the report: a run without a kill says why)."""
+        misses = self.notes.setdefault("looks_missed", {})
+        misses[why] = misses.get(why, 0) + 1
+        return False
+
     def ready(self, run: LiveRun) -> bool:
-        if self._held_task(self._status(run)) is None:
-            return False
+        status = self._status(run)
+        if status is None:
+            return self._missed("no_status")
+        if self._held_task(status) is None:
+            return self._missed("not_mid_task")
         # The victim may finish that task between our look and the kill: freeze it, look again, and
         # kill only what is still mid-task (else let it go on and try again later).
         if not run.procs.pause(self.victim):
-            return False
+            return self._missed("victim_ended")
         status = self._status(run)
         held = self._held_task(status)
         if held is None or status is None:
             run.procs.resume(self.victim)
-            return False
+            return self._missed("no_status_frozen" if status is None else "moved_on_frozen")
         self._held = held
         self._expired_before = status["expired"]
         self.notes["held_task"] = {"task": held[0], "reports_accepted": held[1]}
