@@ -52,7 +52,11 @@ SCORE_MIN = 0.05
 SCORE_STEP_UP = 0.25
 SCORE_DECAY = 0.5
 UNREACHABLE_AFTER = 2  # consecutive timeouts or transport failures that make a peer count as unreachable
-ALONE_BACKOFF_MAX_S = 30.0  # when every peer fails, probe at most this rarely (the interval doubles up to it)
+# A rested peer is asked again, and a node whose every peer rests probes one, at most this long after the last
+# try (the interval doubles from the timeout up to it). A few seconds, not tens: on a link whose delays straddle
+# the deadline, honest peers miss twice in a row now and then, and a node must not go silent for long while a
+# peer answers at all. A dead peer then costs one timeout in every few seconds.
+ALONE_BACKOFF_MAX_S = 4.0
 
 
 class PeerSelector:
