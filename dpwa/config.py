@@ -299,7 +299,13 @@ class Config:
         1.0, number(0.0, 1.0), "chance, in [0, 1], that an `update_send` starts a fetch", shown="1"
     )
     timeout_ms: int = setting(
-        2500, positive_int(), "deadline of one fetch, in ms (positive integer); a timeout lowers the peer's score"
+        2500,
+        positive_int(),
+        "the least time a request (a fetch, or an exchange with its confirm) is given, in ms (positive integer). "
+        "Each peer's deadline follows its link: a smoothed request time plus four times its variation, never below "
+        "`timeout_ms` and never above 4 × `timeout_ms`, doubled after a timeout "
+        "([Deadlines that follow the link](#deadlines-that-follow-the-link)); `update_wait` waits at most that "
+        "long. A timeout lowers the peer's score",
     )
     interpolation: str = setting(
         "constant",

@@ -138,3 +138,17 @@ def test_the_rule_refuses_a_second_exchange_and_a_stale_snapshot():
     assert not admission.take(2, "own") and "already took part" in admission.refusal(2)
     assert admission.spent(2) and not admission.spent(3)
     assert admission.take(3, "own")
+
+
+def test_an_own_exchange_hands_over_to_a_served_one_only_on_a_fresh_snapshot():
+    """A crossing request: our own exchange, not yet confirmed, gives way to the peer's (it will never be
+    applied), so the node's one unsettled exchange becomes the served one, on a snapshot that has not taken
+    part in an applied exchange."""
+    admission = Admission()
+    assert not admission.hand_over(1, "served")  # nothing unsettled: nothing to hand over
+    assert admission.take(1, "own")
+    assert admission.hand_over(1, "served") and admission.unsettled == "served"
+    assert "another exchange" in admission.refusal(1)  # still one unsettled exchange at a time
+    admission.settle(1)
+    assert admission.take(2, "own")
+    assert not admission.hand_over(1, "served") and admission.unsettled == "own"  # snapshot 1 is stale

@@ -114,3 +114,39 @@ def test_when_every_peer_is_unreachable_the_node_is_alone_and_probes_any_of_them
     assert not flow.alone and flow.candidates() == ["b"]
     clock.now += 2.0
     assert set(flow.candidates()) == {"a", "b"}
+
+
+def test_a_peer_heard_from_while_its_request_was_out_is_slow_not_rested():
+    """Rest the dead, not the slow: timeouts of a peer that showed a sign of life while the request was out
+    (a request of its own reached our Rx thread) lower its score but never rest it; the same timeouts
+    without a sign of life rest it after UNREACHABLE_AFTER, as before."""
+    clock = FakeClock()
+    flow = FlowControl("w0", ["slow", "dead"], 1.0, 1.0, random.Random(3), clock=clock)
+    for _ in range(5):
+        started = clock.now
+        clock.now += 0.5
+        flow.signs.heard("slow")  # its own request reached us meanwhile
+        flow.record("slow", "timeout", started=started)
+        flow.record("dead", "timeout", started=started)
+        clock.now += 0.5
+    assert flow.unreachable() == ["dead"] and flow.slow == 5
+    assert flow.selector.score("slow") < 0.1  # asked less ...
+    assert flow.candidates() == ["slow"]  # ... but asked, while the dead one rests
+    started = clock.now
+    clock.now += 0.5
+    flow.record("slow", "timeout", started=started)  # no sign since this request went out: a miss
+    flow.record("slow", "timeout", started=started)
+    assert sorted(flow.unreachable()) == ["dead", "slow"]
+
+
+def test_signs_of_life_are_bounded_and_keep_the_latest():
+    from dpwa.gossip.flow import SignsOfLife
+
+    clock = FakeClock()
+    signs = SignsOfLife(clock, max_peers=3)
+    for i, peer in enumerate(["a", "b", "c", "a", "d"]):
+        clock.now = float(i)
+        signs.heard(peer)
+    assert signs.since("a", 3.0) and not signs.since("a", 3.5)
+    assert not signs.since("b", 0.0)  # the oldest went when "d" came
+    assert signs.since("c", 2.0) and signs.since("d", 4.0)

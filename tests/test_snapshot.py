@@ -264,3 +264,49 @@ def test_only_one_publisher_at_a_time():
         store.publish(fill_with(1.0), 0, None)
     release.set()
     t.join(10)
+
+
+def test_a_slot_nobody_holds_is_lent_to_receive_into_and_is_neither_published_into_nor_lent_twice():
+    """The memory budget (docs/design.md#memory): a peer's snapshot is received into the node's own slot that
+    is not current and that nobody holds, so two slots are all the node holds. Never the current slot, a
+    leased one, or one a publish is filling; while lent, a publish that would need it is skipped (two slots,
+    mode pull) or rewrites the current one (mode symmetric); given back, it is lent or published into again."""
+    store = SnapshotStore(10, np.float32, max_slots=2)
+    assert store.borrow() is None  # no slot yet
+    store.publish(fill_with(1.0), 0, None)
+    assert store.borrow() is None  # the one slot is current
+    store.publish(fill_with(2.0), 0, None)  # slot 1 current, slot 0 free
+    lent = store.borrow()
+    assert lent is not None and store.lent == 1
+    array, give_back = lent
+    assert store.borrow() is None  # lent once
+    array[:] = 9.0  # a peer's snapshot arrives
+    assert not store.publish(fill_with(3.0), 0, None) and store.skipped == 1  # slot 0 is not written
+    assert np.all(array == 9.0) and newest(store).version == 2
+    give_back()
+    give_back()  # idempotent
+    assert store.publish(fill_with(3.0), 0, None) and newest(store).slot == 0
+    with leased(store):  # slot 0 current and leased; slot 1 free
+        lent = store.borrow()
+        assert lent is not None and lent[0] is not newest(store).array
+        lent[1]()
+
+    symmetric = SnapshotStore(10, np.float32, max_slots=2, rewrite_in_place=True)
+    symmetric.publish(fill_with(1.0), 0, None)
+    symmetric.publish(fill_with(2.0), 0, None)
+    lent = symmetric.borrow()
+    assert lent is not None
+    assert symmetric.publish(fill_with(3.0), 0, None)  # the current slot, rewritten in place
+    assert newest(symmetric).slot == 1 and np.all(newest(symmetric).array == 3.0)
+    lent[1]()
+
+    filling = SnapshotStore(10, np.float32, max_slots=2)
+    filling.publish(fill_with(1.0), 0, None)
+    seen: list[object] = []
+
+    def fill(out: np.ndarray) -> None:
+        seen.append(filling.borrow())
+        out.fill(2.0)
+
+    filling.publish(fill, 0, None)
+    assert seen == [None]  # the slot being filled is claimed; the other is current

@@ -4,6 +4,7 @@ both-or-neither guarantee under delays, losses and cuts at every protocol step."
 from __future__ import annotations
 
 import collections
+import functools
 import random
 import threading
 import time
@@ -901,3 +902,211 @@ def test_a_pending_slot_is_let_go_when_the_exchange_expires(nodes, slot_peer):
 
     assert wait_until(released, 10.0)
     assert np.all(theirs == 10.0) and server.stats()["exchanges_expired"] == 1
+
+
+# --------------------------------------------------------------------------- crossing requests
+
+
+class CrossingPeer:
+    """Peer w_k played by hand on both sides: a ROUTER at its port, which receives the node's own exchange
+    request and answers it when told, and a RawPeer that sends the node an exchange of its own."""
+
+    def __init__(self, zctx, cfg, name: str, node_name: str):
+        import zmq
+
+        port = next(spec["port"] for spec in cfg["nodes"] if spec["name"] == name)
+        self.router = zctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://127.0.0.1:{port}")
+        self.raw = RawPeer(zctx, cfg, name, server=node_name)
+        self.name = name
+
+    def take_request(self):
+        """The node's request to us: (routing frames, its header)."""
+        from dpwa.wire.schema import decode
+
+        assert self.router.poll(5000), "the node sent no request"
+        frames = self.router.recv_multipart()
+        return frames[:2], decode(frames[2])
+
+    def answer(self, envelope, frames) -> None:
+        self.router.send_multipart([*envelope, *frames])
+
+    def close(self) -> None:
+        self.router.close()
+        self.raw.sock.close()
+
+
+def mirrored_once(node) -> bool:
+    """Apply what settled; has the node applied one half it served?"""
+    tend(node)
+    return node.stats().get("mirrored", 0) == 1
+
+
+def start_own_exchange(node) -> None:
+    """Steps until the node starts an exchange (pairing random: a coin decides, half the steps)."""
+    for _ in range(60):  # bounded: each step starts one with probability 1/2
+        if node.update_send():
+            return
+        node.update_wait()
+    raise AssertionError("the node started no exchange in 60 steps")
+
+
+def test_crossing_requests_the_node_whose_name_sorts_first_serves_and_both_sides_move(nodes, zctx):
+    """w0 asks w1 while w1 asks w0 (played by hand): each would refuse the other busy and neither would
+    average. w0's name sorts first, so w0 gives its own exchange up and serves w1's; w1 refuses w0's (its
+    usual busy), and the one exchange is applied on w0's side as a mirror: w0 moves to the midpoint."""
+    from dpwa.gossip.protocol import EXCHANGE
+    from dpwa.wire.schema import error_header
+
+    cfg = make_config(
+        2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
+    )
+    mine = filled(0)
+    w1 = CrossingPeer(zctx, cfg, "w1", "w0")
+    try:
+        node = nodes(cfg, "w0", NumpyParams(mine))
+        start_own_exchange(node)  # w0's own exchange to w1 is out ...
+        envelope, request = w1.take_request()
+        assert request.kind == EXCHANGE.name
+        reply = w1.raw.exchange(node, filled(4))  # ... and w1's crosses it
+        assert reply.kind == "params", reply  # w0 gave way: it serves w1
+        w1.answer(envelope, [error_header(request.id, "busy", "in another exchange (own)")])
+        assert w1.raw.confirm(reply["xid"])["outcome"] == "commit"
+        update = node.update_wait()
+        assert update.outcome == "refused" and not update.averaged  # its own exchange: given up
+        assert wait_until(lambda: mirrored_once(node), 5)
+        assert np.all(mine == 2.0)  # 0 + f (4 - 0): w1's snapshot, one half, once
+        stats = node.stats()
+        assert stats["exchanges_given_way"] == 1 and stats.get("averaged", 0) == 0
+    finally:
+        w1.close()
+
+
+def test_a_crossing_reply_that_comes_after_the_node_gave_way_is_withdrawn_not_confirmed(nodes, zctx):
+    """The rare order: w0 gave way to w1's request, and w1 (whose own exchange ended meanwhile) still
+    serves w0's. w0 must not confirm it: that would put its one snapshot in two exchanges. It withdraws
+    it at once (a confirm marked withdraw, so w1 aborts it now rather than at its expiry), and applies
+    only the exchange it served."""
+    from dpwa.gossip.protocol import CONFIRM, DECISION, PARAMS
+    from dpwa.wire.payload import chunks
+
+    cfg = make_config(
+        2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
+    )
+    mine = filled(0)
+    w1 = CrossingPeer(zctx, cfg, "w1", "w0")
+    try:
+        node = nodes(cfg, "w0", NumpyParams(mine))
+        start_own_exchange(node)
+        envelope, request = w1.take_request()
+        reply = w1.raw.exchange(node, filled(4))
+        assert reply.kind == "params"
+        theirs = filled(8)
+        header = encode(
+            PARAMS,
+            request.id,
+            **{"from": "w1"},
+            fp=request["fp"],
+            dtype="float32",
+            nbytes=theirs.nbytes,
+            clock=0.0,
+            loss=None,
+            version=1,
+            xid=77,
+            f=0.5,
+        )
+        w1.answer(envelope, [header, *chunks([theirs])])
+        envelope, withdrawal = w1.take_request()
+        assert withdrawal.kind == CONFIRM.name and withdrawal["xid"] == 77 and withdrawal.get("withdraw") is True
+        w1.answer(envelope, [encode(DECISION, withdrawal.id, xid=77, outcome="abort")])
+        assert w1.raw.confirm(reply["xid"])["outcome"] == "commit"
+        update = node.update_wait()
+        assert update.outcome == "refused" and "crossing" in update.reason
+        assert wait_until(lambda: mirrored_once(node), 5)
+        assert np.all(mine == 2.0)  # w1's request only: w0's own exchange moved nothing
+        assert node.stats().get("averaged", 0) == 0
+    finally:
+        w1.close()
+
+
+def test_crossing_requests_the_node_whose_name_sorts_last_refuses_busy(nodes, zctx):
+    """The control: w1's own exchange to w0 is out when w0's request comes; w1's name sorts last, so it
+    refuses busy as before (w0 gives way on its side), and serves nothing."""
+    from dpwa.wire.schema import error_header
+
+    cfg = make_config(
+        2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
+    )
+    w0 = CrossingPeer(zctx, cfg, "w0", "w1")
+    try:
+        node = nodes(cfg, "w1", NumpyParams(filled(10)))
+        start_own_exchange(node)
+        envelope, request = w0.take_request()
+        reply = w0.raw.exchange(node, filled(4))
+        assert reply.kind == "error" and reply["reason"] == "busy"
+        w0.answer(envelope, [error_header(request.id, "busy", "crossing: w0 serves instead")])
+        node.update_wait()
+        assert node.stats().get("exchanges_given_way", 0) == 0 and node.stats().get("mirrored", 0) == 0
+    finally:
+        w0.close()
+
+
+# --------------------------------------------------------------------------- a slow link's exchanges
+
+
+def expired(server) -> int:
+    """Apply what settled (a pending exchange past its time is aborted then); the exchanges expired so far."""
+    tend(server)
+    return server.stats().get("exchanges_expired", 0)
+
+
+def has_expired(server, count: int) -> bool:
+    return expired(server) == count
+
+
+def test_an_exchange_is_held_as_long_as_its_requester_waits_within_four_timeouts(nodes, zctx):
+    """A requester on a slow link names its deadline (wait_ms): the server holds the exchange that long (plus
+    the 1 s margin), not just timeout_ms, so a confirm that comes after timeout_ms + 1 s still commits. What a
+    requester names is bounded: 4 x timeout_ms at most, whatever it asks."""
+    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=200)
+    mine = filled(10)
+    server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
+    server.update_send()
+    w0 = RawPeer(zctx, cfg, "w0")
+    reply = w0.exchange(server, filled(2), wait_ms=800)  # held 0.8 + 1 s
+    assert reply.kind == "params"
+    started = time.monotonic()
+    assert not wait_until(lambda: expired(server) > 0, 1.4)  # past 0.2 + 1 s: still held
+    assert w0.confirm(reply["xid"])["outcome"] == "commit"
+    server.update_wait()
+    assert np.all(mine == 6.0)
+    server.update_send()
+    reply = w0.exchange(server, filled(2), wait_ms=100_000)  # asks for 100 s: held 4 x 0.2 + 1 s = 1.8 s
+    started = time.monotonic()
+    assert wait_until(lambda: expired(server) == 1, 5, interval_s=0.02)
+    assert 1.7 < time.monotonic() - started < 3.0
+    assert w0.confirm(reply["xid"])["outcome"] == "abort"
+
+
+def test_a_confirm_that_comes_late_takes_its_strike_back(nodes, zctx):
+    """Three exchanges of w0 expire unconfirmed: w0 is paused (refused busy). A confirm of the last one then
+    comes, late: w0 is on a slow link, not hostile, so that strike is taken back and w0 is served again at
+    once (the late exchange itself stays aborted: nothing moved)."""
+    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=100)
+    mine = filled(10)
+    server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
+    server.update_send()
+    w0 = RawPeer(zctx, cfg, "w0")
+    xids = []
+    for k in range(3):
+        reply = w0.exchange(server, filled(2))
+        assert reply.kind == "params", reply
+        xids.append(reply["xid"])
+        assert wait_until(functools.partial(has_expired, server, k + 1), 5, interval_s=0.02)
+    paused = w0.exchange(server, filled(2))
+    assert paused.kind == "error" and "failed on your side" in paused["detail"]
+    assert w0.confirm(xids[-1])["outcome"] == "abort"  # late: the exchange stays aborted ...
+    assert w0.exchange(server, filled(2)).kind == "params"  # ... and w0 is served again
+    stats = server.stats()
+    assert stats["exchanges_confirmed_late"] == 1 and stats.get("mirrored", 0) == 0 and np.all(mine == 10)

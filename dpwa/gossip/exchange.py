@@ -11,7 +11,8 @@ can be in::
                                                          while held); picks a fresh id xid and
                                                          f = rule.factor(s_i, s_j) <= 1/2;
                                                          PENDING(i, xid): holds s_i and a lease on
-                                                         s_j; expires at receipt + ttl
+                                                         s_j; expires at receipt + the requester's
+                                                         deadline (wait_ms, bounded) + TTL_MARGIN_S
                  ◄─────────  params(s_j, xid, f)  or  error(busy | not_ready | closing | ...)
     error, or no reply by the deadline: DONE,
       nothing applied (j's PENDING expires: ABORTED)
@@ -66,7 +67,11 @@ A node takes part in one unsettled exchange at a time, as requester or as
 server, and each published snapshot in at most one exchange (see
 :mod:`dpwa.mixing.admission`): so a server holds at most one requester
 snapshot, and a requester in doubt starts nothing until it learns the
-decision.
+decision. Two requests that cross (each node asks the other) would both be
+refused ``busy``: the node whose name sorts first gives its own exchange up
+before its confirm and serves the other's (:meth:`ExchangeServer._give_way`);
+if its own still gets a reply, it withdraws it (a ``confirm`` marked
+``withdraw``, aborted at once) instead of confirming.
 
 Nobody holds that one exchange against others for long. One still
 unconfirmed after a few times the slowest recent confirm gives way to
@@ -75,7 +80,9 @@ requester failed recently. A peer whose served exchanges failed on its side
 (expired or preempted unconfirmed, or its offered snapshot did not stream
 in) :data:`EXPIRIES_BEFORE_PAUSE` times in a row is refused ``busy`` for a
 pause (the ttl, doubling with each further failure up to
-:data:`RESOLVE_LIMIT_S`, reset by its next confirm). So one member that asks
+:data:`RESOLVE_LIMIT_S`, reset by its next confirm). A confirm that comes
+after its exchange expired or gave way takes that strike back (a slow link,
+not a hostile requester; the exchange stays aborted). So one member that asks
 and never confirms cuts an honest peer's rate with a node by less than half
 (tests/test_hostile_member_rate.py).
 """
@@ -104,6 +111,7 @@ from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout
 from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
 from ..wire.shm import PeerSlots
+from .deadlines import CAP_FACTOR, Deadlines
 from .protocol import (
     ACK,
     BULK_EXCHANGE,
@@ -150,6 +158,7 @@ KNOWN_PER_PEER = 8  # commits a requester remembers knowing, per peer (the lates
 KNOWN_PEERS_MAX = 4096  # peers whose commits a requester remembers (open membership: members come and go)
 QUERY_INTERVAL_S = 0.1  # a closing server asks a requester about its commits at most this often
 FACTOR_TOLERANCE = 1e-9
+UNCONFIRMED_KEPT = 1024  # exchanges that struck for want of a confirm, remembered (the latest) for _late
 
 
 class _Half:
@@ -183,11 +192,13 @@ class ServerHalf(_Half):
     """The server's half: the snapshot it served s_j (a lease) and the requester's s_i (None while it is
     still streaming in: a ``bulk_exchange``; such a half cannot commit until :meth:`attach`)."""
 
-    def __init__(self, peer: str, xid: int, f: float, served: Lease, theirs: Received | None, expires: float) -> None:
+    def __init__(
+        self, peer: str, xid: int, f: float, served: Lease, theirs: Received | None, received: float, expires: float
+    ) -> None:
         super().__init__(peer, xid, f)
         self.served = self._stack.enter_context(served)
         self._theirs = self._stack.enter_context(theirs) if theirs is not None else None
-        self.expires = expires
+        self.received, self.expires = received, expires  # when its request came, and when it expires
 
     @property
     def arrived(self) -> bool:
@@ -223,10 +234,14 @@ class ExchangeTask:
     `peers` are the candidates, best first: a peer that answers ``busy`` (its
     snapshot already serves an exchange) is skipped for the next; when all are
     busy they are asked again after a short pause, for at most `busy_budget_s`.
+    ``took_s`` is the time from the request the partner answered to its decision (the exchange's own time,
+    without the busy answers before it): the sample its deadline follows (dpwa.gossip.deadlines).
     ``task.peer`` is the peer of the exchange in the end. The task owns `own`
     (our published snapshot) from construction: it goes into the half, or is
     released when the exchange ends without one.
     """
+
+    timed = "exchange"  # its deadline follows the link (dpwa.gossip.deadlines)
 
     def __init__(
         self,
@@ -245,8 +260,13 @@ class ExchangeTask:
         withdraw: Callable[[bytes], object] = lambda token: None,
         ended: Callable[[], None] = lambda: None,
         ticket: int = 0,
+        asks: Callable[[str], bool] = lambda peer: True,
+        confirms: Callable[[], bool] = lambda: True,
     ) -> None:
         self._ended = ended  # called (on the Tx thread) as soon as the exchange ends with nothing applied anywhere
+        # may we ask this peer / confirm now? False once our node served a crossing request instead (the
+        # owner's ExchangeServer.own_asks and own_confirms)
+        self._asks, self._confirms = asks, confirms
         self.ticket = ticket  # the owner's mark of this exchange (ExchangeServer.take_own)
         self._encode = encode  # wire_dtype int8: our snapshot is encoded as it is sent
         self._slot, self._slot_peers = slot, slot_peers
@@ -260,6 +280,8 @@ class ExchangeTask:
         self._own, self._fields, self._reader, self._factor = own, fields, reader, factor
         self._min_confirm_s, self._busy_budget_s = min_confirm_s, busy_budget_s
         self.busy = 0  # busy answers met on the way
+        self.took_s: float | None = None  # from the answered request to the decision, once decided
+        self._asked_at = 0.0  # when the request the partner answered went out
         self.busy_peers: set[str] = set()  # who answered them (they are alive: flow control and the view learn it)
 
     def release(self) -> None:
@@ -298,9 +320,12 @@ class ExchangeTask:
                 raise ProtocolError("bad_factor", f"the peer's f = {f!r}, ours is {expected!r} (same config?)")
             if self.deadline - time.monotonic() < self._min_confirm_s:
                 raise RequestTimeout("too little time left to confirm; the peer's pending exchange will expire")
+            name = self._fields(self.peer)["from"]
+            if not self._confirms():  # our node serves this peer's crossing request: take ours back
+                self._withdraw_exchange(ask, name, xid)
+                raise refused("aborted", f"this node served {self.peer}'s crossing exchange instead")
             cleanup.pop_all()
         half = ClientHalf(self.peer, xid, f, self._own, theirs)
-        name = self._fields(self.peer)["from"]
         pause = 0.001
         while True:  # bounded: "streaming" is asked again only until the deadline
             try:
@@ -323,6 +348,7 @@ class ExchangeTask:
         outcome = decision.header["outcome"]
         if decision.header["xid"] != xid:
             return InDoubt(half, answered=True)  # a confused peer: ask again later
+        self.took_s = time.monotonic() - self._asked_at
         if outcome == "commit":
             return half
         half.release()
@@ -334,6 +360,12 @@ class ExchangeTask:
                 counter="bulk_exchanges_aborted",
             )
         raise refused("aborted", f"the peer decided {outcome} for exchange {xid}")
+
+    def _withdraw_exchange(self, ask: Ask, name: str, xid: int) -> None:
+        """Tell the peer at once that exchange `xid` will not be confirmed (it is aborted there, and its
+        snapshot serves again); if that is lost, it expires as an unconfirmed one does."""
+        with contextlib.suppress(DeadlinePassed, TransportError, Refused, ProtocolError):
+            ask(lambda rid: [encode(CONFIRM, rid, **{"from": name}, xid=xid, withdraw=True)], _DECISIONS)
 
     def _find_partner(self, ask: Ask, array: np.ndarray) -> Response:
         """Send the exchange to the first candidate that is not busy.
@@ -354,6 +386,8 @@ class ExchangeTask:
 
         while True:
             for peer in self._peers:
+                if not self._asks(peer):
+                    raise refused("busy", "this node serves a crossing exchange instead of its own")
                 self.peer = peer
                 fields = self._fields(peer)
                 for how in ("slot", "stream", "payload"):  # at most twice: by slot or stream, then the payload
@@ -373,6 +407,7 @@ class ExchangeTask:
                         return with_payload(rid, fields)
 
                     try:
+                        self._asked_at = time.monotonic()
                         response = ask(request, SNAPSHOT_REPLIES)
                         self._streamed = ticket is not None
                         return response
@@ -431,6 +466,8 @@ class StreamInTask:
 
 class ResolveTask:
     """Ask a peer again for its decision on an exchange we are in doubt about. Value: the outcome."""
+
+    timed = "confirm"  # its deadline follows the link (dpwa.gossip.deadlines)
 
     def __init__(self, peer: str, deadline: float, name: str, xid: int) -> None:
         self.peer, self.deadline, self._name, self.xid = peer, deadline, name, xid
@@ -527,6 +564,8 @@ class ExchangeClient:
         counters: where to count committed, aborted and dropped exchanges.
         heard: called with a peer that answered (flow control: it is alive).
         ended: called when an exchange in doubt ends with nothing applied here (aborted, unknown, dropped).
+        deadlines: each peer's deadlines, which follow its link (dpwa.gossip.deadlines): a resolve request is
+            given the peer's, and each answered or timed-out one teaches it; None: `timeout_s` each time.
     """
 
     def __init__(
@@ -538,8 +577,10 @@ class ExchangeClient:
         counters: Counters,
         heard: Callable[[str], None] = lambda peer: None,
         ended: Callable[[], None] = lambda: None,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.name, self._timeout_s, self._submit, self._counters = name, timeout_s, submit, counters
+        self._deadlines = deadlines
         self._heard, self._ended = heard, ended
         self._doubts: dict[tuple[str, int], _Doubt] = {}
         self.known = KnownCommits(list(peers))
@@ -612,6 +653,10 @@ class ExchangeClient:
                 doubt.call = None
                 if call.outcome in ("ok", "refused", "rejected"):
                     self._heard(doubt.half.peer)
+                if self._deadlines is not None and call.outcome == "ok" and call.latency_s is not None:
+                    self._deadlines.sample(doubt.half.peer, ResolveTask.timed, call.latency_s)
+                elif self._deadlines is not None and call.outcome == "timeout":
+                    self._deadlines.timed_out(doubt.half.peer, ResolveTask.timed)
                 if call.outcome == "ok":
                     outcome = call.take()
                     del self._doubts[key]
@@ -628,7 +673,10 @@ class ExchangeClient:
                     self._drop(key, f"no decision from {doubt.half.peer} within {RESOLVE_LIMIT_S:.0f} s")
                 elif now >= doubt.next_try:
                     doubt.tries += 1
-                    task = ResolveTask(doubt.half.peer, now + self._timeout_s, self.name, doubt.half.xid)
+                    wait_s = self._timeout_s
+                    if self._deadlines is not None:
+                        wait_s = self._deadlines.deadline_s(doubt.half.peer, ResolveTask.timed)
+                    task = ResolveTask(doubt.half.peer, now + wait_s, self.name, doubt.half.xid)
                     doubt.call = self._submit(task)
         return ready
 
@@ -670,6 +718,7 @@ class ExchangeServer:
     """The server half: decides on exchanges (Rx thread) and hands committed ones over (training thread).
 
     Args:
+        name: this node (crossing exchanges are settled by name: see :meth:`_give_way`).
         serving: builds the snapshot replies, and checks the requester's model.
         values: the checks the requester's snapshot must pass.
         rule: the mixing rule (how f is computed, and checked against the requester's).
@@ -685,6 +734,7 @@ class ExchangeServer:
 
     def __init__(
         self,
+        name: str,
         serving: Serving,
         values: PeerValues,
         rule: rules.Rule,
@@ -700,11 +750,12 @@ class ExchangeServer:
         self._slots = dict(slots or {})
         self._values = values
         self._rule = rule
-        self.ttl_s = timeout_s + TTL_MARGIN_S
-        self._preempt_limit_s = timeout_s / 2  # a pending exchange this old may always give way to another peer's
+        self.ttl_s = timeout_s + TTL_MARGIN_S  # a pending exchange's life when its requester names no deadline
+        self._wait_floor_s, self._wait_cap_s = timeout_s, CAP_FACTOR * timeout_s  # what a requester may name
         # peer -> (seconds from its request to its confirm, when) of its latest commit
         self._confirm_took: dict[str, tuple[float, float]] = {}
-        self._arrivals = Arrivals(serving.model)  # requester snapshots that came in chunks (or encoded)
+        # requester snapshots that came in chunks (or encoded): received into our slot nobody holds, if any
+        self._arrivals = Arrivals(serving.model, spare=serving.store.borrow)
         self._counters = counters
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], ServerHalf] = {}
@@ -713,10 +764,16 @@ class ExchangeServer:
         # this node's one unsettled exchange (its own or one it serves), and which snapshots are stale
         self._admission = Admission()
         self._own_ticket = 0  # the ticket of our own unsettled exchange (see take_own)
+        self._name = name
+        self._own_peer: str | None = None  # the peer our own exchange asks now (own_asks)
+        self._own_confirming = False  # our own exchange had its reply and confirms: it no longer gives way
         # peers whose served exchanges failed on their side: peer -> (refused until, pause, failures in a row)
         self._paused: dict[str, tuple[float, float, int]] = {}
         # peer -> when one of its served exchanges last failed on its side (not forgotten at its next confirm)
         self._failed_at: dict[str, float] = {}
+        # (peer, xid) of the latest exchanges that struck their requester for want of a confirm: a late confirm
+        # of one takes its strike back (a slow link, not a hostile requester)
+        self._unconfirmed: OrderedDict[tuple[str, int], None] = OrderedDict()
         # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
         # it is in doubt with, so only its latest few can be unknown to it
         self._unacked: dict[str, OrderedDict[int, float]] = {}
@@ -822,7 +879,8 @@ class ExchangeServer:
             f = self._rule.factor(requester, rules.Side(snap.clock, snap.loss), symmetric=True)
             xid = secrets.randbelow(MAX_ID) + 1
             now = time.monotonic()
-            half = ServerHalf(peer, xid, f, served, theirs, expires=now + self.ttl_s)
+            wait_s = self._wait_s(header)
+            half = ServerHalf(peer, xid, f, served, theirs, received=now, expires=now + wait_s + TTL_MARGIN_S)
             reply = self._serving.reply(request, half.served.share(), xid=xid, f=f)
             undo.pop_all()
         with self._lock:
@@ -837,9 +895,17 @@ class ExchangeServer:
             def cancelled() -> bool:  # closing, or the exchange is over (aborted, preempted, expired)
                 return self._closed.is_set() or key not in self._pending
 
-            submit(StreamInTask(peer, now + self.ttl_s - TTL_MARGIN_S, header, reader, done, cancelled))
+            submit(StreamInTask(peer, now + wait_s, header, reader, done, cancelled))
             self._counters.add("bulk_exchanges_served")
         return reply
+
+    def _wait_s(self, header: Any) -> float:
+        """How long the requester waits for this exchange (its ``wait_ms``, a deadline that follows its link),
+        within [timeout_ms, CAP_FACTOR x timeout_ms] whatever it asks; timeout_ms when it names none."""
+        wait_ms = header.get("wait_ms")
+        if wait_ms is None:
+            return self._wait_floor_s
+        return min(self._wait_cap_s, max(self._wait_floor_s, wait_ms / 1000.0))
 
     def _reserve(self, peer: str) -> Lease:
         with self._lock:
@@ -855,11 +921,30 @@ class ExchangeServer:
                 raise refused(*self._store.refusal())
             # see dpwa.mixing.admission: a second unsettled exchange, or a stale snapshot, could erase our state
             version = served.snapshot.version
-            if not self._admission.take(version, "served") and not self._preempt(peer, now, version):
+            if (
+                not self._admission.take(version, "served")
+                and not self._give_way(peer, version)
+                and not self._preempt(peer, now, version)
+            ):
                 why = self._admission.refusal(version)
                 served.release()
                 raise refused("busy", why)
             return served
+
+    def _give_way(self, peer: str, version: int) -> bool:
+        """(With the lock held) `peer` asks while our own exchange asks `peer`: the two requests crossed. Each
+        side would refuse the other ``busy`` and neither would average, so the side whose name sorts first
+        serves: its own exchange ends here, before its confirm (:meth:`own_confirms` says no from now on; a
+        reply that still comes is answered with an abort), and the other side's refusal of it is the usual
+        one. Nothing of our own exchange is ever applied, so the node still takes part in one exchange."""
+        if self._admission.unsettled != "own" or self._own_confirming or self._own_peer != peer:
+            return False
+        if not self._name < peer or not self._admission.hand_over(version, "served"):
+            return False
+        self._own_ticket += 1  # our own exchange is over: own_asks, own_confirms and own_ended see that
+        self._own_peer = None
+        self._counters.add("exchanges_given_way")
+        return True
 
     def _preempt(self, peer: str, now: float, version: int) -> bool:
         """(With the lock held) serve `peer` instead of another peer's exchange that is still unconfirmed
@@ -877,22 +962,23 @@ class ExchangeServer:
         if key[0] == peer:
             return False
         suspect = key[0] in self._failed_at and now - self._failed_at[key[0]] < FAILURE_MEMORY_S
-        if not suspect and now - (half.expires - self.ttl_s) < self._preempt_after():
+        if not suspect and now - half.received < self._preempt_after(half):
             return False
         self._abort(key, now).release()
-        self._strike(key[0], now)
+        self._strike(key[0], now, key[1])
         self._counters.add("exchanges_preempted")
         return self._admission.take(version, "served")
 
-    def _preempt_after(self) -> float:
-        """(With the lock held) how long an unconfirmed exchange is held against other peers: a few times
-        the slowest recent confirm (honest requesters confirm about as fast as each other), and half the
-        requesters' deadline before any commit."""
+    def _preempt_after(self, half: ServerHalf) -> float:
+        """(With the lock held) how long the unconfirmed exchange `half` is held against other peers: a few
+        times the slowest recent confirm (honest requesters confirm about as fast as each other), and at most
+        half its requester's deadline (all of that before any commit)."""
         now = time.monotonic()
+        limit = (half.expires - half.received - TTL_MARGIN_S) / 2
         recent = [took for took, at in self._confirm_took.values() if now - at < CONFIRM_MEMORY_S]
         if not recent:
-            return self._preempt_limit_s
-        return min(self._preempt_limit_s, max(PREEMPT_FLOOR_S, PREEMPT_MARGIN * max(recent)))
+            return limit
+        return min(limit, max(PREEMPT_FLOOR_S, PREEMPT_MARGIN * max(recent)))
 
     def _unreserve(self) -> None:
         with self._lock:
@@ -908,7 +994,26 @@ class ExchangeServer:
             if self._closing or not self._admission.take(version, "own"):
                 return 0
             self._own_ticket += 1
+            self._own_peer, self._own_confirming = None, False
             return self._own_ticket
+
+    def own_asks(self, ticket: int, peer: str) -> bool:
+        """(Tx thread) Our own exchange `ticket` is about to ask `peer`: False if it is over (it gave way to a
+        crossing request: ask nobody)."""
+        with self._lock:
+            if ticket != self._own_ticket or self._admission.unsettled != "own":
+                return False
+            self._own_peer = peer
+            return True
+
+    def own_confirms(self, ticket: int) -> bool:
+        """(Tx thread) Our own exchange `ticket` had its reply and is about to confirm: False if it gave way
+        meanwhile (withdraw it instead); True, and from now on it gives way to nobody."""
+        with self._lock:
+            if ticket != self._own_ticket or self._admission.unsettled != "own":
+                return False
+            self._own_confirming = True
+            return True
 
     def own_ended(self, ticket: int, applied: bool) -> None:
         """Our own exchange `ticket` is over: its half `applied` (training thread), or nothing applied on
@@ -927,8 +1032,11 @@ class ExchangeServer:
         self._admission.settle(current.version if current is not None else 0)
 
     def serve_confirm(self, request: Request) -> Reply:
+        """A requester's confirm (commit, if still pending), or its withdrawal (``withdraw``: abort it; it
+        gave way to a crossing exchange and applies nothing). Either is answered with the decision."""
         peer, xid = request.sender, request.header["xid"]
         now = time.monotonic()
+        withdrawn: ServerHalf | None = None
         with self._lock:
             self.last_confirm = now
             self._expire(now)
@@ -940,6 +1048,12 @@ class ExchangeServer:
             outcome = ""
             if known is not None:
                 outcome = known[0]
+                if not request.header.get("withdraw"):
+                    self._late(peer, xid)
+            elif request.header.get("withdraw"):
+                outcome = "unknown"
+                if half is not None:  # nothing applied anywhere: not the requester's failure, no strike
+                    withdrawn, outcome = self._abort((peer, xid), now), "abort"
             elif not streaming:
                 half = self._pending.pop((peer, xid), None)
                 if half is None:
@@ -947,7 +1061,7 @@ class ExchangeServer:
                 else:
                     outcome = "commit"
                     self._paused.pop(peer, None)
-                    self._confirm_took[peer] = (now - (half.expires - self.ttl_s), now)
+                    self._confirm_took[peer] = (now - half.received, now)
                     self._committed.append(half)
                     self._decide(peer, xid, outcome, now)
                     unacked = self._unacked.setdefault(peer, OrderedDict())
@@ -955,7 +1069,10 @@ class ExchangeServer:
                     while len(unacked) > KNOWN_PER_PEER:
                         unacked.popitem(last=False)
                     self.committed.set()
-        if streaming:  # nothing decided: its snapshot is still coming in (it expires like any pending one)
+        if withdrawn is not None:
+            withdrawn.release()
+            self._counters.add("exchanges_withdrawn")
+        elif streaming:  # nothing decided: its snapshot is still coming in (it expires like any pending one)
             raise refused("streaming", f"your snapshot for exchange {xid} is still streaming in; confirm again")
         self._counters.add(f"exchanges_decided.{outcome}")
         return Reply(encode(DECISION, request.header.id, xid=xid, outcome=outcome))
@@ -982,18 +1099,37 @@ class ExchangeServer:
         for key in [k for k, half in self._pending.items() if everything or now >= half.expires]:
             self._abort(key, now).release()
             self._counters.add("exchanges_expired")
-            if not everything:  # its requester never confirmed
-                self._strike(key[0], now)
+            if not everything:  # its requester did not confirm in time
+                self._strike(key[0], now, key[1])
 
-    def _strike(self, peer: str, now: float) -> None:
-        """(With the lock held) an exchange `peer` asked for failed on its side (never confirmed, or its
-        snapshot did not stream in): after a few in a row, it waits to be served again, longer each time."""
+    def _strike(self, peer: str, now: float, unconfirmed: int = 0) -> None:
+        """(With the lock held) an exchange `peer` asked for failed on its side (not confirmed in time, or its
+        snapshot did not stream in): after a few in a row, it waits to be served again, longer each time.
+        `unconfirmed`: the exchange's xid when it was not confirmed in time; a confirm that still comes takes
+        the strike back (:meth:`_late`)."""
+        if unconfirmed:
+            self._unconfirmed[(peer, unconfirmed)] = None
+            while len(self._unconfirmed) > UNCONFIRMED_KEPT:
+                self._unconfirmed.popitem(last=False)
         self._failed_at[peer] = now
         _, pause, strikes = self._paused.get(peer, (0.0, 0.0, 0))
         strikes += 1
         if strikes >= EXPIRIES_BEFORE_PAUSE:
             pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))
         self._paused[peer] = (now + pause if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
+
+    def _late(self, peer: str, xid: int) -> None:
+        """(With the lock held) the confirm of `xid`, which expired (or gave way) unconfirmed, came after all:
+        its requester is on a slow link, not hostile. The strike is taken back, and with it a pause it led to;
+        the exchange stays aborted, and the requester stays one whose exchanges give way to others' at once
+        for a while (FAILURE_MEMORY_S), so a requester that always confirms late still costs others little."""
+        if (peer, xid) not in self._unconfirmed:
+            return  # not one that struck (or already taken back: a repeated confirm)
+        del self._unconfirmed[(peer, xid)]
+        until, pause, strikes = self._paused.get(peer, (0.0, 0.0, 0))
+        strikes = max(0, strikes - 1)
+        self._paused[peer] = (until if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
+        self._counters.add("exchanges_confirmed_late")
 
     def _abort(self, key: tuple[str, int], now: float) -> ServerHalf:
         """(With the lock held) decide abort for the pending exchange `key`; its half, for the caller to

@@ -24,6 +24,14 @@ next miss, up to :data:`ALONE_BACKOFF_MAX_S`, so a dead peer costs a timeout
 now and then, not one in every few steps. When every peer is unreachable
 the node says so once, trains alone, and probes one peer after ``timeout``,
 then twice that, up to every :data:`ALONE_BACKOFF_MAX_S`, until one answers.
+
+**Rest the dead, not the slow.** A timeout counts as a miss only when the
+peer gave no sign of life while the request was out: no reply to any of our
+requests, and no request of its own reached our Rx thread
+(:class:`SignsOfLife`, fed by both). A peer that answers late, or whose
+reply was cut while it kept asking us, is slow: its score halves (it is
+asked less), and its next deadline is longer
+(:mod:`dpwa.gossip.deadlines`), but it is never rested for it.
 """
 
 from __future__ import annotations
@@ -35,11 +43,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..logs import logger
+from .deadlines import Deadlines
 
 __all__ = [
     "ALONE_BACKOFF_MAX_S",
     "FlowControl",
     "PeerSelector",
+    "SignsOfLife",
     "SCORE_DECAY",
     "SCORE_MAX",
     "SCORE_MIN",
@@ -136,6 +146,30 @@ class PeerSelector:
             return {name: score / total for name, score in self._scores.items()}
 
 
+class SignsOfLife:
+    """When each peer last showed it was alive: a reply to one of our requests, or a request of its own.
+    Thread-safe: the Rx thread reports requests, the training thread replies. Bounded: it keeps at most
+    `max_peers` names (open membership: members come and go; the oldest go first)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_peers: int = 4096) -> None:
+        self._clock, self._max = clock, max_peers
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def heard(self, peer: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self._last.pop(peer, None)  # re-inserted last: the dict stays in order of last sign
+            self._last[peer] = now
+            while len(self._last) > self._max:
+                del self._last[next(iter(self._last))]
+
+    def since(self, peer: str, at: float) -> bool:
+        """Did `peer` show a sign of life at or after `at` (a time of this object's clock)?"""
+        with self._lock:
+            return self._last.get(peer, -math.inf) >= at
+
+
 class FlowControl:
     """The training thread's choice of whom to ask, from the outcomes of earlier requests.
 
@@ -143,12 +177,16 @@ class FlowControl:
         name: this node, for log messages.
         peers: the peers' names.
         fetch_probability: the chance that a step asks anyone.
-        timeout_s: one request's deadline (the first back-off interval).
+        timeout_s: one request's deadline (the first back-off interval), and the floor of the deadlines that
+            follow each peer's link (:attr:`deadlines`).
         rng: randomness for the coin and the choice.
         schedule: round -> (the scheduled partner, whether this node starts the exchange)
             (pairing: hypercube); None: a random peer by score.
         clock: the time source (tests pass a fake one).
         on_heard: told of every peer that answered anything (open membership: it is alive, whatever it said).
+
+    Its :attr:`signs` (:class:`SignsOfLife`) are told of replies here, and of requests by the Rx thread: a
+    timeout of a peer heard from while the request was out is not a miss.
     """
 
     def __init__(
@@ -163,10 +201,13 @@ class FlowControl:
         on_heard: Callable[[str], None] = lambda peer: None,
     ) -> None:
         self.name = name
+        self.signs = SignsOfLife(clock)
+        self.slow = 0  # timeouts and failures of peers that showed a sign of life meanwhile (not misses)
         self._schedule = schedule
         self._clock, self._on_heard = clock, on_heard
         self.rounds = 0  # steps that asked whom to ask
         self.selector = PeerSelector(peers, rng=rng)
+        self.deadlines = Deadlines(timeout_s)  # each peer's next deadline, from its past request times
         self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
         self._misses = {peer: 0 for peer in peers}  # consecutive timeouts or transport failures
         self._pause = dict.fromkeys(peers, 0.0)  # an unreachable peer's back-off (0: reachable)
@@ -238,12 +279,14 @@ class FlowControl:
         """(Open membership) A member was removed: it is asked no more. Outcomes of its requests still in
         flight are ignored."""
         self.selector.remove(peer)
+        self.deadlines.forget(peer)
         for table in (self._misses, self._pause, self._retry_at):
             table.pop(peer, None)
 
     def heard(self, peer: str) -> None:
         """The peer answered something (not a request of ours that scores it): it is alive."""
         self._on_heard(peer)
+        self.signs.heard(peer)
         if peer not in self._misses:  # removed meanwhile (open membership)
             return
         self._misses[peer] = 0
@@ -253,9 +296,14 @@ class FlowControl:
             self._backoff_s = 0.0
             logger.warning("%s: %s answered: averaging again", self.name, peer)
 
-    def record(self, peer: str, outcome: str, refusal: str = "") -> None:
-        """Learn from one request's outcome (see dpwa.wire.calls for the outcomes)."""
+    def record(self, peer: str, outcome: str, refusal: str = "", started: float | None = None) -> None:
+        """Learn from one request's outcome (see dpwa.wire.calls for the outcomes); `started`: when the
+        request went out (the flow's clock), so that a peer heard from since is counted slow, not missing."""
         if outcome in ("cancelled", "expired") or peer not in self._misses:  # nothing learned, or no peer now
+            return
+        if outcome in ("timeout", "failed") and started is not None and self.signs.since(peer, started):
+            self.slow += 1  # alive, only slow (or its reply was cut): asked less, never rested for it
+            self.selector.failure(peer)
             return
         if outcome in ("timeout", "failed"):
             self._misses[peer] += 1

@@ -172,6 +172,7 @@ class Node:
             exchange_streams=symmetric,
             carry=self.rule.served if self.rule.carries else None,
             members=self.members,
+            heard=self._flow.signs.heard,  # a peer that answers late, or asks us, is alive: slow, not dead
         )
         try:
             crew = Crew(
@@ -591,6 +592,7 @@ class Node:
             "snapshot_slots": store.slots,
             "publish_skipped": store.skipped,
             "slots_retired": store.retired,
+            "slots_lent": store.lent,  # a peer's snapshot received into our own slot nobody held
         }
         if bulk is not None:
             out["bulk_pending"] = bulk.pending()

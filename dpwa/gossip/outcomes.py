@@ -13,6 +13,7 @@ from ..logs import RateLimitedLog
 from ..stats import Counters
 from ..wire.calls import Call
 from .flow import FlowControl
+from .requesting import FetchTask
 
 __all__ = ["Outcomes", "QuietRefusal"]
 
@@ -43,8 +44,15 @@ class Outcomes:
         self._log = RateLimitedLog()
 
     def record(self, call: Call) -> None:
-        """Count a finished request and let flow control learn from it."""
-        self._flow.record(call.peer, call.outcome, call.refusal)
+        """Count a finished request and let flow control learn from it (and the peer's deadlines: the time
+        an answered request took, or that it timed out)."""
+        self._flow.record(call.peer, call.outcome, call.refusal, started=call.started)
+        timed = getattr(call.task, "timed", None)  # the kind of request whose deadline follows the link
+        if timed is not None and call.outcome == "timeout":
+            self._flow.deadlines.timed_out(call.peer, timed)
+        elif timed is not None and call.outcome == "ok":
+            took = getattr(call.task, "took_s", None)
+            self._flow.deadlines.sample(call.peer, timed, took if took is not None else call.latency_s or 0.0)
         for peer in getattr(call.task, "busy_peers", ()):  # peers skipped on the way: each answered busy
             self._flow.heard(peer)
         busy = getattr(call.task, "busy", 0)
@@ -72,4 +80,5 @@ class Outcomes:
     def timed_out(self, peer: str) -> None:
         """The training thread gave up waiting for a call to `peer` (it never finished in time)."""
         self._flow.record(peer, "timeout")
+        self._flow.deadlines.timed_out(peer, FetchTask.timed)
         self._counters.add("fetches_timed_out")

@@ -83,6 +83,8 @@ class Parts:
         carry: the scalars the node's rule sends with each fetch it serves (dpwa.mixing.rules), or None.
         members: open membership's view (``bootstrap:``): digests travel with snapshots, requests are accepted
             from its members, and the clients' address book (``endpoints``) follows it. None: the config's nodes.
+        heard: told of a peer each time it shows it is alive: a reply of it (a late one included) reaches a
+            client, or a request of it passes the Rx thread's checks (flow control's signs of life).
     """
 
     def __init__(
@@ -103,8 +105,10 @@ class Parts:
         exchange_streams: bool = False,
         carry: Callable[[], dict[str, float]] | None = None,
         members: Members | None = None,
+        heard: Callable[[str], None] | None = None,
     ) -> None:
         self.name, self.config, self.spec, self.curve = name, config, spec, curve
+        self._heard = heard
         self.members = members
         self.peers = {s.name: s for s in config.peers_of(name)}  # the config's (open membership: the first view)
         budgeted = max(len(self.peers), OPEN_PEERS_BUDGET) if members is not None else len(self.peers)
@@ -159,6 +163,7 @@ class Parts:
                 name=name,
                 peers=len(self.peers),
                 members=members,
+                spare=self.store.borrow,  # a peer's snapshot is received into our slot nobody holds, if any
             )
             stack.callback(self.reader.close)  # after the threads that read with it have stopped
             options = None
@@ -170,7 +175,7 @@ class Parts:
             self.endpoints = endpoints = PeerBook({peer: config.endpoint(s) for peer, s in self.peers.items()})
             max_reply = max(model.nbytes, LARGEST_HEADER_BYTES, CHUNK_BYTES)
             self.client = ClientThread(
-                self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options
+                self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options, heard=heard
             )
             self.client.start()
             stack.callback(self._stop, self.client.close)
@@ -187,6 +192,7 @@ class Parts:
                     bulk_hosts=bulk_hosts,
                     sealed=config.secure,
                     name=name,
+                    spare=self.store.borrow,
                 )
                 stack.callback(in_reader.close)
                 in_client = ClientThread(
@@ -198,7 +204,7 @@ class Parts:
             self.direct: DirectClient | None = None
             if direct and model.nbytes <= DIRECT_MAX_BYTES:
                 self.direct = DirectClient(
-                    self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options
+                    self.context, endpoints, name=name, max_reply_bytes=max_reply, socket_options=options, heard=heard
                 )
                 stack.callback(self.direct.close)
             self.serving = Serving(
@@ -262,6 +268,7 @@ class Parts:
             senders=None if self.members is not None else [spec.name for spec in self.config.nodes],
             max_unsent_per_client=UNSENT_PER_CLIENT,
             max_unsent=UNSENT_PER_CLIENT * (self._budgeted + 1),
+            heard=self._heard,
         ).start()
         self._stack.callback(self._stop, self.server.close)
 

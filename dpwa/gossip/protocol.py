@@ -26,7 +26,9 @@ bulk_exchange requester -> server  the same for a large snapshot between hosts: 
                                    streams it in while the exchange is pending; with
                                    ``bulk``, the server's own snapshot is offered by
                                    stream too (answered bulk_params with `xid` and `f`)
-confirm     requester -> server    "apply exchange `xid`": the server decides
+confirm     requester -> server    "apply exchange `xid`": the server decides (with
+                                   `withdraw`: "abort it", from a requester that
+                                   served a crossing exchange instead)
 decision    server -> requester    the server's final word on `xid`: commit, abort,
                                    or unknown (never seen, or forgotten)
 ack         requester -> server    "I know your commit of `xid`" (sent when the requester
@@ -127,6 +129,9 @@ _CODEC_REQUEST = {"cstream": Blob(length=8), "cver": Integer(1, MAX_ID)}
 _CODEC_REPLY = {**_CODEC_REQUEST, "cbase": Integer(0, MAX_ID)}
 _SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
+# an exchange request's deadline, in ms (dpwa.gossip.deadlines): the server holds it pending that long (within
+# its own timeout_ms and CAP_FACTOR times that, whatever is asked)
+_WAIT = {"wait_ms": Integer(1, 1 << 31)}
 
 # One member as a digest tells it (dpwa.gossip.membership.check_entry checks each field's meaning on arrival):
 # an entry has no `key` where the cluster has none
@@ -167,20 +172,24 @@ BULK_PARAMS = message_kind(  # the snapshot waits at a bulk port for the holder 
 EXCHANGE = message_kind(
     "exchange",
     {"from": NAME, "fp": FINGERPRINT, "dtype": DTYPE, "nbytes": NBYTES, "clock": CLOCK, "loss": LOSS},
-    {"shm": Flag(), **_RULE, **_DIGEST},
+    {"shm": Flag(), **_WAIT, **_RULE, **_DIGEST},
     payload=1,
     max_header_bytes=DIGEST_HEADER_BYTES,
 )
 SHM_EXCHANGE = message_kind(  # an exchange whose snapshot waits in the requester's slot (same host)
-    "shm_exchange", {**_SNAPSHOT, **_SLOT}, {"shm": Flag(), **_RULE, **_DIGEST}, max_header_bytes=DIGEST_HEADER_BYTES
+    "shm_exchange",
+    {**_SNAPSHOT, **_SLOT},
+    {"shm": Flag(), **_WAIT, **_RULE, **_DIGEST},
+    max_header_bytes=DIGEST_HEADER_BYTES,
 )
 BULK_EXCHANGE = message_kind(  # an exchange whose snapshot waits at the requester's bulk port (another host)
     "bulk_exchange",
     {**_SNAPSHOT, **_TICKET},
-    {**_KEY, "bulk": Flag(), **_RULE, **_DIGEST},
+    {**_KEY, "bulk": Flag(), **_WAIT, **_RULE, **_DIGEST},
     max_header_bytes=DIGEST_HEADER_BYTES,
 )
-CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID})
+# withdraw: the requester will not confirm `xid` (it served a crossing exchange instead): abort it now
+CONFIRM = message_kind("confirm", {"from": NAME, "xid": XID}, {"withdraw": Flag()})
 DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "abort", "unknown"))})
 ACK = message_kind("ack", {"from": NAME, "xid": XID})
 KNOWN = message_kind("known", {"from": NAME, "xids": ListOf(XID, max_len=8)})

@@ -37,7 +37,8 @@ class PullSteps:
         candidates = crew.flow.candidates()
         peer = candidates[0] if candidates else None
         if peer is not None:
-            step.deadline = time.monotonic() + crew.config.timeout_s
+            # a deadline that follows the peer's link (dpwa.gossip.deadlines): timeout_ms at least
+            step.deadline = time.monotonic() + crew.flow.deadlines.deadline_s(peer, FetchTask.timed)
             task = FetchTask(peer, step.deadline, crew.name, reader)
             # A same-host reply names a slot the peer may rewrite before update_wait: the Tx thread locks it
             # at once. Other small replies wait in ZeroMQ's queue, and the training thread takes them.

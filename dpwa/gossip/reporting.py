@@ -191,6 +191,7 @@ class Reporter:
         out["clock"] = self._progress.clock
         out["state"] = self._state()
         out["fetches_skipped_alone"] = self._flow.skipped_alone
+        out["timeouts_slow"] = self._flow.slow  # timeouts of peers heard from meanwhile: slow, not rested
         out.update(self._parts())
         pending = self._pending()
         out.update({key: value for key, value in pending.items() if key != "pending"})

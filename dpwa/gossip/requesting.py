@@ -86,14 +86,23 @@ class Arrivals:
     Args:
         model: what our model looks like on the wire.
         peers: how many peers we may receive from (a codec's memory budget: topk keeps a copy per peer).
+        spare: memory of the node's own to receive a snapshot into (``SnapshotStore.borrow``: a slot nobody
+            holds), before a buffer of this one's; None: buffers of its own.
     """
 
-    def __init__(self, model: WireModel, peers: int = 1) -> None:
+    def __init__(
+        self,
+        model: WireModel,
+        peers: int = 1,
+        spare: Callable[[], tuple[np.ndarray, Callable[[], None]] | None] | None = None,
+    ) -> None:
         self.model = model
-        # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
-        self.wire = BufferPool(model.nbytes)
         self.receiver = model.codec.receiver(peers)
-        self._kept = BufferPool(model.kept_nbytes) if self.receiver is not None else None
+        # a snapshot that came in chunks (or by stream) is copied into one of these: a slot the store lends,
+        # else one of ours (two kept: one blending, one arriving; none where the store lends); an encoded one
+        # arrives in a buffer of ours and is decoded into the lent slot
+        self.wire = BufferPool(model.nbytes, spare=spare if self.receiver is None else None)
+        self._kept = BufferPool(model.kept_nbytes, spare=spare) if self.receiver is not None else None
 
     def request(self, peer: str) -> dict[str, Any]:
         """Fields for a fetch from `peer`: what the codec already holds from it."""
@@ -137,6 +146,7 @@ class ReplyReader:
         sealed: the cluster has CURVE keys: a stream must be sealed (a plain one would bypass the encryption).
         name: this node, for log lines.
         peers: how many peers it may read from (a codec's memory budget: topk keeps a copy per peer).
+        spare: the node's own memory to receive a snapshot into (Arrivals).
         members: open membership's view: each request carries its digest (:meth:`outgoing`), and the digest
             each reply carries is merged. None: digests are neither sent nor read.
     """
@@ -154,6 +164,7 @@ class ReplyReader:
         name: str = "dpwa",
         peers: int = 1,
         members: Members | None = None,
+        spare: Callable[[], tuple[np.ndarray, Callable[[], None]] | None] | None = None,
     ) -> None:
         self.model = model
         self.members = members
@@ -166,7 +177,7 @@ class ReplyReader:
         self.name = name
         self._limited = RateLimitedLog()
         # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
-        self.arrivals = Arrivals(model, peers)
+        self.arrivals = Arrivals(model, peers, spare)
         self._counters = counters
         self._log = log
 
@@ -327,6 +338,8 @@ class ReplyReader:
 
 class FetchTask:
     """Fetch one peer's snapshot (pull mode). Its value is a :class:`Received`."""
+
+    timed = "fetch"  # its deadline follows the link (dpwa.gossip.deadlines), sampled from the call's latency
 
     def __init__(self, peer: str, deadline: float, name: str, reader: ReplyReader) -> None:
         self.peer, self.deadline = peer, deadline

@@ -223,6 +223,7 @@ class SnapshotStore:
         self._writing: _Slot | None = None  # the current slot, while it is rewritten in place (no lease given)
         self.skipped = 0  # publishes dropped because every slot was held
         self.retired = 0  # slots retired because others held them too long
+        self.lent = 0  # slots lent to receive a peer's snapshot into (borrow)
 
     @property
     def nbytes(self) -> int:
@@ -248,7 +249,7 @@ class SnapshotStore:
         if not self._publishing.acquire(blocking=False):
             raise RuntimeError("SnapshotStore.publish called from two threads at once; it has one publisher")
         try:
-            slot = self._free_slot()
+            slot = self._free_slot()  # claimed (one lease of ours) until it is whole
             if slot is None:
                 self.skipped += 1
                 return False
@@ -258,12 +259,14 @@ class SnapshotStore:
             except BaseException:
                 slot.memory.end_write(0)
                 with self._lock:
+                    slot.leases -= 1
                     if self._writing is slot:  # the current snapshot was being rewritten: it is gone
                         self._current, self._writing = None, None
                 raise
             slot.memory.end_write(version)
             snapshot = Snapshot(slot.array, version, float(clock), loss, slot.index, slot.memory.shared)
             with self._lock:
+                slot.leases -= 1
                 self._current, self._writing = (slot, snapshot), None
             return True
         finally:
@@ -281,6 +284,7 @@ class SnapshotStore:
                 if not slot.held():
                     if slot.memory.begin_write():
                         slot.blocked_since = None
+                        slot.leases += 1  # claimed for the fill: nobody borrows it meanwhile
                         return slot
                     slot.blocked_since = slot.blocked_since or now  # a same-host reader holds its lock
                 if stale is None and slot.stale(now, self.hold_limit_s):
@@ -295,6 +299,7 @@ class SnapshotStore:
             elif self.in_place and current is not None and not current.held() and current.memory.begin_write():
                 self._writing = current  # rewritten in place: no lease of it until the new snapshot is whole
                 current.blocked_since = None
+                current.leases += 1
                 return current
             elif stale is not None:
                 self._retired = [s for s in self._retired if s.held()]
@@ -306,6 +311,7 @@ class SnapshotStore:
         # Allocate outside the lock: a model-sized allocation can take milliseconds.
         fresh = _Slot(index, self._memory(index) if stale is None else self._replace(stale))
         fresh.memory.begin_write()
+        fresh.leases = 1  # claimed for the fill
         with self._lock:
             if stale is None:
                 self._slots.append(fresh)
@@ -324,6 +330,33 @@ class SnapshotStore:
             self.hold_limit_s,
         )
         return self._memory(stale.index)
+
+    def borrow(self) -> tuple[np.ndarray, Callable[[], None]] | None:
+        """A slot that is not current and that nobody holds, lent as memory to receive into (a peer's snapshot,
+        until it is blended), with the function that gives it back (idempotent); None when there is none.
+
+        So a node that receives a peer's snapshot needs no buffer of its own beside its two slots
+        (docs/design.md#memory). While it is lent, nothing is published into the slot and it is never retired:
+        a publish that needs it is skipped (mode pull) or rewrites the current slot (mode symmetric), as when a
+        reader holds it. Given back, it holds no snapshot (version 0) until the next publish fills it."""
+        with self._lock:
+            current = self._current[0] if self._current else None
+            for slot in self._slots:
+                if slot is not current and not slot.held() and slot.memory.begin_write():
+                    slot.leases += 1
+                    self.lent += 1
+                    break
+            else:
+                return None
+        lent = [slot]
+
+        def give_back() -> None:
+            with self._lock:
+                if lent:
+                    lent.pop().leases -= 1
+                    slot.memory.end_write(0)
+
+        return slot.array, give_back
 
     def current(self) -> Snapshot | None:
         """The latest snapshot's metadata (do not read its array without a lease)."""

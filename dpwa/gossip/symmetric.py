@@ -25,9 +25,10 @@ from .exchange import SETTLE_QUIET_S, AckQueries, ClientHalf, ExchangeClient, Ex
 from .snapshots import Lease
 from .steps import Crew, Step, Update
 
-__all__ = ["BUSY_RETRY_MAX_S", "SymmetricSteps"]
+__all__ = ["BUSY_RETRY_MIN_S", "BUSY_RETRY_STEPS", "SymmetricSteps"]
 
-BUSY_RETRY_MAX_S = 0.02  # how long an exchange may keep asking busy peers again
+BUSY_RETRY_STEPS = 1.5  # an exchange asks busy peers again for this many of our steps (within its deadline) ...
+BUSY_RETRY_MIN_S = 0.02  # ... and at least this long
 
 
 class SymmetricSteps:
@@ -37,6 +38,7 @@ class SymmetricSteps:
         self._crew = crew
         config, parts = crew.config, crew.parts
         self.server = ExchangeServer(
+            crew.name,
             parts.serving,
             parts.values,
             crew.rule,
@@ -54,6 +56,7 @@ class SymmetricSteps:
             crew.counters,
             crew.flow.heard,
             ended=lambda: self.server.own_ended(self._ticket, False),
+            deadlines=crew.flow.deadlines,
         )
         self._ticket = 0  # our own unsettled exchange's (ExchangeServer.take_own)
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
@@ -104,9 +107,15 @@ class SymmetricSteps:
         def factor(requester: tuple[float, float | None], server: tuple[float, float | None]) -> float:
             return crew.rule.factor(Side(*requester), Side(*server), symmetric=True)
 
-        step.deadline = time.monotonic() + crew.config.timeout_s
-        # A busy peer is asked again a little later, for at most half a step: never long enough to slow training.
-        busy_budget = min(BUSY_RETRY_MAX_S, 0.5 * crew.progress.step_s)
+        # the first candidate's deadline, which follows its link (dpwa.gossip.deadlines): timeout_ms at least;
+        # the server holds the exchange as long (wait_ms), so a slow link's confirm still finds it pending
+        wait_s = crew.flow.deadlines.deadline_s(peers[0], ExchangeTask.timed)
+        common["wait_ms"] = max(1, round(wait_s * 1000))
+        step.deadline = time.monotonic() + wait_s
+        # A busy peer (its snapshot took part in an exchange it has not applied yet) publishes afresh at its next
+        # update_send or update_wait, within about one of its steps (ours is the measure): it is asked again until
+        # then, within the deadline. The retries run while this node computes its own step.
+        busy_budget = max(BUSY_RETRY_MIN_S, BUSY_RETRY_STEPS * crew.progress.step_s)
         sender = crew.parts.sender  # a codec whose encoding needs no reply first: mode symmetric allows no other
         shm_id = crew.parts.serving.shm_id
         slot = None  # a same-host peer reads our snapshot in place: the request names its slot
@@ -128,6 +137,8 @@ class SymmetricSteps:
             withdraw=crew.parts.bulk.withdraw if crew.parts.bulk is not None else lambda token: None,
             ended=functools.partial(self.server.own_ended, ticket, False),
             ticket=ticket,
+            asks=functools.partial(self.server.own_asks, ticket),
+            confirms=functools.partial(self.server.own_confirms, ticket),
         )
         step.call = crew.parts.client.submit(task)
         self._outstanding.append(step.call)
@@ -193,7 +204,9 @@ class SymmetricSteps:
             )
         value = call.take()
         if isinstance(value, InDoubt):
-            crew.flow.record(call.peer, "rejected" if value.answered else "timeout")
+            crew.flow.record(call.peer, "rejected" if value.answered else "timeout", started=call.started)
+            if not value.answered:  # no decision within the deadline: the next exchange is given longer
+                crew.flow.deadlines.timed_out(call.peer, ExchangeTask.timed)
             self.client.add(value)
             return Update(
                 False,

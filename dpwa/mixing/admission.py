@@ -60,6 +60,14 @@ class Admission:
         self.unsettled, self._version = role, version
         return True
 
+    def hand_over(self, version: int, role: str) -> bool:
+        """The unsettled exchange, which has applied nothing and never will (our own, given way before its
+        confirm), is replaced by one in `role` on snapshot `version`, if that snapshot is fresh."""
+        if self.unsettled is None or version <= self.stale:
+            return False
+        self.unsettled, self._version = role, version
+        return True
+
     def give_back(self) -> None:
         """The unsettled exchange ended with nothing applied on either side: its snapshot may serve again."""
         self.unsettled = None

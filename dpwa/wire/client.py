@@ -1,4 +1,4 @@
-"""The clients: threads (or the caller's own thread) that run tasks on Lazy-Pirate channels.
+"""The clients: threads (or the caller's own thread) that run tasks on request channels.
 
 * :class:`ClientThread` owns every channel and runs tasks (:mod:`dpwa.wire.calls`)
   one at a time. A task is one conversation with one peer (a fetch; an exchange
@@ -109,6 +109,7 @@ class ClientThread:
         name: the owner's name, for logs and the thread name.
         max_reply_bytes: the largest reply frame accepted.
         socket_options: peer name -> options for its sockets (CURVE keys, say).
+        heard: called (on this thread) with a peer whenever any reply of it arrives, a late one included.
     """
 
     def __init__(
@@ -119,7 +120,9 @@ class ClientThread:
         name: str,
         max_reply_bytes: int,
         socket_options: Mapping[str, Mapping[int, Any]] | None = None,
+        heard: Callable[[str], None] | None = None,
     ) -> None:
+        self._heard = heard
         self._ctx = context
         self._endpoints = _book(endpoints)
         self.name = name
@@ -175,7 +178,9 @@ class ClientThread:
                 item.finish("cancelled", "the client is closing")
 
     def _run(self) -> None:
-        channels = _Channels(self._ctx, self._endpoints, self.name, self._max_reply_bytes, self._socket_options)
+        channels = _Channels(
+            self._ctx, self._endpoints, self.name, self._max_reply_bytes, self._socket_options, self._heard
+        )
         try:
             while not self._stop.is_set():
                 try:
@@ -263,8 +268,9 @@ class _Channels:
         name: str,
         max_reply_bytes: int,
         socket_options: Mapping[str, Mapping[int, Any]],
+        heard: Callable[[str], None] | None = None,
     ) -> None:
-        self._ctx, self.endpoints, self.name = context, endpoints, name
+        self._ctx, self.endpoints, self.name, self._heard = context, endpoints, name, heard
         self._max_reply_bytes, self._socket_options = max_reply_bytes, socket_options
         self._channels: dict[str, Channel] = {}
         self._last_id = secrets.randbits(64)  # request ids count on from a random start: none repeats
@@ -283,12 +289,14 @@ class _Channels:
         if channel is None:
             if endpoint is None:
                 raise TransportError(f"{self.name}: unknown peer {peer!r}")
+            heard = self._heard
             channel = self._channels[peer] = Channel(
                 self._ctx,
                 endpoint,
                 name=f"{self.name} -> {peer}",
                 max_reply_bytes=self._max_reply_bytes,
                 socket_options=self.endpoints.options(peer) or self._socket_options.get(peer),
+                heard=(lambda: heard(peer)) if heard is not None else lambda: None,
             )
         return channel
 
@@ -350,14 +358,15 @@ class DirectClient:
         name: str,
         max_reply_bytes: int,
         socket_options: Mapping[str, Mapping[int, Any]] | None = None,
+        heard: Callable[[str], None] | None = None,
     ) -> None:
-        self._channels = _Channels(context, _book(endpoints), name, max_reply_bytes, dict(socket_options or {}))
+        self._channels = _Channels(context, _book(endpoints), name, max_reply_bytes, dict(socket_options or {}), heard)
         self._waiting: dict[str, DirectCall] = {}  # peer -> the call whose reply its channel waits for
 
     def start(self, task: FirstRequest) -> DirectCall:
         """Send `task`'s first request now; the rest runs when the returned call is waited for."""
         earlier = self._waiting.get(task.peer)
-        if earlier is not None:  # its reply was never taken: a REQ socket must be replaced before it sends again
+        if earlier is not None:  # its reply was never taken (it is dropped when it comes, as a late one)
             earlier.abandon()
         sent = None
         call = DirectCall(task, self, None)
@@ -386,11 +395,11 @@ class DirectClient:
         _run(call, self._channels, lambda: call.cancelled, sent)
 
     def _discard(self, call: DirectCall) -> None:
-        """`call` will not be waited for: drop the request in flight with its socket."""
+        """`call` will not be waited for: its reply is dropped when it comes (a late one)."""
         if self._waiting.get(call.task.peer) is call:
             del self._waiting[call.task.peer]
             if call._sent is not None:
-                call._sent.channel.reset()
+                call._sent.channel.let_go()
                 call._sent = None
             call.finish("cancelled", "abandoned before its reply was taken")
 

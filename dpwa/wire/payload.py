@@ -177,11 +177,23 @@ class BufferPool:
     :meth:`take` gives a free buffer, or a new one when all are out (so it
     never blocks; how many are out at once is bounded by the taker); at most
     `keep` returned buffers are kept, the rest are freed.
+
+    With `spare` (memory its owner lends: a node's snapshot slot that nobody
+    holds, ``SnapshotStore.borrow``), :meth:`take` borrows that first, and
+    makes a buffer of its own only when none is lent; it then keeps none
+    (`keep` is 0), so the memory of a node stays its slots' between exchanges.
     """
 
-    def __init__(self, nbytes: int, keep: int = 2) -> None:
+    def __init__(
+        self,
+        nbytes: int,
+        keep: int = 2,
+        spare: Callable[[], tuple[np.ndarray, Callable[[], None]] | None] | None = None,
+    ) -> None:
         self.nbytes = nbytes
-        self._keep = keep
+        self._spare = spare
+        self._keep = 0 if spare is not None else keep
+        self.borrowed = 0  # buffers taken from `spare`
         self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
         self.out = 0  # buffers taken and not given back now
@@ -189,6 +201,14 @@ class BufferPool:
 
     def take(self) -> tuple[np.ndarray, Callable[[], None]]:
         """A buffer of `nbytes` bytes and the function that returns it (idempotent)."""
+        lent = self._spare() if self._spare is not None else None
+        if lent is not None:
+            array, return_it = lent
+            if array.nbytes == self.nbytes:
+                with self._lock:
+                    self.borrowed += 1
+                return array.view(np.uint8), return_it
+            return_it()  # (not this size: never, where the owner lends the right memory)
         with self._lock:
             buffer = self._free.pop() if self._free else None
             self.out += 1

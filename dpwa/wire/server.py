@@ -163,8 +163,10 @@ class Server:
         max_unsent_per_client: int = 2,
         max_unsent: int = 8,
         heartbeat_ms: int = 1000,
+        heard: Callable[[str], None] | None = None,
     ) -> None:
         self._ctx = context
+        self._heard = heard  # told the sender of each request that passed the checks (a sign it is alive)
         self.endpoint = endpoint
         self._routes = dict(routes)
         self._accept = {r.kind.name: r.kind for r in self._routes.values()}
@@ -400,6 +402,8 @@ class Server:
         try:
             request.payload = group(frames[3:], route.kind.payload)
             self._check(route, request)
+            if self._heard is not None and (request.identity is not None or header.get("from") is not None):
+                self._heard(request.sender)
             # whose budget: a member's (its key's or its checked `from`), a newcomer's key, or the connection's
             budget = identity or (key and KEY_IDENTITY + key) or header.get("from") or client
             request.may_send_payload = not route.bulk or self._within_budget(budget)

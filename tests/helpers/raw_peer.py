@@ -99,11 +99,12 @@ class RawPeer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(parsed.endpoint(parsed.node(server)))
 
-    def exchange(self, node: Any, payload: Any, clock: float = 0.0) -> Any:
-        return self.exchange_with(node.params.fingerprint, payload, clock)
+    def exchange(self, node: Any, payload: Any, clock: float = 0.0, **fields: Any) -> Any:
+        return self.exchange_with(node.params.fingerprint, payload, clock, **fields)
 
-    def exchange_with(self, fingerprint: bytes, payload: Any, clock: float = 0.0) -> Any:
-        """An exchange that offers `payload` for a model whose layout has `fingerprint`."""
+    def exchange_with(self, fingerprint: bytes, payload: Any, clock: float = 0.0, **fields: Any) -> Any:
+        """An exchange that offers `payload` for a model whose layout has `fingerprint` (`fields`: optional
+        header fields, such as ``wait_ms``)."""
         from dpwa.gossip.protocol import EXCHANGE
         from dpwa.wire.schema import encode
 
@@ -116,6 +117,7 @@ class RawPeer:
             nbytes=payload.nbytes,
             clock=clock,
             loss=None,
+            **fields,
         )
         from dpwa.wire.payload import chunks
 

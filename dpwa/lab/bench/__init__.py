@@ -7,5 +7,8 @@
 * :mod:`.sizes`: each model size's table, every floor and every dpwa path sampled in turn;
 * :mod:`.training`: a training step with and without dpwa, against its floors;
 * :mod:`.scale`: many nodes as threads in one process;
+* :mod:`.memory`: two training nodes in processes of their own: what each holds beyond its model;
+* :mod:`.blends`: the same two nodes: how often they average, by model size and step time;
+* :mod:`.flaky`: a delaying, cutting proxy, and three nodes behind it (issue 50's flaky link);
 * :mod:`.report`: the machine, the tables and the summary.
 """

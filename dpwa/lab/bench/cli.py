@@ -9,6 +9,8 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --training              # only the digits model's training-step rows (about a minute)
     python -m dpwa.bench --memory                # what a node holds beyond its model: 10M, 50M and 100M parameters
     python -m dpwa.bench --memory --largest 500000000   # and rows at 500M (8 GB of models and gradients)
+    python -m dpwa.bench --blends                # how often two nodes average, by size and step time (~10 min)
+    python -m dpwa.bench --blends --quick        # the default mode's rows, and a short flaky link (~3 min)
 
 The benchmark's own nodes log what any node logs (its configurations are
 deliberately odd: ``fetch_probability: 0`` for a node that only serves, plain
@@ -65,6 +67,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .blends import SIZES, STEPS_S, bench_blends, blend_rows
 from .children import LOG_ENV, log_to
 from .exchange import serve_node
 from .floors import serve_raw, serve_raw_tcp
@@ -125,13 +128,19 @@ def main(argv: list[str] | None = None) -> int:
         help="only the memory table: two nodes per row, what each holds beyond its model and gradients",
     )
     parser.add_argument(
+        "--blends",
+        action="store_true",
+        help="only the blends table: exchanges per step by model size and step time, both modes, and a flaky link",
+    )
+    parser.add_argument(
         "--largest",
         type=int,
         metavar="PARAMETERS",
-        help="with --memory: last rows at this many parameters (the defaults on one host; one slot over TCP)",
+        help="with --memory: last rows at this many parameters (the defaults on one host; one slot over TCP); "
+        "with --blends: a size more",
     )
     parser.add_argument(
-        "--memory-node", nargs=5, metavar=("CONFIG", "NAME", "SIZE", "DTYPE", "STEPS"), help=argparse.SUPPRESS
+        "--memory-node", nargs=6, metavar=("CONFIG", "NAME", "SIZE", "DTYPE", "STEPS", "STEP_S"), help=argparse.SUPPRESS
     )
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-router", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
@@ -171,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]), args.raw)
         return 0
     if args.memory_node:
-        config, name, size, dtype, steps = args.memory_node
-        serve_memory_node(config, name, int(size), dtype, int(steps))
+        config, name, size, dtype, steps, step_s = args.memory_node
+        serve_memory_node(config, name, int(size), dtype, int(steps), float(step_s))
         return 0
     if args.memory:  # --quick: the default mode's two rows at 5M parameters (blended chunk by chunk)
         sizes = [5_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
@@ -181,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"machine": machine(), "memory": rows}, indent=2))
             print(f"\nwrote {args.json}")
         return 0 if all("error" not in row for row in rows) else 1
+    if args.blends:  # --quick: the default mode at two sizes and step times, and 40 steps of the flaky link
+        blend_sizes = SIZES[:2] if args.quick else SIZES + ((args.largest,) if args.largest else ())
+        steps_s = (0.02, 0.05) if args.quick else STEPS_S
+        blends = bench_blends(blend_rows(blend_sizes, steps_s, quick=args.quick), flaky_steps=40 if args.quick else 250)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), **blends}, indent=2))
+            print(f"\nwrote {args.json}")
+        return 0 if all("error" not in row for row in blends["blends"]) else 1
     if args.training:  # the digits rows alone, with their floors (--quick: a few steps)
         results = run([], 0, 0, [], 0, [], training_steps=0.02 if args.quick else 1.0, workloads=WORKLOADS[:2])
     elif args.quick:  # STREAMED runs the bulk rows (plain and sealed), with few repetitions

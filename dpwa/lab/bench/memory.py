@@ -32,6 +32,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ class MemoryRow:
     settings: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the model's own dtype
     steps: int = 16
+    step_s: float = STEP_S  # each step's stand-in compute
 
 
 def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> list[MemoryRow]:
@@ -164,8 +166,11 @@ def _model(parameters: int, dtype: str, fill: float):
     return net
 
 
-def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, steps: int) -> None:
-    """One node of a row: train `steps` steps exchanging every step, and print what it measured as JSON."""
+def serve_memory_node(
+    config_path: str, name: str, parameters: int, dtype: str, steps: int, step_s: float = STEP_S
+) -> None:
+    """One node of a row: train `steps` steps of `step_s` stand-in compute each, exchanging every step, and print
+    what it measured as JSON."""
     import torch
 
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
@@ -177,7 +182,7 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
     adapter = DpwaPyTorchAdapter(net, name, config_path)
     shared = adapter.node.parts.shared
     sampler = _Sampler(str(shared.dir) if shared is not None else None)
-    step_s: list[float] = []
+    step_times: list[float] = []
     try:
         loss = 1.0
         adapter.node.barrier("memory-start", timeout_s=120)  # both train at once: every step may exchange
@@ -187,12 +192,12 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
             with torch.no_grad():  # a step: every parameter written, as an optimizer writes it
                 for p in net.parameters():
                     p.add_(p.grad, alpha=-0.1)
-            time.sleep(STEP_S)  # the rest of a step's compute (a stand-in: what is measured is memory)
+            time.sleep(step_s)  # the rest of a step's compute (a stand-in: what is measured is memory)
             adapter.update_wait(loss)
-            step_s.append(time.perf_counter() - t0)
+            step_times.append(time.perf_counter() - t0)
         steady = sampler.sample()
-        stats = adapter.node.stats()
         adapter.node.barrier("memory-end", timeout_s=120)  # neither closes while the other still steps
+        stats = adapter.node.stats()  # with the halves it applied while it waited for the other's last steps
     finally:
         sampler.stop()
         adapter.close()
@@ -204,7 +209,7 @@ def serve_memory_node(config_path: str, name: str, parameters: int, dtype: str, 
                 "baseline": baseline,
                 "steady": [steady[0] - baseline, steady[1]],
                 "peak": [sampler.peak[0] - baseline, sampler.peak[1]],
-                "step_ms": statistics.median(step_s) * 1e3,
+                "step_ms": statistics.median(step_times) * 1e3,
                 "blends": stats.get("averaged", 0) + stats.get("mirrored", 0),
                 "busy": stats.get("busy_answers", 0),
             }
@@ -237,13 +242,16 @@ def _write_config(directory: str, row: MemoryRow) -> str:
     return path
 
 
-def bench_memory(rows: list[MemoryRow]) -> list[dict[str, Any]]:
-    """Each row's two nodes, side by side; a row whose nodes fail is reported as failed, and the rest run."""
+def bench_memory(
+    rows: list[MemoryRow], fmt: Callable[[list[dict[str, Any]], bool], str] | None = None
+) -> list[dict[str, Any]]:
+    """Each row's two nodes, side by side; a row whose nodes fail is reported as failed, and the rest run.
+    Each row is printed as it finishes, by `fmt` (default :func:`format_memory`)."""
     results: list[dict[str, Any]] = []
     for row in rows:
         with tempfile.TemporaryDirectory() as tmp:
             path = _write_config(tmp, row)
-            args = [str(row.parameters), row.dtype, str(row.steps)]
+            args = [str(row.parameters), row.dtype, str(row.steps), str(row.step_s)]
             children = [Child("--memory-node", path, name, *args, wait=False) for name in ("a", "b")]
             nodes, error = [], ""
             try:
@@ -257,7 +265,12 @@ def bench_memory(rows: list[MemoryRow]) -> list[dict[str, Any]]:
             finally:
                 for child in children:
                     child.stop()
-        result: dict[str, Any] = {"label": row.label, "parameters": row.parameters, "dtype": row.dtype}
+        result: dict[str, Any] = {
+            "label": row.label,
+            "parameters": row.parameters,
+            "dtype": row.dtype,
+            "step_s": row.step_s,
+        }
         if error:
             result["error"] = error
         else:
@@ -273,7 +286,7 @@ def bench_memory(rows: list[MemoryRow]) -> list[dict[str, Any]]:
                 steps=row.steps,
                 nodes=nodes,
             )
-        print(format_memory([result], header=not results), flush=True)
+        print((fmt or format_memory)([result], not results), flush=True)
         results.append(result)
     return results
 
