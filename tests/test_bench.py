@@ -81,10 +81,12 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_the_memory_table_counts_what_a_node_holds_beyond_its_model(tmp_path):
-    """`--memory --quick`: two nodes of a 5M-parameter model in the default mode, on one host and over TCP.
+    """`--memory --quick`: two nodes of a 10M-parameter model in the default mode, on one host and over TCP.
     Memory is what is asserted, from /proc (not time): beside a same-host peer a node holds its two
-    snapshot slots in shared memory and next to nothing on the heap; over TCP, two heap slots and one
-    receive buffer (the library's own few MB on top). Before the budget: 5 copies over TCP, 4 on one host."""
+    snapshot slots in shared memory and next to nothing on the heap; over TCP, between exchanges, its two
+    heap slots (a peer's snapshot is received into the one that is not current), and at the peak one
+    receive buffer more (the library's own few MB on top). Before the budget: 5 copies over TCP, 4 on one
+    host; before receiving into the idle slot, 3 over TCP."""
     out = tmp_path / "memory.json"
     proc = subprocess.run(
         [sys.executable, "-m", "dpwa.bench", "--memory", "--quick", "--json", str(out), "--log", str(tmp_path / "log")],
@@ -99,5 +101,5 @@ def test_the_memory_table_counts_what_a_node_holds_beyond_its_model(tmp_path):
     assert sorted(rows) == ["symmetric (default), TCP", "symmetric (default), same host"]
     same_host, tcp = rows["symmetric (default), same host"], rows["symmetric (default), TCP"]
     assert same_host["shm_copies"] == pytest.approx(2.0, abs=0.01) and same_host["anon_copies"] < 0.5, same_host
-    assert tcp["shm_copies"] == 0 and tcp["anon_copies"] < 3.5, tcp
+    assert tcp["shm_copies"] == 0 and tcp["anon_copies"] < 2.5 and tcp["peak_copies"] < 3.5, tcp
     assert all(row["blends"] > 0 for row in rows.values()), rows

@@ -8,7 +8,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --log bench.log         # the benchmark's own nodes' log lines go here
     python -m dpwa.bench --training              # only the digits model's training-step rows (about a minute)
     python -m dpwa.bench --memory                # what a node holds beyond its model: 10M, 50M and 100M parameters
-    python -m dpwa.bench --memory --largest 500000000   # and rows at 500M (8 GB of models and gradients)
+    python -m dpwa.bench --memory --largest 500000000   # and the defaults at 500M (8 GB of models and gradients)
     python -m dpwa.bench --blends                # how often two nodes average, by size and step time (~10 min)
     python -m dpwa.bench --blends --quick        # the default mode's rows, and a short flaky link (~3 min)
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "--largest",
         type=int,
         metavar="PARAMETERS",
-        help="with --memory: last rows at this many parameters (the defaults on one host; one slot over TCP); "
+        help="with --memory: last rows at this many parameters (the defaults, on one host and over TCP); "
         "with --blends: a size more",
     )
     parser.add_argument(
@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         config, name, size, dtype, steps, step_s = args.memory_node
         serve_memory_node(config, name, int(size), dtype, int(steps), float(step_s))
         return 0
-    if args.memory:  # --quick: the default mode's two rows at 5M parameters (blended chunk by chunk)
-        sizes = [5_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
+    if args.memory:  # --quick: the default mode's two rows at 10M parameters (blended chunk by chunk; 40 MB,
+        # above glibc's largest mmap threshold, so a buffer freed is given back to the system)
+        sizes = [10_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
         rows = bench_memory(memory_rows(sizes, args.largest, quick=args.quick))
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine(), "memory": rows}, indent=2))

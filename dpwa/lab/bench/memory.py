@@ -13,7 +13,8 @@ from ``/proc/self``:
 * **shm**: its own shared-memory slots, mapped or not, retired ones still
   mapped included (a slot file is allocated whole: ``posix_fallocate``);
   a peer's slots this node reads in place are that peer's and not counted;
-* **steady**: anon + shm after the last step's ``update_wait``; **peak**:
+* **steady**: anon + shm between exchanges: once both nodes made their last step (the end barrier), the
+  last exchanges blended; **peak**:
   the largest anon + shm seen by a sampler thread every few milliseconds
   from the adapter's creation to its close.
 
@@ -61,8 +62,7 @@ class MemoryRow:
 def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> list[MemoryRow]:
     """The table: every path and codec at the first size; the defaults, one slot over TCP and mode pull at
     the others; at `largest` (the biggest model two nodes hold on this machine; None: no such row) the
-    defaults on one host, and one slot over TCP. `quick`: the default mode's two rows at each size, nothing
-    else."""
+    defaults on one host and over TCP. `quick`: the default mode's two rows at each size, nothing else."""
     same_host, tcp = {"same_host": "auto"}, {"same_host": "off", "insecure": True}
     rows: list[MemoryRow] = []
     for i, size in enumerate(sizes):
@@ -89,8 +89,8 @@ def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> l
     if largest is not None:
         rows += [
             MemoryRow("symmetric (default), same host", largest, {**same_host}, steps=16),
-            # over TCP the defaults hold 3 copies: at 500M, two such nodes need 20 GB beside their models
-            MemoryRow("symmetric, TCP, snapshot_slots: 1", largest, {**tcp, "snapshot_slots": 1}, steps=16),
+            # over TCP the defaults hold 2 copies, 3 at the peak: at 500M, two nodes need 20 GB with their models
+            MemoryRow("symmetric (default), TCP", largest, {**tcp}, steps=16),
         ]
     return rows
 
@@ -195,8 +195,9 @@ def serve_memory_node(
             time.sleep(step_s)  # the rest of a step's compute (a stand-in: what is measured is memory)
             adapter.update_wait(loss)
             step_times.append(time.perf_counter() - t0)
-        steady = sampler.sample()
         adapter.node.barrier("memory-end", timeout_s=120)  # neither closes while the other still steps
+        # between exchanges: both have stopped stepping, and what the last ones received has been blended
+        steady = sampler.sample()
         stats = adapter.node.stats()  # with the halves it applied while it waited for the other's last steps
     finally:
         sampler.stop()
@@ -296,7 +297,8 @@ def format_memory(rows: list[dict[str, Any]], header: bool = True) -> str:
     if header:
         lines += [
             "\nMemory: two nodes on this machine, each beyond its model and gradients, in copies of the model's bytes",
-            "(steady: after the last step; peak: the most seen while the node ran; the larger node of the two)",
+            "(steady: between exchanges, after both made their last step; peak: the most seen while the node ran;"
+            " the larger node of the two)",
             f"  {'row':<40}{'params':>13}{'MB':>8}{'steady':>8}{'peak':>7}{'anon':>7}{'shm':>6}"
             f"{'step ms':>9}{'blends':>8}",
         ]
