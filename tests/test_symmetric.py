@@ -952,13 +952,10 @@ def start_own_exchange(node) -> None:
     raise AssertionError("the node started no exchange in 60 steps")
 
 
-def test_crossing_requests_the_node_whose_name_sorts_first_serves_and_both_sides_move(nodes, zctx):
-    """w0 asks w1 while w1 asks w0 (played by hand): each would refuse the other busy and neither would
-    average. w0's name sorts first, so w0 gives its own exchange up and serves w1's; w1 refuses w0's (its
-    usual busy), and the one exchange is applied on w0's side as a mirror: w0 moves to the midpoint."""
-    from dpwa.gossip.protocol import EXCHANGE
-    from dpwa.wire.schema import error_header
-
+@pytest.fixture
+def crossed(nodes, zctx):
+    """w0 (a node, holding 0) starts its own exchange to w1 (played by hand), and w1's own request crosses
+    it. Yields (w0, its values, w1, the envelope and header of w0's request to w1, w0's reply to w1's)."""
     cfg = make_config(
         2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
     )
@@ -968,22 +965,33 @@ def test_crossing_requests_the_node_whose_name_sorts_first_serves_and_both_sides
         node = nodes(cfg, "w0", NumpyParams(mine))
         start_own_exchange(node)  # w0's own exchange to w1 is out ...
         envelope, request = w1.take_request()
-        assert request.kind == EXCHANGE.name
         reply = w1.raw.exchange(node, filled(4))  # ... and w1's crosses it
-        assert reply.kind == "params", reply  # w0 gave way: it serves w1
-        w1.answer(envelope, [error_header(request.id, "busy", "in another exchange (own)")])
-        assert w1.raw.confirm(reply["xid"])["outcome"] == "commit"
-        update = node.update_wait()
-        assert update.outcome == "refused" and not update.averaged  # its own exchange: given up
-        assert wait_until(lambda: mirrored_once(node), 5)
-        assert np.all(mine == 2.0)  # 0 + f (4 - 0): w1's snapshot, one half, once
-        stats = node.stats()
-        assert stats["exchanges_given_way"] == 1 and stats.get("averaged", 0) == 0
+        yield node, mine, w1, envelope, request, reply
     finally:
         w1.close()
 
 
-def test_a_crossing_reply_that_comes_after_the_node_gave_way_is_withdrawn_not_confirmed(nodes, zctx):
+def test_crossing_requests_the_node_whose_name_sorts_first_serves_and_both_sides_move(crossed):
+    """w0 asks w1 while w1 asks w0 (played by hand): each would refuse the other busy and neither would
+    average. w0's name sorts first, so w0 gives its own exchange up and serves w1's; w1 refuses w0's (its
+    usual busy), and the one exchange is applied on w0's side as a mirror: w0 moves to the midpoint."""
+    from dpwa.gossip.protocol import EXCHANGE
+    from dpwa.wire.schema import error_header
+
+    node, mine, w1, envelope, request, reply = crossed
+    assert request.kind == EXCHANGE.name
+    assert reply.kind == "params", reply  # w0 gave way: it serves w1
+    w1.answer(envelope, [error_header(request.id, "busy", "in another exchange (own)")])
+    assert w1.raw.confirm(reply["xid"])["outcome"] == "commit"
+    update = node.update_wait()
+    assert update.outcome == "refused" and not update.averaged  # its own exchange: given up
+    assert wait_until(lambda: mirrored_once(node), 5)
+    assert np.all(mine == 2.0)  # 0 + f (4 - 0): w1's snapshot, one half, once
+    stats = node.stats()
+    assert stats["exchanges_given_way"] == 1 and stats.get("averaged", 0) == 0
+
+
+def test_a_crossing_reply_that_comes_after_the_node_gave_way_is_withdrawn_not_confirmed(crossed):
     """The rare order: w0 gave way to w1's request, and w1 (whose own exchange ended meanwhile) still
     serves w0's. w0 must not confirm it: that would put its one snapshot in two exchanges. It withdraws
     it at once (a confirm marked withdraw, so w1 aborts it now rather than at its expiry), and applies
@@ -991,43 +999,32 @@ def test_a_crossing_reply_that_comes_after_the_node_gave_way_is_withdrawn_not_co
     from dpwa.gossip.protocol import CONFIRM, DECISION, PARAMS
     from dpwa.wire.payload import chunks
 
-    cfg = make_config(
-        2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
+    node, mine, w1, envelope, request, reply = crossed
+    assert reply.kind == "params"
+    theirs = filled(8)
+    header = encode(
+        PARAMS,
+        request.id,
+        **{"from": "w1"},
+        fp=request["fp"],
+        dtype="float32",
+        nbytes=theirs.nbytes,
+        clock=0.0,
+        loss=None,
+        version=1,
+        xid=77,
+        f=0.5,
     )
-    mine = filled(0)
-    w1 = CrossingPeer(zctx, cfg, "w1", "w0")
-    try:
-        node = nodes(cfg, "w0", NumpyParams(mine))
-        start_own_exchange(node)
-        envelope, request = w1.take_request()
-        reply = w1.raw.exchange(node, filled(4))
-        assert reply.kind == "params"
-        theirs = filled(8)
-        header = encode(
-            PARAMS,
-            request.id,
-            **{"from": "w1"},
-            fp=request["fp"],
-            dtype="float32",
-            nbytes=theirs.nbytes,
-            clock=0.0,
-            loss=None,
-            version=1,
-            xid=77,
-            f=0.5,
-        )
-        w1.answer(envelope, [header, *chunks([theirs])])
-        envelope, withdrawal = w1.take_request()
-        assert withdrawal.kind == CONFIRM.name and withdrawal["xid"] == 77 and withdrawal.get("withdraw") is True
-        w1.answer(envelope, [encode(DECISION, withdrawal.id, xid=77, outcome="abort")])
-        assert w1.raw.confirm(reply["xid"])["outcome"] == "commit"
-        update = node.update_wait()
-        assert update.outcome == "refused" and "crossing" in update.reason
-        assert wait_until(lambda: mirrored_once(node), 5)
-        assert np.all(mine == 2.0)  # w1's request only: w0's own exchange moved nothing
-        assert node.stats().get("averaged", 0) == 0
-    finally:
-        w1.close()
+    w1.answer(envelope, [header, *chunks([theirs])])
+    envelope, withdrawal = w1.take_request()
+    assert withdrawal.kind == CONFIRM.name and withdrawal["xid"] == 77 and withdrawal.get("withdraw") is True
+    w1.answer(envelope, [encode(DECISION, withdrawal.id, xid=77, outcome="abort")])
+    assert w1.raw.confirm(reply["xid"])["outcome"] == "commit"
+    update = node.update_wait()
+    assert update.outcome == "refused" and "crossing" in update.reason
+    assert wait_until(lambda: mirrored_once(node), 5)
+    assert np.all(mine == 2.0)  # w1's request only: w0's own exchange moved nothing
+    assert node.stats().get("averaged", 0) == 0
 
 
 def test_crossing_requests_the_node_whose_name_sorts_last_refuses_busy(nodes, zctx):
