@@ -15,7 +15,7 @@ Its last row is issue 50's flaky link (:func:`.flaky.flaky_run`): three
 nodes in the default mode, every link delayed 150 to 450 ms per chunk
 around a 300 ms deadline, and cut about every 2 s; it reports the exchanges
 applied per node-step, the drift of the sum of the models, and the longest
-time a node went without starting an exchange.
+time a node went without starting an exchange or applying one it served.
 """
 
 from __future__ import annotations
@@ -89,5 +89,5 @@ def format_flaky(run: dict[str, Any]) -> str:
         f"  exchanges applied {run['applied']} in {node_steps} node-steps ({run['applied'] / node_steps:.1%}), "
         f"{run['in_doubt']} in doubt on the way, {run['timeouts']} timeouts ({run['slow']} of peers heard from "
         f"meanwhile: slow, not rested); the sum of the models moved by {run['drift']:.1e}; the longest a node "
-        f"went without starting an exchange: {run['silent_s']:.1f} s"
+        f"went without starting an exchange or applying one it served: {run['silent_s']:.1f} s"
     )

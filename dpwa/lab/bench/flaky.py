@@ -13,8 +13,9 @@ whose round trip straddles the deadline. Now and then (every
 ``timeout_ms: 300``, delays in [150, 450] ms, a cut about every 2 s; a number
 of steps of 20 ms each. The nodes' fake gradient steps sum to zero, so the
 sum of the models must stay what it was: the run returns that drift with
-the exchanges applied, the timeouts, and each node's longest silence (the
-longest time between two exchanges it started).
+the exchanges applied, the timeouts, and the nodes' longest silence (the
+longest time a node went without starting an exchange or applying one a peer
+started with it).
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class FlakyRun:
     timeouts: int
     started: int  # exchanges started
     drift: float  # the largest change of the sum of the models, per element (0 up to float rounding)
-    silent_s: float  # the longest time a node went without starting an exchange
+    silent_s: float  # the longest time a node went without starting an exchange or applying one it served
     took_s: float
     cuts: int
     slow: int  # timeouts of peers heard from meanwhile (not rested for)
@@ -209,7 +210,8 @@ def flaky_run(seed: int = 0, steps: int = 250, step_s: float = 0.02, timeout_ms:
             group.append(Node({**cfg, "nodes": nodes}, f"w{k}", NumpyParams(arrays[k]), rng=random.Random(seed + k)))
         before = np.sum([a.astype(np.float64) for a in arrays], axis=0)
         moves = [np.float32(0.25), np.float32(-0.5), np.float32(0.25)]  # they sum to zero, exactly
-        last = [time.monotonic()] * n
+        last = [time.monotonic()] * n  # when each node last started an exchange or applied one it served
+        served = [0] * n
         silent = 0.0
         sign = np.float32(1)
         start = time.monotonic()
@@ -222,8 +224,12 @@ def flaky_run(seed: int = 0, steps: int = 250, step_s: float = 0.02, timeout_ms:
                 arrays[k] += sign * moves[k]
             sign = -sign  # the steps alternate, so values stay near where they started
             time.sleep(step_s)  # the step's compute (a stand-in)
-            for node in group:
+            for k, node in enumerate(group):
                 node.update_wait()
+                mirrored = node.counters.get("mirrored")
+                if mirrored > served[k]:  # it took part in an exchange a peer started
+                    now = time.monotonic()
+                    served[k], silent, last[k] = mirrored, max(silent, now - last[k]), now
         took = time.monotonic() - start
         silent = max([silent] + [time.monotonic() - t for t in last])
         for link in links:
