@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 
+import pytest
 import zmq
 
 from conftest import free_port, wait_until
@@ -14,7 +15,7 @@ from dpwa.logs import RateLimitedLog
 from dpwa.stats import Counters
 from dpwa.wire.client import ClientThread, DirectClient
 from dpwa.wire.errors import Refused
-from dpwa.wire.schema import KINDS, Integer, Text, encode, message_kind
+from dpwa.wire.schema import KINDS, Integer, Text, decode, encode, message_kind
 from dpwa.wire.server import Reply, Request, Route, Server
 
 PING = KINDS.get("test_ping") or message_kind("test_ping", {"from": Text(16), "n": Integer(0, 100)})
@@ -228,3 +229,49 @@ def test_a_direct_call_times_out_at_its_deadline_and_an_abandoned_one_frees_its_
         direct.close()
         silent.close(0)
         echo.server.close()
+
+
+def test_a_late_reply_is_dropped_and_a_reply_to_a_request_never_sent_is_bad_id(zctx):
+    """The channel outlives a request it let go (timed out, or cancelled): that request's reply, when it
+    comes, is read and dropped (counted late, and the peer is heard), never taken for the next request's;
+    the connection stays. A reply whose id no request of this channel had is still bad_id."""
+    from dpwa.wire.channel import Channel
+    from dpwa.wire.errors import ProtocolError, RequestCancelled, RequestTimeout
+
+    port = free_port()
+    server = zctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(f"tcp://127.0.0.1:{port}")
+    heard: list[int] = []
+    channel = Channel(zctx, f"tcp://127.0.0.1:{port}", name="t", heard=lambda: heard.append(1))
+
+    def ping(request_id: int, n: int) -> list[bytes]:
+        return [encode(PING, request_id, **{"from": "a"}, n=n)]
+
+    def answer(n: int, request_id: int | None = None) -> None:
+        assert server.poll(5000)
+        routing, _, header = server.recv_multipart()[:3]
+        rid = decode(header).id if request_id is None else request_id
+        server.send_multipart([routing, b"", encode(PONG, rid, n=n)])
+
+    accept = {PONG.name: PONG}
+    channel.send(ping(9, 9), 9, time.monotonic() + 5)  # a first exchange: the socket has heard its peer, so a
+    answer(9)  # timeout keeps it (one that never heard anything is replaced, as the Lazy Pirate does)
+    assert channel.receive(9, time.monotonic() + 5, accept=accept).header["n"] == 9
+    with pytest.raises(RequestTimeout):  # nobody answers in time
+        channel.request(ping(1, 1), 1, time.monotonic() + 0.2, accept=accept)
+    channel.send(ping(2, 2), 2, time.monotonic() + 5)
+    with pytest.raises(RequestCancelled):
+        channel.receive(2, time.monotonic() + 5, accept=accept, cancelled=lambda: True)
+    answer(1)  # the timed-out request's reply, late
+    answer(2)  # the cancelled one's, late
+    channel.send(ping(3, 3), 3, time.monotonic() + 5)
+    answer(3)
+    assert channel.receive(3, time.monotonic() + 5, accept=accept).header["n"] == 3
+    assert channel.late == 2 and len(heard) == 4
+    channel.send(ping(4, 4), 4, time.monotonic() + 5)
+    answer(4, request_id=99)  # an id this channel never sent
+    with pytest.raises(ProtocolError, match="bad_id"):
+        channel.receive(4, time.monotonic() + 5, accept=accept)
+    channel.close()
+    server.close()

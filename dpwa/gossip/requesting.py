@@ -176,7 +176,7 @@ class ReplyReader:
         self._bulk_paused: dict[str, tuple[int, float]] = {}  # peer -> (streams failed in a row, no stream until)
         self.name = name
         self._limited = RateLimitedLog()
-        # a snapshot that came in chunks is copied into one of these (two kept: one blending, one arriving)
+        # a snapshot that came in chunks or by stream is received into a slot the store lends, or a pooled buffer
         self.arrivals = Arrivals(model, peers, spare)
         self._counters = counters
         self._log = log

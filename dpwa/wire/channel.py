@@ -134,7 +134,7 @@ class Channel:
         # into ZeroMQ, and one hand-over of the GIL, on a thread that shares it with training.
         while True:  # bounded by the deadline: each pass waits at most a slice
             if cancelled():
-                self.let_go()
+                self.let_go(request_id)
                 raise RequestCancelled(f"{self.name}: request {request_id} to {self.endpoint} cancelled")
             remaining = deadline - time.monotonic()
             wait_ms = max(1, int(min(remaining, POLL_SLICE_S) * 1000)) if remaining > 0 else 0
@@ -144,8 +144,7 @@ class Channel:
                 self.reset()
                 raise TransportError(f"{self.name}: receive from {self.endpoint} failed: {exc}") from exc
             if reply is None and remaining <= 0:  # nothing had arrived by the deadline
-                self._late_ids.append(request_id)
-                self.let_go()
+                self.let_go(request_id)
                 raise RequestTimeout(f"{self.name}: no reply from {self.endpoint} for request {request_id}")
             if reply is None:
                 continue
@@ -174,29 +173,31 @@ class Channel:
             raise ProtocolError(exc.reason, f"from {self.endpoint}: {exc.detail}") from None
         if header.id == request_id or (header.kind == "error" and header.id == 0):
             return header
-        if header.id in self._late_ids:
-            self._late_ids.remove(header.id)
-            self.late += 1
+        if self._late(reply[1].buffer, header.id):
             return None
         self.reset()
         raise ProtocolError("bad_id", f"from {self.endpoint}: reply to request {header.id}, expected {request_id}")
 
-    def _late(self, data: memoryview) -> bool:
-        """Is `data` the header of a late reply (one to a request that timed out)? Counted and forgotten."""
-        try:
-            late_id = decode(data).id
-        except ProtocolError:
+    def _late(self, data: memoryview, reply_id: int | None = None) -> bool:
+        """Is this reply (its header `data`, or its id when decoded already) the late reply of a request this
+        channel let go? Then it is counted and forgotten."""
+        if reply_id is None:
+            try:
+                reply_id = decode(data).id
+            except ProtocolError:
+                return False
+        if reply_id not in self._late_ids:
             return False
-        if late_id not in self._late_ids:
-            return False
-        self._late_ids.remove(late_id)
+        self._late_ids.remove(reply_id)
         self.late += 1
         return True
 
-    def let_go(self) -> None:
-        """The request will not be waited for: keep the socket (and its connection) for the next one, unless
-        it heard nothing for KEEP_QUIET_S (a fresh one connects at once) or ZeroMQ still holds the request's
-        payload (the connection is down: that memory is released now, and never sent later)."""
+    def let_go(self, request_id: int) -> None:
+        """Request `request_id` will not be waited for: its reply is dropped when it comes (a late one), and
+        the socket (with its connection) is kept for the next request, unless it heard nothing for
+        KEEP_QUIET_S (a fresh one connects at once) or ZeroMQ still holds the request's payload (the
+        connection is down: that memory is released now, and never sent later)."""
+        self._late_ids.append(request_id)
         quiet = time.monotonic() - self._heard_at > KEEP_QUIET_S
         if quiet or (self._payload_sent is not None and not self._payload_sent.done):
             self.reset()

@@ -399,7 +399,7 @@ class DirectClient:
         if self._waiting.get(call.task.peer) is call:
             del self._waiting[call.task.peer]
             if call._sent is not None:
-                call._sent.channel.let_go()
+                call._sent.channel.let_go(call._sent.request_id)
                 call._sent = None
             call.finish("cancelled", "abandoned before its reply was taken")
 
