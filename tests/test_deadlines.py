@@ -88,3 +88,18 @@ def test_bad_bounds_are_refused_with_their_values():
         Deadlines(0)
     with pytest.raises(ValueError, match=r"cap_s \(0.1\) must be at least floor_s \(0.2\)"):
         Deadlines(0.2, cap_s=0.1)
+
+
+def test_the_cap_is_four_timeouts_and_with_open_membership_no_longer_than_dead_after():
+    """A node waiting out a deadline sends no digest, so its heartbeat stops rising: with open membership no
+    deadline outlasts dead_after_ms (never less than timeout_ms, which the config checks against it)."""
+    from dpwa.gossip.deadlines import cap_s
+
+    assert cap_s(1.0) == 4.0
+    assert cap_s(1.0, dead_after_s=2.0) == 2.0  # the walkthrough's settings
+    assert cap_s(1.0, dead_after_s=10.0) == 4.0
+    assert cap_s(1.0, dead_after_s=0.5) == 1.0
+    d = Deadlines(1.0, cap_s(1.0, dead_after_s=2.0))
+    for _ in range(5):
+        d.timed_out("a", "exchange")
+    assert d.deadline_s("a", "exchange") == 2.0

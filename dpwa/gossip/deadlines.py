@@ -26,13 +26,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CAP_FACTOR", "Deadlines", "Estimate"]
+__all__ = ["CAP_FACTOR", "Deadlines", "Estimate", "cap_s"]
 
 CAP_FACTOR = 4.0  # a deadline is at most this many times timeout_ms (update_wait waits at most this long)
 ALPHA = 1 / 8  # srtt's gain (RFC 6298)
 BETA = 1 / 4  # rttvar's gain
 K = 4.0  # deadline = srtt + K rttvar
 MAX_KEYS = 4096  # (peer, kind) estimates kept at most (open membership: members come and go)
+
+
+def cap_s(timeout_s: float, dead_after_s: float | None = None) -> float:
+    """The longest deadline: CAP_FACTOR x `timeout_s`; with open membership (`dead_after_s`, the time a suspect
+    member has before it is removed) no longer than that, as `timeout_s` itself is checked against it: a node
+    that waits out a long deadline sends no digest meanwhile, so its heartbeat stops rising. Never below
+    `timeout_s`."""
+    cap = CAP_FACTOR * timeout_s
+    if dead_after_s is not None:
+        cap = min(cap, dead_after_s)
+    return max(timeout_s, cap)
 
 
 @dataclass

@@ -724,6 +724,7 @@ class ExchangeServer:
         rule: the mixing rule (how f is computed, and checked against the requester's).
         timeout_s: the requesters' deadline (a pending exchange expires after it plus a margin).
         counters: where to count.
+        wait_cap_s: the longest deadline a requester may name (``wait_ms``); None: CAP_FACTOR x `timeout_s`.
         slots: the same-host peers whose snapshots an exchange may name in their shared-memory slots,
             each with its own reader (used on the Rx thread only; closed by :meth:`close`).
         streams_in: where requesters' snapshots offered at their bulk ports are read (``bulk_exchange``):
@@ -740,6 +741,7 @@ class ExchangeServer:
         rule: rules.Rule,
         timeout_s: float,
         counters: Counters,
+        wait_cap_s: float | None = None,
         slots: dict[str, PeerSlots] | None = None,
         streams_in: tuple[Callable[[Any], Call], ReplyReader] | None = None,
     ) -> None:
@@ -751,7 +753,9 @@ class ExchangeServer:
         self._values = values
         self._rule = rule
         self.ttl_s = timeout_s + TTL_MARGIN_S  # a pending exchange's life when its requester names no deadline
-        self._wait_floor_s, self._wait_cap_s = timeout_s, CAP_FACTOR * timeout_s  # what a requester may name
+        # what a requester may name: within [timeout_s, the cap]
+        self._wait_floor_s = timeout_s
+        self._wait_cap_s = max(timeout_s, CAP_FACTOR * timeout_s if wait_cap_s is None else wait_cap_s)
         # peer -> (seconds from its request to its confirm, when) of its latest commit
         self._confirm_took: dict[str, tuple[float, float]] = {}
         # requester snapshots that came in chunks (or encoded): received into our slot nobody holds, if any

@@ -184,6 +184,8 @@ class FlowControl:
             (pairing: hypercube); None: a random peer by score.
         clock: the time source (tests pass a fake one).
         on_heard: told of every peer that answered anything (open membership: it is alive, whatever it said).
+        deadline_cap_s: the most a deadline that follows a peer's link may grow to (None: CAP_FACTOR times
+            `timeout_s`; open membership gives less: see dpwa.gossip.node).
 
     Its :attr:`signs` (:class:`SignsOfLife`) are told of replies here, and of requests by the Rx thread: a
     timeout of a peer heard from while the request was out is not a miss.
@@ -199,6 +201,7 @@ class FlowControl:
         schedule: Callable[[int], tuple[str, bool]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_heard: Callable[[str], None] = lambda peer: None,
+        deadline_cap_s: float | None = None,
     ) -> None:
         self.name = name
         self.signs = SignsOfLife(clock)
@@ -207,7 +210,7 @@ class FlowControl:
         self._clock, self._on_heard = clock, on_heard
         self.rounds = 0  # steps that asked whom to ask
         self.selector = PeerSelector(peers, rng=rng)
-        self.deadlines = Deadlines(timeout_s)  # each peer's next deadline, from its past request times
+        self.deadlines = Deadlines(timeout_s, deadline_cap_s)  # each peer's next deadline, from past request times
         self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
         self._misses = {peer: 0 for peer in peers}  # consecutive timeouts or transport failures
         self._pause = dict.fromkeys(peers, 0.0)  # an unreachable peer's back-off (0: reachable)

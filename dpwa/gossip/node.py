@@ -47,6 +47,7 @@ from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
 from .barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter
+from .deadlines import cap_s
 from .extras import Extras, RuleState
 from .flow import FlowControl
 from .join import JOIN_CHUNK, JOIN_INFO, ExtraState, Joined
@@ -146,6 +147,10 @@ class Node:
             # open membership: a member that answered anything, a refusal included, is alive (issue 32's
             # walkthrough: members busy with exchanges to two dead peers answered each other only "busy")
             on_heard=self.members.heard if self.members is not None else lambda peer: None,
+            # open membership: never longer than dead_after_ms (a node waiting out a deadline sends no digest)
+            deadline_cap_s=cap_s(
+                self.config.timeout_s, self.config.dead_after_ms / 1000 if self.members is not None else None
+            ),
         )
         self._step: Step | None = None
         self._refresh: BootstrapRefresh | None = None  # open membership: a bootstrap address asked again

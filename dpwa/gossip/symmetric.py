@@ -44,6 +44,7 @@ class SymmetricSteps:
             crew.rule,
             config.timeout_s,
             crew.counters,
+            wait_cap_s=crew.flow.deadlines.cap_s,  # the longest deadline a requester of ours may name
             slots=parts.slot_readers(),  # same-host requesters name their snapshot's slot
             # large models between hosts: requesters offer their snapshots at their bulk ports
             streams_in=(parts.streams_in[0].submit, parts.streams_in[1]) if parts.streams_in is not None else None,
