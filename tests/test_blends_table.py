@@ -22,5 +22,6 @@ def test_the_blends_table_has_both_modes_at_every_size_and_step_and_prints_what_
     assert "pull, same host" in format_blends([{**row, "nodes": [node, node]}], True)
     assert format_blends([{**row, "nodes": [node, node]}], False).split()[-3:] == ["52", "15/16", "6"]
     flaky = {"steps": 10, "applied": 3, "in_doubt": 1, "timeouts": 4, "slow": 2, "drift": 0.0, "silent_s": 1.5}
-    line = format_flaky({**flaky, "cuts": 2, "took_s": 9.0})
-    assert "exchanges applied 3 in 30 node-steps (10.0%)" in line and "2 cuts" in line
+    line = format_flaky({**flaky, "seed": 1, "cuts": 2, "took_s": 9.0, "unblended_s": 4.25})
+    assert "exchanges applied 3 in 30 node-steps (10.0%)" in line and "2 cuts" in line and "seed 1" in line
+    assert line.endswith("1.5 s, without applying any: 4.2 s")

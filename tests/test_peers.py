@@ -116,6 +116,31 @@ def test_when_every_peer_is_unreachable_the_node_is_alone_and_probes_any_of_them
     assert set(flow.candidates()) == {"a", "b"}
 
 
+def test_a_peer_that_asks_us_ends_its_rest_and_a_lone_nodes_wait_for_the_next_probe():
+    """A peer whose request reaches our Rx thread is alive: a resting peer is asked again at once, and a node
+    alone probes at its next step instead of waiting out its back-off (up to ALONE_BACKOFF_MAX_S)."""
+    clock = FakeClock()
+    flow = FlowControl("w0", ["a", "b"], 1.0, 1.0, random.Random(3), clock=clock)
+    flow.record("a", "timeout")
+    flow.record("a", "timeout")  # "a" rests 1 s
+    assert flow.candidates() == ["b"]
+    clock.now += 0.25
+    flow.signs.heard("a")  # it asked us
+    assert set(flow.candidates()) == {"a", "b"}
+    for peer in ("a", "b", "a", "b"):
+        flow.record(peer, "failed")
+    clock.now += 0.25  # (no sign since the rests began)
+    assert flow.alone and flow.candidates() == []  # the first probe waits a timeout
+    clock.now += 1.0
+    assert flow.candidates() != []  # probed: the next waits 2 s ...
+    clock.now += 0.5
+    assert flow.candidates() == []
+    flow.signs.heard("b")  # ... unless a peer asks us meanwhile
+    clock.now += 0.01
+    assert flow.candidates() != [] and flow.alone  # probed now; alone until it answers
+    assert flow.candidates() == []  # one probe per sign
+
+
 def test_a_peer_heard_from_while_its_request_was_out_is_slow_not_rested():
     """Rest the dead, not the slow: timeouts of a peer that showed a sign of life while the request was out
     (a request of its own reached our Rx thread) lower its score but never rest it; the same timeouts

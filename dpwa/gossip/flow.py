@@ -23,7 +23,8 @@ transport failures; any reply, even a refusal, shows a peer is alive) is
 next miss, up to :data:`ALONE_BACKOFF_MAX_S`, so a dead peer costs a timeout
 now and then, not one in every few steps. When every peer is unreachable
 the node says so once, trains alone, and probes one peer after ``timeout``,
-then twice that, up to every :data:`ALONE_BACKOFF_MAX_S`, until one answers.
+then twice that, up to every :data:`ALONE_BACKOFF_MAX_S`, until one answers;
+a peer whose request reaches us meanwhile is probed at the next step.
 
 **Rest the dead, not the slow.** A timeout counts as a miss only when the
 peer gave no sign of life while the request was out: no reply to any of our
@@ -31,7 +32,8 @@ requests, and no request of its own reached our Rx thread
 (:class:`SignsOfLife`, fed by both). A peer that answers late, or whose
 reply was cut while it kept asking us, is slow: its score halves (it is
 asked less), and its next deadline is longer
-(:mod:`dpwa.gossip.deadlines`), but it is never rested for it.
+(:mod:`dpwa.gossip.deadlines`), but it is never rested for it. A resting
+peer that asks us is not resting any more.
 """
 
 from __future__ import annotations
@@ -218,6 +220,7 @@ class FlowControl:
         self.alone = False  # every peer is unreachable, and we said so once
         self._backoff_s = 0.0  # while alone: the interval between probes
         self._next_probe = 0.0  # while alone: time.monotonic() of the next attempt
+        self._probed_at = 0.0  # while alone: when we went alone, or last probed
         self.skipped_alone = 0  # steps that did not ask because we were backing off
 
     def choose(self, exclude: frozenset[str] = frozenset()) -> str | None:
@@ -247,7 +250,11 @@ class FlowControl:
         if self.alone:
             return frozenset()
         now = self._clock()
-        return frozenset(peer for peer, at in self._retry_at.items() if now < at)
+        return frozenset(
+            peer
+            for peer, at in self._retry_at.items()
+            if now < at and not self.signs.since(peer, at - self._pause[peer])  # it asked us since: alive
+        )
 
     def unreachable(self) -> list[str]:
         """The peers that missed their last UNREACHABLE_AFTER requests."""
@@ -259,11 +266,11 @@ class FlowControl:
             return False
         if self.alone:
             now = self._clock()
-            if now < self._next_probe:
+            if now < self._next_probe and not any(self.signs.since(peer, self._probed_at) for peer in self._misses):
                 self.skipped_alone += 1
                 return False
             self._backoff_s = min(ALONE_BACKOFF_MAX_S, max(self._timeout_s, 2 * self._backoff_s))
-            self._next_probe = now + self._backoff_s
+            self._next_probe, self._probed_at = now + self._backoff_s, now
         return True
 
     def peers(self) -> list[str]:
@@ -323,7 +330,7 @@ class FlowControl:
         self.selector.failure(peer)
         if not self.alone and all(m >= UNREACHABLE_AFTER for m in self._misses.values()):
             self.alone = True
-            self._next_probe = self._clock() + self._timeout_s
+            self._next_probe = self._probed_at = self._clock() + self._timeout_s
             logger.warning(
                 "%s: none of the %d peers answered its last %d requests; training alone, "
                 "and trying a peer now and then (at most every %.0f s) until one answers",

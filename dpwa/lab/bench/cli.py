@@ -11,6 +11,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --memory --largest 500000000   # and the defaults at 500M (8 GB of models and gradients)
     python -m dpwa.bench --blends                # how often two nodes average, by size and step time (~10 min)
     python -m dpwa.bench --blends --quick        # the default mode's rows, and a short flaky link (~3 min)
+    python -m dpwa.bench --flaky                 # only the flaky link, seeds 0, 1 and 2 (~3 min)
 
 The benchmark's own nodes log what any node logs (its configurations are
 deliberately odd: ``fetch_probability: 0`` for a node that only serves, plain
@@ -67,7 +68,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .blends import SIZES, STEPS_S, bench_blends, blend_rows
+from .blends import SIZES, STEPS_S, bench_blends, bench_flaky, blend_rows
 from .children import LOG_ENV, log_to
 from .exchange import serve_node
 from .floors import serve_raw, serve_raw_tcp
@@ -133,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only the blends table: exchanges per step by model size and step time, both modes, and a flaky link",
     )
     parser.add_argument(
+        "--flaky",
+        action="store_true",
+        help="only the flaky link (3 nodes, delays around the deadline, cuts), seeds 0, 1 and 2 (--quick: seed 0)",
+    )
+    parser.add_argument(
         "--largest",
         type=int,
         metavar="PARAMETERS",
@@ -191,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"machine": machine(), "memory": rows}, indent=2))
             print(f"\nwrote {args.json}")
         return 0 if all("error" not in row for row in rows) else 1
+    if args.flaky:
+        runs = bench_flaky(40 if args.quick else 250, seeds=(0,) if args.quick else (0, 1, 2))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "flaky": runs}, indent=2))
+            print(f"\nwrote {args.json}")
+        return 0
     if args.blends:  # --quick: the default mode at two sizes and step times, and 40 steps of the flaky link
         blend_sizes = SIZES[:2] if args.quick else SIZES + ((args.largest,) if args.largest else ())
         steps_s = (0.02, 0.05) if args.quick else STEPS_S
