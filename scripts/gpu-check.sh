@@ -7,20 +7,26 @@
 # dependencies (pyzmq, pyyaml, msgpack, numpy, cryptography, matplotlib for the curves) and pytest; it says
 # which are missing. It writes into OUT_DIR (default: runs/gpu-check-DATE):
 #   gpu.txt       the card(s), the driver, torch and its CUDA;
-#   pytest.log    tests/test_cuda.py: the adapter, its kernels, the optimizer hook, checkpoints and a
-#                 short comparison on the GPU (these tests are skipped where there is no GPU, as in CI);
+#   pytest.log    tests/test_cuda.py: the adapter, its kernels (a large model's chunked path too), the optimizer
+#                 hook, checkpoints and a short comparison on the GPU (skipped where there is no GPU, as in CI);
+#   memory.json and memory.log   python -m dpwa.bench --memory --device cuda: two nodes on the GPU in the
+#                 default mode at 100M float32 parameters and at the largest bfloat16 model they hold (from
+#                 the free device memory, /dev/shm and host memory; at most 4B): each row's step time
+#                 against the same loop without dpwa, and the host and device memory dpwa added at its peak;
 #   compare.json, compare.log and compare/   python -m dpwa.compare --device cuda on charlm's medium model
 #                 (4.9 million parameters, more than the CPU machine the tables were made on can train),
 #                 2 workers, gossip, gossip-lowbw, all-reduce (NCCL where each rank has its own GPU, else
 #                 gloo) and DiLoCo.
-# Exit status: 0 when every CUDA test passed and the comparison completed; 2 without a GPU; 3 when a
-# dependency is missing; 1 when a test or the comparison failed. docs/performance.md ("On a GPU") keeps
-# what it printed, with the card.
+# Each part has a time limit, so the whole script ends within 8 minutes (tests 2, memory rows 3, comparison
+# 2.5), and each prints what it measured as it goes, even when a later part fails or runs out of time.
+# Exit status: 0 when every CUDA test passed and the memory rows and the comparison completed; 2 without a
+# GPU; 3 when a dependency is missing; 1 when a part failed or ran out of time. docs/performance.md ("On a
+# GPU") keeps what it printed, with the card.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${1:-runs/gpu-check-$(date +%Y%m%d-%H%M%S)}
-STEPS=${GPU_CHECK_STEPS:-300}
+STEPS=${GPU_CHECK_STEPS:-200}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
@@ -63,10 +69,14 @@ fi
 
 status=0
 echo "== tests/test_cuda.py"
-"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log" || status=1
+timeout 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/pytest.log" || status=1
+
+echo "== python -m dpwa.bench --memory --device cuda (100M float32, then the largest bfloat16 model that fits)"
+timeout 180 "$PYTHON" -m dpwa.bench --memory --device cuda --json "$OUT/memory.json" --log "$OUT/memory-nodes.log" \
+    2>&1 | tee "$OUT/memory.log" || status=1
 
 echo "== python -m dpwa.compare --device cuda --workload charlm --model medium --workers 2 --steps $STEPS"
-"$PYTHON" -m dpwa.compare --device cuda --workload charlm --model medium --workers 2 --steps "$STEPS" \
+timeout 150 "$PYTHON" -m dpwa.compare --device cuda --workload charlm --model medium --workers 2 --steps "$STEPS" \
     --systems gossip,gossip-lowbw,allreduce,diloco --json "$OUT/compare.json" --out "$OUT/compare" \
     2>&1 | tee "$OUT/compare.log" || status=1
 exit $status

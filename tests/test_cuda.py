@@ -102,6 +102,43 @@ def test_the_gpu_kernels_agree_with_the_cpu():
     np.testing.assert_allclose(out_gpu, out_cpu, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_a_large_gpu_model_is_blended_and_published_chunk_by_chunk_as_the_cpu_does(wire):
+    """A model above CHUNKED_MIN_ELEMENTS on the GPU (issue 40): blends and publishes go chunk by chunk through
+    pinned and device buffers of a chunk's size, made once; the values are the CPU's chunked path's (float32
+    rounding), and no buffer of the model's size is made on either side."""
+    from dpwa.adapters.pytorch import CHUNK_ELEMENTS, CHUNKED_MIN_ELEMENTS
+
+    def big(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        net = nn.Module()
+        net.a = nn.Parameter(torch.randn(3_000_001))
+        net.b = nn.Parameter(torch.randn(2_500_000))
+        net.register_buffer("running_var", torch.rand(1_200_003))
+        return net
+
+    cpu_net, gpu_net = big(0), big(0).cuda()
+    cpu, gpu = TorchParams(cpu_net), TorchParams(gpu_net)
+    assert gpu.size > CHUNKED_MIN_ELEMENTS and gpu._chunks is not None
+    storage = np.float32 if wire == "float32" else np.uint16
+    a, b = np.empty(cpu.size, storage), np.empty(cpu.size, storage)
+    out_cpu, out_gpu = np.empty(cpu.size, storage), np.empty(cpu.size, storage)
+    TorchParams(big(1)).copy_to(a, wire)
+    TorchParams(big(2)).copy_to(b, wire)
+    for p in (cpu, gpu):
+        p.lerp_from(a, 0.3, wire)
+        p.add_scaled_diff_from(a, b, 0.25, wire)
+    cpu.copy_to(out_cpu, wire)
+    gpu.copy_to(out_gpu, wire)
+    if wire == "float32":
+        np.testing.assert_allclose(out_gpu.astype(np.float32), out_cpu.astype(np.float32), rtol=1e-6, atol=1e-6)
+    else:
+        assert np.abs(out_gpu.astype(np.int32) - out_cpu.astype(np.int32)).max() <= 1  # a bfloat16 ulp at most
+    torch.cuda.synchronize()
+    assert all(t.numel() == CHUNK_ELEMENTS for t in gpu._buffers.values())
+    assert gpu.scratch_nbytes() <= 8 * CHUNK_ELEMENTS * 4 < gpu.size * 4
+
+
 def test_the_optimizer_hook_gossips_a_gpu_model(adapters):
     """gossip_optimizer on a GPU model: an unchanged loop (lr 0, so only the exchanges move the parameters)
     of a node at 2 with a peer at 6 ends with its parameters at their mean, 4, on the GPU."""

@@ -215,6 +215,47 @@ def test_a_large_model_blends_chunk_by_chunk_to_the_same_bits_with_no_model_size
     assert ours.scratch_nbytes() <= 3 * CHUNK_ELEMENTS * 4 < ours.size * 4 <= theirs.scratch_nbytes()
 
 
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_the_cuda_chunk_path_stages_through_chunk_buffers_to_the_same_bits(wire):
+    """The CUDA path of a large model (issue 40): each snapshot chunk goes through a pinned chunk and a device
+    chunk, a publish comes back through a device chunk, and nothing of the model's size is made. Run here on
+    the CPU: the device type is made to read "cuda" and every buffer is made on the CPU, so the chunking,
+    staging and offsets are checked against the flat path's bits (tests/test_cuda.py runs it on a GPU)."""
+    from dpwa.adapters.pytorch import CHUNK_ELEMENTS
+
+    made: list[tuple[str, str, int]] = []
+
+    class CudaOnCpu(TorchParams):
+        def _buffer(self, where: str, wire: str, size: int | None = None) -> Tensor:
+            if (where, wire) not in self._buffers:
+                dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
+                self._buffers[(where, wire)] = torch.empty(self.size if size is None else size, dtype=dtype)
+                made.append((where, wire, self.size if size is None else size))
+            return self._buffers[(where, wire)]
+
+    staged, flat = _large_model(0), _large_model(0)
+    ours, theirs = CudaOnCpu(staged), TorchParams(flat)
+    ours.device = torch.device("cuda")  # (only its type is read on the chunked path)
+    theirs._chunks = None
+    storage = np.float32 if wire == "float32" else np.uint16
+    a, b = np.empty(ours.size, storage), np.empty(ours.size, storage)
+    out, ref = np.empty(ours.size, storage), np.empty(ours.size, storage)
+    TorchParams(_large_model(1)).copy_to(a, wire)
+    TorchParams(_large_model(2)).copy_to(b, wire)
+    for blend in (lambda p: p.lerp_from(a, 0.3, wire), lambda p: p.add_scaled_diff_from(a, b, 0.25, wire)):
+        blend(ours)
+        blend(theirs)
+        for (name, x), y in zip(staged.state_dict().items(), flat.state_dict().values(), strict=True):
+            assert torch.equal(x, y), name
+    ours.copy_to(out, wire)
+    theirs.copy_to(ref, wire)
+    assert np.array_equal(out, ref)
+    assert all(size == CHUNK_ELEMENTS for _, _, size in made), made
+    assert {"pinned_chunk_a", "device_chunk_a", "pinned_chunk_b", "device_chunk_b", "device_out"} <= {
+        where for where, _, _ in made
+    }
+
+
 def test_a_model_all_in_one_half_precision_is_snapshotted_and_sent_in_it(adapters):
     """`wire_dtype: auto` (the default): a bfloat16 or float16 model is kept and sent in its own dtype, so a
     slot is a copy of its own bytes, not of a float32 version of it; a model of mixed dtypes, or a float32

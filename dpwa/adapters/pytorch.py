@@ -52,9 +52,11 @@ from .outer import OuterOptimizerFactory, TorchOuter
 
 __all__ = ["CHUNKED_MIN_ELEMENTS", "CHUNK_ELEMENTS", "DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
 
-# A CPU model larger than this is blended chunk by chunk, each tensor in place, instead of through one flat
+# A model larger than this is blended chunk by chunk, each tensor in place, instead of through one flat
 # float32 work buffer of the model's size: its scratch is three chunks (12 MiB; four for a half-precision
-# model on a half-precision wire), not a copy of the model.
+# model on a half-precision wire), not a copy of the model. On CUDA each chunk of a snapshot goes through a
+# pinned host buffer of a chunk's size to a device buffer of a chunk's size, and a publish comes back the same
+# way: all of them made once, at first use, and reused (docs/design.md#memory).
 CHUNKED_MIN_ELEMENTS = 1 << 22  # 16 MiB in float32
 CHUNK_ELEMENTS = 1 << 20
 
@@ -104,11 +106,11 @@ class TorchParams(FlatParams):
         self._first_stat, self._stats_from = n_params, sum(self._sizes[:n_params])
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported; use a CPU or CUDA model")
-        # A large model on the CPU is blended in chunks, each tensor in place: no model-sized work buffer
-        # (docs/design.md#memory), only CHUNK_ELEMENTS-sized scratch buffers.
+        # A large model is blended in chunks, each tensor in place: no model-sized work buffer
+        # (docs/design.md#memory), only CHUNK_ELEMENTS-sized scratch buffers (on CUDA, and pinned host ones).
         self._chunks = (
             _chunk_pieces(self._sizes, CHUNK_ELEMENTS)
-            if self.device.type == "cpu" and self.size > CHUNKED_MIN_ELEMENTS and all(f is not None for f in self._flat)
+            if self.size > CHUNKED_MIN_ELEMENTS and all(f is not None for f in self._flat)
             else None
         )
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}  # flat work buffers, made on first use
@@ -116,13 +118,13 @@ class TorchParams(FlatParams):
         self._work_np: tuple[np.ndarray, torch.Tensor | None, np.ndarray] | None = None
 
     def _buffer(self, where: str, wire: str, size: int | None = None) -> torch.Tensor:
-        """A flat work buffer of dtype `wire`: "pinned" (host), or any other name (on the model's device);
-        of the model's size unless `size` says otherwise (a chunk's scratch)."""
+        """A flat work buffer of dtype `wire`: a name starting "pinned" (host), or any other name (on the model's
+        device); of the model's size unless `size` says otherwise (a chunk's scratch). Made once, then reused."""
         key = (where, wire)
         if key not in self._buffers:
             dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[wire]
             n = self.size if size is None else size
-            if where == "pinned":
+            if where.startswith("pinned"):
                 self._buffers[key] = torch.empty(n, dtype=dtype, pin_memory=True)
             else:
                 self._buffers[key] = torch.empty(n, dtype=dtype, device=self.device)
@@ -133,12 +135,29 @@ class TorchParams(FlatParams):
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
     def _chunk_source(self, array: np.ndarray, start: int, end: int, wire: str, slot: str) -> torch.Tensor:
-        """Elements [start, end) of the flat `array` (of dtype `wire`) as float32: a view, or converted into
-        the chunk scratch buffer `slot`."""
+        """Elements [start, end) of the flat `array` (of dtype `wire`) as float32 on the model's device: a view,
+        or converted into the chunk scratch buffer `slot` (on CUDA: through a pinned chunk, then a device one)."""
         source = kernels.as_torch(kernels.aligned(array[start:end]), wire)
+        n = end - start
+        if self.device.type == "cuda":
+            staging = self._buffer("pinned_" + slot, wire, CHUNK_ELEMENTS)[:n].copy_(source)
+            # synchronous: the pinned chunk is written again for the next chunk as soon as this returns
+            source = self._buffer("device_" + slot, wire, CHUNK_ELEMENTS)[:n].copy_(staging)
         if wire == "float32":
             return source
-        return self._buffer(slot, "float32", CHUNK_ELEMENTS)[: end - start].copy_(source)
+        return self._buffer(slot, "float32", CHUNK_ELEMENTS)[:n].copy_(source)
+
+    def _copy_chunked(self, host: torch.Tensor, wire: str) -> None:
+        """(A large CUDA model) Publish: each chunk of the tensors gathered on the device, converted to the
+        wire's dtype there, and copied to the host (`host`: the snapshot, flat, of that dtype)."""
+        assert self._chunks is not None
+        chunk = self._buffer("device_out", wire, CHUNK_ELEMENTS)
+        for start, end, pieces in self._chunks:
+            for index, lo, hi, at in pieces:
+                target = self._flat[index]
+                assert target is not None
+                chunk[at : at + hi - lo].copy_(target[lo:hi])
+            host[start:end].copy_(chunk[: end - start])  # waits for the chunk's kernels: the buffer is reused
 
     def _blend_chunked(self, a: np.ndarray, b: np.ndarray | None, f: float, wire: str) -> None:
         """(A large CPU model) Chunk by chunk, each tensor's piece in place: ``x += f (a - b)`` for parameters
@@ -208,7 +227,9 @@ class TorchParams(FlatParams):
     @torch.no_grad()
     def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
         host = kernels.as_torch(out, wire)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._chunks is not None:
+            self._copy_chunked(host, wire)
+        elif self.device.type == "cuda":
             flat = self._buffer("device", wire)
             self._gather(flat)  # converted on the device, so half-precision wires copy half the bytes
             host.copy_(flat)

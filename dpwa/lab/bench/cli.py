@@ -9,6 +9,7 @@ Commands (they run as written from the repository root)::
     python -m dpwa.bench --training              # only the digits model's training-step rows (about a minute)
     python -m dpwa.bench --memory                # what a node holds beyond its model: 10M, 50M and 100M parameters
     python -m dpwa.bench --memory --largest 500000000   # and the defaults at 500M (8 GB of models and gradients)
+    python -m dpwa.bench --memory --device cuda  # on a GPU: 100M and the largest that fits (scripts/gpu-check.sh)
     python -m dpwa.bench --blends                # how often two nodes average, by size and step time (~10 min)
     python -m dpwa.bench --blends --quick        # the default mode's rows, and a short flaky link (~3 min)
     python -m dpwa.bench --flaky                 # only the flaky link, seeds 0, 1 and 2 (~3 min)
@@ -72,7 +73,7 @@ from .blends import SIZES, STEPS_S, bench_blends, bench_flaky, blend_rows
 from .children import LOG_ENV, log_to
 from .exchange import serve_node
 from .floors import serve_raw, serve_raw_tcp
-from .memory import bench_memory, memory_rows, serve_memory_node
+from .memory import bench_memory, gpu_rows, memory_rows, serve_memory_node
 from .report import format_scale, format_size_row, format_summary, format_training, machine
 from .scale import bench_scale
 from .sizes import measure_size
@@ -134,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         help="only the blends table: exchanges per step by model size and step time, both modes, and a flaky link",
     )
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --memory: cuda runs the GPU rows instead (100M float32 parameters, and --largest or the "
+        "largest bfloat16 model two nodes hold on this GPU and host), each with its step time without dpwa",
+    )
+    parser.add_argument(
         "--flaky",
         action="store_true",
         help="only the flaky link (3 nodes, delays around the deadline, cuts), seeds 0, 1 and 2 (--quick: seed 0)",
@@ -146,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         "with --blends: a size more",
     )
     parser.add_argument(
-        "--memory-node", nargs=6, metavar=("CONFIG", "NAME", "SIZE", "DTYPE", "STEPS", "STEP_S"), help=argparse.SUPPRESS
+        "--memory-node",
+        nargs=7,
+        metavar=("CONFIG", "NAME", "SIZE", "DTYPE", "STEPS", "STEP_S", "DEVICE"),
+        help=argparse.SUPPRESS,
     )
     parser.add_argument("--serve-raw", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-raw-router", nargs=2, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
@@ -186,13 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         serve_training(args.serve_training[0], args.serve_training[1], int(args.serve_training[2]), args.raw)
         return 0
     if args.memory_node:
-        config, name, size, dtype, steps, step_s = args.memory_node
-        serve_memory_node(config, name, int(size), dtype, int(steps), float(step_s))
+        config, name, size, dtype, steps, step_s, device = args.memory_node
+        serve_memory_node(config, name, int(size), dtype, int(steps), float(step_s), device)
         return 0
     if args.memory:  # --quick: the default mode's two rows at 10M parameters (blended chunk by chunk; 40 MB,
         # above glibc's largest mmap threshold, so a buffer freed is given back to the system)
         sizes = [10_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
-        rows = bench_memory(memory_rows(sizes, args.largest, quick=args.quick))
+        wanted = gpu_rows(args.largest) if args.device == "cuda" else memory_rows(sizes, args.largest, args.quick)
+        rows = bench_memory(wanted)
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine(), "memory": rows}, indent=2))
             print(f"\nwrote {args.json}")

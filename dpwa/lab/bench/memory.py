@@ -40,7 +40,15 @@ from typing import Any
 
 from .children import Child, free_port
 
-__all__ = ["MemoryRow", "bench_memory", "format_memory", "memory_rows", "serve_memory_node"]
+__all__ = [
+    "MemoryRow",
+    "bench_memory",
+    "format_memory",
+    "gpu_rows",
+    "largest_on_gpu",
+    "memory_rows",
+    "serve_memory_node",
+]
 
 TENSOR_MAX = 16 << 20  # elements per tensor of the bench's model at most (a large layer's weight)
 SAMPLE_S = 0.005  # the peak sampler's interval
@@ -57,6 +65,7 @@ class MemoryRow:
     dtype: str = "float32"  # the model's own dtype
     steps: int = 16
     step_s: float = STEP_S  # each step's stand-in compute
+    device: str = "cpu"  # where both nodes' models live ("cuda": scripts/gpu-check.sh's rows)
 
 
 def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> list[MemoryRow]:
@@ -93,6 +102,44 @@ def memory_rows(sizes: list[int], largest: int | None, quick: bool = False) -> l
             MemoryRow("symmetric (default), TCP", largest, {**tcp}, steps=16),
         ]
     return rows
+
+
+GPU_MAX_PARAMETERS = 4_000_000_000  # the largest GPU row at most (bfloat16: 8 GB a model)
+
+
+def largest_on_gpu(free_device: int, free_shm: int, available: int) -> int:
+    """The parameters of the largest bfloat16 model two nodes hold on one GPU and host, in steps of 100M: each
+    node holds its model and gradients on the device (4 bytes a parameter), two snapshot slots in /dev/shm
+    (4 bytes), and a little more on the host; a margin of 30% is left everywhere."""
+    by_device = 0.7 * free_device / (2 * 4)
+    by_shm = 0.7 * free_shm / (2 * 4)
+    by_memory = 0.7 * available / (2 * 5)
+    step = 100_000_000
+    return int(min(by_device, by_shm, by_memory, GPU_MAX_PARAMETERS) // step * step)
+
+
+def gpu_rows(largest: int | None) -> list[MemoryRow]:
+    """scripts/gpu-check.sh's rows: the defaults on one GPU, two nodes, at 100M float32 parameters and at
+    `largest` bfloat16 ones (None: :func:`largest_on_gpu` of this machine's free memory)."""
+    if largest is None:
+        import torch
+
+        free_device = torch.cuda.mem_get_info()[0]
+        shm = os.statvfs("/dev/shm")
+        largest = largest_on_gpu(free_device, shm.f_bavail * shm.f_frsize, _meminfo_bytes("MemAvailable"))
+    rows = [MemoryRow("GPU, symmetric (default), same host", 100_000_000, {"same_host": "auto"}, device="cuda")]
+    if largest > 100_000_000:
+        label = "GPU, symmetric (default), same host, bfloat16"
+        rows.append(MemoryRow(label, largest, {"same_host": "auto"}, dtype="bfloat16", device="cuda"))
+    return rows
+
+
+def _meminfo_bytes(key: str) -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/meminfo has no {key}")
 
 
 # --------------------------------------------------------------------------- one node (a helper process)
@@ -153,31 +200,59 @@ class _Sampler:
         self._thread.join(5)
 
 
-def _model(parameters: int, dtype: str, fill: float):
+def _model(parameters: int, dtype: str, fill: float, device: str = "cpu"):
     """A module of `parameters` elements in tensors of at most TENSOR_MAX, with gradients, every page written."""
     import torch
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     net = torch.nn.Module()
     sizes = [TENSOR_MAX] * (parameters // TENSOR_MAX) + ([parameters % TENSOR_MAX] if parameters % TENSOR_MAX else [])
-    net.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.full((n,), fill, dtype=torch_dtype)) for n in sizes])
+    net.weights = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.full((n,), fill, dtype=torch_dtype, device=device)) for n in sizes]
+    )
     for p in net.parameters():
         p.grad = torch.full_like(p, 1e-3)
     return net
 
 
 def serve_memory_node(
-    config_path: str, name: str, parameters: int, dtype: str, steps: int, step_s: float = STEP_S
+    config_path: str,
+    name: str,
+    parameters: int,
+    dtype: str,
+    steps: int,
+    step_s: float = STEP_S,
+    device: str = "cpu",
 ) -> None:
     """One node of a row: train `steps` steps of `step_s` stand-in compute each, exchanging every step, and print
-    what it measured as JSON."""
+    what it measured as JSON. On a GPU it first times the same steps without dpwa (the step's floor), and
+    reports the device memory the adapter added at its peak."""
     import torch
 
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
     torch.set_num_threads(1)
-    net = _model(parameters, dtype, fill=1.0 if name == "a" else 3.0)
+    net = _model(parameters, dtype, fill=1.0 if name == "a" else 3.0, device=device)
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    cuda = device.startswith("cuda")
+
+    def step() -> None:
+        with torch.no_grad():  # a step: every parameter written, as an optimizer writes it
+            for p in net.parameters():
+                p.add_(p.grad, alpha=-0.1)
+        if cuda:
+            torch.cuda.synchronize()  # the step's kernels are part of its time, as a loss.item() would make them
+        time.sleep(step_s)  # the rest of a step's compute (a stand-in: what is measured is memory)
+
+    plain_times: list[float] = []
+    if cuda:  # the same loop without dpwa, for the overhead; then the device memory dpwa adds is counted
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            plain_times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        device_base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     baseline = _status_kib("RssAnon") * 1024
     adapter = DpwaPyTorchAdapter(net, name, config_path)
     shared = adapter.node.parts.shared
@@ -189,10 +264,7 @@ def serve_memory_node(
         for _ in range(steps):
             t0 = time.perf_counter()
             adapter.update_send(loss)
-            with torch.no_grad():  # a step: every parameter written, as an optimizer writes it
-                for p in net.parameters():
-                    p.add_(p.grad, alpha=-0.1)
-            time.sleep(step_s)  # the rest of a step's compute (a stand-in: what is measured is memory)
+            step()
             adapter.update_wait(loss)
             step_times.append(time.perf_counter() - t0)
         adapter.node.barrier("memory-end", timeout_s=120)  # neither closes while the other still steps
@@ -202,21 +274,20 @@ def serve_memory_node(
     finally:
         sampler.stop()
         adapter.close()
-    print(
-        json.dumps(
-            {
-                "name": name,
-                "model_bytes": model_bytes,
-                "baseline": baseline,
-                "steady": [steady[0] - baseline, steady[1]],
-                "peak": [sampler.peak[0] - baseline, sampler.peak[1]],
-                "step_ms": statistics.median(step_times) * 1e3,
-                "blends": stats.get("averaged", 0) + stats.get("mirrored", 0),
-                "busy": stats.get("busy_answers", 0),
-            }
-        ),
-        flush=True,
-    )
+    result: dict[str, Any] = {
+        "name": name,
+        "model_bytes": model_bytes,
+        "baseline": baseline,
+        "steady": [steady[0] - baseline, steady[1]],
+        "peak": [sampler.peak[0] - baseline, sampler.peak[1]],
+        "step_ms": statistics.median(step_times) * 1e3,
+        "blends": stats.get("averaged", 0) + stats.get("mirrored", 0),
+        "busy": stats.get("busy_answers", 0),
+    }
+    if cuda:
+        result["plain_step_ms"] = statistics.median(plain_times) * 1e3
+        result["device_peak"] = torch.cuda.max_memory_allocated() - device_base
+    print(json.dumps(result), flush=True)
 
 
 # --------------------------------------------------------------------------- the table
@@ -252,7 +323,7 @@ def bench_memory(
     for row in rows:
         with tempfile.TemporaryDirectory() as tmp:
             path = _write_config(tmp, row)
-            args = [str(row.parameters), row.dtype, str(row.steps), str(row.step_s)]
+            args = [str(row.parameters), row.dtype, str(row.steps), str(row.step_s), row.device]
             children = [Child("--memory-node", path, name, *args, wait=False) for name in ("a", "b")]
             nodes, error = [], ""
             try:
@@ -287,6 +358,11 @@ def bench_memory(
                 steps=row.steps,
                 nodes=nodes,
             )
+            if all("device_peak" in n for n in nodes):
+                result.update(
+                    device_peak_copies=max(n["device_peak"] for n in nodes) / model,
+                    plain_step_ms=statistics.median(n["plain_step_ms"] for n in nodes),
+                )
         print((fmt or format_memory)([result], not results), flush=True)
         results.append(result)
     return results
@@ -307,9 +383,12 @@ def format_memory(rows: list[dict[str, Any]], header: bool = True) -> str:
         if "error" in r:
             lines.append(f"{head}  failed: {r['error']}")
             continue
-        lines.append(
+        line = (
             f"{head}{r['model_mbytes']:>8.0f}{r['steady_copies']:>8.2f}{r['peak_copies']:>7.2f}"
             f"{r['anon_copies']:>7.2f}{r['shm_copies']:>6.2f}{r['step_ms']:>9.0f}"
             f"{r['blends']:>5}/{r['steps']:<2}"
         )
+        if "device_peak_copies" in r:  # a GPU row: the device memory dpwa added, and the step without dpwa
+            line += f"  GPU peak {r['device_peak_copies']:.2f}, step without dpwa {r['plain_step_ms']:.0f} ms"
+        lines.append(line)
     return "\n".join(lines)
