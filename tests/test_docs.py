@@ -128,6 +128,32 @@ def test_the_checker_finds_a_broken_file_link_and_a_broken_anchor(tmp_path):
     assert "missing.md" in problems[0] and "#nowhere" in problems[1]
 
 
+def repeated_headings(text: str) -> list[str]:
+    """Headings whose anchor another heading of the same page already has (outside code blocks)."""
+    seen: set[str] = set()
+    repeated = []
+    for number, line in prose_lines(text):
+        match = _HEADING.match(line)
+        if match:
+            base = slug(match.group(2))
+            if base in seen:
+                repeated.append(f"line {number}: {line.strip()}")
+            seen.add(base)
+    return repeated
+
+
+def test_the_heading_check_finds_a_section_pasted_twice():
+    page = "# Page\n\n## Threat model\n\ntext\n\n```bash\n# Threat model (a comment)\n```\n\n## Threat model\n"
+    assert repeated_headings(page) == ["line 11: ## Threat model"]
+
+
+@pytest.mark.parametrize("path", documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_heading_is_once_in_its_page(path):
+    """A section pasted twice (a merge, say) is a second copy that goes stale: docs/security.md held its whole
+    threat model twice, the second copy outdated (issue 46). Every heading's anchor is unique in its page."""
+    assert repeated_headings(path.read_text(encoding="utf-8")) == []
+
+
 @pytest.mark.parametrize("path", documents(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(path):
     assert links(path) or path != README, "the README links nowhere: the checker reads nothing"
