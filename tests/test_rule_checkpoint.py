@@ -192,7 +192,8 @@ def test_pushsum_keeps_no_checkpoint_state_and_refuses_one(nodes, saved, message
     cfg = make_config(2, mode="pull", rule="pushsum", pairing="random", fetch_probability=0)
     node = nodes(cfg, "w0", NumpyParams(filled(1, 4)))
     node.restore(clock=3.0, barriers={"epoch": 1})
-    assert node.rule.served() == {"weight": 0.5} and node.rule.mass() == 0.5
+    node.rule.published(7)
+    assert node.rule.served(7) == {"weight": 0.5} and node.rule.mass() == 0.5
     assert node.rule_state() is None
     with pytest.raises(ValueError, match=re.escape(f"a checkpoint's rule state: {message}")):
         node.restore(clock=5.0, barriers={"epoch": 3}, rule=saved)

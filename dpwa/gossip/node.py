@@ -331,7 +331,10 @@ class Node:
             self._own_outer.reanchor()
 
     def _publish(self, loss: float | None) -> None:
-        self.parts.publish(self._progress.clock, loss)
+        if self.parts.publish(self._progress.clock, loss) and self.rule.carries:
+            snapshot = self.parts.store.current()  # (we are its one publisher: this is the one just made)
+            if snapshot is not None:
+                self.rule.published(snapshot.version)
 
     # ----------------------------------------------------------------- training thread
 

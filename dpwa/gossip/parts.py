@@ -103,7 +103,7 @@ class Parts:
         direct: bool,
         stream_to_peers: bool,
         exchange_streams: bool = False,
-        carry: Callable[[], dict[str, float]] | None = None,
+        carry: Callable[[int], dict[str, float]] | None = None,
         members: Members | None = None,
         heard: Callable[[str], None] | None = None,
     ) -> None:
@@ -274,10 +274,12 @@ class Parts:
 
     # ----------------------------------------------------------------- the training thread
 
-    def publish(self, clock: float, loss: float | None) -> None:
-        """Copy the model into a snapshot peers are served; capture the extra state if a joiner waits."""
+    def publish(self, clock: float, loss: float | None) -> bool:
+        """Copy the model into a snapshot peers are served; capture the extra state if a joiner waits. False:
+        every slot was held, and peers are served the previous snapshot."""
         fill = functools.partial(self._params.copy_to, wire=self._model.kept)
-        if not self.store.publish(fill, clock, loss):
+        published = self.store.publish(fill, clock, loss)
+        if not published:
             self._log(  # info: with two slots, a send still under way when the next step publishes is common
                 20,
                 "publish_skipped",
@@ -285,6 +287,7 @@ class Parts:
                 self.name,
             )
         self.joins.capture_if_wanted()  # a peer is joining: our optimizer state, paired with this snapshot
+        return published
 
     # ----------------------------------------------------------------- closing
 

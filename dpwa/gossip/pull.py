@@ -84,6 +84,12 @@ class PullSteps:
                 return Update(False, "rejected", call.peer, reason=f"bad_carry: {exc}", clock=progress.clock)
             f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss, carried))
             f = crew.rule.blend(crew.params, own.array if own else None, received.array, f, crew.model.kept)
+        if f == 0.0:  # the rule moved nothing (push-sum: the snapshot came with no weight): not a blend
+            crew.counters.add("blends_empty")
+            reason = "the rule gave the peer's snapshot weight 0: nothing moved"
+            return Update(
+                False, "ok", call.peer, factor=0.0, reason=reason, latency_s=call.latency_s, clock=progress.clock
+            )
         crew.blended()
         progress.set_clock(crew.rule.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
         crew.counters.add("averaged")

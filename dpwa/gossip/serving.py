@@ -60,7 +60,7 @@ class Serving:
         bulk: BulkServer | None = None,
         bulk_ttl_s: float = 0.0,
         sender: Sender | None = None,
-        carry: Callable[[], dict[str, float]] | None = None,
+        carry: Callable[[int], dict[str, float]] | None = None,
         members: Members | None = None,
     ) -> None:
         self.name, self.store = name, store
@@ -99,7 +99,8 @@ class Serving:
             # a tool's fetch (status, average: it names no rule) takes nothing: a push-sum weight given to a
             # tool would be lost to the cluster
             return self.reply(request, lease)
-        return self.reply(request, lease, carry=list(self._carry().values()))  # asked once per fetch served
+        # asked once per fetch served, for the snapshot it is served
+        return self.reply(request, lease, carry=list(self._carry(lease.snapshot.version).values()))
 
     def reply(self, request: Request, lease: Lease, **extra: Any) -> Reply:
         """Our snapshot for `request` (a fetch or an exchange): by stream if the requester asked for one and

@@ -105,6 +105,7 @@ class Gossip:
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
         self.rules = [rule(Constant(f), **(rule_options or {})) for _ in self.arrays]  # one per node: its state
+        self.version = 0  # of the snapshots published last (one number for all: each node's own would do)
         self.rng = random.Random(seed)
         self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]
         self.exchanges = 0
@@ -130,10 +131,19 @@ class Gossip:
         assert chosen is not None, "every node has peers"
         return int(chosen)
 
+    def publish(self) -> list[np.ndarray]:
+        """Every node publishes a snapshot of its parameters as they are now (a version each: their rules learn
+        it, as a node's rule does, dpwa.mixing.rules.Rule.published)."""
+        self.version += 1
+        for rule in self.rules:
+            rule.published(self.version)
+        return [a.copy() for a in self.arrays]
+
     def exchange(self, i: int, j: int, snapshots: Sequence[np.ndarray]) -> None:
-        """Node i exchanges with node j, given the snapshots both published."""
+        """Node i exchanges with node j, given the snapshots both published (the latest :meth:`publish`)."""
         requester, server = self.rules[i], self.rules[j]
-        carried = requester.checked_carried(list(server.served().values()) or None)  # what a reply would carry
+        served = server.served(self.version)  # what a reply would carry
+        carried = requester.checked_carried(list(served.values()) or None)
         symmetric = self.mode == "symmetric"
         f = requester.factor(Side(0.0, None), Side(0.0, None, carried), symmetric=symmetric)
         requester.blend(self.params[i], snapshots[i], snapshots[j], f, "float32")
@@ -148,7 +158,7 @@ class Gossip:
 
     def exchange_now(self, i: int, j: int) -> None:
         """One exchange on the current values (nothing trains in between)."""
-        self.exchange(i, j, [a.copy() for a in self.arrays])
+        self.exchange(i, j, self.publish())
 
     def round(self, train: Callable[[int, np.ndarray], None] | None = None) -> None:
         """Every node publishes, maybe picks a peer, trains one step, then the exchanges apply.
@@ -156,7 +166,7 @@ class Gossip:
         Requests reach their servers in random order; in symmetric mode a node takes part in one exchange
         per round (dpwa.mixing.admission), as on a real node.
         """
-        snapshots = [a.copy() for a in self.arrays]
+        snapshots = self.publish()
         if self.rounds % self.period:  # a round of local steps only
             self.rounds += 1
             if train is not None:

@@ -24,7 +24,9 @@ A rule owns, in one class:
 - ``carries`` and :meth:`Rule.served`: the scalars it sends with each
   snapshot it serves (a push-sum weight), each declared with its bounds: a
   peer's values outside them are refused before the rule sees them
-  (:meth:`Rule.checked_carried`), and the rule reads them in ``peer.carried``.
+  (:meth:`Rule.checked_carried`), and the rule reads them in ``peer.carried``;
+  :meth:`Rule.published` tells it which snapshot holds the parameters as they
+  are now, so that what it serves can belong to that snapshot.
 
 Both halves return the weight they actually gave the peer, which may differ
 from f (a rule that clips scales it down); the clock follows that weight.
@@ -151,10 +153,16 @@ class Rule(ABC):
 
     # ----------------------------------------------------------------- scalars that travel with a snapshot
 
-    def served(self) -> dict[str, float]:
-        """(The Rx thread) the scalars to send with a snapshot served now, one per name in :attr:`carries`. It may
-        change the rule's own state (push-sum gives half its weight away): guard that state with a lock."""
+    def served(self, version: int) -> dict[str, float]:
+        """(The Rx thread) the scalars to send with snapshot `version`, served now, one per name in
+        :attr:`carries`. It may change the rule's own state (push-sum gives half its weight away): guard that
+        state with a lock."""
         return {}
+
+    def published(self, version: int) -> None:
+        """(The training thread) snapshot `version` was just published: it holds the parameters as they are
+        now. Called only for a rule that :attr:`carries` something. By default nothing is kept."""
+        return None
 
     def checked_carried(self, values: Any) -> dict[str, float]:
         """A peer's carried scalars (a list in :attr:`carries` order, or None), checked against their bounds.

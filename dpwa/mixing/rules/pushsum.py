@@ -16,6 +16,15 @@ reply. A reply that is lost loses its mass (the weights then sum to less than
 n and the mean shifts by what that mass held); a requester starts again from
 weight 1 when it restarts.
 
+**The weight goes with the parameters it belongs to.** A fetch is served
+the snapshot of the server's last publish, which may be older than its
+parameters: a blend since then moved both its parameters and its weight.
+Half the weight of now, sent with the parameters of then, would not keep
+``sum w x`` (four honest nodes lost 7% to 10% of their weighted mean in 6 s
+that way). So the rule gives weight only with the snapshot that holds its
+parameters as they are (:meth:`PushSum.published`); from a blend until the
+next publish a fetch is served weight 0, and the requester blends nothing.
+
 Mode pull only (the server's half is giving weight, which a pull does). The
 weight a peer claims is checked against [:data:`MIN_WEIGHT`,
 :data:`MAX_WEIGHT`]; a node's own weight is kept in the same range, so no
@@ -45,17 +54,26 @@ class PushSum(Rule):
         self._lock = threading.Lock()  # the Rx thread gives weight away while the training thread takes some in
         self.weight = 1.0
         self._given = 0.0  # the weight the snapshot being blended came with
+        self._current: int | None = None  # the published snapshot that holds our parameters as they are now
+        self.stale_serves = 0  # fetches served weight 0: their snapshot was older than our last blend
 
     @classmethod
     def check_mode(cls, mode: str, settings: dict[str, Any]) -> None:
         if mode != "pull":
             raise RuleError("rule 'pushsum' needs mode pull (the weight moves with a fetched snapshot)")
 
-    def served(self) -> dict[str, float]:
+    def served(self, version: int) -> dict[str, float]:
         with self._lock:
+            if version != self._current:  # older than our parameters: our weight is not its weight
+                self.stale_serves += 1
+                return {"weight": 0.0}
             given = self.weight / 2 if self.weight / 2 >= MIN_WEIGHT else 0.0
             self.weight -= given
         return {"weight": given}
+
+    def published(self, version: int) -> None:
+        with self._lock:
+            self._current = version
 
     def factor(self, own: Side, peer: Side, symmetric: bool = False) -> float:
         self._given = (peer.carried or {}).get("weight", 0.0)  # for blend (the training thread calls both)
@@ -67,6 +85,7 @@ class PushSum(Rule):
         if given <= 0.0:
             return 0.0
         with self._lock:  # the weight as it is now: the Rx thread may have given some away since factor
+            self._current = None  # our parameters move: no snapshot of ours holds them until the next publish
             f = given / (self.weight + given)
             self.weight = min(MAX_WEIGHT, self.weight + given)
         params.lerp_from(peer, f, wire)
