@@ -103,25 +103,3 @@ def test_the_memory_table_counts_what_a_node_holds_beyond_its_model(tmp_path):
     assert same_host["shm_copies"] == pytest.approx(2.0, abs=0.01) and same_host["anon_copies"] < 0.5, same_host
     assert tcp["shm_copies"] == 0 and tcp["anon_copies"] < 2.5 and tcp["peak_copies"] < 3.5, tcp
     assert all(row["blends"] > 0 for row in rows.values()), rows
-
-
-def test_the_gpu_rows_size_the_largest_model_from_free_memory_and_print_the_floor():
-    """scripts/gpu-check.sh's memory rows (``--memory --device cuda``), without a GPU: the largest bfloat16
-    model two nodes hold is the least of what the device, /dev/shm and the host allow (30% left free), in
-    steps of 100M, at most 4B; a GPU row's line adds the device memory dpwa added and the step without it."""
-    from dpwa.lab.bench.memory import format_memory, gpu_rows, largest_on_gpu
-
-    gb = 1_000_000_000
-    assert largest_on_gpu(80 * gb, 64 * gb, 120 * gb) == 4_000_000_000  # an H100 host: the cap
-    assert largest_on_gpu(24 * gb, 12 * gb, 20 * gb) == 1_000_000_000  # /dev/shm decides: 0.7 x 12 GB / 8
-    assert largest_on_gpu(80 * gb, 64 * gb, 5 * gb) == 300_000_000  # the host's memory decides
-    rows = gpu_rows(2_000_000_000)
-    assert [(r.parameters, r.dtype, r.device) for r in rows] == [
-        (100_000_000, "float32", "cuda"),
-        (2_000_000_000, "bfloat16", "cuda"),
-    ]
-    row = {"label": "GPU", "parameters": 100, "model_mbytes": 400.0, "steady_copies": 2.0, "peak_copies": 2.1}
-    row |= {"anon_copies": 0.1, "shm_copies": 2.0, "step_ms": 60.0, "blends": 16, "steps": 16}
-    line = format_memory([{**row, "device_peak_copies": 0.03, "plain_step_ms": 51.0}], header=False)
-    assert line.endswith("16/16  GPU peak 0.03, step without dpwa 51 ms")
-    assert "GPU peak" not in format_memory([row], header=False)

@@ -1,5 +1,5 @@
-"""The blends table of the benchmark (``python -m dpwa.bench --blends``): its rows and its lines, without
-running them (their harness is the memory table's, tests/test_bench.py; the flaky link's run is
+"""The blends table of the benchmark (``python -m dpwa.bench --blends``) and the memory table's GPU rows: their
+rows and their lines, without running them (their harness is the memory table's, tests/test_bench.py; the flaky link's run is
 tests/test_flaky_link.py)."""
 
 from __future__ import annotations
@@ -25,3 +25,25 @@ def test_the_blends_table_has_both_modes_at_every_size_and_step_and_prints_what_
     line = format_flaky({**flaky, "seed": 1, "cuts": 2, "took_s": 9.0, "unblended_s": 4.25})
     assert "exchanges applied 3 in 30 node-steps (10.0%)" in line and "2 cuts" in line and "seed 1" in line
     assert line.endswith("1.5 s, without applying any: 4.2 s")
+
+
+def test_the_gpu_rows_size_the_largest_model_from_free_memory_and_print_the_floor():
+    """scripts/gpu-check.sh's memory rows (``--memory --device cuda``), without a GPU: the largest bfloat16
+    model two nodes hold is the least of what the device, /dev/shm and the host allow (30% left free), in
+    steps of 100M, at most 4B; a GPU row's line adds the device memory dpwa added and the step without it."""
+    from dpwa.lab.bench.memory import format_memory, gpu_rows, largest_on_gpu
+
+    gb = 1_000_000_000
+    assert largest_on_gpu(80 * gb, 64 * gb, 120 * gb) == 4_000_000_000  # an H100 host: the cap
+    assert largest_on_gpu(24 * gb, 12 * gb, 20 * gb) == 1_000_000_000  # /dev/shm decides: 0.7 x 12 GB / 8
+    assert largest_on_gpu(80 * gb, 64 * gb, 5 * gb) == 300_000_000  # the host's memory decides
+    rows = gpu_rows(2_000_000_000)
+    assert [(r.parameters, r.dtype, r.device) for r in rows] == [
+        (100_000_000, "float32", "cuda"),
+        (2_000_000_000, "bfloat16", "cuda"),
+    ]
+    row = {"label": "GPU", "parameters": 100, "model_mbytes": 400.0, "steady_copies": 2.0, "peak_copies": 2.1}
+    row |= {"anon_copies": 0.1, "shm_copies": 2.0, "step_ms": 60.0, "blends": 16, "steps": 16}
+    line = format_memory([{**row, "device_peak_copies": 0.03, "plain_step_ms": 51.0}], header=False)
+    assert line.endswith("16/16  GPU peak 0.03, step without dpwa 51 ms")
+    assert "GPU peak" not in format_memory([row], header=False)

@@ -275,6 +275,7 @@ def test_hostile_topk_replies_are_never_applied(nodes):
             "clock": 1.0,
             "loss": None,
             "version": len(requests),
+            "rule": node.model.rule,
             **fields,
         }
         return [msgpack.packb(header, use_bin_type=True), bytes(payload)]

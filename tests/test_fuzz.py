@@ -61,7 +61,15 @@ DECODE_REASONS = {"header_too_large", "bad_header", "bad_version", "bad_kind", "
 # Reasons decided before a bulk route's unsent-reply budget is looked at; the others
 # (checked by the handler) may instead be a "busy" refusal if a reply's tracker lags.
 EARLY_REASONS = DECODE_REASONS | {"bad_envelope", "bad_frames", "too_large", "bad_identity"}
-ALL_REASONS = EARLY_REASONS | {"bad_fingerprint", "bad_dtype", "bad_size", "not_finite", "busy", "not_ready"}
+ALL_REASONS = EARLY_REASONS | {
+    "bad_fingerprint",
+    "bad_dtype",
+    "bad_size",
+    "bad_rule",
+    "not_finite",
+    "busy",
+    "not_ready",
+}
 
 
 def table(title: str, counts: dict, total_label: str = "total") -> str:
@@ -132,9 +140,10 @@ def error(*reasons: str, busy: bool = False) -> Expect:
 class RequestFuzzer:
     """Makes one request at a time, with what the node must answer; tracks exchange ids like the server."""
 
-    def __init__(self, seed: int, fp: bytes, nbytes: int, snapshot: bytes, symmetric: bool) -> None:
+    def __init__(self, seed: int, fp: bytes, nbytes: int, snapshot: bytes, symmetric: bool, rule: bytes) -> None:
         self.rng = random.Random(seed)
         self.fp, self.nbytes, self.snapshot, self.symmetric = fp, nbytes, snapshot, symmetric
+        self.rule = rule  # the node's mixing rule's fingerprint: an exchange that names none is refused bad_rule
         self.given: dict[int, str] = {}  # xid -> the sender the server gave it to
         # sender -> xid -> outcome, as the server remembers them
         self.decided: dict[str, OrderedDict[Hashable, str]] = {}
@@ -213,6 +222,7 @@ class RequestFuzzer:
             "nbytes": self.nbytes,
             "clock": clock,
             "loss": loss,
+            "rule": self.rule,
         }
         if self.rng.random() < 0.3:
             fields["shm"] = True  # answered through shared memory by a same-host node
@@ -374,9 +384,9 @@ class RequestFuzzer:
         kind, fields, payload = self.base()
         header = {"v": PROTOCOL_VERSION, "kind": kind, "id": self.rid(), **fields}
         key = self.rng.choice(list(header))
-        if self.rng.random() < 0.5 and not (kind == "fetch" and key == "shm"):
-            del header[key]  # every field but shm is required
-            reason = {"v": "bad_version", "kind": "bad_kind"}.get(key, "bad_header")
+        if self.rng.random() < 0.5 and key != "shm":
+            del header[key]  # every field but shm is required (rule by the node, not the schema)
+            reason = {"v": "bad_version", "kind": "bad_kind", "rule": "bad_rule"}.get(key, "bad_header")
         else:
             header[self.rng.choice(["x", "extra", "payload", "xid" if kind == "fetch" else "shm2", ""])] = 1
             reason = "bad_header"
@@ -684,7 +694,9 @@ def test_ten_thousand_requests_get_the_answer_the_protocol_prescribes(nodes, tmp
     node = nodes(cfg, "w0", NumpyParams(mine))
     node.update_send()  # publish, so fetches and exchanges can be served
     node.update_wait()
-    fuzzer = RequestFuzzer(1234, node.params.fingerprint, node.nbytes, original.tobytes(), mode == "symmetric")
+    fuzzer = RequestFuzzer(
+        1234, node.params.fingerprint, node.nbytes, original.tobytes(), mode == "symmetric", node.model.rule
+    )
     tally = Tally()
     endpoint = node.config.endpoint(node.spec)
     ctx = zmq.Context()
@@ -826,11 +838,17 @@ def reply_header(kind: str, request_id: int, **fields) -> bytes:
     return packed({"v": PROTOCOL_VERSION, "kind": kind, "id": request_id, **fields})
 
 
+def rule_of(request) -> dict:
+    """The rule field a peer's reply carries: the requesting node's own (a reply without it is refused)."""
+    rule = (request.header if hasattr(request, "header") else request).get("rule")
+    return {"rule": rule} if rule is not None else {}
+
+
 def bad_snapshot_replies(rng: random.Random, fp: bytes, good: bytes):
     """(mutation, expected outcome, expected reason or None for any, make(request) -> frames), each invalid."""
 
     def params(request, **overrides):
-        return reply_header("params", request.id, **snapshot_fields(fp, **overrides))
+        return reply_header("params", request.id, **snapshot_fields(fp, **{**rule_of(request), **overrides}))
 
     def values(*bad):
         array = np.frombuffer(good, np.float32).copy()
@@ -907,7 +925,11 @@ def bad_snapshot_replies(rng: random.Random, fp: bytes, good: bytes):
             "unsolicited shared-memory slot",
             "rejected",
             "bad_reply",
-            lambda r: [reply_header("shm_params", r.id, **snapshot_fields(fp), shm_slot=0, shm_id="0123456789abcdef")],
+            lambda r: [
+                reply_header(
+                    "shm_params", r.id, **snapshot_fields(fp, **rule_of(r)), shm_slot=0, shm_id="0123456789abcdef"
+                )
+            ],
         ),
         (
             "clock out of range",
@@ -1034,7 +1056,7 @@ def exchange_cases(rng: random.Random, fp: bytes, good: bytes):
     """(mutation, what the node's step must report, the exchange reply, the first decision or None)."""
 
     def params(request, exchange_id, **overrides):
-        fields = snapshot_fields(fp, xid=exchange_id, f=0.5)
+        fields = snapshot_fields(fp, xid=exchange_id, f=0.5, **rule_of(request))
         fields.update(overrides)
         for key in [k for k, v in overrides.items() if v is DROP]:
             del fields[key]
@@ -1229,7 +1251,9 @@ def bad_int8_replies(rng: random.Random, fp: bytes, good: bytes):
 
     def params(request, **overrides):
         return reply_header(
-            "params", request.id, **snapshot_fields(fp, **{"dtype": "int8", "nbytes": encoded, **overrides})
+            "params",
+            request.id,
+            **snapshot_fields(fp, **{"dtype": "int8", "nbytes": encoded, **rule_of(request), **overrides}),
         )
 
     def scaled(*bad):
@@ -1272,7 +1296,9 @@ def test_bad_int8_replies_are_never_applied(nodes):
             None,
             lambda r: [
                 reply_header(
-                    "params", r.id, **snapshot_fields(node.params.fingerprint, dtype="int8", nbytes=len(good))
+                    "params",
+                    r.id,
+                    **snapshot_fields(node.params.fingerprint, dtype="int8", nbytes=len(good), **rule_of(r)),
                 ),
                 good,
             ],
@@ -1325,6 +1351,7 @@ def test_a_symmetric_int8_server_refuses_bad_scales_and_moves_nobody(nodes, zctx
             nbytes=len(good),
             clock=1.0,
             loss=None,
+            rule=server.model.rule,
         )
         sock.send_multipart([header, bytes(data)])
         assert sock.poll(5000), "no answer"

@@ -631,13 +631,12 @@ def test_max_peer_distance_in_symmetric_exchanges_is_both_or_neither(nodes):
 # --------------------------------------------------------------------------- exchange ids
 
 
-def exchange_request(node_fp, nbytes, sender, values, request_id=1):
-    return [
-        encode(
-            EXCHANGE, request_id, **{"from": sender}, fp=node_fp, dtype="float32", nbytes=nbytes, clock=0.0, loss=None
-        ),
-        values.tobytes(),
-    ]
+def exchange_request(node_fp, nbytes, sender, values, request_id=1, rule=None):
+    """An exchange request as a peer sends it; `rule`: the node's rule fingerprint (without it: bad_rule)."""
+    fields = {"fp": node_fp, "dtype": "float32", "nbytes": nbytes, "clock": 0.0, "loss": None}
+    if rule is not None:
+        fields["rule"] = rule
+    return [encode(EXCHANGE, request_id, **{"from": sender}, **fields), values.tobytes()]
 
 
 def confirm_request(sender, xid, request_id=2):
@@ -661,7 +660,7 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
     mine = filled(0, SIZE)
     node = nodes(serving_only(cfg), "w0", NumpyParams(mine))
     node.update_send()
-    fp, nbytes = node.params.fingerprint, node.nbytes
+    fp, nbytes, rule = node.params.fingerprint, node.nbytes, node.model.rule
 
     def call(frames):
         # One connection per request: a burst of replies on one connection can be dropped by the
@@ -673,7 +672,7 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
             sock.close(0)
 
     # An exchange from w1 (its snapshot: 4 everywhere): the server picks the id.
-    reply = call(exchange_request(fp, nbytes, "w1", filled(4, SIZE)))
+    reply = call(exchange_request(fp, nbytes, "w1", filled(4, SIZE), rule=rule))
     assert reply.kind == "params" and reply["f"] == 0.5
     x1 = reply["xid"]
     assert call(confirm_request("w2", x1))["outcome"] == "unknown"  # someone else's xid
@@ -689,7 +688,7 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
 
     # An exchange left to expire (ttl = timeout + 1 s), confirmed late: abort, every time.
     node.update_send()  # a fresh snapshot: each serves one exchange
-    reply = call(exchange_request(fp, nbytes, "w1", filled(8, SIZE)))
+    reply = call(exchange_request(fp, nbytes, "w1", filled(8, SIZE), rule=rule))
     x2 = reply["xid"]
     assert x2 != x1
     assert call(confirm_request("w2", x2))["outcome"] == "unknown"
@@ -710,7 +709,7 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
     busy = 0
     for i in range(20):
         node.update_send()
-        reply = call(exchange_request(fp, nbytes, ("w1", "w2")[i % 2], filled(i, SIZE)))
+        reply = call(exchange_request(fp, nbytes, ("w1", "w2")[i % 2], filled(i, SIZE), rule=rule))
         if reply.kind == "error":
             assert reply["reason"] == "busy"
             busy += 1
@@ -774,6 +773,7 @@ def test_a_peer_that_answers_every_confirm_is_not_treated_as_gone(nodes, zctx):
                 "version": 1,
                 "xid": xid,
                 "f": 0.5,
+                "rule": node.model.rule,
             }
             return [encode(PARAMS, request.id, **fields), filled(4).tobytes()]
         xid = request.header["xid"]
@@ -822,6 +822,7 @@ def test_bad_replies_from_a_peer_are_rejected_and_never_applied(nodes, zctx):
             "clock": 1.0,
             "loss": None,
             "version": 1,
+            "rule": node.model.rule,
         }
         fields.update(overrides)
         return msgpack.packb({"v": PROTOCOL_VERSION, "kind": "params", "id": request_id, **fields}, use_bin_type=True)

@@ -71,6 +71,7 @@ class Hostile:
             "name": attack,
             "size": size,
             "fingerprint": server.params.fingerprint.hex(),
+            "rule": server.model.rule.hex(),
             "limit_s": 60,
         }
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")

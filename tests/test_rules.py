@@ -107,6 +107,61 @@ def test_a_peer_that_mixes_by_another_rule_or_settings_is_refused_and_nothing_mo
     assert np.all(mine == 0) and np.all(theirs == 10)
 
 
+def test_an_exchange_or_a_reply_that_names_no_rule_is_refused_like_another_rule(nodes, zctx):
+    """Issue 41: a peer that leaves the rule's fingerprint out was not checked at all: an exchange request
+    with none went on to commit and moved w1 to 5, and a fetch's reply with none moved w0 to 5. Now both are
+    refused bad_rule, as another rule is, and nothing moves; a fetch that names no rule (a tool's, such as
+    ``python -m dpwa average``) is still served, since it moves nothing here."""
+    import zmq
+
+    from dpwa.gossip.protocol import FETCH, PARAMS
+    from dpwa.wire.schema import decode, encode
+    from helpers.raw_peer import FakePeer, RawPeer
+
+    cfg = make_config(2, mode="symmetric", insecure=True, same_host="off")
+    theirs = filled(10)
+    server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
+    server.update_send()
+    raw = RawPeer(zctx, cfg, "w0")
+    no_rule = raw.exchange_with(server.params.fingerprint, filled(0))  # the peer's exchange, without `rule`
+    assert no_rule.kind == "error" and no_rule["reason"] == "bad_rule", dict(no_rule.fields)
+    assert "names no mixing rule" in no_rule["detail"]
+    assert server.stats()["rejected.bad_rule"] == 1 and server.stats().get("exchanges_pending", 0) == 0
+    assert raw.exchange(server, filled(0)).kind == "params"  # the control: with the rule, it is served
+    tool = zctx.socket(zmq.REQ)
+    tool.connect(server.config.endpoint(server.spec))
+    tool.send(encode(FETCH, 9, **{"from": "w0"}, fp=server.params.fingerprint, dtype="float32"))
+    assert tool.poll(5000) and decode(tool.recv_multipart()[0]).kind == "params"  # a tool's fetch: served
+    tool.close(0)
+
+    pull = make_config(2, mode="pull", insecure=True, same_host="off", timeout_ms=1000)
+    mine = filled(0)
+    node = nodes(pull, "w0", NumpyParams(mine))
+    fp = node.params.fingerprint
+
+    def reply(request):  # w1's reply: its snapshot (5 everywhere), first without the rule, then with it
+        fields = {"from": "w1", "fp": fp, "dtype": "float32", "nbytes": mine.nbytes, "clock": 0.0, "loss": None}
+        fields |= {"version": 1}
+        if replies:
+            fields["rule"] = request.header["rule"]
+        replies.append(request)
+        return [encode(PARAMS, request.id, **fields), filled(5).tobytes()]
+
+    replies: list = []
+    ctx = zmq.Context()
+    fake = FakePeer(ctx, node.config.endpoint(node.config.node("w1")), reply)
+    try:
+        node.update_send()
+        update = node.update_wait()
+        assert update.outcome == "rejected" and update.reason.startswith("bad_rule"), update
+        assert np.all(mine == 0)
+        node.update_send()
+        assert node.update_wait().averaged and np.all(mine == 2.5)  # the control: with the rule, blended
+    finally:
+        fake.close()
+        ctx.destroy(linger=0)
+
+
 def test_the_fingerprint_covers_the_rule_its_settings_and_how_f_is_chosen():
     fps = {
         rule_class("delta")().fingerprint(),

@@ -214,7 +214,7 @@ def test_a_hostile_ticket_in_a_keyed_cluster_without_a_key_is_refused_as_it_stre
     server = nodes(serving_only(cfg), "w1", NumpyParams(np.zeros(SIZE, np.float32)))
     _, reader = server.parts.streams_in
     assert isinstance(reader, ReplyReader)
-    header = decode(bulk_exchange_header(server.params.fingerprint, free_port(), name="w0"))
+    header = decode(bulk_exchange_header(server.params.fingerprint, free_port(), name="w0", rule=server.model.rule))
     with pytest.raises(ProtocolError, match="plain bulk stream in a cluster with keys"):
         reader.read_offer(header, "w0", deadline=float("inf"))
 

@@ -202,9 +202,13 @@ MEMBERS_REPLY = message_kind(
 SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAMS.name: BULK_PARAMS}
 
 
-def check_payload(header: Header, model: WireModel) -> None:
+def check_payload(header: Header, model: WireModel, rule_required: bool = True) -> None:
     """Check that a snapshot-carrying header describes a model like ours: fingerprint, dtype, size, and
-    that its sender mixes by our rule with our settings (when it says: tools and older nodes do not)."""
+    that its sender mixes by our rule with our settings. A header that names no rule is refused like one that
+    names another (a snapshot it carries would move our model by a rule we cannot check), unless
+    `rule_required` is False: a fetch request, which moves nothing here (tools, such as ``python -m dpwa
+    average``, send those without a rule, and are given no push-sum weight). A node without a rule (a tool)
+    checks none."""
     if header["fp"] != model.fingerprint:
         raise ProtocolError(
             "bad_fingerprint",
@@ -216,6 +220,12 @@ def check_payload(header: Header, model: WireModel) -> None:
             "bad_dtype", f"dtype {header['dtype']!r}, this node uses {model.dtype!r} (do the nodes share one config?)"
         )
     theirs = header.get("rule")
+    if model.rule is not None and theirs is None and rule_required:
+        raise ProtocolError(
+            "bad_rule",
+            f"the {header.kind} names no mixing rule; this node mixes by rule fingerprint {model.rule.hex()} and "
+            "takes snapshots only from peers that name theirs (is the peer a dpwa node of this cluster?)",
+        )
     if model.rule is not None and theirs is not None and theirs != model.rule:
         raise ProtocolError(
             "bad_rule",

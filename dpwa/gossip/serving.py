@@ -76,7 +76,8 @@ class Serving:
         return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True, newcomers=True)}
 
     def check_request(self, header: Header, key: str | None = None) -> None:
-        """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange).
+        """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange), and its rule
+        (a fetch may name none: a tool's, which moves nothing here).
 
         With open membership the requester must be a member of our view: one we do not know yet may introduce
         itself, its own entry first in its digest, as an announcement (:meth:`Members.announce`: rate-limited,
@@ -87,7 +88,7 @@ class Serving:
             sender = header["from"]
             if not members.admit(sender, header.get("digest"), key):
                 raise ProtocolError("bad_identity", f"{sender!r} is not a member of this node's view")
-        check_payload(header, self.model)
+        check_payload(header, self.model, rule_required=header.kind != FETCH.name)
 
     def serve_fetch(self, request: Request) -> Reply:
         self.check_request(request.header, request.key)

@@ -3,7 +3,7 @@ completes, as fast as answers come, until its stdin closes (or `limit_s` passes)
 
 Run as ``python tests/helpers/hostile_member.py SPEC`` with ``tests`` on the path; SPEC is JSON with the
 cluster's ``config``, the ``server`` to attack, the attack's ``name`` and ``size`` (float32 parameters),
-the model's ``fingerprint`` (hex), and ``limit_s``. Attacks:
+the model's ``fingerprint`` and its rule's ``rule`` (hex), and ``limit_s``. Attacks:
 
 - ``never_confirms``: exchanges that carry a valid snapshot (zeros) and are never confirmed;
 - ``stalling_streams``: ``bulk_exchange`` requests whose snapshot is offered at a port that sends one
@@ -38,6 +38,7 @@ def main(spec: dict) -> None:
     ctx = zmq.Context()
     raw = RawPeer(ctx, spec["config"], "w2", server=spec["server"])
     fingerprint, size = bytes.fromhex(spec["fingerprint"]), spec["size"]
+    rule = bytes.fromhex(spec["rule"])  # the cluster's rule fingerprint: a member names it
     trickle = Trickle() if spec["name"] == "stalling_streams" else None
     payload = np.zeros(size, np.float32)
     answers: dict[str, int] = {}
@@ -47,9 +48,10 @@ def main(spec: dict) -> None:
             if stop.is_set() or time.monotonic() > deadline:
                 break
             if trickle is not None:
-                reply = raw._ask([bulk_exchange_header(fingerprint, trickle.port, name="w2", nbytes=size * 4)])
+                header = bulk_exchange_header(fingerprint, trickle.port, name="w2", nbytes=size * 4, rule=rule)
+                reply = raw._ask([header])
             else:
-                reply = raw.exchange_with(fingerprint, payload)
+                reply = raw.exchange_with(fingerprint, payload, rule=rule)
             answer = reply["reason"] if reply.kind == "error" else reply.kind
             answers[answer] = answers.get(answer, 0) + 1
             if count == 0:

@@ -100,11 +100,13 @@ class RawPeer:
         self.sock.connect(parsed.endpoint(parsed.node(server)))
 
     def exchange(self, node: Any, payload: Any, clock: float = 0.0, **fields: Any) -> Any:
-        return self.exchange_with(node.params.fingerprint, payload, clock, **fields)
+        """An exchange with `node` as one of its peers would send it (its model's layout and its rule)."""
+        return self.exchange_with(node.params.fingerprint, payload, clock, rule=node.model.rule, **fields)
 
     def exchange_with(self, fingerprint: bytes, payload: Any, clock: float = 0.0, **fields: Any) -> Any:
         """An exchange that offers `payload` for a model whose layout has `fingerprint` (`fields`: optional
-        header fields, such as ``wait_ms``)."""
+        header fields, such as ``wait_ms``, or ``rule``: the rule's fingerprint, without which a node refuses
+        it ``bad_rule``)."""
         from dpwa.gossip.protocol import EXCHANGE
         from dpwa.wire.schema import encode
 
@@ -141,12 +143,13 @@ class BulkRawPeer(RawPeer):
     """A raw peer that offers its snapshot at whatever port (and token) it says: ``bulk_exchange``."""
 
     def bulk_exchange(self, node, port):
-        return self._ask([bulk_exchange_header(node.params.fingerprint, port, name=self.name)])
+        return self._ask([bulk_exchange_header(node.params.fingerprint, port, name=self.name, rule=node.model.rule)])
 
 
-def bulk_exchange_header(fingerprint, port, token=None, name="w2", nbytes=None):
+def bulk_exchange_header(fingerprint, port, token=None, name="w2", nbytes=None, rule=None):
     """A ``bulk_exchange`` request from `name` (clock 0, no loss) for a snapshot of `nbytes` (by default
-    the smallest model that streams), offered at `port` with `token` (by default a fixed one)."""
+    the smallest model that streams), offered at `port` with `token` (by default a fixed one), naming the
+    mixing rule whose fingerprint is `rule` (None: none, which a node refuses ``bad_rule``)."""
     from dpwa.gossip.parts import BULK_MIN_BYTES
     from dpwa.gossip.protocol import BULK_EXCHANGE
     from dpwa.wire.bulk import TOKEN_BYTES
@@ -164,4 +167,5 @@ def bulk_exchange_header(fingerprint, port, token=None, name="w2", nbytes=None):
         version=1,
         port=port,
         token=b"t" * TOKEN_BYTES if token is None else token,
+        **({"rule": rule} if rule is not None else {}),
     )
