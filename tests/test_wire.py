@@ -231,6 +231,47 @@ def test_a_direct_call_times_out_at_its_deadline_and_an_abandoned_one_frees_its_
         echo.server.close()
 
 
+def test_channels_to_peers_the_book_dropped_are_closed_at_the_next_request(zctx):
+    """Issue 41: members removed from the view kept their sockets (two waves of 1,020 fake members left a
+    node with 1,014 to 1,022 sockets, and 'Too many open files'). A client's channels follow its PeerBook:
+    after 200 peers were asked and then dropped, the next request closes their channels, and the process's
+    descriptors come back to where they were; a peer that moved gets a fresh channel; a kept one stays."""
+    import os
+
+    from dpwa.wire.client import PeerBook
+
+    echo = Echo(zctx)
+    silent_port = free_port()  # nobody listens: each fake member's socket keeps trying to connect
+    book = PeerBook({"e": echo.endpoint})
+    direct = DirectClient(zctx, book, name="d", max_reply_bytes=4096)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    try:
+        assert direct.start(FirstPing("e", time.monotonic() + 5, 1)).wait(None)
+        before = fds()
+        fakes = [f"fake{i}" for i in range(200)]
+        for name in fakes:
+            book.put(name, f"tcp://127.0.0.1:{silent_port}")
+            direct.start(FirstPing(name, time.monotonic() + 30, 2))  # sent (queued: nobody listens), never waited for
+        assert len(direct._channels) == 201 and fds() > before + 100  # a socket (and descriptors) each
+        generation = book.generation
+        for name in fakes:
+            book.drop(name)
+        assert book.generation != generation
+        assert direct.start(FirstPing("e", time.monotonic() + 5, 3)).wait(None)  # the next request sweeps
+        assert len(direct._channels) == 1 and list(direct._waiting) == []  # their calls let go, too
+        assert wait_until(lambda: fds() <= before + 2, 5), (fds(), before)
+        channel = direct._channels.get("e")
+        book.put("e", echo.endpoint)  # the same endpoint: kept
+        assert direct.start(FirstPing("e", time.monotonic() + 5, 4)).wait(None)
+        assert direct._channels.get("e") is channel
+    finally:
+        direct.close()
+        echo.server.close()
+
+
 def test_a_late_reply_is_dropped_and_a_reply_to_a_request_never_sent_is_bad_id(zctx):
     """The channel outlives a request it let go (timed out, or cancelled): that request's reply, when it
     comes, is read and dropped (counted late, and the peer is heard), never taken for the next request's;

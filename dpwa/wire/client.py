@@ -40,13 +40,22 @@ class PeerBook(Mapping[str, str]):
 
     A plain mapping given to a client is copied into one. An owner that learns of peers as they come
     and go (open membership, :mod:`dpwa.gossip.members`) changes it with :meth:`put` and :meth:`drop`;
-    a client's channel to a peer whose endpoint changed is replaced at its next request.
+    a client's channel to a peer whose endpoint changed is replaced at its next request, and its channels
+    to peers dropped meanwhile are closed then (each client sweeps them in its own thread, which owns them;
+    :attr:`generation` tells it that something changed).
     """
 
     def __init__(self, endpoints: Mapping[str, str] | None = None) -> None:
         self._lock = threading.Lock()
         self._endpoints: dict[str, str] = dict(endpoints or {})
         self._options: dict[str, Mapping[int, Any]] = {}  # peer -> its sockets' options, where put() gave them
+        self._generation = 0  # changes each time a peer is dropped or moves
+
+    @property
+    def generation(self) -> int:
+        """A number that changes whenever a peer is dropped or its endpoint changes."""
+        with self._lock:
+            return self._generation
 
     def __getitem__(self, peer: str) -> str:
         with self._lock:
@@ -72,6 +81,8 @@ class PeerBook(Mapping[str, str]):
         """`peer` is at `endpoint`; its sockets take `options` (CURVE keys: a member learned by gossip),
         else the client's own options for it."""
         with self._lock:
+            if self._endpoints.get(peer, endpoint) != endpoint:
+                self._generation += 1
             self._endpoints[peer] = endpoint
             if options is None:
                 self._options.pop(peer, None)
@@ -80,7 +91,8 @@ class PeerBook(Mapping[str, str]):
 
     def drop(self, peer: str) -> None:
         with self._lock:
-            self._endpoints.pop(peer, None)
+            if self._endpoints.pop(peer, None) is not None:
+                self._generation += 1
             self._options.pop(peer, None)
 
     def options(self, peer: str) -> Mapping[int, Any] | None:
@@ -274,6 +286,7 @@ class _Channels:
         self._max_reply_bytes, self._socket_options = max_reply_bytes, socket_options
         self._channels: dict[str, Channel] = {}
         self._last_id = secrets.randbits(64)  # request ids count on from a random start: none repeats
+        self._swept = endpoints.generation  # the book's generation when channels were last matched to it
 
     def next_id(self) -> int:
         """A request id for this thread's next request: never 0 (the id of an error that answers none)."""
@@ -281,6 +294,7 @@ class _Channels:
         return self._last_id
 
     def get(self, peer: str) -> Channel:
+        self._sweep()
         channel = self._channels.get(peer)
         endpoint = self.endpoints.get(peer)
         if channel is not None and channel.endpoint != endpoint:  # the peer is gone, or came back elsewhere
@@ -304,6 +318,20 @@ class _Channels:
         channel = self._channels.pop(peer, None)
         if channel is not None:
             channel.close()
+
+    def _sweep(self) -> None:
+        """Close the channels of peers the book dropped (or moved) since the last sweep: a member removed
+        from the view (open membership) leaves no socket behind, however many come and go."""
+        generation = self.endpoints.generation
+        if generation == self._swept:
+            return
+        self._swept = generation
+        for peer, channel in list(self._channels.items()):
+            if self.endpoints.get(peer) != channel.endpoint:
+                self.drop(peer)
+
+    def __len__(self) -> int:
+        return len(self._channels)
 
     def close(self) -> None:
         for peer in list(self._channels):
@@ -368,6 +396,9 @@ class DirectClient:
         earlier = self._waiting.get(task.peer)
         if earlier is not None:  # its reply was never taken (it is dropped when it comes, as a late one)
             earlier.abandon()
+        if len(self._waiting) > len(self._channels.endpoints):  # calls to peers the book dropped: let go
+            for stale in [c for peer, c in self._waiting.items() if peer not in self._channels.endpoints]:
+                stale.abandon()
         sent = None
         call = DirectCall(task, self, None)
         try:
