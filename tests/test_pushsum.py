@@ -69,12 +69,20 @@ def test_pushsum_needs_mode_pull():
 
 @pytest.mark.parametrize(
     ("carry", "why"),
-    [([MAX_WEIGHT * 10], "outside"), ([1.0, 1.0], "expects 1 carried values"), (None, "expects 1 carried values")],
-    ids=["too_heavy", "two_values", "none"],
+    [
+        ([MAX_WEIGHT * 10], "outside"),
+        ([1e6], "more than a peer can hold: at most (the cluster's 2 - ours 1) / 2 = 0.5"),
+        ([0.51], "more than a peer can hold"),
+        ([1.0, 1.0], "expects 1 carried values"),
+        (None, "expects 1 carried values"),
+    ],
+    ids=["too_heavy", "a_million", "more_than_conserved", "two_values", "none"],
 )
 def test_a_weight_a_peer_claims_outside_its_bounds_is_refused_and_nothing_moves(nodes, zctx, carry, why):
-    """A fake w1 answers w0's fetch with a snapshot of 9 and a weight out of bounds, two weights, or none:
-    refused (bad_carry), w0 and its weight unchanged."""
+    """A fake w1 answers w0's fetch with a snapshot of 9 and a weight out of bounds, more than a peer of a
+    2-node cluster can hold (issue 41: one reply that claimed 1e6 moved a node 99.9999% of the way to the
+    attacker's snapshot; in a cluster of 2 a peer holds at most 2 - 1, and gives half), two weights, or
+    none: refused (bad_carry), w0 and its weight unchanged."""
     cfg = pull_config(2, insecure=True, same_host="off")
     mine = filled(2, SIZE)
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -172,3 +180,23 @@ def test_four_real_nodes_keep_their_weighted_mean_while_they_fetch_from_each_oth
     assert np.abs(mean - 15.0).max() <= 1e-3 * 30, (mean[:4], weights)
     assert sum(node.counters.get("averaged") for node in group) >= 20  # they did fetch and blend
     assert max(a.max() for a in arrays) - min(a.min() for a in arrays) < 30 * 0.5  # and mix
+
+
+def test_a_carried_weight_is_bounded_by_what_the_cluster_holds_and_so_is_ones_own():
+    """Conservation: in a cluster of at most n nodes the weights sum to at most n, so a peer gives at most
+    (n - ours) / 2, and no node's weight grows past n. n = 4: at weight 1 a claim of 1.5 is taken (f = 0.6,
+    the most one hostile reply can move a node), 1.51 is not; a node at weight 3.5 takes 0.25 at most."""
+    rule = PushSum()
+    rule.cluster(4)
+    assert rule.checked_carried([1.5]) == {"weight": 1.5}
+    with pytest.raises(ValueError, match="more than a peer can hold"):
+        rule.checked_carried([1.51])
+    assert rule.factor(Side(0.0, None), Side(0.0, None, {"weight": 1.5})) == pytest.approx(0.6)
+    rule.weight = 3.5
+    assert rule.checked_carried([0.25]) == {"weight": 0.25}
+    with pytest.raises(ValueError, match=r"at most \(the cluster's 4 - ours 3.5\) / 2 = 0.25"):
+        rule.checked_carried([0.3])
+    x = filled(0, SIZE)
+    f = rule.factor(Side(0.0, None), Side(0.0, None, {"weight": 0.25}))
+    rule.blend(NumpyParams(x), None, filled(8, SIZE), f, "float32")
+    assert rule.weight == 3.75 <= 4

@@ -114,6 +114,7 @@ class Node:
         self.peers = {spec.name: spec for spec in self.config.peers_of(self.name)}
         self._at_start = AtStart(list(self.peers))  # the peers that asked us from their start barrier
         self.rule = rule_of(self.config)  # how this node mixes; peers that mix otherwise are refused (bad_rule)
+        self.rule.cluster(max(1, self.config.members_max + 1 if self.config.bootstrap else len(self.config.nodes)))
         self.model = WireModel(
             params.fingerprint, self.config.wire_dtype, params.size, self.rule.fingerprint(), self.config.wire_options
         )

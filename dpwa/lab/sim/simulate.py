@@ -105,6 +105,8 @@ class Gossip:
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
         self.rules = [rule(Constant(f), **(rule_options or {})) for _ in self.arrays]  # one per node: its state
+        for each in self.rules:
+            each.cluster(len(self.arrays))
         self.version = 0  # of the snapshots published last (one number for all: each node's own would do)
         self.rng = random.Random(seed)
         self.selectors = [PeerSelector([f"{j}" for j in range(self.n) if j != i], rng=self.rng) for i in range(self.n)]

@@ -159,6 +159,12 @@ class Rule(ABC):
         state with a lock."""
         return {}
 
+    def cluster(self, most_nodes: int) -> None:
+        """(At the node's start) the most nodes its cluster can hold: the config's nodes, or with open
+        membership ``members_max`` + 1. A rule whose state is conserved across the cluster (push-sum's
+        weight) bounds what a peer can carry by it. By default nothing is kept."""
+        return None
+
     def published(self, version: int) -> None:
         """(The training thread) snapshot `version` was just published: it holds the parameters as they are
         now. Called only for a rule that :attr:`carries` something. By default nothing is kept."""

@@ -25,10 +25,20 @@ that way). So the rule gives weight only with the snapshot that holds its
 parameters as they are (:meth:`PushSum.published`); from a blend until the
 next publish a fetch is served weight 0, and the requester blends nothing.
 
+**A peer's weight is bounded by conservation.** Every node starts at weight
+1 and every transfer keeps the sum, so an honest cluster of at most n nodes
+holds at most n in all: a peer holds at most ``n - w_i`` of it, and gives at
+most half that. A reply that claims more (``carried weight > (n - w_i) / 2``)
+is refused ``bad_carry`` before anything moves, and a node's own weight never
+exceeds n. n is the config's number of nodes (:meth:`PushSum.cluster`; with
+open membership ``members_max`` + 1, a much weaker bound). So one reply of a
+hostile peer moves a node by at most ``(n - w_i) / (n + w_i)`` of the way to
+its snapshot (0.6 for n = 4 at weight 1), not 0.999999 as a claimed weight
+of 1e6 did; the rest of what such a peer can do is in docs/rules.md.
+
 Mode pull only (the server's half is giving weight, which a pull does). The
 weight a peer claims is checked against [:data:`MIN_WEIGHT`,
-:data:`MAX_WEIGHT`]; a node's own weight is kept in the same range, so no
-peer can take more than ``MAX_WEIGHT / (MAX_WEIGHT + MIN_WEIGHT)`` of a node.
+:data:`MAX_WEIGHT`] and the bound above.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ class PushSum(Rule):
         self.weight = 1.0
         self._given = 0.0  # the weight the snapshot being blended came with
         self._current: int | None = None  # the published snapshot that holds our parameters as they are now
+        self.total = MAX_WEIGHT  # the most weight the cluster can hold (its most nodes: cluster())
         self.stale_serves = 0  # fetches served weight 0: their snapshot was older than our last blend
 
     @classmethod
@@ -75,6 +86,24 @@ class PushSum(Rule):
         with self._lock:
             self._current = version
 
+    def cluster(self, most_nodes: int) -> None:
+        if not most_nodes >= 1:
+            raise RuleError(f"pushsum: a cluster of {most_nodes!r} nodes")
+        with self._lock:
+            self.total = min(MAX_WEIGHT, float(most_nodes))
+
+    def checked_carried(self, values: Any) -> dict[str, float]:
+        checked = super().checked_carried(values)
+        with self._lock:
+            most = max(0.0, self.total - self.weight) / 2
+        if checked["weight"] > most * (1 + 1e-9):
+            raise ValueError(
+                f"carried weight = {checked['weight']!r} is more than a peer can hold: at most (the cluster's "
+                f"{self.total:g} - ours {self.weight:.6g}) / 2 = {most:.6g} (every node starts at 1, and a fetch "
+                "moves half of a peer's weight)"
+            )
+        return checked
+
     def factor(self, own: Side, peer: Side, symmetric: bool = False) -> float:
         self._given = (peer.carried or {}).get("weight", 0.0)  # for blend (the training thread calls both)
         with self._lock:
@@ -87,7 +116,7 @@ class PushSum(Rule):
         with self._lock:  # the weight as it is now: the Rx thread may have given some away since factor
             self._current = None  # our parameters move: no snapshot of ours holds them until the next publish
             f = given / (self.weight + given)
-            self.weight = min(MAX_WEIGHT, self.weight + given)
+            self.weight = min(self.total, self.weight + given)
         params.lerp_from(peer, f, wire)
         return f
 
