@@ -297,7 +297,7 @@ class BarrierServer:
         if members is None:
             known = sender in self._peers
         else:
-            known = members.admit(sender, request.header.get("digest"), request.key)
+            known = members.admit(sender, request.header.get("digest"), request.key, request.client)
             if not known and request.key is not None:  # keyed: a key that is no member's learns nothing
                 raise ProtocolError("bad_identity", f"{sender!r} with this key is not a member of this node's view")
         if known:

@@ -867,7 +867,7 @@ class ExchangeServer:
         """Hold an exchange PENDING and answer with our snapshot. `receive` takes hold of the requester's
         snapshot (checked here); None: it streams in from the requester's bulk port (``bulk_exchange``)."""
         header, peer = request.header, request.sender
-        self._serving.check_request(header, request.key)
+        self._serving.check_request(header, request.key, request.client)
         self._serving.check_budget(request)
         with contextlib.ExitStack() as undo:
             served = self._reserve(peer)  # cheap refusals before looking at the requester's snapshot

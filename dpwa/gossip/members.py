@@ -21,7 +21,12 @@ types and lengths) and by :func:`~dpwa.gossip.membership.check_entry`
 (``members.refused.<reason>`` in ``stats()``), none raises. Announcements
 (``members`` requests with an entry) admit at most :data:`ANNOUNCES_PER_S`
 new members a second whatever names they use, and the view never holds more
-than ``members_max``.
+than ``members_max``. One connection introduces one member at most (its
+first admitted name; another new name from it is refused
+``announce_source``): a node announces itself, and nobody else, so a client
+that announces a new name with every request on one connection cannot take
+the budget from the newcomers (before, one such client took every slot as it
+freed, and a newcomer waited 16 s or more).
 
 Nodes here are reached at their ``tcp://host:port``; in a cluster on
 loopback addresses without keys (ipc transport) a member elsewhere cannot be
@@ -47,7 +52,7 @@ import ipaddress
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +73,7 @@ from .protocol import MEMBERS, MEMBERS_REPLY
 __all__ = ["ANNOUNCES_PER_S", "KeyBook", "Members", "MembersServer", "MembersTask", "TOMBSTONE_MIN_S", "member_spec"]
 
 ANNOUNCES_PER_S = 8  # members admitted by announcements (``members`` requests) per second, all askers together
+SOURCES_KEPT = 4096  # connections remembered with the member each introduced (the oldest forgotten first)
 TOMBSTONE_MIN_S = 60.0  # a removed member's last news is kept at least this long (and at least suspect + dead time)
 TICK_S = 0.05  # the view's clocks are looked at at most this often (each look is one pass over the members)
 
@@ -123,6 +129,7 @@ class Members:
         self._view_max = config.members_max
         self._checked = -float("inf")  # when _expire last looked
         self._announced: deque[float] = deque(maxlen=ANNOUNCES_PER_S)  # when announcements admitted members
+        self._sources: OrderedDict[bytes, str] = OrderedDict()  # a connection -> the member it introduced
         self._refused: Counter[str] = Counter()  # refusals made here, before the view (unreachable, announce_rate)
         self._changes = 0  # members added or removed so far: the node's peers follow when it moves
         self._synced = -1  # _changes when the node's peers last followed the view (the training thread's)
@@ -201,9 +208,10 @@ class Members:
             logger.info("%s: %s joined the view (from %s), at %s", self.name, info.name, sender, info.endpoint)
         return [info.name for info in added]
 
-    def announce(self, raw: Any, key: str | None = None) -> bool:
+    def announce(self, raw: Any, key: str | None = None, source: bytes | None = None) -> bool:
         """A ``members`` request's entry: admit its sender (within ANNOUNCES_PER_S a second); True if it is
-        a member now. `key`: the requester's CURVE key (keyed), which the entry must carry."""
+        a member now. `key`: the requester's CURVE key (keyed), which the entry must carry. `source`: the
+        connection it came on (the ROUTER's routing id), which may introduce one member at most."""
         try:
             claim = check_entry(raw)
         except ValueError:
@@ -216,11 +224,19 @@ class Members:
         with self._lock:
             known = self._view.get(claim.name)
             if known is None:
+                introduced = self._sources.get(source) if source is not None else None
+                if introduced is not None and introduced != claim.name:
+                    self._refused["announce_source"] += 1  # this connection introduced another member already
+                    return False
                 if len(self._announced) == ANNOUNCES_PER_S and now - self._announced[0] < 1.0:
                     self._refused["announce_rate"] += 1
                     return False
                 added = self._view.merge(claim.name, [raw], now)
                 if added:
+                    if source is not None:
+                        self._sources[source] = claim.name
+                        while len(self._sources) > SOURCES_KEPT:
+                            self._sources.popitem(last=False)
                     self._announced.append(now)
                     self._changed(1)
                     logger.info("%s: %s announced itself, at %s", self.name, claim.name, claim.endpoint)
@@ -229,13 +245,13 @@ class Members:
             member = self._view.get(claim.name)
             return member is not None and member.info.same_node(claim)
 
-    def admit(self, sender: str, digest: Any, key: str | None = None) -> bool:
+    def admit(self, sender: str, digest: Any, key: str | None = None, source: bytes | None = None) -> bool:
         """A request from `sender` carrying `digest`: is the sender a member? One we do not know yet may
         introduce itself, its own entry first in its digest (:meth:`announce`: rate-limited, within
         ``members_max``, a name nobody else holds). A member was heard from, and its digest is merged.
         `key`: the requester's CURVE key (keyed): the member `sender` names must hold it."""
         if sender not in self and digest and isinstance(digest[0], Mapping) and digest[0].get("name") == sender:
-            self.announce(digest[0], key)
+            self.announce(digest[0], key, source)
         if sender not in self or not self._holds(self.key_of(sender), key):
             return False
         self.heard(sender)
@@ -411,7 +427,7 @@ class MembersServer:
 
     def serve(self, request: Request) -> Reply:
         me = request.header.get("me")
-        admitted = self._members.announce(me, request.key) if me is not None else False
+        admitted = self._members.announce(me, request.key, request.client) if me is not None else False
         digest = self._members.digest()
         if request.key is not None and request.identity is None and not admitted:
             digest = digest[:1]  # keyed: a key that is no member's learns only who answered, not the view

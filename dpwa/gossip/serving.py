@@ -75,7 +75,7 @@ class Serving:
     def routes(self) -> dict[str, Route]:
         return {FETCH.name: Route(FETCH, self.serve_fetch, bulk=True, newcomers=True)}
 
-    def check_request(self, header: Header, key: str | None = None) -> None:
+    def check_request(self, header: Header, key: str | None = None, source: bytes | None = None) -> None:
         """The requester's model must be ours: fingerprint, wire dtype (and size, for an exchange), and its rule
         (a fetch may name none: a tool's, which moves nothing here).
 
@@ -86,12 +86,12 @@ class Serving:
         members = self._members
         if members is not None:
             sender = header["from"]
-            if not members.admit(sender, header.get("digest"), key):
+            if not members.admit(sender, header.get("digest"), key, source):
                 raise ProtocolError("bad_identity", f"{sender!r} is not a member of this node's view")
         check_payload(header, self.model, rule_required=header.kind != FETCH.name)
 
     def serve_fetch(self, request: Request) -> Reply:
-        self.check_request(request.header, request.key)
+        self.check_request(request.header, request.key, request.client)
         self.check_budget(request)
         lease = self.store.lease()
         if lease is None:
