@@ -128,6 +128,38 @@ def test_a_member_heard_of_only_through_others_stays_while_its_heartbeat_rises()
     assert status(v, "n1") == "alive" and status(v, "n2") == "suspect"
 
 
+def test_forged_news_of_a_live_member_cannot_evict_it_and_its_own_word_refutes_it():
+    """Issue 41: one relayed entry of n1 with incarnation and heartbeat 2**53 made every later true entry of
+    n1 "older": n1 was suspected and removed while alive (2.1 s after one request, in the review's run).
+    Now a third party cannot raise n1's incarnation (incarnation_by_other), a relayed heartbeat may run
+    ahead of the last news by BEAT_RATE a second at most (beat_too_far), and n1's own entry, from n1,
+    is taken as the truth (SWIM's refutation): n1 stays a member for the whole attack."""
+    from dpwa.gossip.membership import BEAT_RATE, BEAT_SLACK, MAX_COUNT
+
+    v = view(0)
+    v.merge("n1", [info(1, incarnation=3, beat=10).entry()], now=0.0)
+    v.merge("n2", [info(2).entry()], now=0.0)
+    assert v.merge("n2", [info(1, incarnation=MAX_COUNT, beat=MAX_COUNT).entry()], now=0.5) == []
+    assert v.refused["incarnation_by_other"] == 1 and v.get("n1").info.incarnation == 3  # type: ignore[union-attr]
+    assert v.merge("n2", [info(1, incarnation=3, beat=MAX_COUNT).entry()], now=0.5) == []
+    assert v.refused["beat_too_far"] == 1 and v.get("n1").info.beat == 10  # type: ignore[union-attr]
+    most = 10 + int(BEAT_RATE * 0.5) + BEAT_SLACK  # as far as half a second allows
+    v.merge("n2", [info(1, incarnation=3, beat=most).entry()], now=0.5)
+    assert v.get("n1").info.beat == most  # type: ignore[union-attr]
+    v.merge("n1", [info(1, incarnation=3, beat=11).entry()], now=1.0)  # n1 speaks for itself: the truth
+    assert v.get("n1").info.beat == 11  # type: ignore[union-attr]
+    v.merge("n2", [info(1, incarnation=3, beat=12).entry()], now=1.5)  # and true relays count again
+    assert v.get("n1").info.beat == 12  # type: ignore[union-attr]
+    for t in range(2, 40):  # the attack goes on; n1 keeps talking to us now and then
+        v.merge("n2", [info(2, beat=t).entry(), info(1, incarnation=MAX_COUNT, beat=MAX_COUNT).entry()], float(t))
+        if t % 3 == 0:
+            v.merge("n1", [info(1, incarnation=3, beat=12 + t).entry()], now=float(t))
+        v.tick(float(t))
+        assert status(v, "n1") == "alive", t
+    assert v.merge("n1", [info(1, incarnation=4, beat=0).entry()], now=40.0) == []  # restarted: its own word
+    assert v.get("n1").info.incarnation == 4  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     "claim",
     [

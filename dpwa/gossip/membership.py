@@ -27,6 +27,16 @@ they can be tested without a network:
   digest is cut to :data:`DIGEST_MAX` entries, each field checked
   (:func:`check_entry`). Every refusal is counted by its reason in
   :attr:`View.refused`; nothing a peer sends raises out of :meth:`View.merge`.
+* **News is evidence, not truth** (issue 41). A member's incarnation is its
+  own to raise: a claim that raises it reaches the view only from the member
+  itself (the digest's sender), never relayed. A relayed heartbeat may run
+  ahead of the last news by at most :data:`BEAT_RATE` a second (and
+  :data:`BEAT_SLACK`), not jump to 2**53. And the member's own entry, from
+  the member itself, is taken as the truth about it even when it is not
+  "newer" (SWIM's refutation): forged news that ran ahead of it is undone the
+  next time the member speaks to us. (Before, one forged entry with
+  incarnation and heartbeat 2**53 made every later true entry "older": the
+  member was suspected and removed while it was alive.)
 * **Names are unique.** A claim that gives a member's name another endpoint
   or key is refused (``name_taken``): a member cannot be impersonated, or
   pushed out, by claims about it. Claims about this node itself are not
@@ -50,11 +60,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-__all__ = ["DIGEST_MAX", "MAX_COUNT", "Member", "MemberInfo", "View", "check_entry"]
+__all__ = ["BEAT_RATE", "BEAT_SLACK", "DIGEST_MAX", "MAX_COUNT", "Member", "MemberInfo", "View", "check_entry"]
 
 Status = Literal["alive", "suspect"]
 DIGEST_MAX = 16  # entries one digest carries at most
 MAX_COUNT = 2**53  # an incarnation or a heartbeat beyond this is refused: nobody skips ahead without bound
+BEAT_RATE = 2000.0  # heartbeats a second a relayed claim may add to the last news of a member, at most ...
+BEAT_SLACK = 64  # ... plus this (a node raises its own by one per digest it sends)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as a config's node names, at most 64 characters
 _ENDPOINT_RE = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
 _KEY_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")  # a Z85 CURVE public key
@@ -121,6 +133,7 @@ class Member:
     heard_at: float  # monotonic seconds: it answered us, or its heartbeat rose in someone's digest
     status: Status = "alive"
     since: float = 0.0  # when its status last changed
+    news_at: float = 0.0  # when `info` last changed (a relayed heartbeat is bounded by the time since)
 
 
 def _consent(info: MemberInfo) -> tuple[str, str | None, str | None]:
@@ -234,13 +247,26 @@ class View:
                     added.append(claim)
             elif not member.info.same_node(claim):
                 self.refused["name_taken"] += 1
-            elif claim.newer_than(member.info):
+            elif sender == claim.name or claim.newer_than(member.info):
+                if sender != claim.name and not self._plausible(member, claim, now):
+                    continue  # a third party's claim that only the member could make, or a jump
                 if self._keyed and claim.cert != member.info.cert and not self._trusted(*_consent(claim)):
                     self.refused["untrusted_cert"] += 1  # the news, but not a certificate we cannot trust
                     claim = replace(claim, cert=member.info.cert)
-                member.info = claim
+                member.info, member.news_at = claim, now  # from the member itself: the truth, newer or not
                 self._alive(member, now)
         return added
+
+    def _plausible(self, member: Member, claim: MemberInfo, now: float) -> bool:
+        """May a third party bring `claim` of `member`? Not a new incarnation (the member's own to raise), and
+        not a heartbeat further ahead of the last news than BEAT_RATE a second allows."""
+        if claim.incarnation != member.info.incarnation:
+            self.refused["incarnation_by_other"] += 1
+            return False
+        if claim.beat > member.info.beat + BEAT_RATE * max(0.0, now - member.news_at) + BEAT_SLACK:
+            self.refused["beat_too_far"] += 1
+            return False
+        return True
 
     def add(self, info: MemberInfo, now: float) -> bool:
         """Admit a member this node's own configuration names (not gossip: no rate limit, no consent asked);
@@ -251,7 +277,7 @@ class View:
             self.refused["view_full"] += 1
             return False
         self._tombstones.pop(info.name, None)
-        self._members[info.name] = Member(info, heard_at=now, since=now)
+        self._members[info.name] = Member(info, heard_at=now, since=now, news_at=now)
         return True
 
     def remove(self, name: str, now: float) -> bool:
@@ -286,7 +312,7 @@ class View:
             self.refused["untrusted_key"] += 1
             return False
         introduced.append(now)
-        self._members[claim.name] = Member(claim, heard_at=now, since=now)
+        self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now)
         return True
 
     # ----------------------------------------------------------------- time
