@@ -8,6 +8,7 @@ hostile digest changes an honest view.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -234,3 +235,20 @@ def test_a_keyed_cluster_admits_only_keys_it_trusts():
     assert v.names() == ["n0", "n1"] and v.refused == {"untrusted_key": 2}
     with pytest.raises(ValueError, match="needs a key"):
         View(info(0), keyed=True)
+
+
+def test_an_older_certificate_still_valid_never_replaces_the_newer_one():
+    """Issue 41: an old certificate of n1 that was still valid, relayed by anyone, swapped the view back to
+    it, and n1 was removed as expired 101 s later although it held one valid for 30 days. Of two valid
+    certificates the view keeps the newer (issued later): the older is refused (older_cert), its news taken."""
+    own = MemberInfo("n0", "tcp://127.0.0.1:20000", KEY)
+    issued = {"old": (100, 200), "new": (150, 3000), "newest": (160, 4000)}
+    v = View(own, keyed=True, trusted=lambda name, key, cert: True, cert_order=lambda cert: issued.get(cert or ""))
+    n1 = MemberInfo("n1", "tcp://127.0.0.1:20001", OTHER_KEY, 1, 1, cert="new")
+    v.merge("n1", [n1.entry()], now=0.0)
+    v.merge("n2", [replace(n1, beat=2, cert="old").entry()], now=1.0)
+    member = v.get("n1")
+    assert member is not None and member.info.cert == "new" and member.info.beat == 2
+    assert v.refused["older_cert"] == 1
+    v.merge("n1", [replace(n1, beat=3, cert="newest").entry()], now=2.0)  # a renewal: taken
+    assert v.get("n1").info.cert == "newest"  # type: ignore[union-attr]

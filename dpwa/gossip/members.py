@@ -123,6 +123,7 @@ class Members:
             tombstone_s=max(TOMBSTONE_MIN_S, 2 * (suspect_s + dead_s)),
             keyed=self._keyed,
             trusted=certifier if certifier is not None else lambda name, key, cert: True,
+            cert_order=certifier.order if certifier is not None else lambda cert: None,
         )
         self.keys = KeyBook()  # a member's raw CURVE key -> its name (keyed): what the Rx thread asks
         self._expiry: dict[str, int] = {}  # certificate -> its not_after (keyed; bounded, see _expire)

@@ -152,6 +152,8 @@ class View:
         new_per_sender: members one sender may introduce per `new_interval_s`.
         keyed: the cluster has CURVE keys: a member must have one, and `trusted` must accept it.
         trusted: ``trusted(name, key, cert)``: may this member join? (keyed clusters: a cluster key's signature.)
+        cert_order: a certificate's (issued, expires) times, or None if unknown: of two valid certificates of a
+            member, the view keeps the newer (an older one still valid, relayed by anyone, never replaces it).
     """
 
     def __init__(
@@ -166,6 +168,7 @@ class View:
         new_interval_s: float = 1.0,
         keyed: bool = False,
         trusted: Callable[[str, str | None, str | None], bool] = lambda name, key, cert: True,
+        cert_order: Callable[[str | None], tuple[int, int] | None] = lambda cert: None,
     ) -> None:
         if max_members < 1 or new_per_sender < 1:
             raise ValueError("max_members and new_per_sender must be at least 1")
@@ -174,7 +177,7 @@ class View:
         if keyed and own.key is None:
             raise ValueError(f"{own.name}: a keyed cluster's member needs a key")
         self.own = own
-        self._max, self._keyed, self._trusted = max_members, keyed, trusted
+        self._max, self._keyed, self._trusted, self._cert_order = max_members, keyed, trusted, cert_order
         self._suspect_after, self._dead_after, self._tombstone_s = suspect_after_s, dead_after_s, tombstone_s
         self._new_per_sender, self._new_interval = new_per_sender, new_interval_s
         self._members: dict[str, Member] = {}
@@ -253,9 +256,18 @@ class View:
                 if self._keyed and claim.cert != member.info.cert and not self._trusted(*_consent(claim)):
                     self.refused["untrusted_cert"] += 1  # the news, but not a certificate we cannot trust
                     claim = replace(claim, cert=member.info.cert)
+                elif self._keyed and claim.cert != member.info.cert and self._older_cert(claim, member.info):
+                    self.refused["older_cert"] += 1  # the news, but the newer certificate stays
+                    claim = replace(claim, cert=member.info.cert)
                 member.info, member.news_at = claim, now  # from the member itself: the truth, newer or not
                 self._alive(member, now)
         return added
+
+    def _older_cert(self, claim: MemberInfo, known: MemberInfo) -> bool:
+        """Is the claim's certificate older than the one the view holds (issued earlier, or as early and
+        expiring sooner)? Unknown orders are not older."""
+        theirs, ours = self._cert_order(claim.cert), self._cert_order(known.cert)
+        return theirs is not None and ours is not None and theirs < ours
 
     def _plausible(self, member: Member, claim: MemberInfo, now: float) -> bool:
         """May a third party bring `claim` of `member`? Not a new incarnation (the member's own to raise), and

@@ -299,6 +299,14 @@ class Certifier:
         """May member `name` join with `key`? Only with `cert`, a valid certificate for both."""
         return self.check(name, key, cert) == "ok"
 
+    def order(self, cert: object) -> tuple[int, int] | None:
+        """A certificate's (issued_at, not_after), to keep the newer of two; None if it cannot be read."""
+        try:
+            c = decode(cert)
+        except ValueError:
+            return None
+        return c.issued_at, c.not_after
+
     def not_after(self, cert: object) -> int | None:
         """When a certificate stops being valid (unix seconds), or None if it cannot be read."""
         try:
