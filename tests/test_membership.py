@@ -252,3 +252,22 @@ def test_an_older_certificate_still_valid_never_replaces_the_newer_one():
     assert v.refused["older_cert"] == 1
     v.merge("n1", [replace(n1, beat=3, cert="newest").entry()], now=2.0)  # a renewal: taken
     assert v.get("n1").info.cert == "newest"  # type: ignore[union-attr]
+
+
+def test_a_node_takes_its_name_back_from_a_holder_that_never_answered_but_not_from_a_live_one():
+    """Issue 41: one claim of n1 at a dead port kept the real n1 out when it restarted (its peers held n1 at
+    the squatter's port). The node itself, claiming its own name (it is the digest's sender), takes it back
+    from a holder that never answered us directly, or that is suspect; a third party cannot, and nobody can
+    take a name from a holder that answers."""
+    v = view(0)
+    v.merge("n9", [info(1, port=46000).entry()], now=0.0)  # the squatter's entry: n1 at a dead port
+    assert v.merge("n9", [info(1).entry()], now=0.5) == [] and v.refused["name_taken"] == 1  # not a third party
+    assert v.merge("n1", [info(1).entry()], now=1.0) == [info(1)]  # n1 itself: never heard at 46000
+    assert v.get("n1").info.endpoint == "tcp://127.0.0.1:20001" and v.reclaimed == 1  # type: ignore[union-attr]
+    v.heard("n1", 2.0)  # n1 answers us at its endpoint
+    assert v.merge("n1", [info(1, port=47000).entry()], now=3.0) == []  # a live holder keeps the name
+    assert v.get("n1").info.endpoint == "tcp://127.0.0.1:20001" and v.refused["name_taken"] == 2  # type: ignore[union-attr]
+    v.tick(8.0)  # silent since 2: suspect
+    assert status(v, "n1") == "suspect"
+    assert v.merge("n1", [info(1, incarnation=2, port=47000).entry()], now=8.5) == [info(1, incarnation=2, port=47000)]
+    assert v.reclaimed == 2  # n1 restarted on another port: its own entry takes over from its old, suspect one

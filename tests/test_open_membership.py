@@ -336,6 +336,39 @@ def test_a_newcomer_joins_within_two_seconds_while_one_client_floods_announcemen
     assert len(fakes) <= 1 and stats["members.refused.announce_source"] >= sent[0] - 2, (fakes, stats)
 
 
+@pytest.mark.io
+@pytest.mark.timeout(60)
+def test_a_squatter_at_a_dead_port_does_not_keep_the_real_node_out(nodes, steppers, zctx):
+    """Issue 41: without keys, one ``members`` request claimed w1 at a port nobody serves; the real w1 then
+    could not start (ConfigError: a member named 'w1' at the squatter's port), and 10 s later w0 and w2 still
+    held w1 there. Now w1 starts, takes its name back on every node (the squatter's entry never answered),
+    within a few seconds, and averages."""
+    specs = make_config(3)["nodes"]
+    w0 = nodes(open_config(specs[0], [specs[0]]), "w0", NumpyParams(np.zeros(100, np.float32)))
+    w2 = nodes(open_config(specs[2], [specs[0]]), "w2", NumpyParams(np.full(100, 2.0, np.float32)))
+    for node in (w0, w2):
+        steppers.start(node)
+    client = RawClient(zctx, w0.config.endpoint(w0.spec))
+    try:
+        dead = free_port()
+        reply = client.ask("members", me=entry("w1", dead))
+        assert reply is not None and reply["admitted"], reply
+    finally:
+        client.close()
+    assert wait_until(lambda: "w1" in w2.members, 10.0, 0.05)  # the squatter's entry spread
+    w1 = nodes(open_config(specs[1], [specs[0]]), "w1", NumpyParams(np.ones(100, np.float32)))  # no ConfigError
+    steppers.start(w1)
+    real = specs[1]["port"]
+    assert wait_until(lambda: all(v.members.peers()["w1"].port == real for v in (w0, w2)), 10.0, 0.05), {
+        "real": real,
+        "dead": dead,
+        **{v.name: v.members.peers()["w1"].port for v in (w0, w2)},
+        **{v.name + ".reclaimed": v.stats()["members.reclaimed"] for v in (w0, w2)},
+    }
+    assert w0.stats()["members.reclaimed"] >= 1
+    assert wait_until(lambda: w1.stats().get("averaged", 0) + w1.stats().get("mirrored", 0) > 0, 10.0, 0.05)
+
+
 # --------------------------------------------------------------------------- configuration
 
 

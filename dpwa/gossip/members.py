@@ -190,6 +190,7 @@ class Members:
             suspects = sum(1 for m in self._view.members() if m.status == "suspect")
             certs = self._certifier.stats() if self._certifier is not None else {}  # it counts under this lock
         out: dict[str, Any] = {"members": names, "members.count": len(names), "members.suspect": suspects}
+        out["members.reclaimed"] = self._view.reclaimed
         out.update({f"members.refused.{reason}": count for reason, count in sorted(refused.items())})
         out.update(certs)
         return out
@@ -242,7 +243,9 @@ class Members:
                     self._changed(1)
                     logger.info("%s: %s announced itself, at %s", self.name, claim.name, claim.endpoint)
                 return bool(added)
-            self._view.merge(claim.name, [raw], now)
+            if self._view.merge(claim.name, [raw], now):  # it took its name back from a holder that never answered
+                self._changed(1)
+                logger.warning("%s: %s took its name back, at %s", self.name, claim.name, claim.endpoint)
             member = self._view.get(claim.name)
             return member is not None and member.info.same_node(claim)
 
@@ -255,8 +258,8 @@ class Members:
             self.announce(digest[0], key, source)
         if sender not in self or not self._holds(self.key_of(sender), key):
             return False
+        self.merge(sender, digest)  # first: its own entry may take its name back from a squatter's (View)
         self.heard(sender)
-        self.merge(sender, digest)
         return True
 
     def heard(self, name: str) -> None:

@@ -39,7 +39,10 @@ they can be tested without a network:
   member was suspected and removed while it was alive.)
 * **Names are unique.** A claim that gives a member's name another endpoint
   or key is refused (``name_taken``): a member cannot be impersonated, or
-  pushed out, by claims about it. Claims about this node itself are not
+  pushed out, by claims about it. Only the node itself takes its name back
+  from a holder that never answered us directly, or that is suspect (a
+  squatter's entry at an address nobody serves, or its own entry from before
+  a restart): :attr:`View.reclaimed`. Claims about this node itself are not
   taken from others at all, and one naming it elsewhere is refused the same way.
 * **Consent.** Where the cluster has keys, a member is admitted only if
   ``trusted(name, key, cert)`` says so (a cluster key's signature on a
@@ -134,6 +137,7 @@ class Member:
     status: Status = "alive"
     since: float = 0.0  # when its status last changed
     news_at: float = 0.0  # when `info` last changed (a relayed heartbeat is bounded by the time since)
+    direct: bool = False  # it answered us, or asked us, at least once at this endpoint (not only gossip)
 
 
 def _consent(info: MemberInfo) -> tuple[str, str | None, str | None]:
@@ -184,6 +188,7 @@ class View:
         self._tombstones: dict[str, tuple[MemberInfo, float]] = {}  # name -> (its last news, removed at)
         self._introduced: dict[str, deque[float]] = {}  # sender -> when it introduced members, the latest few
         self.refused: Counter[str] = Counter()  # claims refused, by reason
+        self.reclaimed = 0  # names taken back by their node from a holder that never answered (_reclaims)
 
     # ----------------------------------------------------------------- reading
 
@@ -218,6 +223,7 @@ class View:
         member = self._members.get(name)
         if member is None:
             return False
+        member.direct = True
         self._alive(member, now)
         return True
 
@@ -249,7 +255,10 @@ class View:
                 if self._admit(sender, claim, now):
                     added.append(claim)
             elif not member.info.same_node(claim):
-                self.refused["name_taken"] += 1
+                if not self._reclaims(sender, member, claim, now):
+                    self.refused["name_taken"] += 1
+                else:
+                    added.append(claim)
             elif sender == claim.name or claim.newer_than(member.info):
                 if sender != claim.name and not self._plausible(member, claim, now):
                     continue  # a third party's claim that only the member could make, or a jump
@@ -262,6 +271,19 @@ class View:
                 member.info, member.news_at = claim, now  # from the member itself: the truth, newer or not
                 self._alive(member, now)
         return added
+
+    def _reclaims(self, sender: str, member: Member, claim: MemberInfo, now: float) -> bool:
+        """A node claims its own name, held here at another endpoint (or with another key): it takes the name
+        back when the holder never answered us directly (a squatter's entry at an address nobody serves), or
+        is suspect (the node's own old entry, from before a restart). Only the node itself may, and in a keyed
+        cluster only with a certificate the view trusts. A holder we hear from keeps the name."""
+        if sender != claim.name or (member.direct and member.status != "suspect"):
+            return False
+        if self._keyed and (claim.key is None or not self._trusted(*_consent(claim))):
+            return False
+        self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now)
+        self.reclaimed += 1
+        return True
 
     def _older_cert(self, claim: MemberInfo, known: MemberInfo) -> bool:
         """Is the claim's certificate older than the one the view holds (issued earlier, or as early and

@@ -198,9 +198,12 @@ def find_members(
     """Ask the bootstrap addresses in order, at most BOOTSTRAP_ROUNDS times each (``timeout_ms`` each ask),
     until one answers and admits this node; merge its view. Returns the name of the node that answered, or
     None when none did (then this node starts alone, or raises ConnectionError with ``bootstrap_alone:
-    false``). Raises ConfigError when a member already has this node's name elsewhere."""
+    false``). A member that holds this node's name elsewhere but never answered there (a squatter's entry, or
+    this node's own from before a restart) gives the name back when this node announces itself; one that
+    answers keeps it, and this raises ConfigError once the rounds are done."""
     addresses = config.bootstrap_for(name)
     pause = 0.1
+    taken_by = None  # a member holding our name elsewhere, as the last answer told
     try:
         for round_ in range(BOOTSTRAP_ROUNDS if addresses else 0):
             for spec in addresses:
@@ -216,12 +219,8 @@ def find_members(
                 taken = [
                     e for e in digest if e.get("name") == name and e.get("endpoint") != members.own_entry()["endpoint"]
                 ]
-                if taken:
-                    raise ConfigError(
-                        f"{config.source}: the cluster at {spec.host}:{spec.port} has a member named {name!r} at "
-                        f"{taken[0]['endpoint']}; names must be unique"
-                    )
-                members.merge(answerer, digest)
+                taken_by = (spec, taken[0]["endpoint"]) if taken and not admitted else None
+                members.merge(answerer, [e for e in digest if e.get("name") != name])
                 if admitted and answerer in members:
                     logger.info(
                         "%s: joined the cluster through %s (%s:%d): members %s",
@@ -237,6 +236,11 @@ def find_members(
     finally:
         for spec in addresses:
             book.drop(spec.name)
+    if taken_by is not None:
+        raise ConfigError(
+            f"{config.source}: the cluster at {taken_by[0].host}:{taken_by[0].port} has a member named {name!r} at "
+            f"{taken_by[1]} that answers there; names must be unique"
+        )
     if addresses and not config.bootstrap_alone:
         raise ConnectionError(
             f"{name}: no bootstrap address answered in {BOOTSTRAP_ROUNDS} rounds "
