@@ -175,3 +175,24 @@ def test_signs_of_life_are_bounded_and_keep_the_latest():
     assert signs.since("a", 3.0) and not signs.since("a", 3.5)
     assert not signs.since("b", 0.0)  # the oldest went when "d" came
     assert signs.since("c", 2.0) and signs.since("d", 4.0)
+
+
+def test_members_that_never_complete_an_exchange_get_half_the_first_asks_at_most():
+    """Issue 41: fakes that answer busy and keep sending news filled a view with 1,003 members, and a node's
+    averaging rate with its honest peers fell from 43.4/s to 2.6/s: it asked fakes nearly every step. Peers
+    that completed an exchange with us (proven) come first in PROVEN_FIRST of the rankings, so 1,000 fakes
+    get at most about half of the first asks (one exchange asks dpwa.gossip.symmetric.EXCHANGE_PEERS_MAX
+    candidates at most, so the other half costs a step a few busy answers, not a thousand)."""
+    from dpwa.gossip.flow import PROVEN_FIRST, PeerSelector
+
+    fakes = [f"fake{i}" for i in range(1000)]
+    selector = PeerSelector(["w1", "w2", "w3", *fakes], rng=random.Random(7))
+    firsts = [selector.ranked()[0] for _ in range(400)]
+    assert sum(name.startswith("w") for name in firsts) < 20  # before any success: by score, as before
+    for honest in ("w1", "w2", "w3"):
+        selector.success(honest)
+    firsts = [selector.ranked()[0] for _ in range(2000)]
+    share = sum(name.startswith("w") for name in firsts) / len(firsts)
+    assert PROVEN_FIRST - 0.05 < share < PROVEN_FIRST + 0.05, share  # and the fakes the rest at most
+    selector.remove("w1")
+    assert "w1" not in selector.ranked()

@@ -25,10 +25,11 @@ from .exchange import SETTLE_QUIET_S, AckQueries, ClientHalf, ExchangeClient, Ex
 from .snapshots import Lease
 from .steps import Crew, Step, Update
 
-__all__ = ["BUSY_RETRY_MIN_S", "BUSY_RETRY_STEPS", "SymmetricSteps"]
+__all__ = ["BUSY_RETRY_MIN_S", "BUSY_RETRY_STEPS", "EXCHANGE_PEERS_MAX", "SymmetricSteps"]
 
 BUSY_RETRY_STEPS = 1.5  # an exchange asks busy peers again for this many of our steps (within its deadline) ...
 BUSY_RETRY_MIN_S = 0.02  # ... and at least this long
+EXCHANGE_PEERS_MAX = 8  # the candidates one exchange asks (in turn, while they answer busy), at most
 
 
 class SymmetricSteps:
@@ -79,7 +80,9 @@ class SymmetricSteps:
         exchanges, reader = self.client, crew.parts.reader
         if not exchanges.can_start():
             return False
-        peers = crew.flow.candidates(exclude=exchanges.blocked_peers())
+        # the best few: members that answer busy forever (an attacker can add hundreds) cost one step a few
+        # requests at most, not one to each of them
+        peers = crew.flow.candidates(exclude=exchanges.blocked_peers())[:EXCHANGE_PEERS_MAX]
         if not peers:
             return False
         own = crew.parts.store.lease()
