@@ -158,9 +158,19 @@ def test_outside_a_run_folder_the_writer_writes_nothing_but_still_checks():
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_script_of_your_own_runs_on_the_cluster_and_shows_in_its_table(tmp_path):
-    """./run.sh --nodes 2 -- python examples/minimal.py: both nodes found their names (w1, w2), ranks 0 and 1
-    of 2, averaged, and wrote start, step and end lines that the live table and the summary show."""
+    """./run.sh --nodes 2 -- python examples/minimal.py, word for word, with a PATH whose first ``python`` has
+    no torch (a bare virtual environment, as a fresh machine's system Python): the nodes run .venv's python
+    (issue 42: before, they ran the first python on the PATH and failed at ``import torch``). Both nodes
+    found their names (w1, w2), ranks 0 and 1 of 2, averaged, and wrote start, step and end lines that the
+    live table and the summary show."""
+    import venv
+
     runs = tmp_path / "runs"
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)  # its python has no torch, no dpwa
+    assert subprocess.run([str(bare / "bin" / "python"), "-c", "import torch"], capture_output=True).returncode != 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPWA_")}
+    env["PATH"] = os.pathsep.join([str(bare / "bin"), env.get("PATH", "")])
     proc = subprocess.Popen(
         [
             str(ROOT / "run.sh"),
@@ -171,18 +181,19 @@ def test_a_script_of_your_own_runs_on_the_cluster_and_shows_in_its_table(tmp_pat
             "--print-every",
             "1",
             "--",
-            sys.executable,
-            str(ROOT / "examples" / "minimal.py"),
+            "python",
+            "examples/minimal.py",
         ],
         cwd=ROOT,
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("DPWA_")},
+        env=env,
     )
     out = finish(proc, runs, 120)
     assert proc.returncode == 0, out
+    assert f"dpwa: the nodes run python = {ROOT / '.venv' / 'bin' / 'python'}" in out, out
     run_dir = (runs / "latest").resolve()
     found = results(run_dir, "minimal-result")
     assert sorted(found) == ["w1", "w2"], out
@@ -295,3 +306,25 @@ def test_resume_runs_the_same_command_again_in_the_same_folder(tmp_path):
     out = finish(refused, runs, 60)
     assert refused.returncode == 2 and "leave out '-- python other.py'" in out
     assert alive(runs) == []
+
+
+def test_the_nodes_run_the_launchers_own_environment_first_and_an_import_failure_is_one_line(tmp_path):
+    """The launcher's interpreter folder goes first on the nodes' PATH (once), so a bare ``python`` or
+    ``torchrun`` is the launcher's environment's; the launcher says in one line what the nodes run; an explicit
+    path is run as given; a node that died of a missing module gets one line naming it and the interpreter."""
+    from dpwa.cluster.launch import import_failure, interpreter_line, launcher_path
+
+    here = str(Path(sys.executable).parent)
+    path = launcher_path({"PATH": os.pathsep.join(["/usr/bin", here, "/bin"])})
+    assert path.split(os.pathsep) == [here, "/usr/bin", "/bin"]
+    assert interpreter_line([Path(sys.executable).name, "x.py"], path).startswith(
+        f"dpwa: the nodes run {Path(sys.executable).name} = {here}"
+    )
+    assert interpreter_line(["/opt/py/bin/python", "x.py"], path) == "dpwa: the nodes run /opt/py/bin/python as given"
+    assert "not on their PATH" in interpreter_line(["no-such-program-here"], path)
+    log = tmp_path / "w1.log"
+    log.write_text("Traceback (most recent call last):\n  ...\nModuleNotFoundError: No module named 'torch'\n")
+    line = import_failure(log, ["/opt/py/bin/python", "x.py"], path)
+    assert line is not None and line.startswith("failed at import: no module named 'torch' in /opt/py/bin/python")
+    log.write_text("ValueError: something else\n")
+    assert import_failure(log, ["python"], path) is None

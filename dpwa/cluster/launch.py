@@ -41,7 +41,9 @@ import json
 import math
 import os
 import random
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,12 +212,13 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
     if spec.chaos_s > 0 and spec.restarts < 1:
         raise ValueError("chaos mode kills nodes: give --restarts N (N >= 1) so that they are started again")
     write_pid_file(run_dir / "pids" / "launcher.pid", os.getpid())
+    path = launcher_path()  # a bare `python` (or torchrun, ...) in the command means this launcher's own
     cluster = Cluster(
         run_dir,
         {name: spec.argv(spec.command, name) for name in spec.local_names},
         pin=spec.pin,
         grace_s=spec.grace_s,
-        env={name: spec.environment(name) for name in spec.local_names},
+        env={name: {"PATH": path, **spec.environment(name)} for name in spec.local_names},
     )
     metrics = MetricsTail(run_dir, spec.local_names)
     view = LiveView(out, tty=tty, every_s=spec.print_every_s)
@@ -238,6 +241,7 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
                 f"dpwa: {len(spec.local_names)} nodes ({', '.join(spec.local_names)}), "
                 f"{cluster.pinning()}; run folder {run_dir}"
             )
+            view.message(interpreter_line(spec.command, path))
             view.message(f"dpwa: node logs in {run_dir / 'logs'}; stop with Ctrl-C or ./stop.sh {run_dir}")
             cluster.start()
             for name, proc in cluster.procs.items():
@@ -253,6 +257,48 @@ def run(spec: LaunchSpec, out: TextIO | None = None, tty: bool | None = None) ->
             code = 0 if all(c == 0 for c in cluster.exited().values()) else 1
         events.write("run_end", code=code)
     return code
+
+
+def launcher_path(environ: dict[str, str] | None = None) -> str:
+    """The PATH a node runs with: the folder of the interpreter that runs this launcher first (``.venv/bin``
+    under ./run.sh), then the caller's, as ``uv run`` and ``poetry run`` do. So a bare ``python``,
+    ``python3``, ``torchrun``, ``accelerate`` or ``lightning`` in the command is the launcher's own
+    environment's, with the torch and the dpwa it holds; an explicit path is run as given."""
+    here = str(Path(sys.executable).parent)
+    rest = [p for p in (os.environ if environ is None else environ).get("PATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([here, *(p for p in rest if p != here)])
+
+
+def interpreter_line(command: list[str], path: str) -> str:
+    """One line: what the nodes' command runs (its program as PATH resolves it)."""
+    program = command[0] if command else ""
+    if not program or os.sep in program:
+        return f"dpwa: the nodes run {program or '?'} as given"
+    found = shutil.which(program, path=path)
+    where = str(Path(sys.executable).parent)
+    if found is None:
+        return f"dpwa: the nodes run {program}, which is not on their PATH ({where} first)"
+    return f"dpwa: the nodes run {program} = {found} ({where} first on their PATH)"
+
+
+_MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def import_failure(log: Path, command: list[str], path: str) -> str | None:
+    """One line when a node's log ends in a missing module: which module, and which interpreter lacked it."""
+    try:
+        text = log.read_text(errors="replace")[-20000:]
+    except OSError:
+        return None
+    found = _MISSING_MODULE.findall(text)
+    if not found:
+        return None
+    program = command[0] if command else "?"
+    resolved = program if os.sep in program else (shutil.which(program, path=path) or program)
+    return (
+        f"failed at import: no module named {found[-1]!r} in {resolved} (install it there, or run the command "
+        "with the interpreter that has it)"
+    )
 
 
 def _dashboard_where(url: str, run_dir: Path) -> str:
@@ -422,6 +468,9 @@ def _report_exits(
         if code != 0 and code != -signal.SIGTERM:
             log = run_dir / "logs" / f"{name}.log"
             view.message(f"dpwa: {name} exited with code {code}; last lines of {log}:\n{tail(log)}")
+            why = import_failure(log, cluster.commands[name], launcher_path())
+            if why is not None:
+                view.message(f"dpwa: {name} {why}")
 
 
 def _finish(spec: LaunchSpec, view: LiveView, signals: _Signals) -> dict[str, Any]:
