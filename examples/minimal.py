@@ -1,6 +1,6 @@
 """dpwa in a complete script: the embedded digits, a small model, and one call at the optimizer.
 
-    DPWA_CONFIG=samples/torchrun.yaml torchrun --nproc-per-node 2 examples/minimal.py
+    torchrun --nproc-per-node 2 examples/minimal.py          # no config needed: the torchrun defaults
     DPWA_CONFIG=samples/local-2.yaml DPWA_NAME=w1 python examples/minimal.py   # and w2, in another terminal
     ./run.sh --nodes 2 -- python examples/minimal.py     # dpwa's launcher: the live table, --chaos, --dashboard
 

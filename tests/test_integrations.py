@@ -206,6 +206,28 @@ def test_node_from_env_takes_arguments_first_then_the_environment():
         node_from_env(environ={})
 
 
+def test_under_torchrun_a_config_is_optional_and_the_defaults_are_the_sample_files():
+    """Issue 42: `torchrun --nproc-per-node 2 examples/minimal.py` without DPWA_CONFIG exited 1 on both ranks.
+    A torchrun worker given no config takes the torchrun defaults, which are samples/torchrun.yaml's keys
+    (kept the same by this test); outside torchrun no config is still an error naming both ways to give one."""
+    import yaml
+
+    from dpwa.adapters.hook import TORCHRUN_DEFAULTS
+    from dpwa.config import ConfigError, parse_config
+    from dpwa.integrations.env import node_from_env
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    node = node_from_env(environ=torchrun)
+    assert node.config == dict(TORCHRUN_DEFAULTS) and node.name is None and node.under_torchrun
+    assert node_from_env(environ={"TORCHELASTIC_RUN_ID": "x"}).config == dict(TORCHRUN_DEFAULTS)
+    assert node_from_env(environ={**torchrun, "DPWA_CONFIG": "mine.yaml"}).config == "mine.yaml"  # given wins
+    sample = yaml.safe_load((ROOT / "samples" / "torchrun.yaml").read_text())
+    assert sample == dict(TORCHRUN_DEFAULTS)
+    assert parse_config(dict(TORCHRUN_DEFAULTS)).nodes == parse_config(sample).nodes
+    with pytest.raises(ConfigError, match="pass config=FILE, or set DPWA_CONFIG=FILE .under torchrun, none"):
+        node_from_env(environ={"RANK": "0"})  # not a torchrun worker: RANK alone says nothing
+
+
 def test_under_torchrun_the_name_is_left_to_the_adapter_and_hidden_variables_come_back_only_for_the_start():
     from dpwa.integrations.env import hide_torchrun, node_from_env
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import Config, ConfigError
 from ..gossip.progress import loss_value
+from ..logs import logger
 from ..runfiles.metrics import RUN_DIR_ENV, MetricsWriter, StepMetrics
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_ENV",
     "NAME_ENV",
+    "TORCHRUN_DEFAULTS",
     "TORCHRUN_VARIABLES",
     "ConfigLike",
     "GossipHook",
@@ -70,6 +72,16 @@ ConfigLike = str | os.PathLike[str] | Config | Mapping[str, Any]
 
 CONFIG_ENV = "DPWA_CONFIG"  # the config file, when the config argument is not given
 NAME_ENV = "DPWA_NAME"  # the node's name, when the name argument is not given
+
+#: The config of a torchrun worker given none (no config argument, no $DPWA_CONFIG): what samples/torchrun.yaml
+#: holds (a test keeps the two the same). The node list comes from torchrun's rendezvous.
+TORCHRUN_DEFAULTS: Mapping[str, Any] = {
+    "nodes": "torchrun",
+    "interface": "auto",
+    "fetch_probability": 1,
+    "timeout_ms": 2500,
+    "rule": "delta",
+}
 
 #: What torchrun (torch.distributed.run) sets for each worker. The first ten say "a distributed job" to
 #: accelerate, Lightning and torch.distributed, and are what ``dpwa.integrations.env.hide_torchrun`` removes; the
@@ -147,7 +159,8 @@ def node_from_env(
     """Which node this process is: ``config`` or ``$DPWA_CONFIG``; ``name`` or ``$DPWA_NAME`` or None.
 
     ``config`` is anything the adapter takes (a YAML path, a Config, parsed YAML data).
-    ConfigError when no config is given either way. The name is not checked
+    Given neither, a torchrun worker takes :data:`TORCHRUN_DEFAULTS` (and logs that it did); outside
+    torchrun that is a ConfigError naming both ways to give one. The name is not checked
     here: the adapter checks it against the config (and, under torchrun,
     against torchrun's).
     """
@@ -159,13 +172,28 @@ def node_from_env(
         found = os.fspath(config)
     else:
         found = config
+    if isinstance(found, str) and not found and under_torchrun(env):
+        found = dict(TORCHRUN_DEFAULTS)
+        logger.info(
+            "dpwa: no config given (no config argument, %s unset): a torchrun worker, so the torchrun defaults "
+            "(as samples/torchrun.yaml): %s",
+            CONFIG_ENV,
+            ", ".join(f"{k}: {v}" for k, v in TORCHRUN_DEFAULTS.items()),
+        )
     if isinstance(found, str) and not found:
         raise ConfigError(
-            f"no dpwa config: pass config=FILE, or set {CONFIG_ENV}=FILE (under torchrun, a config with nodes: torchrun)"
+            f"no dpwa config: pass config=FILE, or set {CONFIG_ENV}=FILE (under torchrun, none is needed: the "
+            "torchrun defaults of samples/torchrun.yaml apply)"
         )
     if name is None:
         name = env.get(NAME_ENV) or None
     return NodeEnv(found, name, {key: env[key] for key in TORCHRUN_VARIABLES if key in env})
+
+
+def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """Is this process a torchrun worker (its variables say so)?"""
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 class GossipHook:

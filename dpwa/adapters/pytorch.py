@@ -553,7 +553,8 @@ class DpwaPyTorchAdapter:
         net: the model; its parameters are blended in place.
         name: which node of the configuration this process is (None with ``nodes: torchrun``:
             the worker's ``rank<RANK>``).
-        config_file: a YAML path, or a :class:`~dpwa.config.Config`, or parsed YAML data.
+        config_file: a YAML path, or a :class:`~dpwa.config.Config`, or parsed YAML data; None (the default):
+            ``$DPWA_CONFIG``, or under torchrun the torchrun defaults (:data:`~dpwa.adapters.hook.TORCHRUN_DEFAULTS`).
         include_buffers: also blend floating-point buffers such as BatchNorm
             running statistics (default True).
         rng: seed the fetch decisions and peer choice (tests, reproducibility).
@@ -572,13 +573,17 @@ class DpwaPyTorchAdapter:
         self,
         net: nn.Module,
         name: str | None,
-        config_file: str | os.PathLike[str] | Config | Mapping[str, Any] | list,
+        config_file: str | os.PathLike[str] | Config | Mapping[str, Any] | list | None = None,
         *,
         include_buffers: bool = True,
         rng: random.Random | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         outer_optimizer: OuterOptimizerFactory | None = None,
     ) -> None:
+        if config_file is None:  # as gossip_optimizer and the callbacks find theirs
+            from .hook import node_from_env
+
+            config_file = node_from_env(None, name).config
         self.net = net
         self.params = TorchParams(net, include_buffers=include_buffers)
         extra = OptimizerState(optimizer) if optimizer is not None else None
