@@ -169,6 +169,21 @@ for refuse in (
     else:
         raise AssertionError("not refused")
 assert callback.adapter is None
+
+# a second train() or fit() with a callback whose node closed at the end of the first: refused, one line
+hf = DpwaTrainerCallback(config="examples/integrations/torchrun.yaml")
+pl = DpwaCallback(config="x.yaml")
+for cb, second in (
+    (hf, lambda: hf.on_train_begin(types.SimpleNamespace(world_size=1), None, None, model=object())),
+    (pl, lambda: pl.on_fit_start(types.SimpleNamespace(world_size=1, strategy=object()), object())),
+):
+    cb.session._closed = True  # as on_train_end / on_fit_end leave it
+    try:
+        second()
+    except RuntimeError as exc:
+        assert "make a new callback for another run" in str(exc), exc
+    else:
+        raise AssertionError("a second run was not refused")
 print("ok")
 """
 
@@ -297,6 +312,10 @@ def test_the_session_pairs_every_wait_with_a_send_and_closes_once():
         ("close",),
     ]
     assert session.stats() == {"state": "closed"} and session.send() is False
+    # a second train()/fit() with the same callback: refused with one line, not trained alone in silence
+    # (issue 42: the same callback exchanged 34 times in run 1 and 0 times in run 2, and said nothing)
+    with pytest.raises(RuntimeError, match=r"closed at the end of the last train\(\)/fit\(\); make a new callback"):
+        session.start(object())  # type: ignore[arg-type]
 
 
 @pytest.mark.io

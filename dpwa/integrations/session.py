@@ -67,7 +67,15 @@ class AdapterSession:
         return self.adapter is not None and not self._closed
 
     def start(self, model: nn.Module) -> DpwaPyTorchAdapter:
-        """Make the adapter over `model` (idempotent: a second call returns the first adapter)."""
+        """Make the adapter over `model` (idempotent while open: a second call returns the first adapter).
+
+        RuntimeError once the session has closed (the end of a ``train()`` or ``fit()``): a second run with the
+        same callback would otherwise train alone in silence, its node closed."""
+        if self._closed:
+            raise RuntimeError(
+                f"dpwa: this callback's node ({self.node.name or 'rank' + str(self.node.rank)}) closed at the end of "
+                "the last train()/fit(); make a new callback for another run (a closed node is not reopened)"
+            )
         if self.adapter is not None:
             return self.adapter
         from ..adapters.pytorch import DpwaPyTorchAdapter
