@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import ipaddress
 import math
 import os
 import re
@@ -196,6 +197,23 @@ def _options(example: str) -> Callable[[Any, str, str], tuple[tuple[str, Any], .
 
 BOOTSTRAP_MAX = 64  # bootstrap addresses a config may list
 _OPEN_KEYS = ("bootstrap_alone", "cluster_key", "members_max", "suspect_after_ms", "dead_after_ms")  # only bootstrap
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def valid_host(host: str) -> bool:
+    """Is `host` an IP address (v4, or v6 with or without brackets) or a well-formed host name? A string of
+    numbers and dots must be an IPv4 address: ``127.0.0.999`` is a typo, not a name."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if all(label.isdigit() for label in labels):
+        return False
+    return len(host) <= 253 and all(_HOST_LABEL.match(label) for label in labels)
+
+
 _HOST_PORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):(\d{1,5})$")
 
 
@@ -630,7 +648,8 @@ def key_table() -> str:
     rows = [
         "| Key | Default | Meaning |",
         "|---|---|---|",
-        "| `nodes` | required | list of `{name, host, port}`; optional `bind` (address to listen on, default `host`; "
+        "| `nodes` | required | list of `{name, host, port}` (`host`: an IP address or a host name; a typo such as "
+        "`127.0.0.999` is refused); optional `bind` (address to listen on, default `host`; "
         '`"*"` for every interface; an interface name such as `eth0` is resolved to its address when the node starts). '
         "Names and `host:port` pairs must be unique. Or the string `torchrun`: the list comes from torchrun's "
         "rendezvous ([Multi-machine use](operations.md#with-torchrun)) |",
@@ -893,6 +912,11 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
             )
         if not isinstance(host, str) or not host.strip():
             raise ConfigError(f"{source}: {where}.host must be a host name or address, got {host!r}")
+        if not valid_host(host):
+            raise ConfigError(
+                f"{source}: {where}.host {host!r} is neither an IP address nor a host name (an IPv4 address is "
+                "four numbers in 0..255, a name letters, digits and '-' between dots)"
+            )
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise ConfigError(f"{source}: {where}.port must be an integer in 1..65535, got {port!r}")
         if bind is not None and (not isinstance(bind, str) or not bind.strip()):

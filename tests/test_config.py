@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -63,6 +64,16 @@ def test_peers_and_lookup():
     assert [p.name for p in config.peers_of("w2")] == ["w1", "w3", "w4"]
     with pytest.raises(ConfigError, match=r"no node named 'w5'.*known: w1, w2, w3, w4"):
         config.node("w5")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.999", "10.1.2", "bad_name.example", "-lead.example", "a..b", "1.2.3.4.5"])
+def test_a_host_that_is_neither_an_address_nor_a_name_is_refused_as_such(host):
+    """Issue 48: ``127.0.0.999`` was taken as a host other machines reach, and the error was about missing
+    CURVE keys. A typo is refused as one, naming the key; addresses and names still pass."""
+    with pytest.raises(ConfigError, match=rf"nodes\[0\]\.host {re.escape(repr(host))} is neither an IP address nor"):
+        parse_config({"nodes": [{"name": "a", "host": host, "port": 5}], "insecure": True}, source="c.yaml")
+    for good in ("127.0.0.1", "::1", "[::1]", "node-7.cluster.example", "localhost", "gpu01"):
+        parse_config({"nodes": [{"name": "a", "host": good, "port": 5}], "insecure": True})
 
 
 def test_ipv6_host_and_bind_address():
