@@ -215,10 +215,34 @@ def test_node_from_env_takes_arguments_first_then_the_environment():
     assert (node_from_env(environ=env).config, node_from_env(environ=env).name) == ("env.yaml", "w2")
     given = node_from_env(Path("given.yaml"), "w1", environ=env)
     assert (given.config, given.name, given.under_torchrun) == ("given.yaml", "w1", False)
-    assert (given.rank, given.world_size) == (0, 1)
+    with pytest.raises(ConfigError, match="given.yaml"):  # its place in the node list is read from the config
+        assert given.rank
     assert node_from_env({"nodes": "torchrun"}, environ={}).config == {"nodes": "torchrun"}
     with pytest.raises(ConfigError, match="DPWA_CONFIG"):
         node_from_env(environ={})
+
+
+def test_rank_and_world_size_are_known_before_training_under_every_launcher(tmp_path):
+    """Issue 48: under ./run.sh both nodes trained on all the data, silently: node.rank and node.world_size,
+    documented "for sharding data", were torchrun's, and 0 and 1 elsewhere. Now they are the node's index in
+    the config's list and the list's length under dpwa's launcher (w1: 0 of 2, w2: 1 of 2), torchrun's under
+    torchrun, before any adapter exists; and the shards rank::world_size are disjoint."""
+    from conftest import make_config
+    from dpwa.integrations.env import node_from_env
+
+    config = make_config(2)
+    names = [node["name"] for node in config["nodes"]]
+    placements = [(node_from_env(config, name, environ={}).rank, node_from_env(config, name, environ={}).world_size)
+                  for name in names]  # fmt: skip
+    assert placements == [(0, 2), (1, 2)]
+    shards = [set(range(1500)[rank::world]) for rank, world in placements]
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 1500
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert (node_from_env(environ=torchrun).rank, node_from_env(environ=torchrun).world_size) == (1, 4)
+    assert (node_from_env(config, None, environ={}).rank, node_from_env(config, "nobody", environ={}).world_size) == (
+        0,
+        1,
+    )
 
 
 def test_under_torchrun_a_config_is_optional_and_the_defaults_are_the_sample_files():

@@ -38,6 +38,7 @@ so ``dpwa.integrations.env`` stays free of torch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -120,13 +121,30 @@ class NodeEnv:
 
     @property
     def rank(self) -> int:
-        """torchrun's RANK (0 outside torchrun)."""
-        return int(self.torchrun.get("RANK", "0"))
+        """This node's index, known before training starts: torchrun's RANK; else its name's index in the
+        config's node list (dpwa's launcher: w1 is 0, w2 is 1, ...); 0 when neither says (open membership)."""
+        if self.under_torchrun:
+            return int(self.torchrun["RANK"])
+        return self._placement[0]
 
     @property
     def world_size(self) -> int:
-        """torchrun's WORLD_SIZE (1 outside torchrun)."""
-        return int(self.torchrun.get("WORLD_SIZE", "1"))
+        """The number of nodes, known before training starts: torchrun's WORLD_SIZE; else the config's node
+        list's length (with open membership, whose members come and go, 1)."""
+        if self.under_torchrun:
+            return int(self.torchrun["WORLD_SIZE"])
+        return self._placement[1]
+
+    @functools.cached_property
+    def _placement(self) -> tuple[int, int]:
+        """(index, count) of this node in the config's node list; (0, 1) without a name or a fixed list."""
+        from ..gossip.setup import as_config
+
+        if self.name is None:
+            return 0, 1
+        config = as_config(self.config)
+        names = [node.name for node in config.nodes] if config.nodes and not config.bootstrap else []
+        return (names.index(self.name), len(names)) if self.name in names else (0, 1)
 
     @property
     def local_rank(self) -> int:
