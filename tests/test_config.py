@@ -304,7 +304,8 @@ def test_a_torchrun_config_has_no_node_list_until_the_workers_meet(tmp_path):
     with pytest.raises(
         ConfigError,
         match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT is not set: start the workers "
-        r"with torchrun",
+        r"with torchrun .*accelerate launch --cpu starts one process, and on a CPU machine accelerate launch "
+        r"--multi_gpu --num_processes 2 train.py starts two",
     ):
         TorchrunEnv.from_environ(env, "samples/torchrun.yaml")
     with pytest.raises(ConfigError, match="RANK 3 of WORLD_SIZE 2"):

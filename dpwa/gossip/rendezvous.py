@@ -64,7 +64,8 @@ class TorchrunEnv:
         if missing:
             raise ConfigError(
                 f"{source}: nodes: torchrun, but {', '.join(missing)} is not set: start the workers with torchrun "
-                "(e.g. torchrun --standalone --nproc-per-node 4 train.py ...)"
+                "(e.g. torchrun --standalone --nproc-per-node 4 train.py ...); accelerate launch --cpu starts one "
+                "process, and on a CPU machine accelerate launch --multi_gpu --num_processes 2 train.py starts two"
             )
         try:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
