@@ -1109,3 +1109,17 @@ def test_a_confirm_that_comes_late_takes_its_strike_back(nodes, zctx):
     assert w0.exchange(server, filled(2)).kind == "params"  # ... and w0 is served again
     stats = server.stats()
     assert stats["exchanges_confirmed_late"] == 1 and stats.get("mirrored", 0) == 0 and np.all(mine == 10)
+
+
+def test_both_nodes_of_a_symmetric_exchange_count_it_as_a_blend(nodes):
+    """Issue 48: the serving worker read averaged 0 after being blended 140 times (its halves are mirrored).
+    stats()["blends"] counts every blend that moved the node, on both sides, with the same name."""
+    cfg = make_config(2)
+    peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
+    node = nodes(cfg, "w0", NumpyParams(filled(0)))
+    peer.update_send()  # published: it serves
+    assert step_until_averaged(node) is not None
+    assert wait_until(lambda: (peer.update_send(), peer.update_wait(), peer.stats()["blends"] >= 1)[-1], 5)
+    mine, theirs = node.stats(), peer.stats()
+    assert theirs.get("averaged", 0) == 0 and theirs["blends"] == theirs["mirrored"] >= 1  # the server's side
+    assert mine["blends"] == mine["averaged"] + mine.get("mirrored", 0) >= 1

@@ -602,6 +602,9 @@ class Node:
             "publish_skipped": store.skipped,
             "slots_retired": store.retired,
             "slots_lent": store.lent,  # a peer's snapshot received into our own slot nobody held
+            # every blend that moved this node, whichever side started the exchange: `averaged` counts the
+            # requester's halves, `mirrored` the server's (one symmetric exchange is a blend on both nodes)
+            "blends": self.counters.get("averaged") + self.counters.get("mirrored"),
         }
         if bulk is not None:
             out["bulk_pending"] = bulk.pending()
