@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONFIG_ENV",
     "NAME_ENV",
+    "LINGER_S",
     "TORCHRUN_DEFAULTS",
     "TORCHRUN_VARIABLES",
     "ConfigLike",
@@ -73,6 +74,11 @@ ConfigLike = str | os.PathLike[str] | Config | Mapping[str, Any]
 
 CONFIG_ENV = "DPWA_CONFIG"  # the config file, when the config argument is not given
 NAME_ENV = "DPWA_NAME"  # the node's name, when the name argument is not given
+
+#: How long a node that finished keeps serving peers that still train, by default (gossip_optimizer and the
+#: callbacks): it stops once no peer has asked for 1 s, so a node whose peers are done too closes within a
+#: second; before (0), the last exchanges of the peers still training were answered `closing`.
+LINGER_S = 30.0
 
 #: The config of a torchrun worker given none (no config argument, no $DPWA_CONFIG): what samples/torchrun.yaml
 #: holds (a test keeps the two the same). The node list comes from torchrun's rendezvous.
@@ -345,7 +351,7 @@ def gossip_optimizer(
     name: str | None = None,
     *,
     batch_size: float = 1,
-    linger_s: float = 0.0,
+    linger_s: float = LINGER_S,
     metrics: bool | None = None,
     log_every: int = 5,
     **adapter_kwargs: Any,
@@ -362,7 +368,8 @@ def gossip_optimizer(
         batch_size: what each step adds to the node's clock (``update_send``'s ``batch_size``): the default 1
             counts optimizer steps; give the batch size to count samples (``conn.batch_size`` may change it).
         linger_s: on a normal exit, keep serving peers that still train for up to this long
-            (``DpwaPyTorchAdapter.linger``); 0: close at once.
+            (``DpwaPyTorchAdapter.linger``: until no peer asked for 1 s); :data:`LINGER_S` by default; 0: close
+            at once.
         metrics: write the node's metrics lines (``start``, a ``step`` line every `log_every` steps, ``end``:
             :mod:`dpwa.runfiles.metrics`) into ``$DPWA_RUN_DIR``, so the launcher's live table, ``status``,
             the dashboard and ``curves.png`` show this script; None (the default): when ``$DPWA_RUN_DIR`` is set

@@ -34,9 +34,18 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-from ..adapters.hook import CONFIG_ENV, NAME_ENV, TORCHRUN_VARIABLES, ConfigLike, NodeEnv, node_from_env
+from ..adapters.hook import CONFIG_ENV, LINGER_S, NAME_ENV, TORCHRUN_VARIABLES, ConfigLike, NodeEnv, node_from_env
 
-__all__ = ["CONFIG_ENV", "NAME_ENV", "TORCHRUN_VARIABLES", "ConfigLike", "NodeEnv", "hide_torchrun", "node_from_env"]
+__all__ = [
+    "CONFIG_ENV",
+    "LINGER_S",
+    "NAME_ENV",
+    "TORCHRUN_VARIABLES",
+    "ConfigLike",
+    "NodeEnv",
+    "hide_torchrun",
+    "node_from_env",
+]
 
 _HIDDEN = TORCHRUN_VARIABLES[:10]  # what says "a distributed job"; the TORCHELASTIC_ ones are kept
 

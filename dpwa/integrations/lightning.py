@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .env import ConfigLike, NodeEnv, node_from_env
+from .env import LINGER_S, ConfigLike, NodeEnv, node_from_env
 from .session import AdapterSession
 
 try:
@@ -54,13 +54,19 @@ class DpwaCallback(Callback):
         config: the dpwa config (a YAML path, a Config or parsed YAML); None: ``$DPWA_CONFIG``.
         name: this node's name in the config; None: ``$DPWA_NAME``, else torchrun's ``rank<RANK>``.
         linger_s: after the last batch, keep serving peers that still train for up to this long
-            (``DpwaPyTorchAdapter.linger``); 0 (the default): close at once.
+            (``DpwaPyTorchAdapter.linger``: until no peer asked for 1 s); ``LINGER_S`` (30 s) by default; 0: close
+            at once.
         **adapter_kwargs: passed to :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter`
             (``include_buffers``, ``rng``, ``outer_optimizer``).
     """
 
     def __init__(
-        self, config: ConfigLike | None = None, name: str | None = None, *, linger_s: float = 0.0, **adapter_kwargs: Any
+        self,
+        config: ConfigLike | None = None,
+        name: str | None = None,
+        *,
+        linger_s: float = LINGER_S,
+        **adapter_kwargs: Any,
     ) -> None:
         super().__init__()
         self.node: NodeEnv = node_from_env(config, name)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..logs import logger
 from . import env as dpwa_env
-from .env import ConfigLike, NodeEnv, node_from_env
+from .env import LINGER_S, ConfigLike, NodeEnv, node_from_env
 from .session import AdapterSession
 
 try:
@@ -90,7 +90,8 @@ class DpwaTrainerCallback(TrainerCallback):
         name: this node's name in the config; None: ``$DPWA_NAME``, else torchrun's ``rank<RANK>``.
         hide_torchrun: under torchrun, remove torchrun's variables from the environment now, so that a
             ``TrainingArguments`` made after this callback trains one process without DDP (the default).
-        linger_s: after the last step, keep serving peers that still train for up to this long; 0: close at once.
+        linger_s: after the last step, keep serving peers that still train for up to this long (until no peer
+            asked for 1 s); ``LINGER_S`` (30 s) by default; 0: close at once.
         **adapter_kwargs: passed to :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter`
             (``include_buffers``, ``rng``, ``outer_optimizer``).
     """
@@ -101,7 +102,7 @@ class DpwaTrainerCallback(TrainerCallback):
         name: str | None = None,
         *,
         hide_torchrun: bool = True,
-        linger_s: float = 0.0,
+        linger_s: float = LINGER_S,
         **adapter_kwargs: Any,
     ) -> None:
         self.node: NodeEnv = node_from_env(config, name)
