@@ -298,7 +298,7 @@ def status(args: argparse.Namespace) -> int:
 def average(args: argparse.Namespace) -> int:
     """Write the mean of every node's weights: of a run folder's checkpoints, or of a live cluster (--config)."""
     from .cluster import average as averaging
-    from .cluster.checkpoints import LAST
+    from .runfiles.checkpoints import LAST
     from .runfiles.private import write_private
 
     if (args.run_dir is None) == (args.config is None):

@@ -22,7 +22,6 @@ from torch import nn  # noqa: E402
 
 from conftest import make_config  # noqa: E402
 from dpwa.cli import main as cli  # noqa: E402
-from dpwa.cluster import checkpoints  # noqa: E402
 from dpwa.cluster.average import (  # noqa: E402
     AverageError,
     average,
@@ -32,6 +31,7 @@ from dpwa.cluster.average import (  # noqa: E402
     mean_state_dict,
 )
 from dpwa.cluster.launch import LaunchSpec  # noqa: E402
+from dpwa.runfiles import checkpoints  # noqa: E402
 from example_helpers import ROOT  # noqa: E402 - puts the example on sys.path
 
 # train.py's own node_state writes the checkpoints here: imported by name, so that mypy (which checks what

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from conftest import HELPERS, ROOT, make_config  # noqa: E402
-from dpwa.cluster import checkpoints  # noqa: E402
+from dpwa.runfiles import checkpoints  # noqa: E402
 
 
 def state(k: float) -> dict:

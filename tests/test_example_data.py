@@ -257,7 +257,7 @@ def test_train_py_stopped_while_waiting_at_a_barrier_saves_its_state_and_exits_a
     stopped, saves its state for a restart and exits 0, long before the barrier's limit."""
     import signal
 
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     config = tmp_path / "two.json"
     config.write_text(json.dumps(make_config(2)))

@@ -391,3 +391,13 @@ def test_under_dpwas_launcher_the_session_writes_the_nodes_metrics_lines(tmp_pat
     assert [r["step"] for r in lines[1:3]] == [5, 7]  # every 5 steps, and the last at close
     assert abs(lines[1]["loss"] - sum(1 / k for k in range(1, 6)) / 5) < 1e-9  # the mean since the last line
     assert lines[3]["reason"] == "done" and lines[3]["step"] == 7 and lines[3]["stats"]["state"] == "closed"
+    # its final weights, as the run folder's last checkpoint: python -m dpwa average gives the mean model
+    # (issue 48: a callback run had none, and average said no checkpoint holds every node's state)
+    from dpwa.runfiles import checkpoints
+
+    saved = checkpoints.load(tmp_path, checkpoints.LAST, "w0")
+    assert set(saved) == {"model"} and all(torch.equal(saved["model"][k], v) for k, v in net.state_dict().items())
+    from dpwa.cluster.average import average_run
+
+    mean = average_run(tmp_path)
+    assert all(torch.equal(mean.state_dict[k], v) for k, v in net.state_dict().items())  # one node: its own

@@ -175,7 +175,7 @@ def test_a_stopped_run_resumes_where_it_was_stopped(tmp_path):
         assert proc.returncode == 0, out
         run_dir = run_dir_of(runs)
         assert run_dir is not None
-        from dpwa.cluster import checkpoints
+        from dpwa.runfiles import checkpoints
 
         assert wait_until(
             lambda: (

@@ -102,7 +102,7 @@ def test_a_run_folder_is_0700_and_its_files_0600_whatever_the_umask(tmp_path, um
     """Everything the launcher and the checkpoints write into a run folder. Before: the umask decided
     (0755 folders and 0644 files under 022; 0777 and 0666 under 000; the lock file 0644 always)."""
     pytest.importorskip("torch")
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     config = make_config(2)
     previous = os.umask(umask)
@@ -190,7 +190,7 @@ def test_a_resumed_run_folder_of_an_older_dpwa_is_made_private(tmp_path):
     """A run folder written with 0755 folders and 0644 files: prepare() (./run.sh --resume) sets the run
     folder and its folders to 0700; every file the launcher and the checkpoints write again is 0600."""
     pytest.importorskip("torch")
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     run_dir = tmp_path / "old-run"
     for sub in ("pids", "logs", "metrics", "models", "checkpoints/epoch-1"):
@@ -227,7 +227,7 @@ def test_another_users_folder_in_a_world_writable_run_folder_is_refused(shared):
     checkpoints/ first, to read or plant checkpoints. save() refuses it, naming the folder and its
     owner, and writes nothing there. Before: it wrote w1.pt (0644) into the other user's folder."""
     pytest.importorskip("torch")
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     run_dir = shared / "run"
     run_dir.mkdir()
@@ -251,7 +251,7 @@ def test_another_user_can_neither_read_a_checkpoint_nor_lock_its_manifest(shared
     froze save() and discard(), and reads w0.pt, the model's weights. Now both get Permission denied:
     checkpoints/ is 0700 and its files 0600."""
     pytest.importorskip("torch")
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     run_dir = shared / "run"
     run_dir.mkdir()
@@ -297,7 +297,7 @@ def test_a_held_lock_is_a_checkpoint_error_at_its_deadline_naming_the_file_and_i
     the holder's PID; save() leaves no unlisted file, discard() changes nothing. Before: both waited
     without end."""
     pytest.importorskip("torch")
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     checkpoints.save(tmp_path, 1, "w1", state(1.0))
     lock = checkpoints.checkpoint_dir(tmp_path, 1) / "manifest.lock"

@@ -231,7 +231,7 @@ def test_the_examples_checkpoint_holds_the_rule_state_and_restores_it(tmp_path):
     torch = pytest.importorskip("torch")
     import example_helpers  # noqa: F401 - puts the example on sys.path
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
-    from dpwa.cluster import checkpoints
+    from dpwa.runfiles import checkpoints
 
     train = importlib.import_module("train")  # by name: mypy checks what the tests import, and train.py is not typed
 

@@ -20,11 +20,11 @@ dtypes, and every floating value must be finite: anything else is an
 
 **A run folder** (what ``./run.sh`` and ``train.py --run-dir`` write): each
 node's state is read from the coordinated checkpoints of
-:mod:`dpwa.cluster.checkpoints` (``RUN_DIR/checkpoints/epoch-K/NODE.pt`` after
+:mod:`dpwa.runfiles.checkpoints` (``RUN_DIR/checkpoints/epoch-K/NODE.pt`` after
 each epoch, ``checkpoints/last/NODE.pt`` when a node was stopped), hash
 checked against the manifest and loaded with ``torch.load(weights_only=True)``.
 The checkpoint is the *latest complete* one, as ``train.py --resume`` picks it
-(:func:`~dpwa.cluster.checkpoints.latest_complete`): every node's stopped
+(:func:`~dpwa.runfiles.checkpoints.latest_complete`): every node's stopped
 state when each has one, else the newest epoch that every node saved; so the
 mean is taken at one point of the run. The nodes are those the run started on
 this machine (``launch.json``), or, without one, every node any checkpoint
@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checkpoints
+from ..runfiles import checkpoints
 
 if TYPE_CHECKING:
     from torch import nn

@@ -21,6 +21,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..logs import logger
 from ..runfiles.metrics import RUN_DIR_ENV, MetricsWriter, StepMetrics
 from .env import NodeEnv
 
@@ -54,6 +55,7 @@ class AdapterSession:
         self.adapter_kwargs = dict(adapter_kwargs)
         self.linger_s = float(linger_s)
         self.adapter: DpwaPyTorchAdapter | None = None
+        self.model: nn.Module | None = None  # the model the adapter blends (its final state is saved at the end)
         self.last_loss: float | None = None  # the last loss seen, given to the next update_send
         self.last_update: Update | None = None
         self.final_stats: dict[str, Any] | None = None  # stats() as the adapter closed
@@ -82,6 +84,7 @@ class AdapterSession:
 
         with self.node.torchrun_environment():
             self.adapter = DpwaPyTorchAdapter(model, self.node.name, self.node.config, **self.adapter_kwargs)
+        self.model = model
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
         run_dir = os.environ.get(RUN_DIR_ENV)
         if run_dir:
@@ -145,12 +148,30 @@ class AdapterSession:
                 adapter.close()
             finally:
                 self.final_stats = adapter.stats()
+                if linger and self.metrics is not None:
+                    self._save_final(adapter.name)
                 if self.metrics is not None:
                     try:
                         self.metrics.step(self.steps, None, self.last_update, force=True)
                         self.metrics.end("done" if linger else "closed", self.final_stats, step=self.steps)
                     finally:
                         self.metrics.writer.close()
+
+    def _save_final(self, name: str) -> None:
+        """Under dpwa's launcher, at the end of training: the node's final weights as the run folder's ``last``
+        checkpoint (``{"model": state_dict}``), so ``python -m dpwa average RUN_DIR`` gives the mean model of a
+        callback run as of ``train.py``'s. A checkpoint that cannot be written is logged, not raised."""
+        from ..runfiles import checkpoints
+
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        if not run_dir or self.model is None:
+            return
+        try:
+            path = checkpoints.save(run_dir, checkpoints.LAST, name, {"model": self.model.state_dict()})
+        except (checkpoints.CheckpointError, OSError, ValueError) as exc:
+            logger.error("%s: final weights not saved: %s", name, exc)
+            return
+        logger.info("%s: final weights in %s (python -m dpwa average %s gives the mean model)", name, path, run_dir)
 
     def stats(self) -> dict[str, Any]:
         """The adapter's counters: live while open, as they were at close after; {} before the start."""

@@ -33,7 +33,8 @@ import schedule as training_schedule  # noqa: E402
 import text as texts  # noqa: E402
 
 from dpwa import ConfigError  # noqa: E402
-from dpwa.cluster import checkpoints, launch, runner  # noqa: E402
+from dpwa.cluster import launch, runner  # noqa: E402
+from dpwa.runfiles import checkpoints  # noqa: E402
 
 # Options passed through to every train.py unchanged (None: train.py's default).
 TRAIN_OPTIONS = (

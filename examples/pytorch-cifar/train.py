@@ -53,7 +53,7 @@ from evaluate import checkpoint, evaluate
 
 import dpwa
 from dpwa import DpwaPyTorchAdapter, TransportError
-from dpwa.cluster import checkpoints
+from dpwa.runfiles import checkpoints
 from dpwa.runfiles.metrics import MetricsWriter, StepMetrics
 from dpwa.runfiles.private import make_private_dir, write_private
 

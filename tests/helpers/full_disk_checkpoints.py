@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dpwa.cluster import checkpoints
+from dpwa.runfiles import checkpoints
 
 
 def state(n: int, k: float) -> dict:

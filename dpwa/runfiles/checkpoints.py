@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..runfiles.private import make_private_dir, open_private
+from .private import make_private_dir, open_private
 
 __all__ = [
     "LAST",
