@@ -365,3 +365,16 @@ def test_a_chaos_kill_that_falls_due_while_a_node_starts_waits_for_it_instead_of
     supervisor.tend(stopping=False)
     assert len(cluster.killed) == 1 and messages == [f"dpwa: chaos: SIGKILL to {cluster.killed[0]}"]
     assert metrics.nodes[cluster.killed[0]].kills == 1 and supervisor.next_kill > 0.0  # the next one drawn
+
+
+def test_the_summary_of_a_script_that_evaluates_nothing_says_n_a_not_zero_epochs():
+    """Issue 48: a callback script's summary showed `epochs 0` (it writes no eval lines). A node with no
+    evaluation shows n/a there; one with its epoch's evaluation shows the epoch."""
+    from dpwa.cluster.monitor import NodeState, format_summary, summarize
+
+    script = NodeState("w1", step={"step": 144, "averaged": 140, "failed": 0}, end={"step": 144, "averaged": 141})
+    example = NodeState("w2", eval={"epoch": 3, "test_acc": 0.9, "test_loss": 0.3}, end={"step": 66, "averaged": 60})
+    summary = summarize([script, example], None, 10.0, "runs/x")
+    assert [r["epochs"] for r in summary["nodes"]] == [None, 3]
+    rows = {line.split()[0]: line.split() for line in format_summary(summary).splitlines() if line[:2] in ("w1", "w2")}
+    assert rows["w1"][4] == "n/a" and rows["w2"][4] == "3" and rows["w1"][5] == "144"

@@ -215,7 +215,7 @@ def summarize(
                 "node": node.name,
                 "state": node.state,
                 "exit_code": node.exit_code,
-                "epochs": ev.get("epoch", 0),
+                "epochs": ev.get("epoch"),  # None: the node evaluated nothing (a script of the user's own)
                 "steps": end.get("step", step.get("step", 0)),
                 "test_acc": ev.get("test_acc"),
                 "test_loss": ev.get("test_loss"),
@@ -253,7 +253,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                 r["state"],
                 _percent(acc),
                 _fmt(r["test_loss"], ".4f"),
-                str(r["epochs"]),
+                "n/a" if r["epochs"] is None else str(r["epochs"]),
                 str(r["steps"]),
                 str(r["averaged"]),
                 str(r["failed"]),
