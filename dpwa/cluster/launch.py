@@ -363,6 +363,9 @@ class _Supervisor:
         if time.monotonic() >= self.next_kill:
             # One failure at a time: only while every node trains (none is starting again), and only a
             # node that may still be started again; so the cluster's state always survives in a peer.
+            # The metrics are read again first: a node that has just finished and lingers is not training,
+            # and one killed then found its peers gone when it came back (a 2 x 60 s join in a CI run).
+            nodes = self.metrics.poll()
             alive = self.cluster.alive()
             up = len(alive) == len(nodes) and all(
                 nodes[n].state == "training" and nodes[n].trained_since_start for n in alive
