@@ -349,7 +349,7 @@ def test_a_chaos_kill_that_falls_due_while_a_node_starts_waits_for_it_instead_of
     names = ["w1", "w2", "w3"]
     spec = launch.LaunchSpec(run_dir=str(tmp_path), config={}, command=[], restarts=2, chaos_s=1.5, chaos_seed=3)
     cluster = _FakeCluster(names)
-    metrics = type("M", (), {"nodes": {n: NodeState(n) for n in names}})()
+    metrics = type("M", (), {"nodes": {n: NodeState(n) for n in names}, "poll": lambda self: self.nodes})()
     messages: list[str] = []
     view = type("V", (), {"message": lambda self, text: messages.append(text)})()
     events = type("E", (), {"write": lambda self, *a, **k: None})()
