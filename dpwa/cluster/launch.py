@@ -269,12 +269,20 @@ def launcher_path(environ: dict[str, str] | None = None) -> str:
     return os.pathsep.join([here, *(p for p in rest if p != here)])
 
 
+def _program(command: list[str], path: str) -> tuple[str, str | None, bool]:
+    """The command's program; what it runs (as `path` finds a bare name; None: not found); and whether it is
+    run as given (a path, or no program)."""
+    program = command[0] if command else "?"
+    if program == "?" or os.sep in program:
+        return program, program, True
+    return program, shutil.which(program, path=path), False
+
+
 def interpreter_line(command: list[str], path: str) -> str:
     """One line: what the nodes' command runs (its program as PATH resolves it)."""
-    program = command[0] if command else ""
-    if not program or os.sep in program:
-        return f"dpwa: the nodes run {program or '?'} as given"
-    found = shutil.which(program, path=path)
+    program, found, given = _program(command, path)
+    if given:
+        return f"dpwa: the nodes run {program} as given"
     where = str(Path(sys.executable).parent)
     if found is None:
         return f"dpwa: the nodes run {program}, which is not on their PATH ({where} first)"
@@ -293,11 +301,10 @@ def import_failure(log: Path, command: list[str], path: str) -> str | None:
     found = _MISSING_MODULE.findall(text)
     if not found:
         return None
-    program = command[0] if command else "?"
-    resolved = program if os.sep in program else (shutil.which(program, path=path) or program)
+    program, resolved, _ = _program(command, path)
     return (
-        f"failed at import: no module named {found[-1]!r} in {resolved} (install it there, or run the command "
-        "with the interpreter that has it)"
+        f"failed at import: no module named {found[-1]!r} in {resolved or program} (install it there, or run the "
+        "command with the interpreter that has it)"
     )
 
 

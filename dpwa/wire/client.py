@@ -281,8 +281,10 @@ class _Channels:
         max_reply_bytes: int,
         socket_options: Mapping[str, Mapping[int, Any]],
         heard: Callable[[str], None] | None = None,
+        dropped: Callable[[str], None] | None = None,
     ) -> None:
         self._ctx, self.endpoints, self.name, self._heard = context, endpoints, name, heard
+        self._dropped = dropped  # told of each peer whose channel closes, before it closes
         self._max_reply_bytes, self._socket_options = max_reply_bytes, socket_options
         self._channels: dict[str, Channel] = {}
         self._last_id = secrets.randbits(64)  # request ids count on from a random start: none repeats
@@ -317,6 +319,8 @@ class _Channels:
     def drop(self, peer: str) -> None:
         channel = self._channels.pop(peer, None)
         if channel is not None:
+            if self._dropped is not None:
+                self._dropped(peer)
             channel.close()
 
     def _sweep(self) -> None:
@@ -388,17 +392,16 @@ class DirectClient:
         socket_options: Mapping[str, Mapping[int, Any]] | None = None,
         heard: Callable[[str], None] | None = None,
     ) -> None:
-        self._channels = _Channels(context, _book(endpoints), name, max_reply_bytes, dict(socket_options or {}), heard)
         self._waiting: dict[str, DirectCall] = {}  # peer -> the call whose reply its channel waits for
+        self._channels = _Channels(
+            context, _book(endpoints), name, max_reply_bytes, dict(socket_options or {}), heard, self._let_go_of
+        )
 
     def start(self, task: FirstRequest) -> DirectCall:
         """Send `task`'s first request now; the rest runs when the returned call is waited for."""
         earlier = self._waiting.get(task.peer)
         if earlier is not None:  # its reply was never taken (it is dropped when it comes, as a late one)
             earlier.abandon()
-        if len(self._waiting) > len(self._channels.endpoints):  # calls to peers the book dropped: let go
-            for stale in [c for peer, c in self._waiting.items() if peer not in self._channels.endpoints]:
-                stale.abandon()
         sent = None
         call = DirectCall(task, self, None)
         try:
@@ -424,6 +427,12 @@ class DirectClient:
         if timeout_s is not None:
             task.deadline = min(task.deadline, time.monotonic() + timeout_s)
         _run(call, self._channels, lambda: call.cancelled, sent)
+
+    def _let_go_of(self, peer: str) -> None:
+        """`peer`'s channel closes (the book dropped the peer, or it moved): a call still waiting on it is let go."""
+        call = self._waiting.get(peer)
+        if call is not None:
+            call.abandon()
 
     def _discard(self, call: DirectCall) -> None:
         """`call` will not be waited for: its reply is dropped when it comes (a late one)."""
