@@ -593,6 +593,13 @@ def test_run_sh_dashboard_shows_a_live_3_node_run_with_chaos_in_a_browser(tmp_pa
         def asked_at() -> float:
             return json.loads(state())["status"]["asked_at"] or 0.0
 
+        def curves_drawn() -> bool:  # a node killed before its first evaluation has none until it evaluates twice
+            curves = (json.loads(state())["run"] or {}).get("curves") or {}
+            evals = (curves.get("eval") or {}).get("nodes") or {}
+            losses = (curves.get("loss") or {}).get("nodes") or {}
+            return all(len(c.get(n) or []) >= 2 for c in (evals, losses) for n in ("w1", "w2", "w3"))
+
+        assert wait_until(curves_drawn, 60, interval_s=0.5)
         hostile_log_line()
         first = dump_dom(page, tmp_path)
         seen = asked_at()
