@@ -12,7 +12,7 @@ from dpwa.config import ConfigError
 from dpwa.gossip.protocol import PARAMS
 from dpwa.lab.sim.simulate import Gossip
 from dpwa.mixing.rules import Side
-from dpwa.mixing.rules.pushsum import MAX_WEIGHT, PushSum
+from dpwa.mixing.rules.pushsum import FLOOR, MAX_WEIGHT, PushSum
 from dpwa.wire.schema import encode
 from helpers.raw_peer import FakePeer
 
@@ -115,15 +115,40 @@ def test_a_weight_a_peer_claims_outside_its_bounds_is_refused_and_nothing_moves(
         fake.close()
 
 
-def test_a_server_whose_weight_is_spent_gives_nothing_and_nobody_moves():
+def test_a_server_at_the_floor_gives_half_of_it_and_keeps_the_floor():
+    """Issue 41: a weight never falls below FLOOR. A server at 1.5 x FLOOR gives 0.75 x FLOOR and keeps FLOOR
+    (0.25 x FLOOR minted, counted); the taker moves by g / (w + g) as usual."""
     server, taker = PushSum(), PushSum()
-    server.weight = 1e-6
+    server.weight = 1.5 * FLOOR
     server.published(1)
-    assert server.served(1) == {"weight": 0.0} and server.weight == 1e-6
+    assert server.served(1) == {"weight": pytest.approx(0.75 * FLOOR)}
+    assert server.weight == FLOOR and server.minted == pytest.approx(0.25 * FLOOR)
+    assert server.report() == {"weight": FLOOR, "minted": pytest.approx(0.25 * FLOOR)}
     x = filled(0, SIZE)
-    f = taker.factor(Side(0.0, None), Side(0.0, None, {"weight": 0.0}))
-    assert f == 0.0 and taker.blend(NumpyParams(x), None, filled(5, SIZE), f, "float32") == 0.0
-    assert np.all(x == 0) and taker.weight == 1.0
+    f = taker.factor(Side(0.0, None), Side(0.0, None, {"weight": 0.75 * FLOOR}))
+    assert taker.blend(NumpyParams(x), None, filled(5, SIZE), f, "float32") == pytest.approx(f)
+    assert f == pytest.approx(0.75 * FLOOR / (1 + 0.75 * FLOOR))
+
+
+def test_members_that_take_weight_and_never_give_it_back_do_not_stop_the_others_mixing():
+    """Issue 41's thieves: 25 fetches per node by a member that never serves (each takes half a node's
+    weight), then 300 honest pulls among 4 nodes at 0, 10, 20 and 30. Every weight stays at or above FLOOR,
+    and the honest nodes mix: their spread falls below 1% of the 30 they started with. (Before, every weight
+    fell to 3e-8 = 2**-25, and one below 2e-6 gave nothing, and the spread stayed 30.)"""
+    gossip = Gossip([filled(10 * k, SIZE) for k in range(4)], mode="pull", blend="pushsum", seed=7)
+    thief = PushSum()
+    for _ in range(25):
+        gossip.publish()
+        for rule in gossip.rules:
+            served = rule.served(gossip.version)["weight"]
+            thief.weight += served  # taken, never given back
+    assert all(rule.weight == FLOOR for rule in gossip.rules)
+    for _ in range(300):
+        i = gossip.rng.randrange(4)
+        gossip.exchange_now(i, gossip.choose(i))
+    spread = max(a.max() for a in gossip.arrays) - min(a.min() for a in gossip.arrays)
+    assert spread < 0.3, spread
+    assert all(rule.weight >= FLOOR for rule in gossip.rules)
 
 
 def test_weight_goes_only_with_the_snapshot_that_holds_the_parameters_it_belongs_to():
@@ -148,7 +173,7 @@ def test_four_real_nodes_keep_their_weighted_mean_while_they_fetch_from_each_oth
     stepping every 20 ms (update_send, 10 ms, update_wait, 10 ms, in a thread of its own) for 6 s over TCP. The
     weighted mean sum(w x) / sum(w) stays 15 within 1e-3 of the range (30): before, the fetches served half the
     server's weight of now with its snapshot of its last publish, and the mean fell 7% to 10% in 6 s while the
-    weights summed to 4. The nodes also mix (their spread shrinks), and the weights still sum to 4."""
+    weights summed to 4. The weights sum to 4 plus what was minted at the floor. The nodes also mix (their spread shrinks), and the weights still sum to 4."""
     import threading
     import time
 
@@ -176,7 +201,8 @@ def test_four_real_nodes_keep_their_weighted_mean_while_they_fetch_from_each_oth
     assert not failed and not any(t.is_alive() for t in threads), failed
     weights = [node.rule.weight for node in group]
     mean = sum(w * a.astype(np.float64) for w, a in zip(weights, arrays, strict=True)) / sum(weights)
-    assert sum(weights) == pytest.approx(4.0, rel=1e-9)
+    minted = sum(node.rule.minted for node in group)  # kept at the floor (FLOOR): at most a few FLOORs here
+    assert sum(weights) == pytest.approx(4.0 + minted, rel=1e-9) and minted < 1e-4, minted
     assert np.abs(mean - 15.0).max() <= 1e-3 * 30, (mean[:4], weights)
     assert sum(node.counters.get("averaged") for node in group) >= 20  # they did fetch and blend
     assert max(a.max() for a in arrays) - min(a.min() for a in arrays) < 30 * 0.5  # and mix
