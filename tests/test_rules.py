@@ -3,6 +3,7 @@ peers that mix by another rule refused. And ClippedGossip, the first rule added 
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -16,7 +17,7 @@ from dpwa.config import ConfigError
 from dpwa.lab.sim.simulate import Gossip
 from dpwa.mixing.interpolation import Constant
 from dpwa.mixing.rules import Rule, RuleError, Side, builtin, rule_class
-from dpwa.mixing.rules.clipped import ClippedGossip
+from dpwa.mixing.rules.clipped import CAP, ClippedGossip
 
 DOCS = ROOT / "docs" / "rules.md"
 
@@ -212,6 +213,38 @@ def test_clipped_gossip_auto_clips_an_outlier_to_the_median_of_recent_distances(
     assert w == pytest.approx(0.5 * 2 / 1000) and x[0] == pytest.approx(1.0) and rule.clipped == 1
 
 
+def test_clipped_auto_is_not_ratcheted_by_a_peer_that_moves_a_little_further_each_time():
+    """Issue 41's ramp: 3 honest nodes (mode pull, radius auto, f = 0.5) train (noise 0.1 per step) and pull
+    at random from each other and from an attacker that serves the honest mean plus r along one axis, r
+    growing 5% per attack. Before, each clipped step pushed the honest nodes apart, their distances and so
+    the median grew with it, and after 400 steps the honest mean had moved 1.6e7 to 2.4e8 along the attack.
+    Now each node's radius is at most CAP times its anchor (its first full window's median), so the mean
+    moves by at most f x CAP x anchor per attacker exchange: here about 250, within that bound."""
+    rng, pick = np.random.default_rng(0), random.Random(0)
+    xs = [(rng.normal(size=32) * 0.5).astype(np.float32) for _ in range(3)]
+    rules = [ClippedGossip(radius="auto") for _ in range(3)]
+    r, attacks = 1.0, 0
+    for _ in range(400):
+        snapshots = [x.copy() for x in xs]
+        for x in xs:
+            x += (rng.normal(size=32) * 0.1).astype(np.float32)
+        for i in range(3):
+            j = pick.choice([k for k in range(4) if k != i])  # 3: the attacker
+            peer = snapshots[j] if j < 3 else np.mean(snapshots, axis=0).astype(np.float32)
+            if j == 3:
+                peer[0] += r
+                r, attacks = r * 1.05, attacks + 1
+            rules[i].blend(NumpyParams(xs[i]), snapshots[i], peer, 0.5, "float32")
+    anchors = [rule.state()["anchor"] for rule in rules]
+    moved = float(np.mean(xs, axis=0)[0])
+    assert attacks > 350 and all(0.5 < a < 2 for a in anchors), (attacks, anchors)
+    assert moved <= 0.5 * CAP * max(anchors) * attacks / 3 + 5, moved  # each attack moves one node of 3
+    assert moved < 1000 and r > 1e7  # the attacker's offset by the end, for scale
+    joiner = ClippedGossip(radius="auto")  # a joiner (or a checkpoint) takes the anchor with the distances
+    joiner.load_state(joiner.check_state(rules[0].state()))
+    assert joiner.state() == rules[0].state() and joiner.state()["anchor"] == anchors[0]
+
+
 def test_the_simulator_runs_any_rule_by_name_and_clipped_symmetric_keeps_the_mean():
     rng = np.random.default_rng(0)
     arrays = [rng.normal(size=16).astype(np.float32) for _ in range(4)]
@@ -279,6 +312,9 @@ def test_a_joiner_takes_its_donors_clipping_history_so_it_clips_from_its_first_e
         ({"seen": [float("nan")]}, "finite number >= 0"),
         ({"seen": [-1.0]}, "finite number >= 0"),
         ({"seen": [1.0], "more": 1}, "a list of at most 16"),
+        ({"seen": [1.0], "anchor": 0.0}, "the anchor must be a finite distance > 0, got 0.0"),
+        ({"seen": [1.0], "anchor": float("inf")}, "the anchor must be a finite distance > 0, got inf"),
+        ({"seen": [1.0], "anchor": "1"}, "the anchor must be a finite distance > 0, got '1'"),
         ([1.0], "a list of at most 16"),
     ],
 )
