@@ -20,11 +20,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_open_membership import open_config, start_cluster, views
+from test_open_membership import RawClient, entry, open_config, start_cluster, views
 
-from conftest import make_config, served_clock, wait_until
+from conftest import free_port, make_config, served_clock, wait_until
 from dpwa import NumpyParams
 from dpwa.config import parse_config
+from dpwa.gossip.barrier import BARRIER, BARRIER_STATE
+from dpwa.wire.endpoints import ipc_endpoint
+from dpwa.wire.schema import ERROR, encode
+from helpers.raw_peer import FakePeer
 
 # suspect after 2 s, removed 1 s later: short, so that a departure shows within the test, and long enough that
 # members waiting together, which hear each other only through barrier requests, are never suspected
@@ -181,3 +185,72 @@ def test_barrier_counts_follow_the_view_and_stay_bounded() -> None:
     fixed = BarrierCounts(["a"])
     fixed.waiting("epoch", fixed.arrive("epoch"))
     assert fixed.offered() == {"epoch": 1}  # a fixed cluster's joiner takes the counts as they are
+
+
+@pytest.mark.io
+@pytest.mark.timeout(90)
+def test_a_ghost_that_answers_barrier_polls_and_never_arrives_costs_one_suspicion_period(nodes, steppers, zctx):  # noqa: F811
+    """Issue 41: a member announced at a port where a fake answers every barrier poll (its counts: none, its
+    heartbeat rising) and every fetch or exchange ``busy``. Before, it was admitted, every barrier waited its
+    whole timeout for it, and it stayed in the views. Now a barrier that waits only for members that never
+    completed an exchange with the node goes on after one suspicion period (2 s here), naming the ghost;
+    once it has been a member for as long as a dead one takes to leave (3 s), the next barrier retires it
+    from the views, and its rising heartbeats do not bring it back."""
+
+    _, made = start_cluster(nodes, 2, **SETTINGS)
+    converged(made, steppers)  # w0 and w1 exchanged: each has taken part for the other
+    port, beat = free_port(), [1]
+
+    def respond(request: Any) -> list[bytes]:
+        beat[0] += 1
+        if request.kind == BARRIER.name:
+            me = entry("ghost", port, inc=1, beat=beat[0])
+            return [encode(BARRIER_STATE, request.id, counters={}, yours={}, digest=[me])]
+        return [encode(ERROR, request.id, reason="busy", detail="a ghost")]
+
+    ipc = made[0].config.transport == "ipc"  # a loopback cluster without keys: members are reached over ipc
+    ghost = FakePeer(zctx, ipc_endpoint(port) if ipc else f"tcp://127.0.0.1:{port}", respond)
+    client = RawClient(zctx, made[0].config.endpoint(made[0].spec))
+    try:
+        reply = client.ask("members", me=entry("ghost", port))
+        assert reply is not None and reply["admitted"], reply
+        for node in made:
+            steppers.start(node)  # their exchanges' digests spread the ghost
+        assert wait_until(lambda: all("ghost" in node.members for node in made), 10.0, 0.02), views(made)
+        steppers.stop()
+
+        first = Barriers()
+        started = time.monotonic()
+        for node in made:
+            first.start(node, timeout_s=20.0)
+        results = first.join(15.0)  # before: BarrierTimeout after 20 s
+        took = time.monotonic() - started
+        # named if it was skipped, not if it was retired already (a member for 3 s: the spreading took that)
+        assert all(r in ([], ["ghost"]) for r in results.values()), results
+        suspect_s = SETTINGS["suspect_after_ms"] / 1000
+        assert 0.9 * suspect_s <= took < suspect_s + 5.0, took  # it was waited for one suspicion period
+
+        retire_after_s = (SETTINGS["suspect_after_ms"] + SETTINGS["dead_after_ms"]) / 1000
+        for node in made:
+            steppers.start(node)  # they ask the ghost too, and its answers (busy) keep it alive: it stays
+        assert wait_until(lambda: all(n.members.age("ghost") > retire_after_s for n in made), 10.0, 0.05), views(made)
+        steppers.stop()
+        assert all("ghost" in node.members for node in made), views(made)
+
+        second = Barriers()  # a member for longer than a dead one takes to leave: it is retired
+        for node in made:
+            second.start(node, timeout_s=20.0)
+        assert second.join(15.0) == {"w0": [], "w1": []}
+        assert all("ghost" not in node.members for node in made), views(made)
+        assert all(node.stats()["members.retired"] == 1 for node in made)
+        # its heartbeat, however far ahead, does not bring it back: only a new incarnation (a restart) would
+        reply = client.ask("members", me=entry("ghost", port, inc=1, beat=10**6))
+        assert reply is not None and not reply["admitted"], reply
+        assert made[0].stats()["members.refused.retired"] == 1
+        reply = client.ask("members", me=entry("ghost", port, inc=2, beat=1))
+        assert reply is not None and reply["admitted"], reply
+        assert not ghost.errors, ghost.errors[0]
+    finally:
+        steppers.stop()
+        client.close()
+        ghost.close()

@@ -55,6 +55,20 @@ judges by its own view, which gossip makes the same everywhere in time:
   ``members_max``), as a fetch's sender may; any other counts for nothing.
   What we heard of a name that left the view is forgotten: the table holds
   at most ``members_max`` names.
+* *A member that never takes part* (issue 41: a ghost that answers every
+  barrier poll and never arrives) costs a barrier one suspicion period at
+  most: once the only members still behind are ones this node never blended
+  with (an exchange with it, in either direction, or a fetch from it), and that has
+  lasted ``suspect_after_ms``, the barrier goes on without them and returns
+  their names. Those that have been members for ``suspect_after_ms`` +
+  ``dead_after_ms`` (as long as a dead member takes to leave) are retired
+  from the view (:meth:`~dpwa.gossip.members.Members.retire`: removed as dead
+  ones are, and kept out for the tombstone's time unless they restart; not
+  named, as a removed member is not). Before, such a member was admitted,
+  cost every barrier its whole ``timeout_s``, and stayed. A member this node
+  exchanged with is waited for as long as it is in the view, however slow;
+  a newcomer, or a slow starter at a first barrier before any exchange,
+  costs one suspicion period and is named.
 * While a node waits, nobody exchanges, so barrier requests and replies
   carry digests, and every member (arrived or not) is asked again at most
   ``suspect_after_ms / 3`` (and 1 s) after its last answer: members waiting
@@ -66,6 +80,7 @@ requests (Rx thread); :class:`BarrierTask` asks one peer (Tx thread).
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -351,6 +366,12 @@ class BarrierWaiter:
             most `keepalive_s` after its last answer while we wait (so members waiting together keep
             hearing each other, and the view keeps spreading, while nobody exchanges).
         keepalive_s: see `members`.
+        took_part: open membership: did this node ever blend with this member? Members it did not,
+            and are all a barrier still waits for after `idle_after_s`, are skipped; those a member for
+            `retire_after_s` are retired from the view (see the module).
+        idle_after_s: see `took_part` (``suspect_after_ms``).
+        retire_after_s: see `took_part` (``suspect_after_ms`` + ``dead_after_ms``: as long as a dead member
+            takes to leave the view).
     """
 
     def __init__(
@@ -361,9 +382,13 @@ class BarrierWaiter:
         timeout_s: float,
         members: Members | None = None,
         keepalive_s: float = BARRIER_POLL_MAX_S,
+        took_part: Callable[[str], bool] = lambda peer: True,
+        idle_after_s: float = math.inf,
+        retire_after_s: float = math.inf,
     ) -> None:
         self._name, self._counts, self._submit, self._timeout_s = name, counts, submit, timeout_s
         self._members = members
+        self._took_part, self._idle_after_s, self._retire_after_s = took_part, idle_after_s, retire_after_s
         self._poll_max_s = min(BARRIER_POLL_MAX_S, keepalive_s) if members is not None else BARRIER_POLL_MAX_S
         self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
 
@@ -404,6 +429,8 @@ class BarrierWaiter:
         next_try: dict[str, float] = {}
         pause: dict[str, float] = {}
         keepalive = self._members is not None  # open membership: arrived members are asked again too
+        idle_since: float | None = None  # since when only members that never took part are behind
+        skipped: set[str] = set()  # members skipped for that (open membership)
         while True:
             peers = self._counts.peers()  # open membership: the view now (members come and go while we wait)
             if keepalive and len(pause) > len(peers):  # forget the back-off of members that left (bounded)
@@ -419,11 +446,18 @@ class BarrierWaiter:
                     told.add(peer)
                 pause[peer] = min(self._poll_max_s, 2 * pause.get(peer, 0.01))
                 next_try[peer] = time.monotonic() + pause[peer]
-            behind = self._counts.behind(name, k)
+            behind = [p for p in self._counts.behind(name, k) if p not in skipped]
             now = time.monotonic()
+            if behind and self._members is not None and not any(self._took_part(p) for p in behind):
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= self._idle_after_s:
+                    skipped.update(self._skip_idle(name, k, behind))
+                    behind = []
+            else:
+                idle_since = None
             if not behind:
                 self._tell([p for p in peers if p not in told], calls)
-                return []
+                return sorted(p for p in skipped if self._members is not None and p in self._members)
             stopped = stop()
             if now >= deadline or stopped:
                 heard = self._counts.all_heard()
@@ -448,6 +482,22 @@ class BarrierWaiter:
             idle()
             wake = min([next_try.get(p, 0.0) for p in peers if p not in calls] + [now + 0.02])
             time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
+
+    def _skip_idle(self, name: str, k: int, behind: list[str]) -> list[str]:
+        """The members still `behind` never took part, and were all we waited for, for `idle_after_s`: skip
+        them; those in the view for as long as a dead member takes to leave it are retired from it."""
+        assert self._members is not None
+        old = [p for p in behind if self._members.age(p) >= self._retire_after_s]
+        for peer in old:
+            self._members.retire(peer)
+        kept = sorted(set(behind) - set(old))
+        if kept:
+            logger.warning(
+                "%s: barrier %r (call %d): going on without %s, which never took part (no exchange with this "
+                "node) and did not arrive in %.1f s",
+                self._name, name, k, ", ".join(kept), self._idle_after_s,
+            )  # fmt: skip
+        return behind
 
     def _tell(self, peers: list[str], calls: dict[str, Call]) -> None:
         """Best effort: let peers that have not heard of our arrival hear of it (nobody waits for the answers)."""

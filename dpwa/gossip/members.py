@@ -135,6 +135,7 @@ class Members:
         self._changes = 0  # members added or removed so far: the node's peers follow when it moves
         self._synced = -1  # _changes when the node's peers last followed the view (the training thread's)
         self._ticked = -float("inf")  # when tick() last looked at the clocks
+        self.retired = 0  # members retired for never taking part (retire)
         now = clock()
         for peer in config.peers_of(spec.name):  # the config's other nodes: the first view
             self._view.add(MemberInfo(peer.name, peer.tcp_endpoint, peer.public_key, 0, 0), now)
@@ -191,6 +192,7 @@ class Members:
             certs = self._certifier.stats() if self._certifier is not None else {}  # it counts under this lock
         out: dict[str, Any] = {"members": names, "members.count": len(names), "members.suspect": suspects}
         out["members.reclaimed"] = self._view.reclaimed
+        out["members.retired"] = self.retired
         out.update({f"members.refused.{reason}": count for reason, count in sorted(refused.items())})
         out.update(certs)
         return out
@@ -266,6 +268,24 @@ class Members:
         """`name` answered us, or asked us something: it is alive."""
         with self._lock:
             self._view.heard(name, self._clock())
+
+    def age(self, name: str) -> float:
+        """How long `name` has been a member (since it was last admitted), in seconds; 0 if it is not one."""
+        with self._lock:
+            member = self._view.get(name)
+            return self._clock() - member.admitted_at if member is not None else 0.0
+
+    def retire(self, name: str) -> bool:
+        """Drop member `name`, which never took part (see :meth:`View.retire`); False if it is not a member."""
+        with self._lock:
+            retired = self._view.retire(name, self._clock())
+            if retired:
+                self.retired += 1
+                self._changed(1)
+        if retired:
+            logger.warning("%s: member %s never took part: removed from the view (only a restart readmits it "
+                           "soon)", self.name, name)  # fmt: skip
+        return retired
 
     def options_for(self, key: str | None) -> Mapping[int, Any] | None:
         """Our sockets' options to a node whose server key is `key` (keyed); None without keys."""

@@ -37,6 +37,13 @@ they can be tested without a network:
   next time the member speaks to us. (Before, one forged entry with
   incarnation and heartbeat 2**53 made every later true entry "older": the
   member was suspected and removed while it was alive.)
+* **A member that never takes part is retired** (:meth:`View.retire`, the
+  caller's judgement: a barrier's, :mod:`dpwa.gossip.barrier`). It leaves the
+  view as a dead one would, but its heartbeats cannot bring it back: for
+  ``tombstone_s`` only a new incarnation, a restart of the node, readmits it
+  (``retired`` counts the claims refused meanwhile). A ghost that answers
+  every poll and never arrives is thus not re-admitted by its own rising
+  heartbeat a moment later.
 * **Names are unique.** A claim that gives a member's name another endpoint
   or key is refused (``name_taken``): a member cannot be impersonated, or
   pushed out, by claims about it. Only the node itself takes its name back
@@ -138,6 +145,7 @@ class Member:
     since: float = 0.0  # when its status last changed
     news_at: float = 0.0  # when `info` last changed (a relayed heartbeat is bounded by the time since)
     direct: bool = False  # it answered us, or asked us, at least once at this endpoint (not only gossip)
+    admitted_at: float = -float("inf")  # when it (last) entered the view: set by the view
 
 
 def _consent(info: MemberInfo) -> tuple[str, str | None, str | None]:
@@ -186,6 +194,7 @@ class View:
         self._new_per_sender, self._new_interval = new_per_sender, new_interval_s
         self._members: dict[str, Member] = {}
         self._tombstones: dict[str, tuple[MemberInfo, float]] = {}  # name -> (its last news, removed at)
+        self._retired: set[str] = set()  # tombstones that only a new incarnation beats (retire)
         self._introduced: dict[str, deque[float]] = {}  # sender -> when it introduced members, the latest few
         self.refused: Counter[str] = Counter()  # claims refused, by reason
         self.reclaimed = 0  # names taken back by their node from a holder that never answered (_reclaims)
@@ -281,7 +290,7 @@ class View:
             return False
         if self._keyed and (claim.key is None or not self._trusted(*_consent(claim))):
             return False
-        self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now)
+        self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now, admitted_at=now)
         self.reclaimed += 1
         return True
 
@@ -311,7 +320,8 @@ class View:
             self.refused["view_full"] += 1
             return False
         self._tombstones.pop(info.name, None)
-        self._members[info.name] = Member(info, heard_at=now, since=now, news_at=now)
+        self._retired.discard(info.name)
+        self._members[info.name] = Member(info, heard_at=now, since=now, news_at=now, admitted_at=now)
         return True
 
     def remove(self, name: str, now: float) -> bool:
@@ -321,6 +331,15 @@ class View:
         if member is None:
             return False
         self._tombstones[name] = (member.info, now)
+        return True
+
+    def retire(self, name: str, now: float) -> bool:
+        """Drop member `name`, which never took part (it never completed an exchange with us, and a barrier
+        waited a suspicion period for it alone): as :meth:`remove`, but for ``tombstone_s`` only a new
+        incarnation brings it back, not a newer heartbeat. False if it is not a member."""
+        if not self.remove(name, now):
+            return False
+        self._retired.add(name)
         return True
 
     def _alive(self, member: Member, now: float) -> None:
@@ -333,7 +352,11 @@ class View:
         if buried is not None:
             if not claim.newer_than(buried[0]):
                 return False  # stale gossip about a member removed
+            if claim.name in self._retired and claim.incarnation <= buried[0].incarnation:
+                self.refused["retired"] += 1  # a member retired for never taking part: only a restart
+                return False
             del self._tombstones[claim.name]
+            self._retired.discard(claim.name)
         if len(self) >= self._max:
             self.refused["view_full"] += 1
             return False
@@ -346,7 +369,7 @@ class View:
             self.refused["untrusted_key"] += 1
             return False
         introduced.append(now)
-        self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now)
+        self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now, admitted_at=now)
         return True
 
     # ----------------------------------------------------------------- time
@@ -366,6 +389,7 @@ class View:
         for name, (_, removed_at) in list(self._tombstones.items()):
             if now - removed_at >= self._tombstone_s:
                 del self._tombstones[name]
+                self._retired.discard(name)
         for sender, times in list(self._introduced.items()):
             if times and now - times[-1] >= self._new_interval:
                 del self._introduced[sender]

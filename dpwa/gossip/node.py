@@ -204,6 +204,9 @@ class Node:
                 self.config.timeout_s,
                 members=self.members,
                 keepalive_s=self.config.suspect_after_ms / 3000.0,
+                took_part=lambda peer: self.counters.get(f"peer.{peer}.averaged") > 0,  # a blend with it
+                idle_after_s=self.config.suspect_after_ms / 1000.0,
+                retire_after_s=(self.config.suspect_after_ms + self.config.dead_after_ms) / 1000.0,
             )
             self.parts.own(self._waiter.close)
             self._reporter = Reporter(
@@ -474,7 +477,10 @@ class Node:
         died never arrives: after `timeout_s` (None: wait for ever) this raises
         :class:`~dpwa.gossip.barrier.BarrierTimeout` naming the missing nodes,
         or, with ``missing="proceed"``, logs them and returns their names.
-        Returns the nodes skipped ([] when everyone arrived). `stop` is
+        Returns the nodes skipped ([] when everyone arrived); with ``bootstrap:``
+        that includes members this node never blended with that were all it
+        waited for during ``suspect_after_ms`` (whatever `missing` says; see
+        :mod:`dpwa.gossip.barrier`). `stop` is
         asked between polls: once it returns True (a SIGTERM, say) the wait
         ends at once and returns the nodes not yet arrived, whatever
         `missing` says; this call still counts as made.
