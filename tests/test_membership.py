@@ -271,3 +271,21 @@ def test_a_node_takes_its_name_back_from_a_holder_that_never_answered_but_not_fr
     assert status(v, "n1") == "suspect"
     assert v.merge("n1", [info(1, incarnation=2, port=47000).entry()], now=8.5) == [info(1, incarnation=2, port=47000)]
     assert v.reclaimed == 2  # n1 restarted on another port: its own entry takes over from its old, suspect one
+
+
+def test_a_member_removed_after_a_relayed_heartbeat_ran_ahead_comes_back_on_its_own_word():
+    """Issue 41: n3 relays n2's heartbeat as far ahead as the rate bound allows (2,000 a second); n2's true
+    entries relayed after that are "older" and ignored, so n2, silent to n0 directly, is removed with the
+    forged heartbeat in its tombstone. Relayed true news still cannot bring it back, but n2's own entry, from
+    n2 at the same endpoint, does (before, it stayed out until its own heartbeat passed the forged one)."""
+    v = view(0)
+    v.merge("n1", [info(1).entry(), info(2, beat=10).entry(), info(3).entry()], now=0.0)
+    assert v.merge("n3", [info(3).entry(), info(2, beat=2010).entry()], now=1.0) == []
+    assert v.get("n2").info.beat == 2010  # plausible: within the bound
+    for t in range(2, 18):
+        v.merge("n1", [info(1, beat=t).entry(), info(2, beat=10 + t).entry(), info(3, beat=t).entry()], float(t))
+        v.tick(float(t))
+    assert "n2" not in v.names()  # removed: its true heartbeats were older than the forged one
+    assert v.merge("n1", [info(1, beat=30).entry(), info(2, beat=40).entry()], now=18.0) == []  # relayed: no
+    assert v.merge("n2", [info(2, beat=41).entry()], now=18.5) == [info(2, beat=41)]  # its own word: yes
+    assert status(v, "n2") == "alive"

@@ -14,7 +14,9 @@ they can be tested without a network:
   ``dead_after_s`` is removed. So a member is judged by what the whole
   cluster heard of it, not by whether this node happened to exchange with it.
 * **Removal is remembered** (a tombstone, ``tombstone_s``): gossip that
-  brings nothing newer than what the member last said cannot bring it back.
+  brings nothing newer than what the member last said cannot bring it back;
+  the member's own word, from itself at the same endpoint, does (a relayed
+  heartbeat run ahead before it was removed must not keep it out).
   A member that comes back, after a partition or a restart, says something
   newer: a higher heartbeat, or a higher *incarnation* (a restarted node
   starts with a new one, as the caller picks it, its start time say), and is
@@ -350,7 +352,8 @@ class View:
     def _admit(self, sender: str, claim: MemberInfo, now: float) -> bool:
         buried = self._tombstones.get(claim.name)
         if buried is not None:
-            if not claim.newer_than(buried[0]):
+            own_word = sender == claim.name and claim.same_node(buried[0])  # refutes, as in the view (merge)
+            if not claim.newer_than(buried[0]) and not own_word:
                 return False  # stale gossip about a member removed
             if claim.name in self._retired and claim.incarnation <= buried[0].incarnation:
                 self.refused["retired"] += 1  # a member retired for never taking part: only a restart
