@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port, make_config
 from helpers.proc_tree import child_pids
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # .venv/bin/torchrun
@@ -39,12 +39,12 @@ class Torchrun:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
 
-    def start(self, argv: list[str], log: Path) -> subprocess.Popen:
+    def start(self, argv: list[str], log: Path, launcher: list[str] = TORCHRUN) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ("DPWA_CONFIG", "DPWA_NAME")}
         env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                TORCHRUN + argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+                launcher + argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
             )
         return self.proc
 
@@ -117,13 +117,18 @@ def check_training(results: dict[str, dict]) -> None:
 @pytest.mark.timeout(RUN_S + 30)
 def test_the_lightning_example_trains_one_copy_per_worker_and_they_average(torchrun, tmp_path):
     """torchrun --nproc-per-node 2 examples/integrations/lightning_tiny.py (3 epochs of the digits, a shard
-    each): each worker runs SingleDeviceStrategy (Trainer(devices=1)), no process group; both average
-    with the other (every exchange moves both: mode symmetric) and their loss falls."""
+    each), with gradient accumulation over 2 batches and bf16 autocast (issue 42): each worker runs
+    SingleDeviceStrategy (Trainer(devices=1)), no process group; it exchanges once per optimizer step (36),
+    not per batch (72: before, it exchanged at every batch, moving the parameters between the batches whose
+    gradients are summed); both average with the other (every exchange moves both: mode symmetric) and
+    their loss falls."""
     need("lightning")
-    results, seconds = run_example(torchrun, tmp_path, "lightning_tiny.py", "--epochs", "3")
+    args = ("--epochs", "3", "--accumulate", "2", "--precision", "bf16-mixed")
+    results, seconds = run_example(torchrun, tmp_path, "lightning_tiny.py", *args)
     check_training(results)
     for result in results.values():
-        assert result["strategy"] == "SingleDeviceStrategy", result
+        assert result["strategy"] == "SingleDeviceStrategy" and result["precision"] == "bf16-mixed", result
+        assert result["steps"] == 72 and result["optimizer_steps"] == result["exchange_steps"] == 36, result
         assert result["test_acc"] > 0.5, result
     print(f"lightning: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
 
@@ -132,16 +137,74 @@ def test_the_lightning_example_trains_one_copy_per_worker_and_they_average(torch
 @pytest.mark.timeout(RUN_S + 30)
 def test_the_hugging_face_example_trains_one_copy_per_worker_and_they_average(torchrun, tmp_path):
     """torchrun --nproc-per-node 2 examples/integrations/hf_tiny.py (a two-layer GPT-2 from a config, 60
-    steps of synthetic tokens): the callback, made before TrainingArguments, hides torchrun's variables,
-    so each Trainer is one process (world size 1, not parallel, the model not wrapped in DDP); both
-    workers average with the other and their loss falls."""
+    optimizer steps of synthetic tokens, each accumulating 2 batches, in bf16 autocast): the callback, made
+    before TrainingArguments, hides torchrun's variables, so each Trainer is one process (world size 1, not
+    parallel, the model not wrapped in DDP); one exchange per optimizer step; both workers average with
+    the other and their loss falls."""
     need("transformers", "accelerate")
-    results, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "60")
+    results, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "60", "--accumulate", "2", "--bf16")
     check_training(results)
     for result in results.values():
         assert result["world_size"] == 1 and result["parallel_mode"] == "ParallelMode.NOT_PARALLEL", result
-        assert result["ddp"] is False and result["steps"] == 60, result
+        assert result["ddp"] is False and result["steps"] == result["exchange_steps"] == 60, result
+        assert result["bf16"] is True, result
     print(f"transformers: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
+
+
+LIGHTNING_TWO_DEVICES = """
+import sys, torch, lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+from dpwa.integrations.lightning import DpwaCallback
+
+class Tiny(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+    def training_step(self, batch, i):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+gossip = DpwaCallback(config=sys.argv[1], name="w1")
+data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
+trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, callbacks=[gossip], logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Tiny(), data)
+print("trained with DDP and gossip")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 90)
+def test_the_frameworks_own_launchers_run_one_copy_per_worker_or_are_refused_with_one_line(torchrun, tmp_path):
+    """Issue 42, as their users start them, each with 2 processes: ``accelerate launch --multi_gpu
+    --num_processes 2`` of the HF example (on a CPU machine, the command that starts two) trains one copy
+    per worker with gossip, no DDP; Lightning's ``Trainer(devices=2)``, started with python (Lightning
+    launches the second process itself), is refused in both processes at setup with the one line that says
+    what to do, and never trains with DDP's all-reduce and gossip at once."""
+    need("lightning", "transformers", "accelerate")
+    out, log = tmp_path / "out", tmp_path / "accelerate.log"
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    accelerate += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    accelerate += ["--main_process_port", str(free_port())]
+    proc = torchrun.start([str(EXAMPLES / "hf_tiny.py"), "--steps", "20", "--out", str(out)], log, accelerate)
+    assert proc.wait(RUN_S) == 0, log.read_text()[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(results) == ["rank0", "rank1"], log.read_text()[-3000:]
+    for result in results.values():
+        assert result["world_size"] == 1 and result["ddp"] is False and result["distributed"] is False, result
+        assert result["averaged"] > 0 and result["exchange_steps"] == 20, result
+
+    config, script, log = tmp_path / "two.yaml", tmp_path / "two_devices.py", tmp_path / "lightning.log"
+    config.write_text(json.dumps(make_config(2)))  # YAML reads JSON
+    script.write_text(LIGHTNING_TWO_DEVICES)
+    proc = torchrun.start([str(script), str(config)], log, [sys.executable])
+    assert proc.wait(RUN_S) != 0
+    text = log.read_text()
+    refusal = "RuntimeError: dpwa: the Trainer's strategy (DDPStrategy) spans 2 processes and would all-reduce"
+    assert text.count(refusal) == 2 and "trained with DDP and gossip" not in text, text[-3000:]
+    assert "Give each process one device (Trainer(devices=1)" in text
 
 
 GUARDS = """
@@ -184,6 +247,30 @@ for cb, second in (
         assert "make a new callback for another run" in str(exc), exc
     else:
         raise AssertionError("a second run was not refused")
+
+# Lightning with accumulate_grad_batches=2: one exchange per optimizer step (global_step rises after batches 1
+# and 3), the parameters untouched between the two batches of a step
+class Recorder:
+    pending = False
+    def __init__(self):
+        self.calls = []
+    def send(self):
+        self.pending = True
+        self.calls.append("send")
+    def wait(self, loss):
+        self.pending = False
+        self.calls.append("wait")
+    def note_loss(self, loss):
+        self.calls.append("loss")
+
+acc = DpwaCallback(config="x.yaml")
+acc.session = Recorder()
+trainer = types.SimpleNamespace(global_step=0)
+for batch in range(4):
+    acc.on_train_batch_start(trainer, None, None, batch)
+    trainer.global_step += batch % 2  # the optimizer steps after the second batch of each pair
+    acc.on_train_batch_end(trainer, None, {"loss": 1.0}, None, batch)
+assert acc.session.calls == ["send", "loss", "wait", "send", "loss", "wait"], acc.session.calls
 print("ok")
 """
 

@@ -12,9 +12,12 @@ Example::
 
 The callback makes a :class:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter`
 over the LightningModule when fitting starts (``on_fit_start``: the model is
-on its device), calls
-``update_send`` at the start of each training batch and ``update_wait`` with
-the batch's loss (``outputs``, or ``outputs["loss"]``) at its end, and closes
+on its device), calls ``update_send`` at the start of each optimizer step's
+first batch and ``update_wait`` with the batch's loss (``outputs``, or
+``outputs["loss"]``) at the end of the batch after which the optimizer
+stepped (``trainer.global_step`` rose): one exchange per optimizer step, so
+with ``accumulate_grad_batches=N`` the parameters do not move between the N
+batches whose gradients are summed. It closes
 the adapter when fitting ends, at ``teardown``, or on an exception (each
 path; closing twice is harmless).
 
@@ -48,7 +51,7 @@ __all__ = ["DpwaCallback"]
 
 
 class DpwaCallback(Callback):
-    """Gossip averaging of a LightningModule's parameters, one exchange (at most) per training batch.
+    """Gossip averaging of a LightningModule's parameters, one exchange (at most) per optimizer step.
 
     Args:
         config: the dpwa config (a YAML path, a Config or parsed YAML); None: ``$DPWA_CONFIG``.
@@ -71,6 +74,7 @@ class DpwaCallback(Callback):
         super().__init__()
         self.node: NodeEnv = node_from_env(config, name)
         self.session = AdapterSession(self.node, adapter_kwargs, linger_s)
+        self._sent_at = 0  # trainer.global_step when the open update_send was made
 
     @property
     def adapter(self) -> DpwaPyTorchAdapter | None:
@@ -101,12 +105,17 @@ class DpwaCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.session.send()
+        if not self.session.pending:  # the first batch of an optimizer step (of several, when accumulating)
+            self._sent_at = trainer.global_step
+            self.session.send()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self.session.wait(outputs)
+        if trainer.global_step > self._sent_at:  # the optimizer stepped after this batch: blend now
+            self.session.wait(outputs)
+        else:
+            self.session.note_loss(outputs)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.session.close(linger=True)

@@ -68,6 +68,11 @@ class AdapterSession:
     def open(self) -> bool:
         return self.adapter is not None and not self._closed
 
+    @property
+    def pending(self) -> bool:
+        """Is an update_send waiting for its update_wait?"""
+        return self._pending
+
     def start(self, model: nn.Module) -> DpwaPyTorchAdapter:
         """Make the adapter over `model` (idempotent while open: a second call returns the first adapter).
 

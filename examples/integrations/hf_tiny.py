@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--accumulate", type=int, default=1, help="TrainingArguments(gradient_accumulation_steps=N)")
+    parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
     parser.add_argument(
         "--out", type=Path, default=None, help="write DIR/<name>.json (and the Trainer's DIR/hf/<name>)"
     )
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=True,  # GPUs: leave it out; the callback gives each worker its own GPU
         max_steps=args.steps,
         per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulate,  # the callback exchanges once per optimizer step
+        bf16=args.bf16,
         learning_rate=args.lr,
         warmup_steps=5,
         logging_steps=1,  # every step's loss in log_history (and for the callback: the loss it reports)
@@ -109,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         "averaged": sum(peer.get("averaged", 0) for peer in stats.get("peers", {}).values()),
         "fetches_started": stats.get("fetches_started", 0),
         "fetches_ok": stats.get("fetches_ok", 0),
-        "steps": trainer.state.global_step,
+        "steps": trainer.state.global_step,  # optimizer steps
+        "exchange_steps": gossip.session.steps,  # update_waits: one per optimizer step
+        "bf16": training.bf16,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         "losses": losses,

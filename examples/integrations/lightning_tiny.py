@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=N)")
+    parser.add_argument("--precision", default="32-true", help="Trainer(precision=...): bf16-mixed, say")
     parser.add_argument("--out", type=Path, default=None, help="write DIR/<name>.json")
     args = parser.parse_args(argv)
 
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         accelerator="cpu",
         devices=1,  # one device per process: SingleDeviceStrategy, no process group, no DDP (GPUs: [LOCAL_RANK])
         max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate,  # the callback exchanges once per optimizer step
+        precision=args.precision,
         callbacks=[gossip],
         logger=False,
         enable_checkpointing=False,  # every worker is its own rank 0 to Lightning: give each its own folder to save
@@ -111,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "averaged": sum(peer.get("averaged", 0) for peer in stats.get("peers", {}).values()),
         "fetches_started": stats.get("fetches_started", 0),
         "fetches_ok": stats.get("fetches_ok", 0),
-        "steps": len(model.losses),
+        "steps": len(model.losses),  # training batches
+        "optimizer_steps": trainer.global_step,
+        "exchange_steps": gossip.session.steps,  # update_waits: one per optimizer step
+        "precision": str(trainer.precision),
         "first_loss": model.losses[0],
         "last_loss": model.losses[-1],
         "losses": model.losses,
