@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import ROOT, free_port, make_config
@@ -236,9 +237,11 @@ assert callback.adapter is None
 # a second train() or fit() with a callback whose node closed at the end of the first: refused, one line
 hf = DpwaTrainerCallback(config="examples/integrations/torchrun.yaml")
 pl = DpwaCallback(config="x.yaml")
+fresh, resumed = types.SimpleNamespace(global_step=0), types.SimpleNamespace(global_step=5)
+one = dict(world_size=1, strategy=object(), global_step=0)
 for cb, second in (
-    (hf, lambda: hf.on_train_begin(types.SimpleNamespace(world_size=1), None, None, model=object())),
-    (pl, lambda: pl.on_fit_start(types.SimpleNamespace(world_size=1, strategy=object()), object())),
+    (hf, lambda: hf.on_train_begin(types.SimpleNamespace(world_size=1), fresh, None, model=object())),
+    (pl, lambda: pl.on_fit_start(types.SimpleNamespace(ckpt_path=None, **one), object())),
 ):
     cb.session._closed = True  # as on_train_end / on_fit_end leave it
     try:
@@ -271,6 +274,23 @@ for batch in range(4):
     trainer.global_step += batch % 2  # the optimizer steps after the second batch of each pair
     acc.on_train_batch_end(trainer, None, {"loss": 1.0}, None, batch)
 assert acc.session.calls == ["send", "loss", "wait", "send", "loss", "wait"], acc.session.calls
+
+# a run resumed from the worker's own checkpoint (HF: global_step > 0 at on_train_begin; Lightning: ckpt_path)
+# starts its node with resumed=True (join: never): a donor's weights must not replace the restored ones
+class Starts:
+    def __init__(self):
+        self.resumed = []
+    def start(self, model, resumed=False):
+        self.resumed.append(resumed)
+
+hf, pl = DpwaTrainerCallback(config="examples/integrations/torchrun.yaml"), DpwaCallback(config="x.yaml")
+hf.session, pl.session = Starts(), Starts()
+args = types.SimpleNamespace(world_size=1)
+hf.on_train_begin(args, fresh, None, model=object())
+hf.on_train_begin(args, resumed, None, model=object())
+pl.on_fit_start(types.SimpleNamespace(ckpt_path=None, **one), object())
+pl.on_fit_start(types.SimpleNamespace(ckpt_path="last.ckpt", **one), object())
+assert hf.session.resumed == [False, True] and pl.session.resumed == [False, True], (hf.session, pl.session)
 print("ok")
 """
 
@@ -377,6 +397,28 @@ def test_losses_are_read_from_numbers_tensors_and_lightning_outputs():
     assert loss_of(torch.tensor(1.5)) == 1.5 and loss_of({"loss": torch.tensor(2.0)}) == 2.0 and loss_of(3) == 3.0
     assert loss_of(None) is None and loss_of({"acc": 1}) is None and loss_of(float("nan")) is None
     assert loss_of(torch.ones(3)) is None and loss_of("x") is None
+
+
+@pytest.mark.io
+@pytest.mark.timeout(60)
+def test_a_worker_that_resumes_from_its_own_checkpoint_keeps_its_weights(nodes, steppers):
+    """Issue 48: a torchrun resume replaced rank 1's restored weights with rank 0's (join: auto), while rank 1
+    kept its own optimizer state. A callback that sees a resumed run starts its node with resumed_config
+    (join: never): w1 keeps its 7s next to a w0 at 2; the same config unresumed takes w0's 2s."""
+    from conftest import make_config
+    from dpwa import NumpyParams
+    from dpwa.integrations.session import resumed_config
+
+    cfg = make_config(2, join="auto")
+    w0 = nodes(cfg, "w0", NumpyParams(np.full(8, 2.0, np.float32)))
+    steppers.start(w0)  # a donor serves joiners between its steps
+    restored = np.full(8, 7.0, np.float32)
+    w1 = nodes(resumed_config(cfg), "w1", NumpyParams(restored))
+    assert w1.joined is None and np.all(restored == 7.0) and w1.config.join == "never"
+    w1.close()
+    fresh = np.full(8, 7.0, np.float32)
+    again = nodes(cfg, "w1", NumpyParams(fresh))  # the control: join auto takes the donor's state
+    assert again.joined is not None and again.joined.donor == "w0" and np.all(fresh == 2.0), again.joined
 
 
 def test_the_session_pairs_every_wait_with_a_send_and_closes_once():

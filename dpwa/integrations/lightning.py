@@ -100,7 +100,8 @@ class DpwaCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_one_process(trainer)
-        self.session.start(pl_module)
+        resumed = trainer.ckpt_path is not None or trainer.global_step > 0  # fit(ckpt_path=...): its own state
+        self.session.start(pl_module, resumed=resumed)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ..adapters.pytorch import DpwaPyTorchAdapter
     from ..gossip.node import Update
 
-__all__ = ["AdapterSession", "loss_of"]
+__all__ = ["AdapterSession", "loss_of", "resumed_config"]
 
 
 def loss_of(value: Any) -> float | None:
@@ -45,6 +45,17 @@ def loss_of(value: Any) -> float | None:
     except (TypeError, ValueError, RuntimeError):
         return None  # not one number (a tensor of several, a string): no loss
     return loss if math.isfinite(loss) else None
+
+
+def resumed_config(config: Any) -> Any:
+    """`config` (a path, parsed YAML or a Config) with ``join: never``: a worker that resumes from its own
+    checkpoint keeps what it restored."""
+    import dataclasses
+
+    from ..gossip.setup import as_config
+
+    parsed = as_config(config)
+    return parsed if parsed.join == "never" else dataclasses.replace(parsed, join="never")
 
 
 class AdapterSession:
@@ -73,8 +84,13 @@ class AdapterSession:
         """Is an update_send waiting for its update_wait?"""
         return self._pending
 
-    def start(self, model: nn.Module) -> DpwaPyTorchAdapter:
+    def start(self, model: nn.Module, resumed: bool = False) -> DpwaPyTorchAdapter:
         """Make the adapter over `model` (idempotent while open: a second call returns the first adapter).
+
+        `resumed`: the framework restored `model` and its optimizer from this worker's own checkpoint
+        (``resume_from_checkpoint``, ``ckpt_path``). The node then starts with ``join: never`` whatever the
+        config says: a donor's weights would replace the restored ones while the optimizer state stayed this
+        worker's (under torchrun every rank but 0 used to take rank 0's weights so).
 
         RuntimeError once the session has closed (the end of a ``train()`` or ``fit()``): a second run with the
         same callback would otherwise train alone in silence, its node closed."""
@@ -87,8 +103,16 @@ class AdapterSession:
             return self.adapter
         from ..adapters.pytorch import DpwaPyTorchAdapter
 
+        config = self.node.config
+        if resumed:
+            config = resumed_config(config)
+            logger.info(
+                "dpwa: %s resumes from its own checkpoint: join: never for this start (its weights and optimizer "
+                "state both come from the checkpoint)",
+                self.node.name or f"rank{self.node.rank}",
+            )
         with self.node.torchrun_environment():
-            self.adapter = DpwaPyTorchAdapter(model, self.node.name, self.node.config, **self.adapter_kwargs)
+            self.adapter = DpwaPyTorchAdapter(model, self.node.name, config, **self.adapter_kwargs)
         self.model = model
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
         run_dir = os.environ.get(RUN_DIR_ENV)

@@ -151,7 +151,7 @@ class DpwaTrainerCallback(TrainerCallback):
             )
         if model is None:
             raise RuntimeError("dpwa: the Trainer gave on_train_begin no model")
-        self.session.start(model)
+        self.session.start(model, resumed=state.global_step > 0)  # resume_from_checkpoint: its own state
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
