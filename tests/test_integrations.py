@@ -530,3 +530,36 @@ def test_under_dpwas_launcher_the_session_writes_the_nodes_metrics_lines(tmp_pat
 
     mean = average_run(tmp_path)
     assert all(torch.equal(mean.state_dict[k], v) for k, v in net.state_dict().items())  # one node: its own
+
+
+@pytest.mark.io
+@pytest.mark.timeout(60)
+def test_under_dpwas_launcher_the_callbacks_nodes_start_together(tmp_path, monkeypatch):
+    """Issue 48: under ./run.sh nothing started the nodes together, so the node whose imports finished first
+    trained alone. Now each callback's node waits for the others at the ``start`` barrier before its first
+    step (as train.py's nodes and torchrun's workers do): w0 waits until w1 starts, then both go on."""
+    import threading
+
+    import torch
+
+    from conftest import make_config, wait_until
+    from dpwa.integrations.env import NodeEnv
+    from dpwa.integrations.session import START_BARRIER, AdapterSession
+
+    monkeypatch.setenv("DPWA_RUN_DIR", str(tmp_path))
+    config = make_config(2, mode="pull")
+    sessions = [AdapterSession(NodeEnv(config, name), {}) for name in ("w0", "w1")]
+    first = threading.Thread(target=sessions[0].start, args=(torch.nn.Linear(3, 2),), daemon=True)
+    try:
+        first.start()
+        assert wait_until(lambda: sessions[0].adapter is not None, 20.0, 0.01)
+        assert not wait_until(lambda: not first.is_alive(), 0.5, 0.02)  # it waits for w1
+        sessions[1].start(torch.nn.Linear(3, 2))
+        first.join(20.0)
+        assert not first.is_alive()
+        for session in sessions:
+            assert session.adapter is not None and session.adapter.barrier_counters() == {START_BARRIER: 1}
+    finally:
+        first.join(20.0)
+        for session in sessions:
+            session.close()

@@ -9,9 +9,12 @@ other workers), calls ``update_wait`` only after an ``update_send`` (and
 waits out a send left open before the next one), and closes the adapter once,
 whichever hook gets there first, or at interpreter exit if no hook does. The
 counters are read once more as the adapter closes, so ``stats()`` still
-answers after training. Under dpwa's launcher (``$DPWA_RUN_DIR`` set) it
-writes the node's metrics lines as :func:`dpwa.gossip_optimizer` does
-(:mod:`dpwa.runfiles.metrics`): the live table and the dashboard show the run.
+answers after training. Under dpwa's launcher (``$DPWA_RUN_DIR`` set) the
+nodes start together: each waits for the others at the ``start`` barrier
+(at most :data:`START_WAIT_S`, as ``train.py`` does), so the one whose
+imports finish first does not train alone; and it writes the node's metrics
+lines as :func:`dpwa.gossip_optimizer` does (:mod:`dpwa.runfiles.metrics`):
+the live table and the dashboard show the run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..logs import logger
@@ -31,7 +35,10 @@ if TYPE_CHECKING:
     from ..adapters.pytorch import DpwaPyTorchAdapter
     from ..gossip.node import Update
 
-__all__ = ["AdapterSession", "loss_of", "resumed_config"]
+__all__ = ["START_BARRIER", "START_WAIT_S", "AdapterSession", "loss_of", "resumed_config"]
+
+START_BARRIER = "start"  # the barrier nodes meet at before their first step, under dpwa's launcher (train.py's too)
+START_WAIT_S = 60.0  # the longest a node waits there for the others before it goes on without them
 
 
 def loss_of(value: Any) -> float | None:
@@ -116,6 +123,8 @@ class AdapterSession:
         self.model = model
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
         run_dir = os.environ.get(RUN_DIR_ENV)
+        if run_dir and not self.node.under_torchrun:
+            self._start_together()
         if run_dir:
             adapter = self.adapter
             self.metrics = StepMetrics(MetricsWriter(run_dir, adapter.name), adapter.stats)
@@ -128,6 +137,23 @@ class AdapterSession:
                 clock=adapter.clock,
             )
         return self.adapter
+
+    def _start_together(self) -> None:
+        """Under dpwa's launcher: wait for the other nodes at the ``start`` barrier (at most START_WAIT_S), as
+        torchrun's rendezvous starts its workers together, so the node whose imports finish first does not
+        train alone. A node that joined, or resumed with barrier counts, passed it already."""
+        assert self.adapter is not None
+        adapter = self.adapter
+        if adapter.barrier_counters().get(START_BARRIER, 0):
+            return
+        started = time.monotonic()
+        skipped = adapter.barrier(START_BARRIER, timeout_s=START_WAIT_S, missing="proceed")
+        waited = time.monotonic() - started
+        if skipped:
+            logger.warning("%s: started without %s, which did not start within %.0f s", adapter.name,
+                           ", ".join(skipped), START_WAIT_S)  # fmt: skip
+        else:
+            logger.info("%s: started together with its peers (waited %.1f s for them)", adapter.name, waited)
 
     def send(self, batch_size: float = 1) -> bool:
         """update_send before a batch (after waiting out a send left open); False when not open."""
