@@ -372,9 +372,13 @@ def test_the_summary_of_a_script_that_evaluates_nothing_says_n_a_not_zero_epochs
     evaluation shows n/a there; one with its epoch's evaluation shows the epoch."""
     from dpwa.cluster.monitor import NodeState, format_summary, summarize
 
-    script = NodeState("w1", step={"step": 144, "averaged": 140, "failed": 0}, end={"step": 144, "averaged": 141})
+    script = NodeState(
+        "w1", step={"step": 144, "averaged": 140, "failed": 0, "loss": 0.4321}, end={"step": 144, "averaged": 141}
+    )
     example = NodeState("w2", eval={"epoch": 3, "test_acc": 0.9, "test_loss": 0.3}, end={"step": 66, "averaged": 60})
     summary = summarize([script, example], None, 10.0, "runs/x")
     assert [r["epochs"] for r in summary["nodes"]] == [None, 3]
     rows = {line.split()[0]: line.split() for line in format_summary(summary).splitlines() if line[:2] in ("w1", "w2")}
     assert rows["w1"][4] == "n/a" and rows["w2"][4] == "3" and rows["w1"][5] == "144"
+    # what the script logged instead of an evaluation: its last training loss, in a note (w2 evaluated)
+    assert "no evaluation from w1; last training loss: w1 0.4321" in format_summary(summary)

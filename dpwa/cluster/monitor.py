@@ -24,6 +24,7 @@ type) is skipped, counted, and reported with its file and line number
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,12 @@ class MetricsTail:
 
 def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _finite(value: Any) -> float | None:
+    """A number a metrics line gave, if it is a finite one (the file may hold anything)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def _fmt(value: Any, spec: str, empty: str = "-") -> str:
@@ -219,6 +226,7 @@ def summarize(
                 "steps": end.get("step", step.get("step", 0)),
                 "test_acc": ev.get("test_acc"),
                 "test_loss": ev.get("test_loss"),
+                "loss": _finite(step.get("loss")),  # the training loss of its last metrics line
                 "averaged": end.get("averaged", step.get("averaged", 0)),
                 "failed": end.get("failed", step.get("failed", 0)),
                 "served": _count(stats.get("requests_served")) if isinstance(stats, dict) else None,
@@ -288,6 +296,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"chaos and restarts: {summary.get('kills', 0)} killed, {summary.get('restarts', 0)} started again, "
             f"{summary.get('rejoins', 0)} rejoined from their peers"
         )
+    unevaluated = [r for r in summary["nodes"] if r["epochs"] is None and r.get("loss") is not None]
+    if unevaluated:  # a script of the user's own (a callback, the optimizer hook): what it logged instead
+        losses = ", ".join(f"{r['node']} {r['loss']:.4g}" for r in unevaluated)
+        notes.append(f"no evaluation from {', '.join(r['node'] for r in unevaluated)}; last training loss: {losses}")
     if "test_acc" in average:
         notes.append("'average': one model whose weights are the mean of every node's final weights")
     elif average.get("error"):
