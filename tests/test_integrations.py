@@ -344,6 +344,14 @@ def test_rank_and_world_size_are_known_before_training_under_every_launcher(tmp_
     assert placements == [(0, 2), (1, 2)]
     shards = [set(range(1500)[rank::world]) for rank, world in placements]
     assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 1500
+    # node.shard(data): the same shards, as Subsets a Trainer or a DataLoader takes
+    data = list(range(1501))
+    subsets = [node_from_env(config, name, environ={}).shard(data) for name in names]
+    assert [len(s) for s in subsets] == [751, 750] and set(subsets[0]) | set(subsets[1]) == set(data)
+    assert not set(subsets[0]) & set(subsets[1])
+    ranks = [dict(RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500") for r in (0, 1)]
+    under_torchrun = [set(node_from_env(environ=env).shard(data)) for env in ranks]
+    assert under_torchrun == [set(s) for s in subsets]
     torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     assert (node_from_env(environ=torchrun).rank, node_from_env(environ=torchrun).world_size) == (1, 4)
     assert (node_from_env(config, None, environ={}).rank, node_from_env(config, "nobody", environ={}).world_size) == (

@@ -152,6 +152,15 @@ class NodeEnv:
         names = [node.name for node in config.nodes] if config.nodes and not config.bootstrap else []
         return (names.index(self.name), len(names)) if self.name in names else (0, 1)
 
+    def shard(self, data: Any) -> Any:
+        """This node's shard of `data` (anything with ``len`` and indexing: a Dataset, a list): the items
+        ``rank, rank + world_size, ...``, as a ``torch.utils.data.Subset``. The nodes' shards are disjoint
+        and cover `data` under every launcher (:attr:`rank`, :attr:`world_size`); hand the shard to the
+        Trainer or the DataLoader, which then shuffles within it."""
+        from torch.utils.data import Subset
+
+        return Subset(data, range(self.rank, len(data), self.world_size))
+
     @property
     def local_rank(self) -> int:
         """torchrun's LOCAL_RANK (0 outside torchrun): which of this machine's workers this is."""
