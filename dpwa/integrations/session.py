@@ -110,15 +110,14 @@ class AdapterSession:
             return self.adapter
         from ..adapters.pytorch import DpwaPyTorchAdapter
 
-        config = self.node.config
-        if resumed:
-            config = resumed_config(config)
-            logger.info(
-                "dpwa: %s resumes from its own checkpoint: join: never for this start (its weights and optimizer "
-                "state both come from the checkpoint)",
-                self.node.name or f"rank{self.node.rank}",
-            )
-        with self.node.torchrun_environment():
+        with self.node.torchrun_environment():  # a torchrun config is read with torchrun's variables in place
+            config = resumed_config(self.node.config) if resumed else self.node.config
+            if resumed:
+                logger.info(
+                    "dpwa: %s resumes from its own checkpoint: join: never for this start (its weights and "
+                    "optimizer state both come from the checkpoint)",
+                    self.node.name or f"rank{self.node.rank}",
+                )
             self.adapter = DpwaPyTorchAdapter(model, self.node.name, config, **self.adapter_kwargs)
         self.model = model
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
