@@ -281,7 +281,8 @@ def test_a_member_removed_after_a_relayed_heartbeat_ran_ahead_comes_back_on_its_
     v = view(0)
     v.merge("n1", [info(1).entry(), info(2, beat=10).entry(), info(3).entry()], now=0.0)
     assert v.merge("n3", [info(3).entry(), info(2, beat=2010).entry()], now=1.0) == []
-    assert v.get("n2").info.beat == 2010  # plausible: within the bound
+    n2 = v.get("n2")
+    assert n2 is not None and n2.info.beat == 2010  # plausible: within the bound
     for t in range(2, 18):
         v.merge("n1", [info(1, beat=t).entry(), info(2, beat=10 + t).entry(), info(3, beat=t).entry()], float(t))
         v.tick(float(t))

@@ -95,7 +95,10 @@ def test_a_barrier_waits_for_the_view_and_completes_without_a_member_that_left(n
     bound_s = (SETTINGS["suspect_after_ms"] + SETTINGS["dead_after_ms"]) / 1000 + 10.0  # slack: a loaded machine
     results = second.join(bound_s)
     took = time.monotonic() - left_at
-    assert results == {node.name: [] for node in survivors}, results  # completed, no BarrierTimeout
+    # completed, no BarrierTimeout; a survivor that never blended with w3 goes on after suspect_after_ms and
+    # names it (a member it never blended with costs one suspicion period), the others once it is removed
+    assert set(results) == {node.name for node in survivors}, results
+    assert all(r in ([], ["w3"]) for r in results.values()), results
     assert took >= 0.5 * (SETTINGS["suspect_after_ms"] + SETTINGS["dead_after_ms"]) / 1000, took  # it waited
     rest = sorted(node.name for node in survivors)
     assert all(v == rest for v in views(survivors).values()), views(survivors)
