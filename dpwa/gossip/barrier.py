@@ -58,9 +58,11 @@ judges by its own view, which gossip makes the same everywhere in time:
 * *A member that never takes part* (issue 41: a ghost that answers every
   barrier poll and never arrives) costs a barrier one suspicion period at
   most: once the only members still behind are ones this node never blended
-  with (an exchange with it, in either direction, or a fetch from it), and that has
-  lasted ``suspect_after_ms``, the barrier goes on without them and returns
-  their names. Those that have been members for ``suspect_after_ms`` +
+  with (an exchange with it, in either direction, or a fetch from it) that
+  answered its polls without having arrived, and that has lasted
+  ``suspect_after_ms``, the barrier goes on without them and returns their
+  names (a member that does not answer is waited for until it leaves the
+  view, as above). Those that have been members for ``suspect_after_ms`` +
   ``dead_after_ms`` (as long as a dead member takes to leave) are retired
   from the view (:meth:`~dpwa.gossip.members.Members.retire`: removed as dead
   ones are, and kept out for the tombstone's time unless they restart; not
@@ -448,7 +450,8 @@ class BarrierWaiter:
                 next_try[peer] = time.monotonic() + pause[peer]
             behind = [p for p in self._counts.behind(name, k) if p not in skipped]
             now = time.monotonic()
-            if behind and self._members is not None and not any(self._took_part(p) for p in behind):
+            idlers = [p for p in behind if not self._took_part(p) and p in told]  # answered, and not there yet
+            if behind and self._members is not None and len(idlers) == len(behind):
                 idle_since = now if idle_since is None else idle_since
                 if now - idle_since >= self._idle_after_s:
                     skipped.update(self._skip_idle(name, k, behind))
