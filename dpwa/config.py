@@ -723,7 +723,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
     config = Config(nodes=nodes, torchrun=torchrun, source=source, **values)
     rule = rules.rule_class(config.rule)
     try:
-        rule.check_mode(config.mode, rule.checked_options(dict(config.rule_options)))
+        rules.check_mode(rule, config.mode, rule.checked_options(dict(config.rule_options)))
     except rules.RuleError as exc:
         raise ConfigError(f"{source}: rule_options: {exc}") from None
     codec = codecs.codec_class(config.wire_of("float32"))  # auto: a plain dtype, whichever the model's

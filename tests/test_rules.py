@@ -86,6 +86,33 @@ def test_a_rule_that_cannot_be_used_fails_the_config_naming_the_file_the_key_and
     assert message.startswith("cluster.yaml: rule") and expected.format(m=module) in message, message
 
 
+def test_a_rule_without_a_mirror_is_refused_in_mode_symmetric_unless_it_says_the_default_is_right(
+    tmp_path, monkeypatch
+):
+    """Issue 49: a rule without mirror ran in mode symmetric on the default mirror (a delta's), with no
+    warning. Now it is refused at the config, naming the rule and its file and what to do; in mode pull, or
+    with default_mirror = True, it runs. The built-in delta and state rules say it; the simulator checks too."""
+    module = example_module(tmp_path, monkeypatch, name="mirrorless")
+    with open(tmp_path / "mirrorless.py", "a") as fh:
+        fh.write(
+            "\n\nclass Half(Rule):\n    name = 'half'\n\n    def blend(self, params, own, peer, f, wire):\n"
+            "        params.add_scaled_diff_from(peer, own, f / 2, wire)\n        return f / 2\n"
+            "\n\nclass HalfDefault(Half):\n    name = 'half_default'\n    default_mirror = True\n"
+        )
+    symmetric = make_config(2, mode="symmetric", rule=f"{module}:Half")
+    with pytest.raises(ConfigError) as err:
+        parse_config(symmetric, source="cluster.yaml")
+    message = str(err.value)
+    assert "rule 'half', Half (" in message and "mirrorless.py), defines no mirror for mode symmetric" in message
+    assert "or set default_mirror = True" in message, message
+    assert parse_config({**symmetric, "mode": "pull"}).rule == f"{module}:Half"
+    assert parse_config({**symmetric, "rule": f"{module}:HalfDefault"}).rule == f"{module}:HalfDefault"
+    assert all(parse_config(make_config(2, mode="symmetric", rule=r)).rule == r for r in ("delta", "state"))
+    arrays = [np.zeros(4, np.float32), np.ones(4, np.float32)]
+    with pytest.raises(RuleError, match="defines no mirror for mode symmetric"):
+        Gossip(arrays, mode="symmetric", blend=f"{module}:Half")
+
+
 def test_blend_is_read_as_the_older_name_of_rule():
     cfg = {k: v for k, v in make_config(2).items() if k != "rule"}
     assert parse_config({**cfg, "blend": "delta"}).rule == "delta"

@@ -100,6 +100,7 @@ class Gossip:
         if mode not in ("pull", "symmetric"):
             raise ValueError(f"mode must be pull or symmetric, got {mode!r}")
         rule = mixing.rule_class(blend)  # RuleError (a ValueError) names what is wrong
+        mixing.check_mode(rule, mode, rule.checked_options(rule_options or {}))  # as a config's rule is checked
         self.arrays = list(arrays)
         self.params = [NumpyParams(a) for a in self.arrays]
         self.n = len(self.arrays)

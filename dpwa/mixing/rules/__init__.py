@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+import sys
+from typing import Any
 
 from .base import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR, Option, Rule, RuleError, Side
 
@@ -34,7 +36,9 @@ __all__ = [
     "RuleError",
     "Side",
     "builtin",
+    "check_mode",
     "rule_class",
+    "where",
 ]
 
 DEFAULT = "delta"
@@ -51,6 +55,26 @@ def _found() -> tuple[tuple[str, type[Rule]], ...]:
         if isinstance(rule, type) and issubclass(rule, Rule):
             found[rule.name] = rule
     return tuple(found.items())
+
+
+def where(rule: type[Rule] | Rule) -> str:
+    """A rule's class and the file it is defined in, for an error message: ``HeavyDelta (myrules.py)``."""
+    cls = rule if isinstance(rule, type) else type(rule)
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None) or cls.__module__
+    return f"{cls.__qualname__} ({path})"
+
+
+def check_mode(rule: type[Rule], mode: str, settings: dict[str, Any]) -> None:
+    """Can `rule` with `settings` run in `mode`? Its own :meth:`Rule.check_mode`, and in mode symmetric a
+    server's half: a rule that defines no :meth:`Rule.mirror` must say that the default one is right for it
+    (``default_mirror = True``). RuleError otherwise, naming the rule and its file."""
+    rule.check_mode(mode, settings)
+    if mode == "symmetric" and rule.mirror is Rule.mirror and not rule.default_mirror:
+        raise RuleError(
+            f"rule {rule.name!r}, {where(rule)}, defines no mirror for mode symmetric (the server's half): define "
+            "mirror(self, params, served, requester, f, wire), or set default_mirror = True in the class if the "
+            "default, x_j += f (s_i - s_j), is right for it"
+        )
 
 
 def builtin() -> dict[str, type[Rule]]:

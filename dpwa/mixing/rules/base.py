@@ -97,6 +97,9 @@ class Rule(ABC):
     options: ClassVar[Mapping[str, Option]] = {}
     uses_own_snapshot: ClassVar[bool] = True  # blend reads our own snapshot (mode pull keeps it for the step)
     carries: ClassVar[Mapping[str, tuple[float, float]]] = {}  # scalars sent with each served snapshot: [lo, hi]
+    # mode symmetric: the default mirror, x_j += f (s_i - s_j), is right for this rule. A rule that defines no
+    # mirror and does not say so is refused in mode symmetric (rules.check_mode): the default is a delta's
+    default_mirror: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from .base import Rule
 class DeltaRule(Rule):
     name = "delta"
     summary = "`x += f (peer - own snapshot)`: keeps the local step whole, and in mode symmetric the nodes' mean"
+    default_mirror = True  # its server's half is the delta mirror
 
     def blend(self, params, own, peer, f, wire):
         if own is None:

@@ -12,6 +12,7 @@ class StateRule(Rule):
     name = "state"
     summary = "`x += f (peer - x)`: the original's"
     uses_own_snapshot = False
+    default_mirror = True  # its server's half is the delta mirror
 
     def blend(self, params, own, peer, f, wire):
         params.lerp_from(peer, f, wire)
