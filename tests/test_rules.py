@@ -113,6 +113,61 @@ def test_a_rule_without_a_mirror_is_refused_in_mode_symmetric_unless_it_says_the
         Gossip(arrays, mode="symmetric", blend=f"{module}:Half")
 
 
+BROKEN_RULES = """
+
+class ReturnsArray(ScaledDelta):
+    name = "returns_array"
+
+    def blend(self, params, own, peer, f, wire):
+        super().blend(params, own, peer, f, wire)
+        return peer - own
+
+
+class ReturnsNaN(ScaledDelta):
+    name = "returns_nan"
+
+    def mirror(self, params, served, requester, f, wire):
+        return float("nan")
+"""
+
+
+@pytest.mark.parametrize(
+    ("cls", "mode", "expected"),
+    [
+        ("ReturnsArray", "pull", "blend returned an array of shape (4,) (ndarray)"),
+        ("ReturnsNaN", "symmetric", "mirror returned nan (float)"),
+    ],
+)
+def test_a_rule_that_returns_something_other_than_a_weight_is_named_at_once(tmp_path, monkeypatch, cls, mode, expected):
+    """Issue 49: a blend that returned an array died in numpy ('operands could not be broadcast together',
+    or 'The truth value of an array ... is ambiguous' in clamp_clock), and a NaN weight surfaced as an
+    EncodeError about the header field 'clock': neither named the rule. Now what blend and mirror return is
+    checked at once, and the error names the rule, its class and file, and what it must return."""
+    module = example_module(tmp_path, monkeypatch, name="brokenrules")
+    with open(tmp_path / "brokenrules.py", "a") as fh:
+        fh.write(BROKEN_RULES)
+    arrays = [np.zeros(4, np.float32), np.ones(4, np.float32)]
+    gossip = Gossip(arrays, mode=mode, blend=f"{module}:{cls}")
+    with pytest.raises(RuleError) as err:
+        gossip.exchange_now(0, 1)
+    message = str(err.value)
+    assert f"{cls} (" in message and "brokenrules.py)" in message and expected in message, message
+    assert "it must return the weight it gave the peer: one finite number" in message
+
+
+def test_on_a_node_a_blend_that_returns_an_array_is_named_in_update_wait(nodes, tmp_path, monkeypatch):
+    """The same check on a real node (mode pull): update_wait raises RuleError naming the rule and its file."""
+    module = example_module(tmp_path, monkeypatch, name="brokenrules2")
+    with open(tmp_path / "brokenrules2.py", "a") as fh:
+        fh.write(BROKEN_RULES)
+    cfg = make_config(2, mode="pull", rule=f"{module}:ReturnsArray", pairing="random")
+    nodes(serving_only(cfg), "w1", NumpyParams(filled(10))).update_send()
+    node = nodes(cfg, "w0", NumpyParams(filled(0)))
+    node.update_send()
+    with pytest.raises(RuleError, match=r"ReturnsArray \(.*brokenrules2.py\): blend returned an array of shape"):
+        node.update_wait()
+
+
 def test_blend_is_read_as_the_older_name_of_rule():
     cfg = {k: v for k, v in make_config(2).items() if k != "rule"}
     assert parse_config({**cfg, "blend": "delta"}).rule == "delta"

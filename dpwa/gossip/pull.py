@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ..logs import logger
+from ..mixing import rules
 from ..mixing.rules import Side
 from ..wire.server import Route
 from .requesting import FetchTask
@@ -83,7 +84,11 @@ class PullSteps:
                 logger.warning("%s: snapshot from %s refused: bad_carry: %s", crew.name, call.peer, exc)
                 return Update(False, "rejected", call.peer, reason=f"bad_carry: {exc}", clock=progress.clock)
             f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss, carried))
-            f = crew.rule.blend(crew.params, own.array if own else None, received.array, f, crew.model.kept)
+            f = rules.weight(
+                crew.rule,
+                "blend",
+                crew.rule.blend(crew.params, own.array if own else None, received.array, f, crew.model.kept),
+            )
         if f == 0.0:  # the rule moved nothing (push-sum: the snapshot came with no weight): not a blend
             crew.counters.add("blends_empty")
             reason = "the rule gave the peer's snapshot weight 0: nothing moved"

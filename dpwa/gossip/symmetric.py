@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from ..logs import logger
+from ..mixing import rules
 from ..mixing.rules import Side
 from ..wire.calls import Call
 from ..wire.errors import Refused
@@ -252,7 +253,9 @@ class SymmetricSteps:
         crew = self._crew
         with half:
             own, theirs = half.own.snapshot, half.theirs
-            w = crew.rule.blend(crew.params, own.array, theirs.array, half.f, crew.model.kept)
+            w = rules.weight(
+                crew.rule, "blend", crew.rule.blend(crew.params, own.array, theirs.array, half.f, crew.model.kept)
+            )
             crew.progress.set_clock(crew.rule.clock(crew.progress.clock, own.clock, theirs.header["clock"], w))
         self.server.own_ended(ticket, True)
         crew.blended()
@@ -271,6 +274,7 @@ class SymmetricSteps:
             with half:
                 served = half.served.snapshot
                 w = crew.rule.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.kept)
+                w = rules.weight(crew.rule, "mirror", w)
                 their_clock = half.theirs.header["clock"]
                 crew.progress.set_clock(crew.rule.mirror_clock(crew.progress.clock, served.clock, their_clock, w))
             self.server.applied()

@@ -149,10 +149,10 @@ class Gossip:
         carried = requester.checked_carried(list(served.values()) or None)
         symmetric = self.mode == "symmetric"
         f = requester.factor(Side(0.0, None), Side(0.0, None, carried), symmetric=symmetric)
-        requester.blend(self.params[i], snapshots[i], snapshots[j], f, "float32")
+        mixing.weight(requester, "blend", requester.blend(self.params[i], snapshots[i], snapshots[j], f, "float32"))
         self._blended(i)
         if symmetric:
-            server.mirror(self.params[j], snapshots[j], snapshots[i], f, "float32")
+            mixing.weight(server, "mirror", server.mirror(self.params[j], snapshots[j], snapshots[i], f, "float32"))
         self.exchanges += 1
 
     def _blended(self, i: int) -> None:

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import pkgutil
 import sys
 from typing import Any
+
+import numpy as np
 
 from .base import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR, Option, Rule, RuleError, Side
 
@@ -38,6 +41,7 @@ __all__ = [
     "builtin",
     "check_mode",
     "rule_class",
+    "weight",
     "where",
 ]
 
@@ -75,6 +79,20 @@ def check_mode(rule: type[Rule], mode: str, settings: dict[str, Any]) -> None:
             "mirror(self, params, served, requester, f, wire), or set default_mirror = True in the class if the "
             "default, x_j += f (s_i - s_j), is right for it"
         )
+
+
+def weight(rule: Rule, half: str, value: Any) -> float:
+    """What `rule`'s ``blend`` or ``mirror`` (`half`) returned, checked: the weight it gave the peer, one finite
+    number. RuleError otherwise, naming the rule, its file and what was expected (before, an array or a NaN
+    surfaced later as numpy's broadcast error or a header field's, far from the rule)."""
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if ok and math.isfinite(float(value)):
+        return float(value)
+    shown = f"an array of shape {value.shape}" if isinstance(value, np.ndarray) else f"{value!r:.80}"
+    raise RuleError(
+        f"rule {rule.name!r}, {where(rule)}: {half} returned {shown} ({type(value).__name__}); it must return the "
+        "weight it gave the peer: one finite number (f, or less where the rule gave less)"
+    )
 
 
 def builtin() -> dict[str, type[Rule]]:
