@@ -168,6 +168,49 @@ def test_on_a_node_a_blend_that_returns_an_array_is_named_in_update_wait(nodes, 
         node.update_wait()
 
 
+HEAVY_DELTA = """
+
+import numpy as np
+
+
+class HeavyDelta(ScaledDelta):
+    name = "heavy_delta"
+
+    def blend(self, params, own, peer, f, wire):
+        # momentum on the peer difference, added with the helper as "x += 1 * (v - 0)": right for parameters,
+        # wrong for running statistics, which the helper moves towards its first argument instead
+        self.v = 0.5 * getattr(self, "v", 0.0) + f * (peer - own)
+        params.add_scaled_diff_from(self.v.astype(np.float32), np.zeros_like(own), 1.0, wire)
+        return f
+"""
+
+
+def test_a_rule_that_breaks_running_statistics_breaks_them_in_the_simulator_too(tmp_path, monkeypatch):
+    """Issue 49: a rule that adds its momentum as add_scaled_diff_from(v, zeros) set a real model's BatchNorm
+    running statistics to the momentum itself (the helper moves buffers towards its first argument), and the
+    simulator, whose models had no buffers, showed nothing. Its models may now hold running statistics
+    (`statistics=`), treated as the adapter treats buffers: four nodes whose statistics are all 1 keep them at 1
+    under the default rule, and HeavyDelta drags them to the momentum (near 0); without the range (the old
+    simulator) it seemed harmless."""
+    module = example_module(tmp_path, monkeypatch, name="heavyrules")
+    with open(tmp_path / "heavyrules.py", "a") as fh:
+        fh.write(HEAVY_DELTA)
+
+    def stats_after(blend: str, statistics: list[tuple[int, int]]) -> np.ndarray:
+        rng = np.random.default_rng(0)
+        arrays = [np.concatenate([rng.normal(size=8), np.ones(4)]).astype(np.float32) for _ in range(4)]
+        gossip = Gossip(arrays, mode="pull", blend=blend, seed=1, statistics=statistics)
+        for _ in range(40):
+            i = gossip.rng.randrange(4)
+            gossip.exchange_now(i, gossip.choose(i))
+        return np.stack([a[8:] for a in gossip.arrays])
+
+    stats = [(8, 12)]
+    assert np.allclose(stats_after("delta", stats), 1.0)  # the default rule: identical statistics stay
+    assert np.abs(stats_after(f"{module}:HeavyDelta", stats) - 1.0).max() > 0.5  # broken, and now it shows
+    assert np.allclose(stats_after(f"{module}:HeavyDelta", []), 1.0)  # without buffers it looked harmless
+
+
 def test_blend_is_read_as_the_older_name_of_rule():
     cfg = {k: v for k, v in make_config(2).items() if k != "rule"}
     assert parse_config({**cfg, "blend": "delta"}).rule == "delta"

@@ -69,9 +69,18 @@ class NumpyParams(FlatParams):
         array: a 1-D C-contiguous float32 array; it is updated in place.
         layout: (name, shape, dtype) entries for the fingerprint; by default the
             array is one tensor named "flat".
+        statistics: [start, end) ranges of `array` that hold running statistics (a BatchNorm's), treated as
+            the PyTorch adapter treats a model's buffers: :meth:`add_scaled_diff_from` moves them towards
+            `a` (``x += f (a - x)``), not by ``a - b``. So a rule that would break a real model's running
+            statistics breaks them in the simulator too.
     """
 
-    def __init__(self, array: np.ndarray, layout: Iterable[tuple[str, tuple[int, ...], str]] | None = None) -> None:
+    def __init__(
+        self,
+        array: np.ndarray,
+        layout: Iterable[tuple[str, tuple[int, ...], str]] | None = None,
+        statistics: Iterable[tuple[int, int]] = (),
+    ) -> None:
         if array.ndim != 1 or not array.flags.c_contiguous:
             raise ValueError(f"expected a flat contiguous array, got shape {array.shape}")
         if array.dtype != np.float32:
@@ -82,6 +91,12 @@ class NumpyParams(FlatParams):
         self.size = array.size
         entries = list(layout) if layout is not None else [("flat", array.shape, str(array.dtype))]
         self.fingerprint = fingerprint(entries)
+        self._statistics = [(int(s), int(e)) for s, e in statistics]
+        if any(not 0 <= s < e <= self.size for s, e in self._statistics):
+            raise ValueError(f"statistics ranges must lie within [0, {self.size}), got {self._statistics}")
+
+    def statistics(self) -> list[tuple[int, int]]:
+        return list(self._statistics)
 
     def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
         kernels.encode_(out, self.array, wire)
@@ -90,4 +105,13 @@ class NumpyParams(FlatParams):
         kernels.lerp_(self.array, peer, f, wire)
 
     def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
+        """Parameters: ``x += f (a - b)``; running statistics (`statistics`): ``x += f (a - x)``, as the PyTorch
+        adapter does."""
+        if not self._statistics:
+            kernels.add_scaled_diff_(self.array, a, b, f, wire)
+            return
+        kept = [self.array[s:e].copy() for s, e in self._statistics]
         kernels.add_scaled_diff_(self.array, a, b, f, wire)
+        for (s, e), before in zip(self._statistics, kept, strict=True):
+            self.array[s:e] = before
+            kernels.lerp_(self.array[s:e], a[s:e], f, wire)  # x += f (a - x): towards the peer's statistics

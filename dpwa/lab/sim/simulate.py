@@ -80,6 +80,10 @@ class Gossip:
         period: exchange every `period` rounds (the nodes train alone in between), as ``period:`` does.
         outer: "none", "nesterov" or "noloco": the outer step each node takes after each blend, with
             `outer_settings`, as ``outer:`` does (:meth:`dpwa.mixing.outer.GossipOuter.apply`).
+        statistics: [start, end) ranges of each model that stand for running statistics (a BatchNorm's
+            buffers), which the rules' helpers treat as the PyTorch adapter treats a model's buffers
+            (:class:`~dpwa.mixing.params.NumpyParams`): a rule that would break them on a real model
+            breaks them here too.
     """
 
     def __init__(
@@ -96,13 +100,14 @@ class Gossip:
         outer: str = "none",
         outer_settings: OuterSettings | None = None,
         rule_options: dict | None = None,
+        statistics: Sequence[tuple[int, int]] = (),
     ) -> None:
         if mode not in ("pull", "symmetric"):
             raise ValueError(f"mode must be pull or symmetric, got {mode!r}")
         rule = mixing.rule_class(blend)  # RuleError (a ValueError) names what is wrong
         mixing.check_mode(rule, mode, rule.checked_options(rule_options or {}))  # as a config's rule is checked
         self.arrays = list(arrays)
-        self.params = [NumpyParams(a) for a in self.arrays]
+        self.params = [NumpyParams(a, statistics=statistics) for a in self.arrays]
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
         self.rules = [rule(Constant(f), **(rule_options or {})) for _ in self.arrays]  # one per node: its state
