@@ -211,6 +211,27 @@ def test_a_rule_that_breaks_running_statistics_breaks_them_in_the_simulator_too(
     assert np.allclose(stats_after(f"{module}:HeavyDelta", []), 1.0)  # without buffers it looked harmless
 
 
+def test_every_simulator_command_takes_a_users_rule_with_its_options(tmp_path, monkeypatch, capsys):
+    """Issue 49: `sim consensus` took a rule of one's own, `sim rounds` refused it (invalid choice) and `sim
+    study` had no rule option. Now all three take module:Class and --rule-options; `study --rule ... --only`
+    puts it beside exact averaging; a rule that cannot be used is one line, naming it."""
+    from dpwa.lab.sim.simulate import main
+
+    module = example_module(tmp_path, monkeypatch, name="simrules")
+    rule = [f"--rule={module}:ScaledDelta", "--rule-options={scale: 0.5}"]
+    assert main(["consensus", "--nodes", "4", "--exchanges", "50", *rule]) == 0
+    assert f"symmetric/{module}:ScaledDelta" in capsys.readouterr().out
+    assert main(["rounds", "--nodes", "4", "--rounds", "2", *rule]) == 0
+    assert f"symmetric/{module}:ScaledDelta" in capsys.readouterr().out
+    assert main(["study", "--seeds", "1", "--only", "--rule-mode", "pull", *rule]) == 0
+    table = capsys.readouterr().out
+    assert "| exact all-reduce averaging |" in table and f"| pull, {module}:ScaledDelta |" in table, table
+    assert table.count("\n|") == 4  # the header, its rule, and the two rows
+    with pytest.raises(SystemExit):
+        main(["rounds", "--rule", f"{module}:ScaledDelta", "--rule-options", "{scale: 2}"])
+    assert "option 'scale': expected a number in (0, 1], got 2" in capsys.readouterr().err
+
+
 def test_blend_is_read_as_the_older_name_of_rule():
     cfg = {k: v for k, v in make_config(2).items() if k != "rule"}
     assert parse_config({**cfg, "blend": "delta"}).rule == "delta"

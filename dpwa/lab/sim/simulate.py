@@ -30,7 +30,7 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -280,6 +280,7 @@ class Rule:
     outer: str = "none"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    rule_options: Mapping[str, Any] | None = None  # the rule's own settings (a config's rule_options)
 
 
 RULES = (
@@ -328,6 +329,7 @@ def train_run(
             period=rule.period,
             outer=rule.outer,
             outer_settings=OuterSettings(rule.outer_lr, rule.outer_momentum),
+            rule_options=dict(rule.rule_options or {}),
         )
     )
 
@@ -437,7 +439,15 @@ def format_study(result: dict) -> str:
 
 
 def consensus(
-    nodes: int, mode: str, blend: str, f: float, exchanges: int, seed: int, size: int = 64, restart_every: int = 10
+    nodes: int,
+    mode: str,
+    blend: str,
+    f: float,
+    exchanges: int,
+    seed: int,
+    size: int = 64,
+    restart_every: int = 10,
+    rule_options: Mapping[str, Any] | None = None,
 ) -> dict:
     """Mix random models with no training, one exchange at a time; measure D'/D per exchange.
 
@@ -449,12 +459,13 @@ def consensus(
     ratios, drifts = [], []
     before, start = 0.0, 0.0
     arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
-    gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed)
+    options = dict(rule_options or {})
+    gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed, rule_options=options)
     start_mean = np.mean(np.stack(arrays).astype(np.float64), axis=0)
     for k in range(exchanges):
         if k % restart_every == 0 or before <= 1e-6 * start:
             arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
-            gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed + k)
+            gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed + k, rule_options=options)
             start_mean = np.mean(np.stack(arrays).astype(np.float64), axis=0)
             start = disagreement(gossip.arrays)
         before = disagreement(gossip.arrays)
@@ -478,14 +489,25 @@ def consensus(
     }
 
 
-def rounds(nodes: int, mode: str, blend: str, pairing: str, rounds: int, seed: int, size: int = 64) -> dict:
+def rounds(
+    nodes: int,
+    mode: str,
+    blend: str,
+    pairing: str,
+    rounds: int,
+    seed: int,
+    size: int = 64,
+    rule_options: Mapping[str, Any] | None = None,
+) -> dict:
     """Mix random models by whole rounds, no training: every node publishes, the round's pairs
     exchange (f = 1/2), and the disagreement (sum of squared distances to the mean) is recorded
     after each round, relative to the start. With hypercube pairing and n = 2^k nodes it reaches
     float32 rounding after k rounds; with random pairing it only decays geometrically."""
     rng = np.random.default_rng(seed)
     arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
-    gossip = Gossip(arrays, mode=mode, blend=blend, f=0.5, seed=seed, pairing=pairing)
+    gossip = Gossip(
+        arrays, mode=mode, blend=blend, f=0.5, seed=seed, pairing=pairing, rule_options=dict(rule_options or {})
+    )
     start = disagreement(gossip.arrays)
     relative = []
     for _ in range(rounds):
@@ -500,30 +522,67 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("consensus", help="mix random models without training; compare with theory")
     c.add_argument("--nodes", type=int, default=8)
     c.add_argument("--mode", choices=("pull", "symmetric"), default="symmetric")
-    c.add_argument(
-        "--rule",
-        "--blend",
-        dest="blend",
-        default="delta",
-        help="a rule's name (dpwa.mixing.rules): delta, state, clipped, pushsum",
-    )
+    _rule_arguments(c)
     c.add_argument("--f", type=float, default=0.5, help="the constant interpolation factor")
     c.add_argument("--exchanges", type=int, default=3000)
     c.add_argument("--seed", type=int, default=0)
     w = sub.add_parser("rounds", help="mix random models by whole rounds: random against hypercube pairing")
     w.add_argument("--nodes", type=int, default=8)
     w.add_argument("--mode", choices=("pull", "symmetric"), default="symmetric")
-    w.add_argument("--blend", choices=("state", "delta"), default="delta")
+    _rule_arguments(w)
     w.add_argument("--rounds", type=int, default=6)
     w.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("study", help="steps to a training-loss threshold on digits, per mixing rule")
     s.add_argument("--seeds", type=int, default=5)
     s.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    s.add_argument(
+        "--rule",
+        dest="rules",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also study this rule (a built-in name, or module.path:ClassName), in --rule-mode, beside the "
+        "built-in rows; repeat for several",
+    )
+    s.add_argument("--rule-mode", choices=("pull", "symmetric"), default="symmetric")
+    s.add_argument("--rule-options", type=_options, default={}, metavar="YAML", help="the --rule rows' options")
+    s.add_argument("--only", action="store_true", help="only exact averaging and the --rule rows")
     args = parser.parse_args(argv)
+    try:
+        return _run(parser, args)
+    except mixing.RuleError as exc:
+        parser.error(str(exc))
+    return 2
+
+
+def _options(text: str) -> dict[str, Any]:
+    """--rule-options: a YAML (or JSON) map, as a config's rule_options."""
+    import yaml
+
+    value = yaml.safe_load(text) if text.strip() else {}
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a map such as '{{beta: 0.5}}', got {text!r}")
+    return value
+
+
+def _rule_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rule",
+        "--blend",
+        dest="blend",
+        default="delta",
+        help="a rule: a built-in name (delta, state, clipped, pushsum) or module.path:ClassName of your own",
+    )
+    parser.add_argument("--rule-options", type=_options, default={}, metavar="YAML", help="the rule's options")
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "consensus":
         if args.nodes < 2:
             parser.error(f"--nodes must be at least 2, got {args.nodes}")
-        r = consensus(args.nodes, args.mode, args.blend, args.f, args.exchanges, args.seed)
+        r = consensus(
+            args.nodes, args.mode, args.blend, args.f, args.exchanges, args.seed, rule_options=args.rule_options
+        )
         print(
             f"{r['nodes']} nodes, {r['mode']}/{r['blend']}, f = {r['f']}: mean D'/D per exchange "
             f"{r['mean_ratio']:.4f} ± {r['standard_error']:.4f} (symmetric theory "
@@ -539,11 +598,17 @@ def main(argv: list[str] | None = None) -> int:
             "relative to the start"
         )
         print("  round  " + "  ".join(f"{k:>10}" for k in kinds))
-        runs = [rounds(args.nodes, args.mode, args.blend, k, args.rounds, args.seed) for k in kinds]
+        runs = [
+            rounds(args.nodes, args.mode, args.blend, k, args.rounds, args.seed, rule_options=args.rule_options)
+            for k in kinds
+        ]
         for t in range(args.rounds):
             print(f"  {t + 1:>5}  " + "  ".join(f"{run['relative_disagreement'][t]:>10.2e}" for run in runs))
         return 0
-    result = study(seeds=args.seeds)
+    given = [
+        Rule(f"{args.rule_mode}, {spec}", args.rule_mode, spec, rule_options=args.rule_options) for spec in args.rules
+    ]
+    result = study(seeds=args.seeds, rules=[RULES[0], *given] if args.only else [*RULES, *given])
     print(format_study(result))
     if args.json:
         with open(args.json, "w") as fh:
