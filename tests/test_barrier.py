@@ -91,6 +91,36 @@ def test_a_missing_node_is_named_and_proceed_skips_it(nodes, caplog):
     assert any("proceeding without w2" in r.getMessage() for r in caplog.records)
 
 
+def test_a_peer_that_died_after_taking_part_is_not_waited_for_the_whole_timeout(nodes, caplog):
+    """Issue 49: the peer of a node that died (a rule raised) waited out the example's 300 s epoch barrier.
+    w0, w1 and w2 pass a first barrier (each has answered the others' polls), then w2 closes: w0 and w1's
+    next barrier, with a 120 s timeout, ends once w2 has answered none of their polls for dead_peer_s (10 s
+    here), naming it (w1 goes on; w0, missing="raise", gets BarrierTimeout), not after 120 s. A peer that
+    never answered (still starting) is waited for the whole timeout: the previous test."""
+    from dpwa.gossip.barrier import dead_peer_s
+
+    cfg = make_config(3, timeout_ms=500)
+    group = [nodes(cfg, f"w{k}", NumpyParams(filled(k))) for k in range(3)]
+    first = Arrivals(group, lambda node: node.barrier("epoch", timeout_s=30)).join()
+    assert not first.errors and first.results == {"w0": [], "w1": [], "w2": []}, (first.errors, first.results)
+    group[2].close()
+
+    def script(node):
+        if node.name == "w0":
+            with pytest.raises(BarrierTimeout) as info:
+                node.barrier("epoch", timeout_s=120)
+            return info.value
+        return node.barrier("epoch", timeout_s=120, missing="proceed")
+
+    t0 = time.monotonic()
+    run = Arrivals(group[:2], script).join(timeout_s=90)
+    took = time.monotonic() - t0
+    assert not run.errors, run.errors
+    assert run.results["w1"] == ["w2"] and run.results["w0"].missing == ["w2"], run.results
+    assert dead_peer_s(0.5) == 10.0 and 10.0 <= took < 40.0, took  # not the 120 s timeout
+    assert any("answered no poll for 10 s after taking part: dead" in r.getMessage() for r in caplog.records)
+
+
 def test_a_stop_ends_the_wait_at_once_and_names_the_missing(nodes):
     """w1 never comes and w0 waits without a time limit and with missing="raise": a stop request
     (what a SIGTERM sets) ends the wait within a poll, naming w1 instead of raising, and the call

@@ -16,7 +16,12 @@ the waiting thread keeps applying settled exchanges.
 A node that has closed or died never arrives. After ``timeout_s`` the call
 raises :class:`BarrierTimeout` naming the missing nodes and their last known
 counters, or, with ``missing="proceed"``, logs who was skipped and returns
-their names.
+their names. In a fixed cluster a peer that took part (a blend with it, or an
+answer to a barrier poll) and then answers none of a wait's polls for
+:func:`dead_peer_s` (four request deadlines, at least 10 s) is dead: once
+every peer still behind is, the call ends then, as at ``timeout_s`` (issue
+49: the peer of a node that died waited out a 300 s barrier). A peer that
+never answered, one still starting, is waited for the whole ``timeout_s``.
 
 **What an arrival can claim.** Counts are integers in [0, :data:`MAX_COUNT`]
 on the wire and in memory; a node refuses a call that would count past it.
@@ -112,6 +117,7 @@ __all__ = [
     "BarrierTask",
     "BarrierTimeout",
     "BarrierWaiter",
+    "dead_peer_s",
     "plausible",
 ]
 
@@ -350,6 +356,14 @@ class BarrierTask:
 
 
 BARRIER_POLL_MAX_S = 1.0  # a peer not yet at a barrier is asked again at most this long after the last time
+ANSWERED_KEPT = 4096  # peers remembered as having answered a barrier poll once
+DEAD_PEER_MIN_S = 10.0  # a fixed cluster's peer silent this long (at least) at a barrier, after taking part, is dead
+
+
+def dead_peer_s(timeout_s: float) -> float:
+    """How long a fixed cluster's peer that took part may answer no barrier poll before it counts as dead:
+    four request deadlines, and at least DEAD_PEER_MIN_S."""
+    return max(DEAD_PEER_MIN_S, 4 * timeout_s)
 
 
 class BarrierWaiter:
@@ -374,6 +388,10 @@ class BarrierWaiter:
         idle_after_s: see `took_part` (``suspect_after_ms``).
         retire_after_s: see `took_part` (``suspect_after_ms`` + ``dead_after_ms``: as long as a dead member
             takes to leave the view).
+        dead_after_s: a peer that took part once and has answered none of a wait's polls for this long is
+            dead: once every peer still behind is, the wait ends as at its deadline (BarrierTimeout, or going
+            on without them), not after the whole `timeout_s` (a fixed cluster; open membership's view
+            removes its dead members itself).
     """
 
     def __init__(
@@ -387,10 +405,13 @@ class BarrierWaiter:
         took_part: Callable[[str], bool] = lambda peer: True,
         idle_after_s: float = math.inf,
         retire_after_s: float = math.inf,
+        dead_after_s: float = math.inf,
     ) -> None:
         self._name, self._counts, self._submit, self._timeout_s = name, counts, submit, timeout_s
         self._members = members
         self._took_part, self._idle_after_s, self._retire_after_s = took_part, idle_after_s, retire_after_s
+        self._dead_after_s = dead_after_s
+        self._answered_once: set[str] = set()  # peers that answered a barrier poll at least once (bounded: peers)
         self._poll_max_s = min(BARRIER_POLL_MAX_S, keepalive_s) if members is not None else BARRIER_POLL_MAX_S
         self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
 
@@ -433,6 +454,9 @@ class BarrierWaiter:
         keepalive = self._members is not None  # open membership: arrived members are asked again too
         idle_since: float | None = None  # since when only members that never took part are behind
         skipped: set[str] = set()  # members skipped for that (open membership)
+        started = time.monotonic()
+        answered: dict[str, float] = {}  # peer -> when it last answered a poll of this wait
+        failed: dict[str, int] = {}  # peer -> polls of this wait that got no answer
         while True:
             peers = self._counts.peers()  # open membership: the view now (members come and go while we wait)
             if keepalive and len(pause) > len(peers):  # forget the back-off of members that left (bounded)
@@ -446,6 +470,12 @@ class BarrierWaiter:
                     theirs, _ = call.take()
                     self._counts.heard(peer, theirs)
                     told.add(peer)
+                    answered[peer] = time.monotonic()
+                    if len(self._answered_once) >= ANSWERED_KEPT:
+                        self._answered_once.clear()  # bounded; forgetting only makes a peer wait the timeout
+                    self._answered_once.add(peer)
+                else:
+                    failed[peer] = failed.get(peer, 0) + 1
                 pause[peer] = min(self._poll_max_s, 2 * pause.get(peer, 0.01))
                 next_try[peer] = time.monotonic() + pause[peer]
             behind = [p for p in self._counts.behind(name, k) if p not in skipped]
@@ -462,6 +492,13 @@ class BarrierWaiter:
                 self._tell([p for p in peers if p not in told], calls)
                 return sorted(p for p in skipped if self._members is not None and p in self._members)
             stopped = stop()
+            dead = [p for p in behind if self._dead(p, now - answered.get(p, started), failed.get(p, 0))]
+            if behind and len(dead) == len(behind) and not stopped and now < deadline:
+                logger.warning(
+                    "%s: barrier %r (call %d): %s answered no poll for %.0f s after taking part: dead, not waited for",
+                    self._name, name, k, ", ".join(dead), self._dead_after_s,
+                )  # fmt: skip
+                deadline = now  # as at the deadline: raise, or go on without them
             if now >= deadline or stopped:
                 heard = self._counts.all_heard()
                 for call in calls.values():
@@ -485,6 +522,13 @@ class BarrierWaiter:
             idle()
             wake = min([next_try.get(p, 0.0) for p in peers if p not in calls] + [now + 0.02])
             time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
+
+    def _dead(self, peer: str, silent_s: float, failed: int) -> bool:
+        """Is `peer` dead: a peer that took part once (a blend with it, or an answer to a barrier poll) and has
+        answered none of this wait's polls (two at least) for `dead_after_s`? A peer that never answered (one
+        still starting) is waited for until the barrier's own timeout."""
+        took_part = peer in self._answered_once or self._took_part(peer)
+        return took_part and failed >= 2 and silent_s >= self._dead_after_s
 
     def _skip_idle(self, name: str, k: int, behind: list[str]) -> list[str]:
         """The members still `behind` never took part, and were all we waited for, for `idle_after_s`: skip

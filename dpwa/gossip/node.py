@@ -46,7 +46,7 @@ from ..logs import logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
-from .barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter
+from .barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter, dead_peer_s
 from .deadlines import cap_s
 from .extras import Extras, RuleState
 from .flow import FlowControl
@@ -207,6 +207,8 @@ class Node:
                 took_part=lambda peer: self.counters.get(f"peer.{peer}.averaged") > 0,  # a blend with it
                 idle_after_s=self.config.suspect_after_ms / 1000.0,
                 retire_after_s=(self.config.suspect_after_ms + self.config.dead_after_ms) / 1000.0,
+                # a fixed cluster: a peer silent this long after taking part is dead (the view judges members)
+                dead_after_s=math.inf if self.members is not None else dead_peer_s(self.config.timeout_s),
             )
             self.parts.own(self._waiter.close)
             self._reporter = Reporter(
