@@ -67,21 +67,29 @@ def test_the_kth_call_returns_once_every_node_made_its_kth_call(nodes):
     assert all(counters == {"epoch": 5} for counters in run.results.values())
 
 
+def raise_on_w0_proceed_on_others(timeout_s):
+    """A script for Arrivals: w0 calls barrier "epoch" with missing="raise" and returns the BarrierTimeout it
+    must raise; the others call it with missing="proceed" and return whom they went on without."""
+
+    def script(node):
+        if node.name == "w0":
+            with pytest.raises(BarrierTimeout) as info:
+                node.barrier("epoch", timeout_s=timeout_s)
+            return info.value
+        return node.barrier("epoch", timeout_s=timeout_s, missing="proceed")
+
+    return script
+
+
 def test_a_missing_node_is_named_and_proceed_skips_it(nodes, caplog):
     """w2 never comes: after the timeout the barrier names it with its last known counters;
     with missing="proceed" it returns its name instead, and says so in the log."""
     cfg = make_config(3, timeout_ms=200)
     w0, w1 = nodes(cfg, "w0", NumpyParams(filled(0))), nodes(cfg, "w1", NumpyParams(filled(1)))
 
-    def script(node):  # w0 and w1 hear each other within milliseconds: the wait is for w2, which never comes
-        if node.name == "w0":
-            with pytest.raises(BarrierTimeout) as info:
-                node.barrier("epoch", timeout_s=0.75)
-            return info.value
-        return node.barrier("epoch", timeout_s=0.75, missing="proceed")
-
+    # w0 and w1 hear each other within milliseconds: the wait is for w2, which never comes
     t0 = time.monotonic()
-    run = Arrivals([w0, w1], script).join()
+    run = Arrivals([w0, w1], raise_on_w0_proceed_on_others(0.75)).join()
     assert not run.errors, run.errors
     assert time.monotonic() - t0 < 10
     error = run.results["w0"]
@@ -105,15 +113,8 @@ def test_a_peer_that_died_after_taking_part_is_not_waited_for_the_whole_timeout(
     assert not first.errors and first.results == {"w0": [], "w1": [], "w2": []}, (first.errors, first.results)
     group[2].close()
 
-    def script(node):
-        if node.name == "w0":
-            with pytest.raises(BarrierTimeout) as info:
-                node.barrier("epoch", timeout_s=120)
-            return info.value
-        return node.barrier("epoch", timeout_s=120, missing="proceed")
-
     t0 = time.monotonic()
-    run = Arrivals(group[:2], script).join(timeout_s=90)
+    run = Arrivals(group[:2], raise_on_w0_proceed_on_others(120)).join(timeout_s=90)
     took = time.monotonic() - t0
     assert not run.errors, run.errors
     assert run.results["w1"] == ["w2"] and run.results["w0"].missing == ["w2"], run.results

@@ -24,12 +24,12 @@ type) is skipped, counted, and reported with its file and line number
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..runfiles.lines import number
 from .events import READ_CHUNK_BYTES, BadLine, JsonlFollower, check_metrics
 
 __all__ = ["NodeState", "MetricsTail", "LiveView", "table", "summarize", "format_summary"]
@@ -117,12 +117,6 @@ class MetricsTail:
 
 def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _finite(value: Any) -> float | None:
-    """A number a metrics line gave, if it is a finite one (the file may hold anything)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
 
 
 def _fmt(value: Any, spec: str, empty: str = "-") -> str:
@@ -226,7 +220,7 @@ def summarize(
                 "steps": end.get("step", step.get("step", 0)),
                 "test_acc": ev.get("test_acc"),
                 "test_loss": ev.get("test_loss"),
-                "loss": _finite(step.get("loss")),  # the training loss of its last metrics line
+                "loss": number(step.get("loss")),  # the training loss of its last metrics line
                 "averaged": end.get("averaged", step.get("averaged", 0)),
                 "failed": end.get("failed", step.get("failed", 0)),
                 "served": _count(stats.get("requests_served")) if isinstance(stats, dict) else None,

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..runfiles.lines import number
 from .events import EVENTS_FILE, BadLine, JsonlFollower, check_event, check_metrics
 from .status import UNREACHABLE, StatusClient
 
@@ -58,14 +59,6 @@ REJOINED = ("joined the cluster", "restarted", "started again")
 
 
 # --------------------------------------------------------------------------- checked values
-
-
-def number(value: Any) -> float | None:
-    """`value` if it is a finite int or float (not a bool), else None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) and abs(value) < 1e300 else None
 
 
 def count(value: Any) -> int | None:

@@ -16,9 +16,9 @@ the waiting thread keeps applying settled exchanges.
 A node that has closed or died never arrives. After ``timeout_s`` the call
 raises :class:`BarrierTimeout` naming the missing nodes and their last known
 counters, or, with ``missing="proceed"``, logs who was skipped and returns
-their names. In a fixed cluster a peer that took part (a blend with it, or an
-answer to a barrier poll) and then answers none of a wait's polls for
-:func:`dead_peer_s` (four request deadlines, at least 10 s) is dead: once
+their names. In a fixed cluster a peer that showed a sign of life once (a
+reply to any request, a request of its own) and then none for
+:func:`dead_peer_s` of a wait (four request deadlines, at least 10 s) is dead: once
 every peer still behind is, the call ends then, as at ``timeout_s`` (issue
 49: the peer of a node that died waited out a 300 s barrier). A peer that
 never answered, one still starting, is waited for the whole ``timeout_s``.
@@ -356,7 +356,6 @@ class BarrierTask:
 
 
 BARRIER_POLL_MAX_S = 1.0  # a peer not yet at a barrier is asked again at most this long after the last time
-ANSWERED_KEPT = 4096  # peers remembered as having answered a barrier poll once
 DEAD_PEER_MIN_S = 10.0  # a fixed cluster's peer silent this long (at least) at a barrier, after taking part, is dead
 
 
@@ -388,10 +387,12 @@ class BarrierWaiter:
         idle_after_s: see `took_part` (``suspect_after_ms``).
         retire_after_s: see `took_part` (``suspect_after_ms`` + ``dead_after_ms``: as long as a dead member
             takes to leave the view).
-        dead_after_s: a peer that took part once and has answered none of a wait's polls for this long is
-            dead: once every peer still behind is, the wait ends as at its deadline (BarrierTimeout, or going
-            on without them), not after the whole `timeout_s` (a fixed cluster; open membership's view
-            removes its dead members itself).
+        dead_after_s: a peer that showed a sign of life once and none for this long of a wait is dead: once
+            every peer still behind is, the wait ends as at its deadline (BarrierTimeout, or going on without
+            them), not after the whole `timeout_s` (a fixed cluster; open membership's view removes its dead
+            members itself).
+        last_sign: when a peer last showed a sign of life (monotonic seconds), None if never: the node's
+            :class:`~dpwa.gossip.flow.SignsOfLife`, which every reply and every request of a peer updates.
     """
 
     def __init__(
@@ -406,12 +407,12 @@ class BarrierWaiter:
         idle_after_s: float = math.inf,
         retire_after_s: float = math.inf,
         dead_after_s: float = math.inf,
+        last_sign: Callable[[str], float | None] = lambda peer: None,
     ) -> None:
         self._name, self._counts, self._submit, self._timeout_s = name, counts, submit, timeout_s
         self._members = members
         self._took_part, self._idle_after_s, self._retire_after_s = took_part, idle_after_s, retire_after_s
-        self._dead_after_s = dead_after_s
-        self._answered_once: set[str] = set()  # peers that answered a barrier poll at least once (bounded: peers)
+        self._dead_after_s, self._last_sign = dead_after_s, last_sign
         self._poll_max_s = min(BARRIER_POLL_MAX_S, keepalive_s) if members is not None else BARRIER_POLL_MAX_S
         self._stray: list[Call] = []  # calls whose result nobody needs (a barrier's last word to a peer)
 
@@ -455,8 +456,6 @@ class BarrierWaiter:
         idle_since: float | None = None  # since when only members that never took part are behind
         skipped: set[str] = set()  # members skipped for that (open membership)
         started = time.monotonic()
-        answered: dict[str, float] = {}  # peer -> when it last answered a poll of this wait
-        failed: dict[str, int] = {}  # peer -> polls of this wait that got no answer
         while True:
             peers = self._counts.peers()  # open membership: the view now (members come and go while we wait)
             if keepalive and len(pause) > len(peers):  # forget the back-off of members that left (bounded)
@@ -470,12 +469,6 @@ class BarrierWaiter:
                     theirs, _ = call.take()
                     self._counts.heard(peer, theirs)
                     told.add(peer)
-                    answered[peer] = time.monotonic()
-                    if len(self._answered_once) >= ANSWERED_KEPT:
-                        self._answered_once.clear()  # bounded; forgetting only makes a peer wait the timeout
-                    self._answered_once.add(peer)
-                else:
-                    failed[peer] = failed.get(peer, 0) + 1
                 pause[peer] = min(self._poll_max_s, 2 * pause.get(peer, 0.01))
                 next_try[peer] = time.monotonic() + pause[peer]
             behind = [p for p in self._counts.behind(name, k) if p not in skipped]
@@ -492,7 +485,7 @@ class BarrierWaiter:
                 self._tell([p for p in peers if p not in told], calls)
                 return sorted(p for p in skipped if self._members is not None and p in self._members)
             stopped = stop()
-            dead = [p for p in behind if self._dead(p, now - answered.get(p, started), failed.get(p, 0))]
+            dead = [p for p in behind if self._dead(p, now, started)]
             if behind and len(dead) == len(behind) and not stopped and now < deadline:
                 logger.warning(
                     "%s: barrier %r (call %d): %s answered no poll for %.0f s after taking part: dead, not waited for",
@@ -523,12 +516,12 @@ class BarrierWaiter:
             wake = min([next_try.get(p, 0.0) for p in peers if p not in calls] + [now + 0.02])
             time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
 
-    def _dead(self, peer: str, silent_s: float, failed: int) -> bool:
-        """Is `peer` dead: a peer that took part once (a blend with it, or an answer to a barrier poll) and has
-        answered none of this wait's polls (two at least) for `dead_after_s`? A peer that never answered (one
-        still starting) is waited for until the barrier's own timeout."""
-        took_part = peer in self._answered_once or self._took_part(peer)
-        return took_part and failed >= 2 and silent_s >= self._dead_after_s
+    def _dead(self, peer: str, now: float, started: float) -> bool:
+        """Is `peer` dead: one that showed a sign of life once (a reply to any request of ours, a request of its
+        own: :class:`~dpwa.gossip.flow.SignsOfLife`) and none for `dead_after_s` of this wait? A peer that never
+        did (one still starting) is waited for until the barrier's own timeout."""
+        last = self._last_sign(peer)
+        return last is not None and now - max(last, started) >= self._dead_after_s
 
     def _skip_idle(self, name: str, k: int, behind: list[str]) -> list[str]:
         """The members still `behind` never took part, and were all we waited for, for `idle_after_s`: skip

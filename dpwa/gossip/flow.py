@@ -177,6 +177,11 @@ class SignsOfLife:
             while len(self._last) > self._max:
                 del self._last[next(iter(self._last))]
 
+    def last(self, peer: str) -> float | None:
+        """When `peer` last showed a sign of life (this object's clock); None if it never did (or was forgotten)."""
+        with self._lock:
+            return self._last.get(peer)
+
     def since(self, peer: str, at: float) -> bool:
         """Did `peer` show a sign of life at or after `at` (a time of this object's clock)?"""
         with self._lock:

@@ -209,6 +209,7 @@ class Node:
                 retire_after_s=(self.config.suspect_after_ms + self.config.dead_after_ms) / 1000.0,
                 # a fixed cluster: a peer silent this long after taking part is dead (the view judges members)
                 dead_after_s=math.inf if self.members is not None else dead_peer_s(self.config.timeout_s),
+                last_sign=self._flow.signs.last,
             )
             self.parts.own(self._waiter.close)
             self._reporter = Reporter(

@@ -20,6 +20,7 @@ the live table and the dashboard show the run.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import math
 import os
 import time
@@ -57,8 +58,6 @@ def loss_of(value: Any) -> float | None:
 def resumed_config(config: Any) -> Any:
     """`config` (a path, parsed YAML or a Config) with ``join: never``: a worker that resumes from its own
     checkpoint keeps what it restored."""
-    import dataclasses
-
     from ..gossip.setup import as_config
 
     parsed = as_config(config)

@@ -14,7 +14,16 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MAX_TIME", "METRIC_COUNTS", "METRIC_NUMBERS", "METRIC_TEXTS", "check_event", "check_metrics", "kind_of"]
+__all__ = [
+    "MAX_TIME",
+    "METRIC_COUNTS",
+    "METRIC_NUMBERS",
+    "METRIC_TEXTS",
+    "check_event",
+    "check_metrics",
+    "kind_of",
+    "number",
+]
 
 MAX_TIME = 1e12  # |t| of a line beyond this is no Unix time (year 33658)
 
@@ -50,6 +59,14 @@ def _describe(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     return kind_of(value)
+
+
+def number(value: Any) -> float | None:
+    """`value` if it is a finite int or float (not a bool), else None: a line's number, fit to show."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and abs(value) < 1e300 else None
 
 
 def _is_number(value: Any) -> bool:
