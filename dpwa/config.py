@@ -65,6 +65,7 @@ SNAPSHOT_SLOTS = (1, 2)  # snapshot_slots: the most a node publishes into (docs/
 BULK_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 JOINS = ("auto", "never")
+BROKEN_RULE = ("raise", "alone")  # what a node does once a rule of its own broke (dpwa.gossip.guard)
 
 BULK_HELP = (
     "`auto`: over TCP, snapshots of 4 MiB or more (a fetch's; in mode symmetric, both of an exchange's) stream "
@@ -363,6 +364,16 @@ class Config:
             if cls.options
         ),
         shown="{}",
+    )
+    broken_rule: str = setting(
+        "raise",
+        one_of(BROKEN_RULE),
+        "what a node does when a rule of your own breaks: raises, returns other than one finite weight, or writes "
+        "NaN, Inf or a value beyond 1e18 into the model. Either way the model is set back to the snapshot that "
+        "half started from, nothing broken is published, and the node closes its gossip. `raise`: the call that "
+        "ran the rule (`update_wait`, mostly) raises the error, naming the rule and its file; `alone`: the node "
+        "logs it and trains on alone "
+        "([A broken rule](rules.md#a-broken-rule))",
     )
     wire_dtype: str = setting(
         "auto",

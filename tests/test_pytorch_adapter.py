@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -122,6 +123,33 @@ def test_mixed_dtypes_and_channels_last():
         assert torch.allclose(p.double(), ref), i
     assert net[1].weight.dtype == torch.float64
     assert net[0].get_parameter("weight").is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_model_with_nan_or_inf_is_seen_and_set_back_to_a_snapshot_exactly(monkeypatch, chunked):
+    """A guarded rule's check and undo (docs/rules.md#a-broken-rule): within() sees a NaN, an Inf or a value
+    beyond the bound in any tensor (mixed dtypes, BatchNorm buffers); load_from() sets every tensor back to
+    a snapshot bit for bit, though lerp at f = 1 would keep a NaN (NaN * 0 is NaN)."""
+    import dpwa.adapters.pytorch as pytorch_adapter
+
+    if chunked:
+        monkeypatch.setattr(pytorch_adapter, "CHUNK_ELEMENTS", 8)
+        monkeypatch.setattr(pytorch_adapter, "CHUNKED_MIN_ELEMENTS", 1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).to(torch.bfloat16))
+    params = TorchParams(net)
+    assert (params._chunks is not None) == chunked
+    snapshot = np.empty(params.size, np.float32)
+    params.copy_to(snapshot)
+    assert params.within(1e18) and not params.within(1e-9)
+    for tensor, bad in [(net[0].weight, math.nan), (net[1].running_var, math.inf), (net[2].bias, -math.inf)]:
+        with torch.no_grad():
+            tensor.view(-1)[0] = bad
+        assert not params.within(1e18)
+        params.load_from(snapshot)
+        after = np.empty_like(snapshot)
+        params.copy_to(after)
+        assert params.within(1e18) and np.array_equal(after, snapshot)
 
 
 def test_fingerprints_tell_models_apart():

@@ -168,6 +168,88 @@ def test_on_a_node_a_blend_that_returns_an_array_is_named_in_update_wait(nodes, 
         node.update_wait()
 
 
+NAN_RULES = """
+
+import numpy as np
+
+
+class WritesNaN(ScaledDelta):
+    name = "writes_nan"
+
+    def blend(self, params, own, peer, f, wire):
+        bad = peer.copy()
+        bad[3] = np.nan
+        params.add_scaled_diff_from(bad, own, f, wire)
+        return f
+
+
+class MirrorWritesNaN(ScaledDelta):
+    name = "mirror_writes_nan"
+
+    def mirror(self, params, served, requester, f, wire):
+        params.add_scaled_diff_from(np.full_like(requester, np.inf), served, f, wire)
+        return f
+"""
+
+
+def nan_rules(tmp_path, monkeypatch, name: str) -> str:
+    module = example_module(tmp_path, monkeypatch, name=name)
+    with open(tmp_path / f"{name}.py", "a") as fh:
+        fh.write(NAN_RULES)
+    return module
+
+
+def test_a_rule_that_writes_nan_into_the_model_is_named_and_the_model_set_back_before_anything_is_published(
+    nodes, tmp_path, monkeypatch
+):
+    """Issue 49: a rule that wrote NaN into the model left the node training to the end on NaN (8% accuracy),
+    and nothing named the rule. Now (broken_rule: raise, the default) update_wait raises naming the rule, its
+    file and what it did; the model is the snapshot published at update_send (all 0, finite: nothing with NaN
+    was ever published); the node's gossip is closed, and a later call says why."""
+    module = nan_rules(tmp_path, monkeypatch, "nanrules")
+    cfg = make_config(2, mode="pull", rule=f"{module}:WritesNaN", pairing="random")
+    nodes(serving_only(cfg), "w1", NumpyParams(filled(10))).update_send()
+    model = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(model))
+    assert node.config.broken_rule == "raise"
+    node.update_send()
+    with pytest.raises(RuleError, match=r"WritesNaN \(.*nanrules.py\): blend wrote NaN, Inf or a value beyond"):
+        node.update_wait()
+    assert np.array_equal(model, filled(0))  # set back: not 0 + 0.5 (10 - 0) with a NaN at [3]
+    assert node.counters.get("rule_broken") == 1
+    with pytest.raises(RuntimeError, match=r"its rule broke \(RuleError: rule 'writes_nan'"):
+        node.update_send()
+    assert node.closed
+
+
+def test_with_broken_rule_alone_a_node_whose_mirror_writes_inf_trains_on_alone_and_its_peer_is_unharmed(
+    nodes, tmp_path, monkeypatch
+):
+    """broken_rule: alone, mode symmetric: w1's mirror (the server's half) writes Inf. w1 sets its model back to
+    the snapshot it served (all 10), says rule_broken, closes its gossip and goes on: update_send starts
+    nothing, update_wait says rule_broken, a barrier waits for nobody. w0, which applied its half, holds finite
+    values only."""
+    module = nan_rules(tmp_path, monkeypatch, "nanrules2")
+    cfg = make_config(2, mode="symmetric", rule=f"{module}:MirrorWritesNaN", broken_rule="alone")
+    served_model = filled(10)
+    w1 = nodes(serving_only(cfg), "w1", NumpyParams(served_model))
+    w1.update_send()
+    w0_model = filled(0)
+    w0 = nodes(cfg, "w0", NumpyParams(w0_model))
+    assert step_until_averaged(w0, timeout_s=20) is not None
+    assert np.isfinite(w0_model).all() and w0_model[0] == pytest.approx(2.5)
+
+    def w1_steps() -> bool:
+        w1.update_send()
+        return w1.update_wait().outcome == "rule_broken"
+
+    assert wait_until(w1_steps, 20)
+    assert np.array_equal(served_model, filled(10)) and w1.closed
+    assert w1.counters.get("rule_broken") == 1
+    assert w1.update_send() is False and w1.update_wait().outcome == "rule_broken"
+    assert w1.barrier(timeout_s=0) == ["w0"]
+
+
 HEAVY_DELTA = """
 
 import numpy as np

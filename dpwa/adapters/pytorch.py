@@ -265,6 +265,17 @@ class TorchParams(FlatParams):
             self._tensors[i].copy_(view)  # converted to the tensor's dtype and layout
 
     @torch.no_grad()
+    def within(self, bound: float) -> bool:
+        """Every tensor's largest magnitude, in one foreach call: NaN anywhere makes it NaN, which fails."""
+        largest = torch._foreach_norm(self._tensors, math.inf)
+        return bool(torch.stack([n.float() for n in largest]).max() <= bound)
+
+    @torch.no_grad()
+    def load_from(self, source: np.ndarray, wire: str = "float32") -> None:
+        torch._foreach_zero_(self._tensors)  # lerp at f = 1 from zeros is the source exactly; from a NaN, NaN
+        self.lerp_from(source, 1.0, wire)
+
+    @torch.no_grad()
     def add_scaled_diff_from(self, a: np.ndarray, b: np.ndarray, f: float, wire: str = "float32") -> None:
         """Parameters: ``x += f (a - b)``; buffers (running statistics): ``x += f (a - x)``, convex."""
         if self._chunks is not None:

@@ -50,6 +50,7 @@ from .barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter, dead_
 from .deadlines import cap_s
 from .extras import Extras, RuleState
 from .flow import FlowControl
+from .guard import RuleGuard
 from .join import JOIN_CHUNK, JOIN_INFO, ExtraState, Joined
 from .members import MembersServer
 from .outcomes import Outcomes
@@ -112,14 +113,15 @@ class Node:
         self._own_outer = outer  # the caller's outer step (not sent to joiners, not in outer_state)
         self.params = params
         self.peers = {spec.name: spec for spec in self.config.peers_of(self.name)}
+        self.counters = Counters()
         self._at_start = AtStart(list(self.peers))  # the peers that asked us from their start barrier
         self.rule = rule_of(self.config)  # how this node mixes; peers that mix otherwise are refused (bad_rule)
+        self._guard = RuleGuard(self.name, self.rule, params, self.counters, self.config.broken_rule)
         self.rule.cluster(max(1, self.config.members_max + 1 if self.config.bootstrap else len(self.config.nodes)))
         self.model = WireModel(
             params.fingerprint, self.config.wire_dtype, params.size, self.rule.fingerprint(), self.config.wire_options
         )
         self.wire, self.nbytes = self.model.dtype, self.model.nbytes
-        self.counters = Counters()
         self.state: NodeState = "starting"
         # the state this node took from a peer at start (or by join()), if it did; joined.rejoined tells a
         # late or restarted node (the cluster had trained) from a fresh start (the first node's initial state)
@@ -192,6 +194,7 @@ class Node:
                 counters=self.counters,
                 outcomes=Outcomes(self.name, self._flow, self.counters),
                 rule=self.rule,
+                guard=self._guard,
                 publish=self._publish,
                 outer=self._outer if self._outer is not None else outer,
             )
@@ -352,12 +355,16 @@ class Node:
         batch is done (the default 1 makes the clock count batches). Returns
         True if a request was started; :meth:`update_wait` collects it.
         """
+        if self._alone():
+            return False
         self._check_open()
         if not (isinstance(batch_size, (int, float)) and 0 <= batch_size <= MAX_CLOCK) or isinstance(batch_size, bool):
             raise ValueError(f"batch_size must be a number in [0, {MAX_CLOCK:g}], got {batch_size!r}")
         if self._step is not None:  # update_wait was skipped: count the batch, drop the fetch
             self._abandon_step()
         self._tend()
+        if self._alone():  # a half served broke the rule just now (broken_rule: alone)
+            return False
         self._progress.sent(time.monotonic())
         step = self._step = Step(float(batch_size), loss_value(loss))
         self._local_steps += 1
@@ -375,6 +382,8 @@ class Node:
         parameters are left as they are. `loss` is this batch's loss (the
         loss given to update_send is used when it is None).
         """
+        if self._alone():
+            return Update(False, "rule_broken", reason=str(self._guard.broken), clock=self._progress.clock)
         self._check_open()
         progress = self._progress
         step, self._step = self._step, None
@@ -393,10 +402,25 @@ class Node:
             update = self._steps.finish(step, own_loss)
             if step.call is not None and update.outcome not in ("ok", "in_doubt"):
                 self._local_steps = self.config.period  # the exchange failed: try again at the next step
-            return update
         finally:
             if step.own is not None:
                 step.own.release()
+        if self._alone():  # the rule broke in this step (broken_rule: alone)
+            return Update(False, "rule_broken", update.peer, reason=str(self._guard.broken), clock=progress.clock)
+        return update
+
+    def _alone(self) -> bool:
+        """True once this node's rule broke (dpwa.gossip.guard). The first time, its gossip closes (peers see
+        it leave). Under ``broken_rule: alone`` it trains on without averaging; under ``raise`` (the error was
+        raised already) a later call raises."""
+        if self._guard.broken is None:
+            return False
+        if self.state not in ("closing", "closed"):
+            logger.error("%s: closing its gossip: its rule broke (%s)", self.name, self._guard.broken)
+            self.close()
+        if self.config.broken_rule == "raise":
+            raise RuntimeError(f"dpwa node {self.name!r}: its rule broke ({self._guard.broken}); its gossip is closed")
+        return True
 
     def _abandon_step(self) -> None:
         step, self._step = self._step, None
@@ -438,6 +462,8 @@ class Node:
         is published after each, so a lingering node keeps taking part.
         Returns the time spent.
         """
+        if self._alone():
+            return 0.0
         self._check_open()
         self._abandon_step()
         self.state = "lingering"
@@ -486,8 +512,11 @@ class Node:
         :mod:`dpwa.gossip.barrier`). `stop` is
         asked between polls: once it returns True (a SIGTERM, say) the wait
         ends at once and returns the nodes not yet arrived, whatever
-        `missing` says; this call still counts as made.
+        `missing` says; this call still counts as made. A node whose rule broke under ``broken_rule: alone``
+        waits for nobody: it returns its peers' names at once.
         """
+        if self._alone():
+            return sorted(self.peers)
         self._check_open()
         if missing not in ("raise", "proceed"):
             raise ValueError(f"missing must be 'raise' or 'proceed', got {missing!r}")

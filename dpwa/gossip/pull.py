@@ -8,15 +8,19 @@ itself (:class:`~dpwa.wire.client.DirectClient`); the rest on the Tx thread.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from ..logs import logger
-from ..mixing import rules
 from ..mixing.rules import Side
+from ..wire.calls import Call
 from ..wire.server import Route
 from .requesting import FetchTask
+from .snapshots import Snapshot
 from .steps import Crew, Step, Update
 
 __all__ = ["PullSteps"]
@@ -74,6 +78,19 @@ class PullSteps:
                 clock=progress.clock,
             )
         own = step.own.snapshot if step.own is not None else None
+        # a guarded rule that breaks sets the model back to the snapshot published at update_send
+        start = step.own if step.own is not None or not crew.guard.checked else crew.parts.store.lease()
+        try:
+            return self._blend(step, call, own, start.snapshot.array if start is not None else None, own_loss)
+        finally:
+            if start is not None and start is not step.own:
+                start.release()
+
+    def _blend(
+        self, step: Step, call: Call, own: Snapshot | None, start: np.ndarray | None, own_loss: float | None
+    ) -> Update:
+        crew = self._crew
+        progress = crew.progress
         with call.take() as received:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
             try:
@@ -84,11 +101,15 @@ class PullSteps:
                 logger.warning("%s: snapshot from %s refused: bad_carry: %s", crew.name, call.peer, exc)
                 return Update(False, "rejected", call.peer, reason=f"bad_carry: {exc}", clock=progress.clock)
             f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss, carried))
-            f = rules.weight(
-                crew.rule,
+            own_array = own.array if own else None
+            f = crew.guard.apply(
                 "blend",
-                crew.rule.blend(crew.params, own.array if own else None, received.array, f, crew.model.kept),
+                functools.partial(crew.rule.blend, crew.params, own_array, received.array, f, crew.model.kept),
+                start,
+                crew.model.kept,
             )
+        if crew.guard.broken is not None:
+            return Update(False, "rule_broken", call.peer, reason=crew.guard.broken, clock=progress.clock)
         if f == 0.0:  # the rule moved nothing (push-sum: the snapshot came with no weight): not a blend
             crew.counters.add("blends_empty")
             reason = "the rule gave the peer's snapshot weight 0: nothing moved"

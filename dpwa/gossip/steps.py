@@ -25,6 +25,7 @@ from ..stats import Counters
 from ..wire.calls import Call
 from ..wire.server import Route
 from .flow import FlowControl
+from .guard import RuleGuard
 from .outcomes import Outcomes
 from .parts import Parts
 from .progress import Progress
@@ -35,7 +36,9 @@ __all__ = ["WAIT_SLACK_S", "Crew", "OuterHook", "Step", "StepOutcome", "Steps", 
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
 
 # What an update_wait did: a call's outcome (dpwa.wire.calls.Outcome), or no request, or an exchange in doubt
-StepOutcome = Literal["ok", "no_fetch", "timeout", "refused", "rejected", "failed", "expired", "cancelled", "in_doubt"]
+StepOutcome = Literal[
+    "ok", "no_fetch", "timeout", "refused", "rejected", "failed", "expired", "cancelled", "in_doubt", "rule_broken"
+]
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Crew:
     counters: Counters
     outcomes: Outcomes
     rule: Rule  # how f is chosen and each half applied (dpwa.mixing.rules)
+    guard: RuleGuard  # applies each half of the rule, checked (dpwa.gossip.guard)
     publish: Callable[[float | None], None]  # publish a snapshot with this loss (and the clock as it is)
     state: Callable[[], str] = field(default=lambda: "training")
     outer: OuterHook | None = None  # outer: nesterov or noloco, or one given to the node

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from ..logs import logger
-from ..mixing import rules
 from ..mixing.rules import Side
 from ..wire.calls import Call
 from ..wire.errors import Refused
@@ -223,6 +222,8 @@ class SymmetricSteps:
             )
         crew.outcomes.record(call)
         f = self._apply_client_half(value, task.ticket)
+        if f is None:
+            return Update(False, "rule_broken", call.peer, reason=str(crew.guard.broken), clock=crew.progress.clock)
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=crew.progress.clock)
 
     def _no_slot(self, refused: dict[str, str]) -> None:
@@ -249,19 +250,26 @@ class SymmetricSteps:
                 ", ".join(sorted({refused[p] for p in gone})),
             )
 
-    def _apply_client_half(self, half: ClientHalf, ticket: int) -> float:
+    def _apply_client_half(self, half: ClientHalf, ticket: int) -> float | None:
+        """Our half of a committed exchange: the weight the rule gave the peer (None: broken, not applied)."""
         crew = self._crew
         with half:
             own, theirs = half.own.snapshot, half.theirs
-            w = rules.weight(
-                crew.rule, "blend", crew.rule.blend(crew.params, own.array, theirs.array, half.f, crew.model.kept)
+            w = crew.guard.apply(
+                "blend",
+                functools.partial(crew.rule.blend, crew.params, own.array, theirs.array, half.f, crew.model.kept),
+                own.array,
+                crew.model.kept,
             )
-            crew.progress.set_clock(crew.rule.clock(crew.progress.clock, own.clock, theirs.header["clock"], w))
+            if crew.guard.broken is None:
+                crew.progress.set_clock(crew.rule.clock(crew.progress.clock, own.clock, theirs.header["clock"], w))
         self.server.own_ended(ticket, True)
+        self.client.hold(half)  # a closing peer that asks learns we hold its commit
+        if crew.guard.broken is not None:  # not applied here (broken_rule: alone)
+            return None
         crew.blended()
         crew.counters.add("averaged")
         crew.counters.add(f"peer.{half.peer}.averaged")
-        self.client.hold(half)  # a closing peer that asks learns we hold its commit
         return w
 
     # ----------------------------------------------------------------- in the background
@@ -273,11 +281,20 @@ class SymmetricSteps:
         for half in self.server.take_committed():
             with half:
                 served = half.served.snapshot
-                w = crew.rule.mirror(crew.params, served.array, half.theirs.array, half.f, crew.model.kept)
-                w = rules.weight(crew.rule, "mirror", w)
-                their_clock = half.theirs.header["clock"]
-                crew.progress.set_clock(crew.rule.mirror_clock(crew.progress.clock, served.clock, their_clock, w))
+                w = crew.guard.apply(
+                    "mirror",
+                    functools.partial(
+                        crew.rule.mirror, crew.params, served.array, half.theirs.array, half.f, crew.model.kept
+                    ),
+                    served.array,
+                    crew.model.kept,
+                )
+                if crew.guard.broken is None:
+                    their_clock = half.theirs.header["clock"]
+                    crew.progress.set_clock(crew.rule.mirror_clock(crew.progress.clock, served.clock, their_clock, w))
             self.server.applied()
+            if crew.guard.broken is not None:  # not applied here (broken_rule: alone)
+                continue
             crew.counters.add("mirrored")
             crew.counters.add(f"peer.{half.peer}.averaged")
             applied += 1
@@ -286,8 +303,7 @@ class SymmetricSteps:
             applied += self._harvest(call).averaged
         self.client.forget_gone(crew.flow.peers())  # open membership: a removed peer will not answer
         for client_half in self.client.poll():  # in doubt until now: our latest own exchange (nothing else started)
-            self._apply_client_half(client_half, self._ticket)
-            applied += 1
+            applied += self._apply_client_half(client_half, self._ticket) is not None
         return applied
 
     def idle(self) -> None:

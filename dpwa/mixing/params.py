@@ -61,6 +61,20 @@ class FlatParams(ABC):
         (BatchNorm's running mean and variance): an outer step leaves them where averaging put them."""
         return []
 
+    def within(self, bound: float) -> bool:
+        """True if every value is finite and lies in [-bound, bound] (a guarded rule's check,
+        docs/rules.md#a-broken-rule). This default copies the parameters out once; the adapters read them
+        in place."""
+        out = self.allocate(self.size, np.dtype(np.float32))
+        self.copy_to(out)
+        return kernels.within(out, bound)
+
+    def load_from(self, source: np.ndarray, wire: str = "float32") -> None:
+        """In place: params = `source` (a flat buffer of wire dtype `wire`), exactly, whatever the parameters
+        held, NaN included (a broken rule's write undone). This default is :meth:`lerp_from` at f = 1,
+        which is exact only over finite values; the adapters zero the parameters first."""
+        self.lerp_from(source, 1.0, wire)
+
 
 class NumpyParams(FlatParams):
     """Parameters that live in one flat, contiguous float32 numpy array, blended in place.
@@ -100,6 +114,13 @@ class NumpyParams(FlatParams):
 
     def copy_to(self, out: np.ndarray, wire: str = "float32") -> None:
         kernels.encode_(out, self.array, wire)
+
+    def within(self, bound: float) -> bool:
+        return kernels.within(self.array, bound)
+
+    def load_from(self, source: np.ndarray, wire: str = "float32") -> None:
+        self.array.fill(0.0)  # lerp at f = 1 from zeros is the source exactly; from a NaN it stays NaN
+        kernels.lerp_(self.array, source, 1.0, wire)
 
     def lerp_from(self, peer: np.ndarray, f: float, wire: str = "float32") -> None:
         kernels.lerp_(self.array, peer, f, wire)
