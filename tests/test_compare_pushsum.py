@@ -20,9 +20,8 @@ import pytest
 from conftest import ROOT
 from dpwa.config import parse_config
 from dpwa.lab.compare.__main__ import config_from, main, parse_args
-from dpwa.lab.compare.comparison import EVALUATED_MODEL, FAULT_SCENARIOS, weighted_by_mass
+from dpwa.lab.compare.comparison import EVALUATED_MODEL, fault_scenarios, weighted_by_mass
 from dpwa.lab.compare.evaluation import states
-from dpwa.lab.compare.faults import FAULTS
 from dpwa.lab.compare.report import mass_lines
 from dpwa.lab.compare.runner import (
     GOSSIP_SYSTEMS,
@@ -45,7 +44,7 @@ def test_pushsum_is_a_gossip_system_that_the_default_run_leaves_out():
     assert SYSTEMS == ("gossip", "gossip-lowbw", "gossip-original", "sync-master", "async-ps", "allreduce", "diloco")
     assert parse_args([]).systems == SYSTEMS  # the default run is unchanged
     assert parse_args(["--systems", "gossip,gossip-pushsum"]).systems == ("gossip", "gossip-pushsum")
-    assert "gossip-pushsum" in FAULT_SCENARIOS and "gossip-pushsum" in FAULTS
+    assert fault_scenarios(("gossip-pushsum", "allreduce")) == ["gossip-pushsum", "allreduce"]
     assert "push-sum weight" in EVALUATED_MODEL["gossip-pushsum"]
 
 

@@ -152,6 +152,33 @@ def test_a_model_with_nan_or_inf_is_seen_and_set_back_to_a_snapshot_exactly(monk
         assert params.within(1e18) and np.array_equal(after, snapshot)
 
 
+def test_a_rules_own_vector_is_added_to_the_parameters_and_never_to_the_running_statistics():
+    """add_to_parameters(v, w) (docs/rules.md): x += w v over every parameter, in logical order whatever the
+    layout and dtype, and the BatchNorm buffers untouched; the FlatParams default (through
+    add_scaled_diff_from) does the same; a vector of another size or dtype is refused, naming what it takes."""
+    from dpwa.mixing.params import FlatParams
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Linear(2, 2).double())
+    net[0].to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    params = TorchParams(net)
+    stats = params.statistics()
+    before = np.empty(params.size, np.float32)
+    params.copy_to(before)
+    v = np.arange(params.size, dtype=np.float32) / 8
+    for add, times in [(params.add_to_parameters, 1), (lambda v, w: FlatParams.add_to_parameters(params, v, w), 2)]:
+        add(v, 0.5)
+        after = np.empty_like(before)
+        params.copy_to(after)
+        expected = before + times * 0.5 * v
+        for start, end in stats:
+            expected[start:end] = before[start:end]
+        assert np.allclose(after, expected, atol=1e-6)
+    with pytest.raises(
+        ValueError, match=rf"a float32 vector of shape \({params.size},\), the model's size; got float64"
+    ):
+        params.add_to_parameters(v.astype(np.float64))
+
+
 def test_fingerprints_tell_models_apart():
     a, b = TorchParams(Net()), TorchParams(Net())
     assert a.fingerprint == b.fingerprint

@@ -183,6 +183,14 @@ class WritesNaN(ScaledDelta):
         return f
 
 
+class HalfThenRaises(ScaledDelta):
+    name = "half_then_raises"
+
+    def blend(self, params, own, peer, f, wire):
+        params.add_scaled_diff_from(peer, own, f, wire)
+        return 1 / 0
+
+
 class MirrorWritesNaN(ScaledDelta):
     name = "mirror_writes_nan"
 
@@ -220,6 +228,21 @@ def test_a_rule_that_writes_nan_into_the_model_is_named_and_the_model_set_back_b
     with pytest.raises(RuntimeError, match=r"its rule broke \(RuleError: rule 'writes_nan'"):
         node.update_send()
     assert node.closed
+
+
+def test_a_rule_that_raises_after_writing_half_its_change_leaves_the_model_as_published(nodes, tmp_path, monkeypatch):
+    """A rule that raises midway: its own exception reaches the script (a traceback into the user's file), and
+    the model holds no half-written change: it is the snapshot published at update_send."""
+    module = nan_rules(tmp_path, monkeypatch, "nanrules3")
+    cfg = make_config(2, mode="pull", rule=f"{module}:HalfThenRaises", pairing="random")
+    nodes(serving_only(cfg), "w1", NumpyParams(filled(10))).update_send()
+    model = filled(0)
+    node = nodes(cfg, "w0", NumpyParams(model))
+    node.update_send()
+    with pytest.raises(ZeroDivisionError) as err:
+        node.update_wait()
+    assert err.traceback[-1].path.name == "nanrules3.py"
+    assert np.array_equal(model, filled(0)) and node.counters.get("rule_broken") == 1
 
 
 def test_with_broken_rule_alone_a_node_whose_mirror_writes_inf_trains_on_alone_and_its_peer_is_unharmed(

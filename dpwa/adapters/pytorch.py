@@ -47,7 +47,7 @@ from ..gossip.node import Node, Update
 from ..gossip.protocol import MAX_VALUE
 from ..gossip.setup import as_config
 from ..mixing import kernels
-from ..mixing.params import FlatParams, fingerprint
+from ..mixing.params import FlatParams, checked_vector, fingerprint
 from .outer import OuterOptimizerFactory, TorchOuter
 
 __all__ = ["CHUNKED_MIN_ELEMENTS", "CHUNK_ELEMENTS", "DpwaPyTorchAdapter", "OptimizerState", "TorchParams"]
@@ -269,6 +269,17 @@ class TorchParams(FlatParams):
         """Every tensor's largest magnitude, in one foreach call: NaN anywhere makes it NaN, which fails."""
         largest = torch._foreach_norm(self._tensors, math.inf)
         return bool(torch.stack([n.float() for n in largest]).max() <= bound)
+
+    @torch.no_grad()
+    def add_to_parameters(self, v: np.ndarray, w: float = 1.0) -> None:
+        """Each parameter tensor += w times its piece of `v` (in the tensor's dtype, on its device); buffers
+        (running statistics) untouched. One op per tensor: a rule's own vector, not the hot path."""
+        source = torch.from_numpy(checked_vector(v, self.size))
+        at = 0
+        for tensor, size in zip(self._tensors[: self._first_stat], self._sizes, strict=False):
+            piece = source[at : at + size].view(tensor.shape)  # logical order, as copy_to writes it
+            tensor.add_(piece.to(device=tensor.device, dtype=tensor.dtype), alpha=float(w))
+            at += size
 
     @torch.no_grad()
     def load_from(self, source: np.ndarray, wire: str = "float32") -> None:

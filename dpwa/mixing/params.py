@@ -20,7 +20,7 @@ import numpy as np
 
 from . import kernels
 
-__all__ = ["FlatParams", "NumpyParams", "fingerprint"]
+__all__ = ["FlatParams", "NumpyParams", "checked_vector", "fingerprint"]
 
 
 def fingerprint(entries: Iterable[tuple[str, tuple[int, ...], str]]) -> bytes:
@@ -60,6 +60,18 @@ class FlatParams(ABC):
         """The [start, end) ranges of the flat vector that hold running statistics, not parameters
         (BatchNorm's running mean and variance): an outer step leaves them where averaging put them."""
         return []
+
+    def add_to_parameters(self, v: np.ndarray, w: float = 1.0) -> None:
+        """In place: ``x += w v`` over the parameters; the running statistics (:meth:`statistics`) are left as
+        they are. `v` is a float32 vector of `size` elements, a rule's own (a momentum): its values on the
+        statistics' ranges are not read. This default goes through :meth:`add_scaled_diff_from` with two
+        copies of the model; the adapters add in place."""
+        current = self.allocate(self.size, np.dtype(np.float32))
+        self.copy_to(current)
+        target = current + np.float32(w) * checked_vector(v, self.size)
+        for start, end in self.statistics():
+            target[start:end] = current[start:end]  # x += 1 (x - x): unchanged
+        self.add_scaled_diff_from(target, current, 1.0)
 
     def within(self, bound: float) -> bool:
         """True if every value is finite and lies in [-bound, bound] (a guarded rule's check,
@@ -118,6 +130,13 @@ class NumpyParams(FlatParams):
     def within(self, bound: float) -> bool:
         return kernels.within(self.array, bound)
 
+    def add_to_parameters(self, v: np.ndarray, w: float = 1.0) -> None:
+        v = checked_vector(v, self.size)
+        start = 0
+        for s, e in [*sorted(self._statistics), (self.size, self.size)]:
+            self.array[start:s] += np.float32(w) * v[start:s]
+            start = max(start, e)
+
     def load_from(self, source: np.ndarray, wire: str = "float32") -> None:
         self.array.fill(0.0)  # lerp at f = 1 from zeros is the source exactly; from a NaN it stays NaN
         kernels.lerp_(self.array, source, 1.0, wire)
@@ -136,3 +155,11 @@ class NumpyParams(FlatParams):
         for (s, e), before in zip(self._statistics, kept, strict=True):
             self.array[s:e] = before
             kernels.lerp_(self.array[s:e], a[s:e], f, wire)  # x += f (a - x): towards the peer's statistics
+
+
+def checked_vector(v: np.ndarray, size: int) -> np.ndarray:
+    """A rule's own vector for :meth:`FlatParams.add_to_parameters`: float32, flat, of the model's size."""
+    if not isinstance(v, np.ndarray) or v.dtype != np.float32 or v.shape != (size,):
+        shown = f"{v.dtype} of shape {v.shape}" if isinstance(v, np.ndarray) else type(v).__name__
+        raise ValueError(f"add_to_parameters takes a float32 vector of shape ({size},), the model's size; got {shown}")
+    return v

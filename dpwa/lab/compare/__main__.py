@@ -29,6 +29,7 @@ DiLoCo and the slow links.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 import time
@@ -55,7 +56,7 @@ from .regimes import (
     plot_map,
 )
 from .report import fault_lines, link_lines, mass_lines, plot, table, write_json
-from .runner import GOSSIP_SYSTEMS, KNOWN_SYSTEMS, SYSTEMS, RunOptions
+from .runner import KNOWN_SYSTEMS, SYSTEMS, VARIANT_PREFIX, RunOptions, gossip_keys, is_gossip
 from .seeds import aggregate, plot_seeds, seeds_table
 from .tune import apply, load_tuning, tune
 from .workload import CHARLM_DEFAULTS, CHECKOUT_CIFAR_DIR, DATA_DEFAULTS, DEVICES, WorkloadSpec
@@ -67,7 +68,8 @@ CHARLM_MODELS = ("small", "tiny", "medium")  # dpwa.lab.workloads.charlm.SIZES
 
 def _systems(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [s for s in names if s not in KNOWN_SYSTEMS]
+    # gossip-NAME may be a --variant's (checked once the variants are read)
+    unknown = [s for s in names if s not in KNOWN_SYSTEMS and not s.startswith(VARIANT_PREFIX)]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown system {', '.join(unknown) or '(none)'}; choose from {', '.join(KNOWN_SYSTEMS)}"
@@ -311,6 +313,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gossip-set mode=pull --gossip-set period=4; repeatable",
     )
     p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=MAP",
+        help="a gossip system of your own, gossip-NAME: dpwa config keys (a YAML map) over the --gossip-set ones, "
+        "run beside the --systems with the same seeds, tuning and workload: --variant "
+        "'heavy={rule: myrules:HeavyDelta, rule_options: {beta: 0.5}}'; repeatable (docs/rules.md)",
+    )
+    p.add_argument(
         "--byzantine",
         type=_count,
         default=0,
@@ -354,12 +365,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--lease-s and --time-limit-s must be positive")
     if not 0 <= args.outer_momentum < 1:
         p.error(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
+    try:
+        args.variants = variants(args.variant)
+    except ValueError as exc:
+        p.error(str(exc))
+    named = [s for s in args.systems if s not in KNOWN_SYSTEMS and s not in dict(args.variants)]
+    if named:
+        p.error(f"--systems {', '.join(named)}: no such system, and no --variant names it")
+    args.systems = (*args.systems, *(s for s, _ in args.variants if s not in args.systems))
     if args.byzantine:
-        others = [s for s in args.systems if s not in GOSSIP_SYSTEMS]
+        others = [s for s in args.systems if not is_gossip(s)]
         if others:
-            p.error(
-                f"--byzantine is for the gossip systems only ({', '.join(GOSSIP_SYSTEMS)}), not {', '.join(others)}"
-            )
+            p.error(f"--byzantine is for the gossip systems only (gossip, gossip-*), not {', '.join(others)}")
         if 2 * args.byzantine >= args.workers:
             p.error(
                 f"--byzantine {args.byzantine} of --workers {args.workers}: Byzantine workers must be fewer than half"
@@ -494,11 +511,12 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
         link_mbit=args.link_mbit or 0.0,
         link_delay_ms=args.link_delay_ms or 0.0,
         gossip_settings=gossip_settings(args.gossip_set),
+        variants=args.variants,
         byzantine=args.byzantine,
         attack=args.attack,
         churn=args.churn or 0,
     )
-    check_gossip_systems(args.systems, options.gossip_settings)
+    check_gossip_systems(args.systems, options)
     out = args.out or Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     return CompareConfig(
         args.systems, spec, options, target, out, faults=args.faults, keep_snapshots=args.keep_snapshots
@@ -520,14 +538,47 @@ def gossip_settings(pairs: list[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(settings.items())
 
 
-def check_gossip_systems(systems: tuple[str, ...], settings: tuple[tuple[str, Any], ...]) -> None:
-    """Each gossip system's own keys with the --gossip-set ones over them, checked as dpwa's config checks
-    them (``--gossip-set mode=symmetric`` with gossip-pushsum, whose rule needs mode pull, is named here)."""
+def variants(given: list[str]) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """--variant NAME=MAP arguments: (gossip-NAME, the map's items), each NAME once, none a built-in system's."""
+    out: dict[str, tuple[tuple[str, Any], ...]] = {}
+    for text in given:
+        name, sep, body = text.partition("=")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_]{0,31}", name):
+            raise ValueError(
+                f"--variant {text!r}: expected NAME=MAP, NAME of lower-case letters, digits and _ (at most 32), "
+                "as in heavy='{rule: myrules:HeavyDelta}'"
+            )
+        system = VARIANT_PREFIX + name
+        if system in KNOWN_SYSTEMS or system in out:
+            raise ValueError(f"--variant {name}: {system} is already a system; choose another NAME")
+        try:
+            keys = yaml.safe_load(body)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--variant {name}: its MAP is not YAML ({exc})") from exc
+        if not isinstance(keys, dict) or not keys or not all(isinstance(k, str) for k in keys):
+            raise ValueError(
+                f"--variant {name}: expected a map of dpwa config keys, like {{rule: delta}}; got {body!r}"
+            )
+        if "nodes" in keys:
+            raise ValueError(f"--variant {name}: nodes: the comparison places the nodes itself")
+        out[system] = tuple(keys.items())
+    return tuple(out.items())
+
+
+def check_gossip_systems(systems: tuple[str, ...], options: RunOptions) -> None:
+    """Each gossip system's keys (a built-in one's own with the --gossip-set ones over them, a variant's over
+    those) checked as dpwa's config checks them: ``--gossip-set mode=symmetric`` with gossip-pushsum, whose rule
+    needs mode pull, or a variant's rule that cannot be imported, is named here, before anything runs."""
     nodes = [{"name": f"w{i}", "host": "127.0.0.1", "port": 1 + i} for i in range(2)]
+    variants = dict(options.variants)
     for system in systems:
-        if system in GOSSIP_SYSTEMS:
-            probe = {"nodes": nodes, **GOSSIP_SYSTEMS[system], **dict(settings)}
-            parse_config(probe, source=f"{system} with --gossip-set" if settings else system)
+        if is_gossip(system):
+            probe = {"nodes": nodes, **gossip_keys(system, options)}
+            given = " with --gossip-set" if options.gossip_settings else ""
+            parse_config(
+                probe, source=f"--variant {system[len(VARIANT_PREFIX) :]}" if system in variants else system + given
+            )
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -26,11 +26,18 @@ from typing import Any
 
 from ...cluster.processes import free_ports
 from .roles.common import ROUND_ENV
-from .runner import BOOTSTRAP_NODES, GOSSIP_SYSTEMS, LiveRun, open_config
+from .runner import BOOTSTRAP_NODES, LiveRun, is_gossip, open_config
 
-__all__ = ["CHURN_SYSTEMS", "Churn", "STOP_GRACE_S", "trained_samples"]
+__all__ = ["CHURN_SYSTEMS", "Churn", "STOP_GRACE_S", "churns", "trained_samples"]
 
-CHURN_SYSTEMS = (*GOSSIP_SYSTEMS, "allreduce")  # the systems --churn runs
+CHURN_SYSTEMS = ("gossip", "gossip-*", "allreduce")  # the systems --churn runs (a variant too: gossip-NAME)
+
+
+def churns(system: str) -> bool:
+    """Whether --churn runs `system`: every gossip system (a variant too) and allreduce."""
+    return is_gossip(system) or system == "allreduce"
+
+
 STOP_GRACE_S = 2.0  # all-reduce's elastic restart: between SIGTERM and SIGKILL of the surviving ranks
 _READ_EVERY_S = 0.25  # the snapshots are read at most this often
 
@@ -71,7 +78,7 @@ class Churn:
     """
 
     def __init__(self, system: str, events: int, workers: int, total_samples: int) -> None:
-        if system not in CHURN_SYSTEMS:
+        if not churns(system):
             raise ValueError(f"--churn runs {', '.join(CHURN_SYSTEMS)}; not {system}")
         if events < 1:
             raise ValueError(f"--churn takes at least 1 event, got {events}")

@@ -22,11 +22,11 @@ from ..systems.allreduce import ring_allreduce_bytes
 from ..systems.layout import ModelLayout, ModuleView
 from ..systems.ps.sharding import make_plan
 from .byzantine import ATTACKS
-from .churn import CHURN_SYSTEMS, Churn
+from .churn import CHURN_SYSTEMS, Churn, churns
 from .evaluation import Point, build_curve, summarize
 from .faults import fault_for
 from .links import BURST_BYTES
-from .runner import COLLECTIVE, GOSSIP_SYSTEMS, KNOWN_SYSTEMS, RunOptions, SystemRun, run_system
+from .runner import COLLECTIVE, RunOptions, SystemRun, is_gossip, run_system
 from .workload import WorkloadSpec, load_workload
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "CompareConfig",
     "EVALUATED_MODEL",
     "FAULT_SCENARIOS",
+    "evaluated_model",
+    "fault_scenarios",
     "gossip_timeout_ms",
     "link_check",
     "run_comparison",
@@ -44,19 +46,35 @@ WEIGHTED_MEAN = (
     "the mean of every node's parameters and buffers (each node's latest snapshot), each node weighted by its "
     "push-sum weight (its rule's mass; the final point by the weight it held after lingering)"
 )
-EVALUATED_MODEL = {
-    **{
-        system: "the mean of every node's parameters and buffers (each node's latest snapshot)"
-        for system in GOSSIP_SYSTEMS
-    },
+GOSSIP_MEAN = "the mean of every node's parameters and buffers (each node's latest snapshot)"
+EVALUATED_MODEL = {  # every other gossip system's, a variant's too: GOSSIP_MEAN (evaluated_model())
+    "gossip": GOSSIP_MEAN,
     "gossip-pushsum": WEIGHTED_MEAN,  # dpwa/lab/compare/evaluation.py, *Push-sum*: what the exchanges keep
     "sync-master": "the master's global model",
     "async-ps": "the parameter servers' model (each server's shard)",
     "allreduce": "rank 0's model (every rank holds the same)",
     "diloco": "rank 0's model after a synchronisation (the anchor every rank shares)",
 }
-FAULT_SCENARIOS = ("sync-master", "async-ps", "async-ps/trainer", *GOSSIP_SYSTEMS, "allreduce", "diloco")
+FAULT_SCENARIOS = ("sync-master", "async-ps", "async-ps/trainer", "gossip", "allreduce", "diloco")
 LINK_CHECK_HIGH = 1.5  # measured / expected time in the all-reduce per step, at most, at the shaped rate
+
+
+def evaluated_model(system: str) -> str:
+    """What is evaluated of a run of `system` (before what the run shows: push-sum's weights, Byzantine nodes)."""
+    return EVALUATED_MODEL.get(system, GOSSIP_MEAN if is_gossip(system) else "")
+
+
+def fault_scenarios(systems: tuple[str, ...]) -> list[str]:
+    """The --faults scenarios for `systems`, in FAULT_SCENARIOS' order. One gossip node killed is enough: in
+    the first gossip system run (``gossip`` itself when it runs)."""
+    gossips = sorted((s for s in systems if is_gossip(s)), key=lambda s: s != "gossip")
+    out = []
+    for scenario in FAULT_SCENARIOS:
+        if scenario == "gossip":
+            out += gossips[:1]
+        elif scenario.split("/")[0] in systems:
+            out.append(scenario)
+    return out
 
 
 @dataclass(frozen=True)
@@ -70,9 +88,9 @@ class CompareConfig:
     keep_snapshots: bool = False
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.systems if s not in KNOWN_SYSTEMS]
+        unknown = [s for s in self.systems if s not in self.options.known_systems]
         if unknown or not self.systems:
-            known = ", ".join(KNOWN_SYSTEMS)
+            known = ", ".join(self.options.known_systems)
             raise ValueError(f"unknown systems {', '.join(unknown) or '(none)'}; choose from {known}")
         if len(set(self.systems)) != len(self.systems):
             raise ValueError(f"a system is listed twice: {', '.join(self.systems)}")
@@ -81,7 +99,7 @@ class CompareConfig:
         if self.metric == "loss" and not 0 < self.target < 100:
             raise ValueError(f"the target loss must be in (0, 100) nats per character, got {self.target}")
         if self.options.byzantine:
-            others = [s for s in self.systems if s not in GOSSIP_SYSTEMS]
+            others = [s for s in self.systems if not is_gossip(s)]
             if others:
                 raise ValueError(f"--byzantine is for the gossip systems only, not {', '.join(others)}")
             if 2 * self.options.byzantine >= self.spec.workers:
@@ -92,7 +110,7 @@ class CompareConfig:
             if self.faults:
                 raise ValueError("--faults with --byzantine is not supported: the fault would kill a Byzantine node")
         if self.options.churn:
-            others = [s for s in self.systems if s not in CHURN_SYSTEMS]
+            others = [s for s in self.systems if not churns(s)]
             if others:
                 raise ValueError(
                     f"--churn runs {', '.join(CHURN_SYSTEMS)} (members leave and join; all-reduce restarts as "
@@ -163,7 +181,7 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
         for key in ("pushes_dropped", "pushes_refused", "pushes_failed", "pulls_failed"):
             out[key] = sum(w["trainer"][key] for w in workers)
         out["io_threads_per_trainer"] = workers[0].get("io_threads") if workers else None
-    elif run.system in GOSSIP_SYSTEMS:
+    elif is_gossip(run.system):
         out["exchanges_averaged"] = sum(w.get("averaged", 0) for w in workers)
         out["exchanges_failed"] = sum(w.get("failed", 0) for w in workers)
         out["fetches_timed_out"] = {  # by worker that finished: each waited out timeout_ms (a dead peer's, say)
@@ -193,7 +211,7 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
 
 def weighted_by_mass(run: SystemRun) -> bool:
     """Whether a gossip run's nodes held masses other than 1 (push-sum's weights), so that its mean was weighted."""
-    if run.system not in GOSSIP_SYSTEMS:
+    if not is_gossip(run.system):
         return False
     lines = [line for shots in run.snapshots.values() for line in shots]
     ends = [r.get("mass_at_end") for n, r in run.results.items() if n in run.workers]
@@ -290,7 +308,7 @@ def _outcome(scenario: str, fault: dict[str, Any], summary: dict[str, Any], base
             f"pushes dropped, {summary.get('pushes_failed')} failed); its blocks kept their last values while the "
             f"other shards trained on; the run {done}; final {name} {acc_text}"
         )
-    if scenario in GOSSIP_SYSTEMS:
+    if is_gossip(scenario):
         timeouts = ", ".join(f"{n} {k}" for n, k in (summary.get("fetches_timed_out") or {}).items()) or "-"
         return (
             f"the other nodes trained on ({summary.get('exchanges_failed')} exchanges failed, "
@@ -333,7 +351,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         },
         "options": asdict(options),
         "links": None,
-        "evaluated_model": {s: EVALUATED_MODEL[s] for s in config.systems},
+        "evaluated_model": {s: evaluated_model(s) for s in config.systems},
         "evaluation_rule": (
             f"every system's model is evaluated on {workload.evaluated_on} about every "
             f"{every} samples the cluster trained, after the run (see dpwa/lab/compare/evaluation.py); times count "
@@ -378,7 +396,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
         summary = summarize(run, curve, config.target, config.metric)
         summary.update(_extras(run, options))
         weighted = weighted_by_mass(run)  # push-sum, as gossip-pushsum or through --gossip-set
-        summary["evaluated_model"] = WEIGHTED_MEAN if weighted else EVALUATED_MODEL[system]
+        summary["evaluated_model"] = WEIGHTED_MEAN if weighted else evaluated_model(system)
         if run.byzantine:
             honest = [n for n in run.workers if n not in run.byzantine]
             summary["evaluated_model"] = (
@@ -425,10 +443,7 @@ def run_comparison(config: CompareConfig, log: Callable[[str], None] = print) ->
     if config.faults:
         report["faults"] = {}
         plain = replace(spec, straggler=1.0)
-        scenarios = [s for s in FAULT_SCENARIOS if s.split("/")[0] in config.systems]
-        gossips = [s for s in scenarios if s in GOSSIP_SYSTEMS]
-        for extra in gossips[1:]:
-            scenarios.remove(extra)  # one gossip node killed is enough
+        scenarios = fault_scenarios(config.systems)
         for scenario in scenarios:
             system = scenario.split("/")[0]
             baseline = report["systems"].get(system)

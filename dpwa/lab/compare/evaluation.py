@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from .runner import GOSSIP_SYSTEMS, SystemRun
+from .runner import SystemRun, is_gossip
 
 __all__ = ["LearningCurve", "Point", "build_curve", "summarize"]
 
@@ -230,7 +230,7 @@ def _join(run: SystemRun, lines: list[dict[str, Any]]) -> Callable[[], np.ndarra
 
 def states(run: SystemRun, every: int) -> list[tuple[float, int, Callable[[], np.ndarray]]]:
     """(Unix time, samples, state loader) of every point of `run`'s curve, by the module's rule."""
-    if run.system in GOSSIP_SYSTEMS:
+    if is_gossip(run.system):
         return _states_gossip(run, every)
     if run.system == "sync-master":
         return _states_single(run, "master")

@@ -26,7 +26,7 @@ from ..systems.layout import ModelLayout
 from ..systems.sync.client import MasterClient
 from ..systems.sync.master import Refusal
 from .roles.sync import OBSERVER
-from .runner import GOSSIP_SYSTEMS, LiveRun
+from .runner import LiveRun, is_gossip
 
 __all__ = ["FAULTS", "KillProcess", "KillSyncWorkerMidTask", "fault_for"]
 
@@ -135,8 +135,9 @@ class KillSyncWorkerMidTask(KillProcess):
         return super().report()
 
 
+GOSSIP_FAULT = ("w{last}", "a gossip node killed")  # every gossip system's, a variant's too
 FAULTS = {  # system -> (victim, description); sync-master's is KillSyncWorkerMidTask
-    **{system: ("w{last}", "a gossip node killed") for system in GOSSIP_SYSTEMS},
+    "gossip": GOSSIP_FAULT,
     "async-ps": ("ps{last_server}", "a parameter server killed"),
     "async-ps/trainer": ("w{last}", "a parameter-server trainer killed"),
     "allreduce": ("rank{last}", "an all-reduce rank killed"),
@@ -148,5 +149,5 @@ def fault_for(scenario: str, workers: int, servers: int, after_s: float, layout:
     """The fault of `scenario` (a system, or ``async-ps/trainer``) for a run of `workers` workers."""
     if scenario == "sync-master":
         return KillSyncWorkerMidTask(f"w{workers - 1}", after_s, layout)
-    victim, what = FAULTS[scenario]
+    victim, what = GOSSIP_FAULT if is_gossip(scenario) else FAULTS[scenario]
     return KillProcess(victim.format(last=workers - 1, last_server=servers - 1), after_s, what)

@@ -36,6 +36,8 @@ from .workload import WorkloadSpec
 
 __all__ = [
     "KNOWN_SYSTEMS",
+    "gossip_keys",
+    "is_gossip",
     "OPT_IN_SYSTEMS",
     "SYSTEMS",
     "Fault",
@@ -65,7 +67,26 @@ SYSTEMS = (  # the default --systems
     "allreduce",
     "diloco",
 )
-KNOWN_SYSTEMS = (*SYSTEMS, *OPT_IN_SYSTEMS)  # every system --systems accepts
+KNOWN_SYSTEMS = (*SYSTEMS, *OPT_IN_SYSTEMS)  # every built-in system --systems accepts
+VARIANT_PREFIX = "gossip-"  # --variant NAME=...: the gossip system gossip-NAME, with the variant's keys
+
+
+def is_gossip(system: str) -> bool:
+    """A gossip system: a built-in one, or a variant of the comparison's (``--variant NAME=...``: gossip-NAME)."""
+    return system == "gossip" or system.startswith(VARIANT_PREFIX)
+
+
+def gossip_keys(system: str, options: RunOptions) -> dict[str, Any]:
+    """The dpwa config keys gossip system `system` runs with: a built-in system's own with ``--gossip-set``'s
+    over them; a variant's over ``--gossip-set``'s (the variant is the more specific)."""
+    variants = dict(options.variants)
+    if system in GOSSIP_SYSTEMS:
+        return {**GOSSIP_SYSTEMS[system], **dict(options.gossip_settings)}
+    if system in variants:
+        return {**dict(options.gossip_settings), **dict(variants[system])}
+    raise ValueError(f"unknown gossip system {system!r}; choose from {', '.join([*GOSSIP_SYSTEMS, *variants])}")
+
+
 COLLECTIVE = ("allreduce", "diloco")  # one process per rank, in one gloo group: a dead rank stops the others
 POLL_S = 0.05
 PORT = 29600  # with slow links: every host has its own address, so one port serves them all
@@ -82,6 +103,8 @@ class RunOptions:
     ps_timeout_s: float = 1.0  # async-ps: deadline of a pull or push
     gossip_timeout_ms: int = 1000  # gossip: deadline of a fetch
     gossip_settings: tuple[tuple[str, Any], ...] = ()  # gossip: config keys set for every gossip system
+    # gossip variants, each a system of its own (gossip-NAME) with its config keys: (system, ((key, value), ...))
+    variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     gloo_timeout_s: float = 30.0  # all-reduce, DiLoCo: a collective that waits longer fails
     diloco_period: int = DEFAULT_PERIOD  # DiLoCo: H, inner steps between two synchronisations
     outer_lr: float = 0.7  # DiLoCo: the outer Nesterov step's learning rate
@@ -117,6 +140,14 @@ class RunOptions:
             raise ValueError(f"churn must be at least 0, got {self.churn}")
         if self.churn and (self.link_mbit or self.byzantine):
             raise ValueError("churn runs over loopback without Byzantine workers (not with link_mbit or byzantine)")
+        for system, _ in self.variants:
+            if not system.startswith(VARIANT_PREFIX) or system in KNOWN_SYSTEMS:
+                raise ValueError(f"a variant's system is {VARIANT_PREFIX}NAME, not a built-in one; got {system!r}")
+
+    @property
+    def known_systems(self) -> tuple[str, ...]:
+        """Every system these options can run: the built-in ones and the variants."""
+        return (*KNOWN_SYSTEMS, *(system for system, _ in self.variants))
 
 
 class Fault(Protocol):
@@ -174,7 +205,7 @@ def _endpoints(tag: str, names: list[str], links: Links | None) -> dict[str, str
 def process_names(system: str, spec: WorkloadSpec, options: RunOptions) -> list[str]:
     """The names of `system`'s processes, in start order (each is a host when links are shaped)."""
     workers = [f"w{i}" for i in range(spec.workers)]
-    if system in GOSSIP_SYSTEMS:
+    if is_gossip(system):
         return workers
     if system == "sync-master":
         return ["master", *workers]
@@ -188,7 +219,7 @@ def process_names(system: str, spec: WorkloadSpec, options: RunOptions) -> list[
 def byzantine_workers(system: str, spec: WorkloadSpec, options: RunOptions) -> list[str]:
     """The workers of `system` that publish wrong snapshots: the last ``options.byzantine`` of a gossip
     system, none otherwise."""
-    if system not in GOSSIP_SYSTEMS or not options.byzantine:
+    if not is_gossip(system) or not options.byzantine:
         return []
     if 2 * options.byzantine >= spec.workers:
         raise ValueError(f"{options.byzantine} Byzantine workers of {spec.workers}: they must be fewer than half")
@@ -200,7 +231,7 @@ def plan_processes(
 ) -> tuple[dict, list, list]:
     """(the system's options for the run description, [(name, role, index)] to start, names that must be ready)."""
     workers = [f"w{i}" for i in range(spec.workers)]
-    if system in GOSSIP_SYSTEMS:
+    if is_gossip(system):
         if links is not None:
             hosts = [(links.address(n), PORT) for n in workers]
         else:
@@ -210,8 +241,7 @@ def plan_processes(
             "timeout_ms": options.gossip_timeout_ms,
             "same_host": "off",  # parameters travel over the socket, as they do for every other system
             "join": "never",  # every node starts from the same seed already
-            **GOSSIP_SYSTEMS[system],
-            **dict(options.gossip_settings),
+            **gossip_keys(system, options),
         }
         if links is not None:
             # Reachable addresses: dpwa refuses them without keys unless told. The namespaces are the run's own,

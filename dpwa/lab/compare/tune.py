@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from .comparison import CompareConfig, run_comparison
-from .runner import GOSSIP_SYSTEMS
+from .runner import GOSSIP_SYSTEMS, is_gossip
 
-__all__ = ["SPACES", "TUNING_SEED_OFFSET", "TuningError", "apply", "draw", "load_tuning", "tune"]
+__all__ = ["SPACES", "TUNING_SEED_OFFSET", "TuningError", "apply", "draw", "load_tuning", "space", "tune"]
 
 TUNING_SEED_OFFSET = 1000  # the tuning runs' seed is --seed + this: never one of the measured seeds
 
@@ -60,6 +60,11 @@ SPACES: dict[str, tuple[tuple[str, tuple[Any, ...]], ...]] = {
 }
 
 
+def space(system: str) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """`system`'s settings and the values each may take: every gossip system, a variant too, shares one."""
+    return _GOSSIP if is_gossip(system) else SPACES[system]
+
+
 class TuningError(ValueError):
     """An earlier tuning that cannot be used: unreadable, or without a best setting for a system asked for."""
 
@@ -77,7 +82,7 @@ def load_tuning(path: Path, systems: tuple[str, ...]) -> dict[str, Any]:
     for system in systems:
         entry = tuned["systems"].get(system)
         best = entry.get("best") if isinstance(entry, dict) else None
-        keys = {k for k, _ in SPACES[system]}
+        keys = {k for k, _ in space(system)}
         if not isinstance(best, dict) or set(best) != keys:
             raise TuningError(
                 f"--tuned-from {path}: no best setting for {system} (expected one with {', '.join(sorted(keys))}); "
@@ -91,7 +96,7 @@ def _default(system: str, config: CompareConfig) -> dict[str, Any]:
     if system == "diloco":
         o = config.options
         return {"lr_scale": 1.0, "outer_lr": o.outer_lr, "outer_momentum": o.outer_momentum, "period": o.diloco_period}
-    if system in GOSSIP_SYSTEMS:
+    if is_gossip(system):
         return {"lr_scale": 1.0, "f": 0.5, "period": None, "outer": None}  # None: the system's own (a preset's)
     return {"lr_scale": 1.0}
 
@@ -100,10 +105,11 @@ def draw(system: str, n: int, config: CompareConfig, seed: int) -> list[dict[str
     """`n` trials for `system`: its defaults first, then distinct points of its grid in a seeded random order."""
     if n < 1:
         raise ValueError(f"--tune takes at least 1 trial per system, got {n}")
-    space = SPACES[system]
+    grid_of = space(system)
     default = _default(system, config)
     grid = [
-        dict(zip([k for k, _ in space], values, strict=True)) for values in itertools.product(*[v for _, v in space])
+        dict(zip([k for k, _ in grid_of], values, strict=True))
+        for values in itertools.product(*[v for _, v in grid_of])
     ]
     rng = random.Random(seed * 1_000_003 + zlib.crc32(system.encode()))
     rng.shuffle(grid)
@@ -119,7 +125,7 @@ def apply(config: CompareConfig, system: str, trial: dict[str, Any], seed: int) 
         options = replace(
             options, outer_lr=trial["outer_lr"], outer_momentum=trial["outer_momentum"], diloco_period=trial["period"]
         )
-    elif system in GOSSIP_SYSTEMS:
+    elif is_gossip(system):
         settings = dict(options.gossip_settings)
         settings["constant"] = {"value": trial["f"]}
         if trial.get("period") is not None:
