@@ -136,13 +136,15 @@ def test_a_model_with_nan_or_inf_is_seen_and_set_back_to_a_snapshot_exactly(monk
         monkeypatch.setattr(pytorch_adapter, "CHUNK_ELEMENTS", 8)
         monkeypatch.setattr(pytorch_adapter, "CHUNKED_MIN_ELEMENTS", 1)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).to(torch.bfloat16))
-    params = TorchParams(net)
+    first, norm, last = nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).to(torch.bfloat16)
+    params = TorchParams(nn.Sequential(first, norm, last))
     assert (params._chunks is not None) == chunked
     snapshot = np.empty(params.size, np.float32)
     params.copy_to(snapshot)
     assert params.within(1e18) and not params.within(1e-9)
-    for tensor, bad in [(net[0].weight, math.nan), (net[1].running_var, math.inf), (net[2].bias, -math.inf)]:
+    running_var = norm.running_var
+    assert running_var is not None
+    for tensor, bad in [(first.weight, math.nan), (running_var, math.inf), (last.bias, -math.inf)]:
         with torch.no_grad():
             tensor.view(-1)[0] = bad
         assert not params.within(1e18)
@@ -158,8 +160,8 @@ def test_a_rules_own_vector_is_added_to_the_parameters_and_never_to_the_running_
     add_scaled_diff_from) does the same; a vector of another size or dtype is refused, naming what it takes."""
     from dpwa.mixing.params import FlatParams
 
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Linear(2, 2).double())
-    net[0].to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    conv = nn.Conv2d(1, 2, 3).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    net = nn.Sequential(conv, nn.BatchNorm2d(2), nn.Linear(2, 2).double())
     params = TorchParams(net)
     stats = params.statistics()
     before = np.empty(params.size, np.float32)

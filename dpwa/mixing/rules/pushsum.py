@@ -12,9 +12,12 @@ that is ``x_i += f (x_j - x_i)`` with ``f = g / (w_i + g)``. Every transfer
 keeps the sums of w and of w x, so with nothing trained in between the
 nodes' weighted mean ``sum w x / sum w`` never drifts, as it does under the
 plain pull rules, and there is no confirm round trip: the mass moves with the
-reply. A reply that is lost loses its mass (the weights then sum to less than
-n and the mean shifts by what that mass held); a requester starts again from
-weight 1 when it restarts.
+reply. A reply that is lost (its requester stopped waiting for it) loses its
+mass: the weights then sum to less than n and the mean shifts by what that
+mass held. Every node counts the weight it gave and the weight it took in
+(``rule.given``, ``rule.taken``), so a cluster's loss is the sum of the first
+less the sum of the second. A requester starts again from weight 1 when it
+restarts.
 
 **The weight goes with the parameters it belongs to.** A fetch is served
 the snapshot of the server's last publish, which may be older than its
@@ -81,6 +84,8 @@ class PushSum(Rule):
         self.total = MAX_WEIGHT  # the most weight the cluster can hold (its most nodes: cluster())
         self.stale_serves = 0  # fetches served weight 0: their snapshot was older than our last blend
         self.minted = 0.0  # weight added to keep the floor (FLOOR): mass the cluster did not hold
+        self.given = 0.0  # weight served with snapshots, in all
+        self.taken = 0.0  # weight blended in from peers' snapshots, in all (a cluster's given - taken was lost)
 
     @classmethod
     def check_mode(cls, mode: str, settings: dict[str, Any]) -> None:
@@ -93,6 +98,7 @@ class PushSum(Rule):
                 self.stale_serves += 1
                 return {"weight": 0.0}
             given = self.weight / 2
+            self.given += given
             if self.weight - given < FLOOR:
                 self.minted += FLOOR - (self.weight - given)
             self.weight = max(FLOOR, self.weight - given)
@@ -132,13 +138,14 @@ class PushSum(Rule):
         with self._lock:  # the weight as it is now: the Rx thread may have given some away since factor
             self._current = None  # our parameters move: no snapshot of ours holds them until the next publish
             f = given / (self.weight + given)
+            self.taken += given
             self.weight = min(self.total, self.weight + given)
         params.lerp_from(peer, f, wire)
         return f
 
     def report(self) -> dict[str, float]:
         with self._lock:
-            return {"weight": self.weight, "minted": self.minted}
+            return {"weight": self.weight, "minted": self.minted, "given": self.given, "taken": self.taken}
 
     def mass(self) -> float:
         with self._lock:
