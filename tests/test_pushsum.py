@@ -129,7 +129,7 @@ def test_a_server_at_the_floor_gives_half_of_it_and_keeps_the_floor():
     f = taker.factor(Side(0.0, None), Side(0.0, None, {"weight": 0.75 * FLOOR}))
     assert taker.blend(NumpyParams(x), None, filled(5, SIZE), f, "float32") == pytest.approx(f)
     assert f == pytest.approx(0.75 * FLOOR / (1 + 0.75 * FLOOR))
-    assert (taker.given, taker.taken) == (0.0, given)  # what one gave, the other took: nothing lost
+    assert taker.given == 0.0 and taker.taken == given  # what one gave, the other took: nothing lost
 
 
 def test_members_that_take_weight_and_never_give_it_back_do_not_stop_the_others_mixing():
