@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ROOT
 from dpwa.config import parse_config
+from dpwa.lab.compare.tune import TUNING_SEED_OFFSET
 from dpwa.lab.sim.simulate import Gossip
 
 DOC = ROOT / "docs" / "rules.md"
@@ -87,11 +88,14 @@ def run_block(step: str, cwd) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_the_simulator_and_the_comparison_run_as_written_with_two_rules_of_ones_own_in_one_table(folder):
-    """The simulator command prints the rule's line; the comparison puts the default gossip and both rules of
-    one's own (gossip-heavy, gossip-scaled) in one table, with the same seeds, each run complete, and each
-    node ran the rule its variant names."""
+    """The simulator command prints the rule's line. The comparison (--seeds 2 --tune 2) puts the default gossip
+    and both rules of one's own (gossip-heavy, gossip-scaled) in one table, each run complete, each node running
+    the rule its variant names. It is also the comparison's end-to-end run of paired seeds and tuning: each
+    seed's folder, one JSON with both runs and the intervals, a plot; within a seed every system started from
+    the same model (equal first evaluations), and the two seeds from different ones; every system got two
+    trials, its defaults first, and both seeds ran at its best."""
     simulated = run_block("simulate", folder)
     assert "8 nodes, pull/heavyball:HeavyBall, f = 0.5: mean D'/D per exchange" in simulated, simulated
     assert "8 nodes, pull/delta, f = 0.5" in simulated, simulated
@@ -99,8 +103,11 @@ def test_the_simulator_and_the_comparison_run_as_written_with_two_rules_of_ones_
     systems = ["gossip", "gossip-heavy", "gossip-scaled"]
     table = compared[compared.rindex("final - gossip (paired)") :]
     assert [line.split()[0] for line in table.splitlines()[2:5]] == systems, compared[-2000:]
-    report = json.loads((folder / "runs" / "two-rules" / "compare.json").read_text())
-    assert list(report["aggregate"]["systems"]) == systems
+    assert "2 seeds (0, 1), paired" in compared and "tuning: 2 trials per system" in compared
+    out = folder / "runs" / "two-rules"
+    report = json.loads((out / "compare.json").read_text())
+    assert (out / "seed-0" / "compare.json").is_file() and (out / "seed-1" / "compare.json").is_file()
+    assert (out / "compare.png").stat().st_size > 0
     assert report["seeds"] == [0, 1] and len(report["runs"]) == 2
     for run in report["runs"]:
         done = run["systems"]
@@ -108,3 +115,18 @@ def test_the_simulator_and_the_comparison_run_as_written_with_two_rules_of_ones_
     variants = dict(report["runs"][0]["options"]["variants"])
     assert variants["gossip-heavy"] == [["rule", "heavyball:HeavyBall"], ["mode", "pull"]]
     assert variants["gossip-scaled"] == [["rule", "myrules:ScaledDelta"]]
+    firsts = [[run["systems"][s]["curve"][0][2] for s in systems] for run in report["runs"]]
+    assert len(set(firsts[0])) == 1 and len(set(firsts[1])) == 1  # paired: one initial model per seed
+    assert firsts[0][0] != firsts[1][0]  # and another one for the other seed
+    agg = report["aggregate"]["systems"]
+    assert list(agg) == systems
+    assert agg["gossip"]["final_test_acc"]["n"] == 2 and agg["gossip"]["final_test_acc"]["half_width"] is not None
+    assert "paired_final_difference" in agg["gossip-heavy"] and "paired_final_difference" in agg["gossip-scaled"]
+    tuning = report["tuning"]
+    assert tuning["seed"] == TUNING_SEED_OFFSET and tuning["trials_per_system"] == 2
+    for system in systems:
+        trials = tuning["systems"][system]["trials"]
+        assert len(trials) == 2 and trials[0]["settings"]["lr_scale"] == 1.0
+        best = tuning["systems"][system]["best"]
+        assert best in [t["settings"] for t in trials]
+        assert all(run["systems"][system]["tuned_settings"] == best for run in report["runs"])
