@@ -90,6 +90,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     lanes.classify(items)
+    lanes.heaviest_first(items)
 
 
 @pytest.hookimpl(wrapper=True)
