@@ -90,7 +90,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     lanes.classify(items)
-    lanes.heaviest_first(items)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -56,18 +56,6 @@ def classify(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.io)
 
 
-def heaviest_first(items: list[pytest.Item]) -> None:
-    """Whole test files in three groups, each in the order collected: those with a slow test, then those with
-    a one-process test, then the rest. The workers take tests in this order (helpers/workers.py), so the long
-    tests start early and the run ends on short ones, not on a 60 s test handed out last. A file stays whole:
-    a module-scoped fixture is built once."""
-    group: dict[str, int] = {}
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        group[module] = min(group.get(module, 2), {"slow": 0, "io": 1}.get(kind(item), 2))
-    items.sort(key=lambda item: group[item.nodeid.split("::", 1)[0]])
-
-
 _guard = threading.local()
 _guarded_threads: set[int] = set()  # the threads of the unit test now running (its own, and those it started)
 _guard_lock = threading.Lock()
