@@ -123,7 +123,7 @@ from .protocol import (
     SHM_EXCHANGE,
     SNAPSHOT_REPLIES,
 )
-from .requesting import Arrivals, Received, ReplyReader
+from .requesting import Arrivals, Received, ReplyReader, copied_out
 from .serving import Serving
 from .snapshots import Lease
 from .validation import PeerValues
@@ -813,10 +813,11 @@ class ExchangeServer:
         return self._serve(request, receive)
 
     def serve_shm_exchange(self, request: Request) -> Reply:
-        """An exchange whose requester's snapshot waits in its shared-memory slot (same host): the slot is
-        locked for reading, and stays locked until the exchange is applied or expires, so the requester
-        cannot rewrite it meanwhile. A requester whose slots we cannot read is told ``shm_unavailable``
-        (it sends the payload instead)."""
+        """An exchange whose requester's snapshot waits in its shared-memory slot (same host). The slot is
+        locked for reading and copied into a slot of ours that nobody holds, then let go at once
+        (:func:`~dpwa.gossip.requesting.copied_out`). Without a slot to spare, it is read in place and stays
+        locked until the exchange is applied or expires, so the requester cannot rewrite it meanwhile. A
+        requester whose slots we cannot read is told ``shm_unavailable`` (it sends the payload instead)."""
         header, peer = request.header, request.sender
         slots = self._slots.get(peer)
         if slots is None:
@@ -828,7 +829,9 @@ class ExchangeServer:
                 header["shm_id"], header["shm_slot"], header["version"], model.kept_nbytes, model.storage
             )
             self._counters.add("shm_exchanges_served")
-            return Received(header, view.array, view.release)
+            received = copied_out(header, view.array, view.release, self._store.borrow)
+            self._counters.add("shm_exchanges_copied", received.copied)
+            return received
 
         return self._serve(request, receive)
 
