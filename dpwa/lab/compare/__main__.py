@@ -12,6 +12,7 @@ the repository root)::
     python -m dpwa.compare --workload charlm --systems gossip,gossip-lowbw,diloco,allreduce   # a character-level LM
     python -m dpwa.compare --workload charlm --link-mbit 20 --systems gossip,gossip-lowbw,diloco,allreduce  # (root)
     python -m dpwa.compare --gossip-set mode=pull --gossip-set period=4    # try other dpwa settings
+    python -m dpwa.compare --systems gossip --variant 'heavy={rule: heavyball:HeavyBall, mode: pull}'  # your rule
     python -m dpwa.compare --workload charlm --systems gossip,gossip-original,gossip-pushsum   # push-sum (opt-in)
     python -m dpwa.compare --workload charlm --systems gossip,gossip-noloco,diloco --seeds 3   # NoLoCo (opt-in)
     python -m dpwa.compare --map --quick --tune 4 --seeds 2 --systems gossip,gossip-lowbw,allreduce,diloco  # (root)
@@ -319,7 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME=MAP",
         help="a gossip system of your own, gossip-NAME: dpwa config keys (a YAML map) over the --gossip-set ones, "
         "run beside the --systems with the same seeds, tuning and workload: --variant "
-        "'heavy={rule: myrules:HeavyDelta, rule_options: {beta: 0.5}}'; repeatable (docs/rules.md)",
+        "'heavy={rule: \"heavyball:HeavyBall\", mode: pull}'; repeatable (docs/rules.md's worked example)",
     )
     p.add_argument(
         "--byzantine",
@@ -547,7 +548,7 @@ def variants(given: list[str]) -> tuple[tuple[str, tuple[tuple[str, Any], ...]],
         if not sep or not re.fullmatch(r"[a-z0-9][a-z0-9_]{0,31}", name):
             raise ValueError(
                 f"--variant {text!r}: expected NAME=MAP, NAME of lower-case letters, digits and _ (at most 32), "
-                "as in heavy='{rule: myrules:HeavyDelta}'"
+                "as in heavy='{rule: \"heavyball:HeavyBall\", mode: pull}'"
             )
         system = VARIANT_PREFIX + name
         if system in KNOWN_SYSTEMS or system in out:
