@@ -177,10 +177,12 @@ def test_a_short_pushsum_run_exchanges_weight_and_learns(tmp_path):
     assert math.isfinite(untrained) and final is not None and math.isfinite(final)
     assert final < untrained - 0.2, (final, untrained)  # it learned
     assert pushsum["nonfinite_points"] == 0
-    # the weights moved (a served snapshot carries half the server's weight) and no mass was made
+    # the weights moved (a served snapshot carries half the server's weight) and no mass was made beyond what
+    # the floor minted (a node that serves 20 times without a blend reaches it: CI's run minted 2.7e-7)
     masses = pushsum["mass_at_end"]
     assert set(masses) == {"w0", "w1"} and all(m > 0 for m in masses.values())
-    assert 0 < pushsum["mass_sum_at_end"] <= 2 + 1e-9
+    assert 0 <= pushsum["minted_at_end"] < 1e-4
+    assert 0 < pushsum["mass_sum_at_end"] <= 2 + pushsum["minted_at_end"] + 1e-9
     work = tmp_path / "run" / "work" / "gossip-pushsum"
     run = json.loads((work / "run.json").read_text())
     assert run["gossip_config"]["mode"] == "pull" and run["gossip_config"]["rule"] == "pushsum"

@@ -190,6 +190,10 @@ def _extras(run: SystemRun, options: RunOptions) -> dict[str, Any]:
         if weighted_by_mass(run):  # push-sum: each node's weight at the end, and their sum (n less what was lost)
             masses = {n: run.results[n].get("mass_at_end") for n in run.workers if n in run.results}
             out["mass_at_end"] = masses
+            # what push-sum minted to keep a node at its floor (FLOOR): the mass beyond the nodes' count
+            out["minted_at_end"] = sum(
+                run.results[n].get("minted_at_end", 0.0) for n in run.workers if n in run.results
+            )
             out["mass_sum_at_end"] = sum(m for m in masses.values() if m is not None)
     elif run.system == "allreduce":
         out["bytes_estimated"] = True

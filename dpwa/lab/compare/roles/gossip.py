@@ -93,6 +93,7 @@ def run(role: Role) -> None:
             idle_s = max(2.0, 4 * step_s, 2 * timeout_s)
             lingered = conn.linger(idle_s, limit_s=role.options.get("linger_s", 60.0), stop=lambda: bool(role.stop))
         mass_at_end = rule.mass()  # in mode pull lingering moves no parameter, only (push-sum) weight given away
+        minted_at_end = float(getattr(rule, "minted", 0.0))  # push-sum: weight added to keep its floor
     rec.result(
         role="gossip",
         go=go,
@@ -104,6 +105,7 @@ def run(role: Role) -> None:
         progress=progress,
         lingered_s=lingered,
         mass_at_end=mass_at_end,
+        minted_at_end=minted_at_end,
         stopped=role.stop.signal_name,
         byzantine=attack,
         published_wrong=published[0],
