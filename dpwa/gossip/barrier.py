@@ -477,7 +477,8 @@ class BarrierWaiter:
             if behind and self._members is not None and len(idlers) == len(behind):
                 idle_since = now if idle_since is None else idle_since
                 if now - idle_since >= self._idle_after_s:
-                    skipped.update(self._skip_idle(name, k, behind))
+                    self._skip_idle(name, k, behind)
+                    skipped.update(behind)
                     behind = []
             else:
                 idle_since = None
@@ -523,7 +524,7 @@ class BarrierWaiter:
         last = self._last_sign(peer)
         return last is not None and now - max(last, started) >= self._dead_after_s
 
-    def _skip_idle(self, name: str, k: int, behind: list[str]) -> list[str]:
+    def _skip_idle(self, name: str, k: int, behind: list[str]) -> None:
         """The members still `behind` never took part, and were all we waited for, for `idle_after_s`: skip
         them; those in the view for as long as a dead member takes to leave it are retired from it."""
         assert self._members is not None
@@ -537,7 +538,6 @@ class BarrierWaiter:
                 "node) and did not arrive in %.1f s",
                 self._name, name, k, ", ".join(kept), self._idle_after_s,
             )  # fmt: skip
-        return behind
 
     def _tell(self, peers: list[str], calls: dict[str, Call]) -> None:
         """Best effort: let peers that have not heard of our arrival hear of it (nobody waits for the answers)."""

@@ -123,7 +123,7 @@ from .protocol import (
     SHM_EXCHANGE,
     SNAPSHOT_REPLIES,
 )
-from .requesting import Arrivals, Received, ReplyReader, copied_out
+from .requesting import Arrivals, Received, ReplyReader
 from .serving import Serving
 from .snapshots import Lease
 from .validation import PeerValues
@@ -814,10 +814,12 @@ class ExchangeServer:
 
     def serve_shm_exchange(self, request: Request) -> Reply:
         """An exchange whose requester's snapshot waits in its shared-memory slot (same host). The slot is
-        locked for reading and copied into a slot of ours that nobody holds, then let go at once
-        (:func:`~dpwa.gossip.requesting.copied_out`). Without a slot to spare, it is read in place and stays
-        locked until the exchange is applied or expires, so the requester cannot rewrite it meanwhile. A
-        requester whose slots we cannot read is told ``shm_unavailable`` (it sends the payload instead)."""
+        locked for reading and copied into a slot of ours that nobody holds (``SnapshotStore.borrow``), then
+        let go at once, so that the requester may publish into it again (it has two slots; one locked until
+        our half was applied, at our next step, made its publishes skip and its next exchange wait: 8 steps
+        of 144 under torchrun). Without a slot to spare, it is read in place and stays locked until the
+        exchange is applied or expires, so the requester cannot rewrite it meanwhile. A requester whose slots
+        we cannot read is told ``shm_unavailable`` (it sends the payload instead)."""
         header, peer = request.header, request.sender
         slots = self._slots.get(peer)
         if slots is None:
@@ -829,9 +831,19 @@ class ExchangeServer:
                 header["shm_id"], header["shm_slot"], header["version"], model.kept_nbytes, model.storage
             )
             self._counters.add("shm_exchanges_served")
-            received = copied_out(header, view.array, view.release, self._store.borrow)
-            self._counters.add("shm_exchanges_copied", received.copied)
-            return received
+            lent = self._store.borrow()  # a slot of ours, of the same size and dtype as every snapshot
+            if lent is None:
+                return Received(header, view.array, view.release)  # read in place, locked until applied
+            copy, give_back = lent
+            try:
+                np.copyto(copy, view.array)
+            except BaseException:
+                give_back()
+                raise
+            finally:
+                view.release()
+            self._counters.add("shm_exchanges_copied")
+            return Received(header, copy, give_back)
 
         return self._serve(request, receive)
 

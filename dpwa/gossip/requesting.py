@@ -57,12 +57,11 @@ _RETRY = ("shm_stale", "shm_busy")
 class Received:
     """A peer's snapshot held for blending: its header, its elements, and how to let go of them."""
 
-    __slots__ = ("header", "array", "_release", "copied")
+    __slots__ = ("header", "array", "_release")
 
     def __init__(self, header: Header, array: np.ndarray, release: Callable[[], None]) -> None:
         self.header, self.array = header, array
         self._release: Callable[[], None] | None = release
-        self.copied = False  # a same-host peer's slot copied into ours and let go (copied_out)
 
     def release(self) -> None:
         """Give the memory back (a frame to the client thread, a shared slot's lock). Idempotent."""
@@ -75,33 +74,6 @@ class Received:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-Spare = Callable[[], "tuple[np.ndarray, Callable[[], None]] | None"]  # SnapshotStore.borrow: a slot nobody holds
-
-
-def copied_out(header: Header, array: np.ndarray, release: Callable[[], None], spare: Spare | None) -> Received:
-    """A same-host requester's slot, read in place (`array`, let go by `release`), as an exchange's server
-    holds it: copied into a slot of ours that nobody holds (`spare`) and let go at once, so that the
-    requester may publish into it again (it has two slots; one locked until our half was applied, at our
-    next step, made its publishes skip and its next exchange wait: 8 steps of 144 under torchrun). Read in
-    place, held until released, when no slot of ours is free (``Received.copied`` says which)."""
-    lent = spare() if spare is not None else None
-    if lent is None or lent[0].shape != array.shape or lent[0].dtype != array.dtype:
-        if lent is not None:
-            lent[1]()
-        return Received(header, array, release)
-    copy, give_back = lent
-    try:
-        np.copyto(copy, array)
-    except BaseException:
-        give_back()
-        raise
-    finally:
-        release()
-    received = Received(header, copy, give_back)
-    received.copied = True
-    return received
 
 
 class Arrivals:
