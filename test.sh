@@ -31,6 +31,7 @@ case "$lane" in
     full)
         phase ".venv"
         source scripts/ensure-chromium.sh
+        source scripts/ensure-iptables.sh
         # The checks run beside the tests, on the core the tests leave idle (mypy is one core's work for about
         # a minute); their output follows pytest's. Two workers (pytest-xdist; tests/helpers/workers.py says how
         # the tests are handed out): docs/testing.md, 'Parallel workers'. Extra -n N overrides, -n 0 is one process.

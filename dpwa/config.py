@@ -39,6 +39,7 @@ from .mixing.outer import OUTER_RULES
 from .mixing.pairing import PAIRINGS
 from .wire.curve import valid_public_key
 from .wire.endpoints import BindError, bind_address, ipc_endpoint, is_loopback
+from .wire.relaying import parse_ports
 
 __all__ = [
     "Config",
@@ -141,6 +142,23 @@ def slot_count() -> Check:
     return check
 
 
+def port_or_zero() -> Check:
+    def check(value: Any, key: str, source: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+            raise ConfigError(f"{source}: {key} must be a TCP port in 1..65535, or 0 for none, got {value!r}")
+        return value
+
+    return check
+
+
+def _port_range(value: Any, key: str, source: str) -> str:
+    try:
+        parse_ports(str(value))
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {key} {exc}") from None
+    return str(value).strip()
+
+
 def flag() -> Check:
     def check(value: Any, key: str, source: str) -> bool:
         if not isinstance(value, bool):
@@ -229,6 +247,11 @@ def split_host_port(entry: str) -> tuple[str, int] | None:
 def _bootstrap(value: Any, key: str, source: str) -> tuple[str, ...]:
     """At most BOOTSTRAP_MAX addresses, each ``host:port``, none twice; in a keyed cluster each with the
     node's public key: ``{address: HOST:PORT, public_key: KEY}``, kept as ``"HOST:PORT KEY"``."""
+    return _addresses(value, key, source, what="node")
+
+
+def _addresses(value: Any, key: str, source: str, *, what: str) -> tuple[str, ...]:
+    """:func:`_bootstrap`'s check, for addresses of any kind of node (`what`, in messages)."""
     if not isinstance(value, (list, tuple)) or not value or len(value) > BOOTSTRAP_MAX:
         raise ConfigError(
             f"{source}: {key} must be a list of 1 to {BOOTSTRAP_MAX} addresses like 'localhost:45000', got {value!r:.120}"
@@ -252,7 +275,7 @@ def _bootstrap(value: Any, key: str, source: str) -> tuple[str, ...]:
             )
         if public_key is not None and not valid_public_key(public_key):
             raise ConfigError(
-                f"{where}.public_key must be the node's 40-character Z85 CURVE public key, got {public_key!r:.60}"
+                f"{where}.public_key must be the {what}'s 40-character Z85 CURVE public key, got {public_key!r:.60}"
             )
         address = address.strip()
         if address.lower() in seen:
@@ -285,6 +308,7 @@ class NodeSpec:
     public_key: str | None = None  # Z85 CURVE public key; set on every node or on none
     secret_key_file: str | None = None  # where this node finds its secret key (absolute path)
     cert_file: str | None = None  # with bootstrap and keys: this node's member certificate (absolute path)
+    reachable: bool = True  # False: nobody can dial it; peers reach it through a relay (`relays`)
 
     @property
     def tcp_endpoint(self) -> str:
@@ -504,6 +528,37 @@ class Config:
         positive_int(),
         "with `bootstrap`: a member suspect for this long is removed (it is admitted again if it comes back)",
     )
+    relays: tuple[str, ...] = setting(
+        tuple,
+        functools.partial(_addresses, what="relay"),
+        "for a node with `reachable: false`: up to 64 `host:port` addresses of relays (another node's "
+        "`relay_port`), asked in order until one gives this node a port there; peers reach the node at that "
+        "port. With keys each entry is `{address: HOST:PORT, public_key: KEY}` (the relay node's key) "
+        "([Nodes nobody can dial](operations.md#nodes-nobody-can-dial))",
+        shown="none",
+    )
+    relay_port: int = setting(
+        0,
+        port_or_zero(),
+        "the TCP port where this node relays for members that nobody can dial (`0`: it relays for none); each "
+        "relayed member gets a port of `relay_ports`, and peers' connections to it are spliced, unread, to the "
+        "member's own connection out",
+    )
+    relay_ports: str = setting(
+        "",
+        _port_range,
+        "with `relay_port`: the ports relayed members get, `FIRST-LAST`, one each (default: the 8 after "
+        "`relay_port`); so at most that many members are relayed here",
+        shown="relay_port+1 to +8",
+    )
+    relay_streams_max: int = setting(
+        32, positive_int(), "with `relay_port`: the connections relayed at once for one member (more are closed)"
+    )
+    relay_mbit: float = setting(
+        100.0,
+        number(0.0, 1e6),
+        "with `relay_port`: what one relayed member's connections may move together, in Mbit/s (`0`: no bound)",
+    )
     interface: str = setting(
         "auto",
         _interface,
@@ -519,6 +574,24 @@ class Config:
 
         A torchrun config is: its nodes make their keys at start and swap them through the store."""
         return self.torchrun or self.nodes[0].public_key is not None
+
+    @property
+    def relay_port_range(self) -> range:
+        """The ports this node gives the members it relays for (``relay_ports``, or the 8 after ``relay_port``)."""
+        if self.relay_ports:
+            return parse_ports(self.relay_ports)
+        return range(self.relay_port + 1, min(self.relay_port + 9, 65536)) if self.relay_port else range(0)
+
+    @property
+    def relay_addresses(self) -> tuple[tuple[str, int, str | None], ...]:
+        """``relays`` as (host, port, public key or None)."""
+        out = []
+        for entry in self.relays:
+            address, _, key = entry.partition(" ")
+            host_port = split_host_port(address)
+            assert host_port is not None  # checked at load
+            out.append((host_port[0], host_port[1], key or None))
+        return tuple(out)
 
     @property
     def resolved(self) -> bool:
@@ -621,11 +694,11 @@ class Config:
             value = getattr(self, name)
             if name in ("rule_options", "wire_options"):
                 value = dict(value)
-            if name == "bootstrap":
+            if name in ("bootstrap", "relays"):
                 if not value:
-                    continue  # no open membership: the key is absent
+                    continue  # no open membership (no relays): the key is absent
                 value = list(value)
-            if name == "cluster_key" and not value:
+            if name in ("cluster_key", "relay_ports") and not value:
                 continue
             out[name] = {"value": value.value} if isinstance(value, ConstantOptions) else value
         return out
@@ -668,6 +741,9 @@ def key_table() -> str:
         "public key, and where that node finds its secret key ([Security](security.md)); on every node or on none |",
         "| `nodes[].cert_file` | none | with `bootstrap` and keys: the node's member certificate (`python -m dpwa keygen "
         "NAME --sign-with cluster.secret` writes `NAME.cert`), checked at start and carried in its digest entries |",
+        "| `nodes[].reachable` | `true` | `false`: nobody can dial this node (a home router, a firewall); with "
+        "`bootstrap` and `relays`, peers reach it at a port a relay gives it ([Nodes nobody can "
+        "dial](operations.md#nodes-nobody-can-dial)) |",
     ]
     by_name = {spec.name: spec for spec in dataclasses.fields(Config)}
     for name, meta in settings():
@@ -680,7 +756,7 @@ def key_table() -> str:
 # --------------------------------------------------------------------------- loading
 
 _PLACEHOLDERS = ("clock", "loss")  # interpolations without options: accepted, checked, not kept
-_NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file", "cert_file")
+_NODE_KEYS = ("name", "host", "port", "bind", "public_key", "secret_key_file", "cert_file", "reachable")
 _CONSTANT_KEYS = ("value",)
 _OLD_NAMES = {"blend": "rule"}  # keys renamed: still read, under the new name
 
@@ -749,6 +825,7 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
         )
     if config.bootstrap:
         config = _checked_bootstrap(config)
+    _check_relays(config)
     if config.pairing == "hypercube" and nodes and (len(nodes) < 2 or len(nodes) & (len(nodes) - 1)):
         raise ConfigError(
             f"{source}: pairing: hypercube needs a power of two of nodes (2, 4, 8, ...), got {len(nodes)}"
@@ -766,6 +843,41 @@ def parse_config(data: str | Mapping[str, Any] | list[Any], source: str = "<conf
                 "network you trust"
             )
     return config
+
+
+def _check_relays(config: Config) -> None:
+    """A node nobody can dial needs open membership and relays; relaying runs over TCP only."""
+    source = config.source
+    hidden = [spec.name for spec in config.nodes if not spec.reachable]
+    if hidden and not config.bootstrap:
+        raise ConfigError(
+            f"{source}: node {hidden[0]!r} has reachable: false, which needs bootstrap (open membership): its "
+            "address, at a relay, reaches the others by gossip"
+        )
+    if hidden and not config.relays:
+        raise ConfigError(
+            f"{source}: node {hidden[0]!r} has reachable: false but relays lists no relay (another node's "
+            "relay_port) through which peers reach it"
+        )
+    keyed = bool(config.nodes) and config.nodes[0].public_key is not None
+    for entry in config.relays:
+        address, _, key = entry.partition(" ")
+        if keyed and not key:
+            raise ConfigError(
+                f"{source}: relays entry {address} has no public_key; in a cluster with keys a relay proves "
+                "nothing without it: {address: HOST:PORT, public_key: KEY}"
+            )
+        if not keyed and key:
+            raise ConfigError(f"{source}: relays entry {address} has a public_key, but the nodes have none")
+    if (hidden or config.relay_port) and config.transport == "ipc":
+        raise ConfigError(
+            f"{source}: relays run over TCP, and this loopback cluster without keys talks over ipc sockets: add "
+            "keys, or set insecure: true"
+        )
+    if config.relay_ports and not config.relay_port:
+        raise ConfigError(f"{source}: relay_ports is for a relay: set relay_port too")
+    if config.relay_port and config.relay_port in config.relay_port_range:
+        raise ConfigError(f"{source}: relay_ports must not include relay_port ({config.relay_port})")
 
 
 def _checked_bootstrap(config: Config) -> Config:
@@ -951,6 +1063,9 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
             if public_key is None:
                 raise ConfigError(f"{source}: {where} has a cert_file but no public_key (a certificate is for a key)")
             cert_file = os.path.join(base_dir, os.path.expanduser(cert_file.strip()))
+        reachable = entry.get("reachable", True)
+        if not isinstance(reachable, bool):
+            raise ConfigError(f"{source}: {where}.reachable must be true or false, got {reachable!r}")
         if name in names:
             raise ConfigError(f"{source}: {where}.name {name!r} is used by two nodes; names must be unique")
         address = (host.strip().lower(), port)
@@ -967,6 +1082,7 @@ def _parse_nodes(value: Any, source: str, base_dir: str) -> tuple[NodeSpec, ...]
                 public_key=public_key,
                 secret_key_file=secret_file,
                 cert_file=cert_file,
+                reachable=reachable,
             )
         )
     keyed = [spec.name for spec in specs if spec.public_key is not None]

@@ -1137,6 +1137,14 @@ class ExchangeServer:
             pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))
         self._paused[peer] = (now + pause if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
 
+    def forget(self, peer: str) -> None:
+        """`peer` left the view or restarted: its strikes and pause were its predecessor's, and go with it (a
+        node killed in the middle of exchanges would otherwise leave its restart refused busy for up to
+        RESOLVE_LIMIT_S)."""
+        with self._lock:
+            self._paused.pop(peer, None)
+            self._failed_at.pop(peer, None)
+
     def _late(self, peer: str, xid: int) -> None:
         """(With the lock held) the confirm of `xid`, which expired (or gave way) unconfirmed, came after all:
         its requester is on a slow link, not hostile. The strike is taken back, and with it a pause it led to;

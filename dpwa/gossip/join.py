@@ -83,6 +83,10 @@ __all__ = [
 CHUNK_BYTES = 4 << 20  # bytes of state per join_data reply
 MAX_OFFERS = 2  # offers a donor keeps at once (each a copy of the model and its optimizer state)
 OFFER_TTL_S = 30.0  # an offer is dropped this long after its last use
+# ... or this long, once its last chunk was served: a joiner that read it all is done, and an offer holds a
+# snapshot slot (two offers held both of a node's slots, and froze its averaging, for 30 s after each restart of a
+# peer: the relay walkthrough's restarts)
+OFFER_DONE_S = 2.0
 EXTRA_PATIENCE_S = 2.0  # a joiner waits this long for a donor's optimizer state, then takes its parameters alone
 MAX_EXTRA_META = 60_000  # bytes of optimizer-state metadata
 OFFER_INTERVAL_S = 1.0  # a donor makes at most one new offer this often (each hashes the whole state)
@@ -150,6 +154,7 @@ class _Offer:
     digest: bytes  # of the snapshot's bytes, then the extra bytes
     created: float
     used: float
+    finished: bool = False  # its last chunk was served
 
     @property
     def nbytes(self) -> int:
@@ -246,8 +251,14 @@ class JoinServer:
 
     # ----------------------------------------------------------------- Rx thread
 
+    def expire(self) -> None:
+        """(training thread, before each publish) Drop the offers nobody uses any more: their slots go back."""
+        with self._lock:
+            self._expire(time.monotonic())
+
     def _expire(self, now: float) -> None:
-        for session in [s for s, o in self._offers.items() if now - o.used > OFFER_TTL_S]:
+        old = [s for s, o in self._offers.items() if now - o.used > (OFFER_DONE_S if o.finished else OFFER_TTL_S)]
+        for session in old:
             self._offers.pop(session).snapshot.release()
         for joiner in [j for j, t in self._asked.items() if now - t > OFFER_TTL_S]:
             del self._asked[joiner]
@@ -354,6 +365,7 @@ class JoinServer:
             offer = self._offers.get(header["session"])
             if offer is not None:
                 offer.used = time.monotonic()
+                offer.finished = offer.finished or header["offset"] + CHUNK_BYTES >= offer.nbytes
         if offer is None:
             raise refused("unknown_session", "no such join offer (expired, or never made)")
         offset = header["offset"]

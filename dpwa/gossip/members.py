@@ -134,6 +134,7 @@ class Members:
         self._refused: Counter[str] = Counter()  # refusals made here, before the view (unreachable, announce_rate)
         self._changes = 0  # members added or removed so far: the node's peers follow when it moves
         self._synced = -1  # _changes when the node's peers last followed the view (the training thread's)
+        self._synced_incarnations: dict[str, int] = {}  # each member's incarnation when the peers last followed
         self._ticked = -float("inf")  # when tick() last looked at the clocks
         self.retired = 0  # members retired for never taking part (retire)
         now = clock()
@@ -206,8 +207,9 @@ class Members:
         if isinstance(entries, Sequence) and not isinstance(entries, (str, bytes)):
             entries = [e for e in entries[: DIGEST_MAX + 1] if self._reachable(e)]
         with self._lock:
+            before = self._incarnations(entries)
             added = self._view.merge(sender, entries, self._clock())
-            self._changed(len(added))
+            self._changed(len(added) + self._restarted(before))
         for info in added:
             logger.info("%s: %s joined the view (from %s), at %s", self.name, info.name, sender, info.endpoint)
         return [info.name for info in added]
@@ -245,8 +247,11 @@ class Members:
                     self._changed(1)
                     logger.info("%s: %s announced itself, at %s", self.name, claim.name, claim.endpoint)
                 return bool(added)
+            before = self._incarnations([raw])
             if self._view.merge(claim.name, [raw], now):  # it took its name back from a holder that never answered
                 self._changed(1)
+            else:
+                self._changed(self._restarted(before))
                 logger.warning("%s: %s took its name back, at %s", self.name, claim.name, claim.endpoint)
             member = self._view.get(claim.name)
             return member is not None and member.info.same_node(claim)
@@ -287,6 +292,17 @@ class Members:
                            "soon)", self.name, name)  # fmt: skip
         return retired
 
+    def move(self, endpoint: str) -> None:
+        """This node is reached at `endpoint` from now on (``tcp://HOST:PORT``: a relay's port), not where it listens."""
+        with self._lock:
+            self._view.move(endpoint)
+        logger.info("%s: peers reach this node at %s", self.name, endpoint)
+
+    @property
+    def certifier(self) -> Certifier | None:
+        """The cluster key's consent (a cluster with keys), None without keys."""
+        return self._certifier
+
     def options_for(self, key: str | None) -> Mapping[int, Any] | None:
         """Our sockets' options to a node whose server key is `key` (keyed); None without keys."""
         if self._client_options is None or key is None:
@@ -307,6 +323,25 @@ class Members:
         with self._lock:
             self._refused["wrong_key"] += 1
         return False
+
+    def _incarnations(self, entries: Any) -> dict[str, int]:
+        """(With the lock held) the incarnation the view holds of each member `entries` names."""
+        out = {}
+        for entry in entries if isinstance(entries, Sequence) and not isinstance(entries, (str, bytes)) else ():
+            name = entry.get("name") if isinstance(entry, Mapping) else None
+            member = self._view.get(name) if isinstance(name, str) else None
+            if member is not None:
+                out[member.info.name] = member.info.incarnation
+        return out
+
+    def _restarted(self, before: Mapping[str, int]) -> int:
+        """(With the lock held) how many of `before`'s members are a new incarnation now: restarted nodes."""
+        count = 0
+        for name, incarnation in before.items():
+            member = self._view.get(name)
+            if member is not None and member.info.incarnation != incarnation:
+                count += 1
+        return count
 
     def _changed(self, count: int) -> None:
         """(Under the lock) `count` members came or went: the node's peers follow, and so do the keys."""
@@ -370,18 +405,29 @@ class Members:
             logger.info("%s: member %s is %s", self.name, name, what)
         return changed
 
-    def sync(self, flow: FlowControl, book: PeerBook) -> None:
+    def sync(self, flow: FlowControl, book: PeerBook, gone: Callable[[str], None] = lambda peer: None) -> None:
         """(The training thread) Make the node's peers the view's: new members get a fresh score and an
-        address in the clients' book, removed ones are dropped from both."""
+        address in the clients' book, removed ones are dropped from both. `gone` is told of each member that
+        left, and of each that came back as a new incarnation (a restart): a new node under an old name."""
         self.tick()
         with self._lock:
             if self._changes == self._synced:
                 return
             self._synced = self._changes
+            incarnations = {m.info.name: m.info.incarnation for m in self._view.members()}
         current, asked = self.peers(), set(flow.peers())
         for name in asked - set(current):
             flow.remove_peer(name)
             book.drop(name)
+            gone(name)
+        for name in set(self._synced_incarnations) - set(incarnations):
+            del self._synced_incarnations[name]
+        for name, incarnation in incarnations.items():
+            if self._synced_incarnations.setdefault(name, incarnation) != incarnation:
+                self._synced_incarnations[name] = incarnation
+                flow.remove_peer(name)  # a fresh score: its predecessor's failures were not its own
+                asked.discard(name)
+                gone(name)
         for name, spec in current.items():
             endpoint = ipc_endpoint(spec.port) if self._ipc else spec.tcp_endpoint  # as config.endpoint, no lookup
             if book.get(name) != endpoint:

@@ -227,6 +227,11 @@ class View:
         sample = rng.sample(others, min(size - 1, len(others)))
         return [self.own.entry(), *(info.entry() for info in sample)]
 
+    def move(self, endpoint: str) -> None:
+        """This node is reached at `endpoint` from now on (a relay gave it a port there): its own entry says so
+        under a higher incarnation, so the news wins over the old address in every view."""
+        self.own = replace(self.own, endpoint=endpoint, incarnation=min(self.own.incarnation + 1, MAX_COUNT))
+
     # ----------------------------------------------------------------- learning
 
     def heard(self, name: str, now: float) -> bool:

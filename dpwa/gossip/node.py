@@ -60,6 +60,7 @@ from .progress import Progress, loss_value
 from .protocol import BULK_EXCHANGE, CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, SHM_EXCHANGE
 from .pull import PullSteps
 from .refresh import BootstrapRefresh
+from .relayed import reached_at
 from .reporting import NodeState, Reporter, StatusServer
 from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys, open_membership
@@ -183,6 +184,8 @@ class Node:
             heard=self._flow.signs.heard,  # a peer that answers late, or asks us, is alive: slow, not dead
         )
         try:
+            if self.parts.relayed is not None and self.members is not None:  # nobody can dial us: a relay's port
+                self.members.move(reached_at(self.parts.relayed, self.config, self.name))
             crew = Crew(
                 name=self.name,
                 config=self.config,
@@ -291,7 +294,7 @@ class Node:
         if self.members is not None:
             if self._refresh is not None:
                 self._refresh.tend()
-            self.members.sync(self._flow, self.parts.endpoints)
+            self.members.sync(self._flow, self.parts.endpoints, gone=self._steps.forget)
 
     def _take_state(
         self, trained_only: bool = False, wait_s: float | None = None, order: list[str] | None = None

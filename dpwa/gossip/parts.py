@@ -36,6 +36,7 @@ from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
 from .barrier import BarrierCounts
 from .join import CHUNK_BYTES, ExtraState, JoinServer
 from .members import Members
+from .relayed import relay_client, relay_server
 from .reporting import NodeState
 from .requesting import ReplyReader
 from .serving import Serving
@@ -123,6 +124,14 @@ class Parts:
             stack.callback(self._term)
             # every listener (ZeroMQ and bulk) binds the same address, resolved once
             self.address = config.bind_address(spec) if config.transport == "tcp" else ""
+            # relays (TCP only): the one this node runs for members nobody can dial, and its own way in if it is one
+            certifier = members.certifier if members is not None else None
+            self.relay = relay_server(config, self.address, curve, certifier, counters, name)
+            if self.relay is not None:
+                stack.callback(self._stop, self.relay.close)
+            self.relayed = relay_client(config, spec, self.address, curve, counters)
+            if self.relayed is not None:
+                stack.callback(self._stop, self.relayed.close)
             local = self._same_host_peers()
             self.local = tuple(local)  # same-host peers: their slots can be read (slot_readers)
             unsent = UNSENT_PER_CLIENT * (budgeted + 1)  # each sender its own budget
@@ -278,6 +287,7 @@ class Parts:
         """Copy the model into a snapshot peers are served; capture the extra state if a joiner waits. False:
         every slot was held, and peers are served the previous snapshot."""
         fill = functools.partial(self._params.copy_to, wire=self._model.kept)
+        self.joins.expire()  # a join offer read to its end lets its slot go
         published = self.store.publish(fill, clock, loss)
         if not published:
             self._log(  # info: with two slots, a send still under way when the next step publishes is common

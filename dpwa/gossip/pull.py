@@ -139,5 +139,8 @@ class PullSteps:
     def close(self) -> None:
         pass
 
+    def forget(self, peer: str) -> None:
+        pass  # a pull holds nothing against a peer
+
     def report(self) -> dict[str, Any]:
         return {"pending": 0}

@@ -134,3 +134,6 @@ class Steps(Protocol):
 
     def report(self) -> dict[str, Any]:
         """Numbers for stats() and status: pending exchanges and the like."""
+
+    def forget(self, peer: str) -> None:
+        """`peer` left the view, or came back as a new node (a restart): what was held against it goes."""

@@ -371,6 +371,9 @@ class SymmetricSteps:
         self.client.close()
         self.server.close()
 
+    def forget(self, peer: str) -> None:
+        self.server.forget(peer)
+
     def report(self) -> dict[str, Any]:
         return {
             "pending": self.server.held() + len(self.client),
