@@ -874,6 +874,13 @@ def _check_relays(config: Config) -> None:
             f"{source}: relays run over TCP, and this loopback cluster without keys talks over ipc sockets: add "
             "keys, or set insecure: true"
         )
+    if config.relay_port and not config.bootstrap:
+        raise ConfigError(
+            f"{source}: relay_port is for open membership (bootstrap): the members it relays for are reached at "
+            "its ports by gossip, and a fixed node list has no such members"
+        )
+    if config.relays and not hidden:
+        raise ConfigError(f"{source}: relays is for a node with reachable: false; this config's nodes can be dialled")
     if config.relay_ports and not config.relay_port:
         raise ConfigError(f"{source}: relay_ports is for a relay: set relay_port too")
     if config.relay_port and config.relay_port in config.relay_port_range:

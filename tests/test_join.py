@@ -24,15 +24,15 @@ def sha(array: np.ndarray) -> str:
 
 
 class Training:
-    """A node stepping on its own thread (+1 every step) until told to stop."""
+    """A node stepping on its own thread (+1 every step) until told to stop (or `max_steps`)."""
 
-    def __init__(self, node, step=1.0):
-        self.node, self.steps, self.stop = node, 0, threading.Event()
+    def __init__(self, node, step=1.0, max_steps=10_000):
+        self.node, self.steps, self.stop, self.max_steps = node, 0, threading.Event(), max_steps
         self.thread = threading.Thread(target=self._run, args=(step,))
         self.thread.start()
 
     def _run(self, step):
-        while not self.stop.is_set() and self.steps < 10_000:
+        while not self.stop.is_set() and self.steps < self.max_steps:
             self.node.update_send(batch_size=2)
             self.node.params.array += np.float32(step)
             self.node.update_wait()
@@ -548,3 +548,33 @@ def test_only_a_peer_of_the_config_is_heard_at_the_start_barrier():
     for sender in ("mallory", "?", "w1", "w1"):
         at_start.heard(sender)
     assert at_start.names() == {"w1"}
+
+
+def test_offers_read_to_their_end_let_the_donors_slots_go(nodes):
+    """Two joiners a second apart get two offers, each holding one of the donor's two snapshot slots. Read to
+    the end, each lets its slot go OFFER_DONE_S later, not OFFER_TTL_S: before, the donor could publish nothing
+    for 30 s, and so served no exchange (the relay walkthrough's restarts froze the public node so)."""
+    import time as _time
+
+    from dpwa.gossip.join import OFFER_DONE_S, OFFER_INTERVAL_S
+
+    cfg = make_config(3, join="never", fetch_probability=0, timeout_ms=500)
+    w0 = nodes(cfg, "w0", NumpyParams(filled(1, 1000)))
+    joiners = [nodes(cfg, f"w{i}", NumpyParams(filled(-i, 1000))) for i in (1, 2)]
+    trainer = Training(w0, max_steps=10**7)  # bounded by the test's own deadlines: it steps until the end
+    try:
+        assert wait_until(lambda: w0.clock > 10, 20)
+        assert joiners[0].join(wait_s=20)
+        _time.sleep(OFFER_INTERVAL_S)  # a bounded pause, not a synchronization: the donor makes one offer a second
+        assert joiners[1].join(wait_s=20)
+        offers = w0.parts.joins._offers
+        assert len(offers) == 2, offers
+        done = _time.monotonic()
+        assert wait_until(lambda: not offers, OFFER_DONE_S + 3.0, 0.05), offers
+        assert _time.monotonic() - done < OFFER_DONE_S + 3.0
+        skipped = w0.stats()["publish_skipped"]
+        steps = trainer.steps
+        assert wait_until(lambda: trainer.steps > steps + 20, 20)
+        assert w0.stats()["publish_skipped"] == skipped  # every publish found a slot
+    finally:
+        trainer.join()

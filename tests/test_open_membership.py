@@ -648,3 +648,37 @@ def test_any_answer_keeps_a_member_alive_a_refusal_included() -> None:
         outcomes.record(call)
         members.tick()
     assert sorted(members.names()) == ["w0", "w1", "w2"]  # w3 removed; w1 and w2 only answered busy
+
+
+def test_a_member_that_leaves_or_restarts_is_forgotten_by_the_node() -> None:
+    """What a node held against a member (exchange strikes, a pause, its score) goes when the member leaves the view,
+    and when it comes back as a new incarnation without leaving (a quick restart): a new node under an old name."""
+    import random
+
+    clock = FakeClock()
+    members = _members(clock, suspect_after_ms=1000, dead_after_ms=1000, timeout_ms=500)
+    flow = FlowControl("w0", [], 1.0, 1.0, random.Random(0))
+    book = PeerBook({})
+    gone: list[str] = []
+    members.merge("w1", [entry("w1", 45002, beat=3, inc=1), entry("w2", 45004, inc=1)])
+    members.sync(flow, book, gone=gone.append)
+    assert flow.peers() == ["w1", "w2"] and gone == []
+    members.merge("w1", [entry("w1", 45002, beat=4, inc=1), entry("w2", 45004, inc=1, beat=1)])
+    members.sync(flow, book, gone=gone.append)
+    assert gone == []  # news, not a restart
+    members.merge("w1", [entry("w1", 45002, beat=5, inc=2)])  # w1 restarted: its own word, a new incarnation
+    members.sync(flow, book, gone=gone.append)
+    assert gone == ["w1"] and sorted(flow.peers()) == ["w1", "w2"]  # forgotten, and asked again at full score
+    for _ in range(3):  # w2 falls silent: removed
+        clock.now += 1.0
+        members.heard("w1")
+        members.sync(flow, book, gone=gone.append)
+    assert gone == ["w1", "w2"] and flow.peers() == ["w1"]
+
+
+def test_a_relayed_node_is_reached_at_its_relays_port_under_a_new_incarnation() -> None:
+    members = _members(FakeClock())
+    own = members.digest()[0]
+    members.move("tcp://10.77.0.1:45101")
+    moved = members.digest()[0]
+    assert moved["endpoint"] == "tcp://10.77.0.1:45101" and moved["inc"] == own["inc"] + 1

@@ -46,6 +46,7 @@ PIPE_BUFFER = 256 << 10  # bytes buffered per direction of a relayed stream
 CLIENT_STREAMS_MAX = 256  # streams a relayed member splices at once (each is a peer's connection)
 CONNECT_TIMEOUT_S = 2.0
 BACKOFF_FIRST_S, BACKOFF_CAP_S = 0.2, 5.0  # a relayed member asks its relays again after this, doubling
+TRANSIENT = ("registered", "full", "port")  # refusals that may pass (the others: the cluster's consent, a proof)
 
 # (hello, the challenge it answers) -> None to admit, or why not
 Admit = Callable[[Hello, bytes], "str | None"]
@@ -223,7 +224,7 @@ class RelayServer:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"{name}-relay", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"dpwa-relay-{name}", daemon=True)
         self._log = RateLimitedLog()
 
     def start(self, timeout_s: float = 5.0) -> RelayServer:
@@ -377,8 +378,13 @@ class RelayServer:
             listener.close()
             conn.sock.close()
             return
-        bucket = TokenBucket(self._rate, max(self._rate / 10, PIPE_BUFFER), now)
-        member = _Member(hello, conn.sock, listener, port, bucket, heard=now, pinged=now, reader=conn.reader)
+        # Its streams from before a reconnect go on: they count against streams_max and share its rate.
+        live = [pipe for pipe, name in self._pipes if name == hello.name]
+        bucket = next((p.bucket for p in live if p.bucket is not None), None)
+        bucket = bucket or TokenBucket(self._rate, max(self._rate / 10, PIPE_BUFFER), now)
+        member = _Member(
+            hello, conn.sock, listener, port, bucket, heard=now, pinged=now, reader=conn.reader, streams=len(live)
+        )
         self._members[hello.name] = member
         selector.register(conn.sock, selectors.EVENT_READ, member)
         selector.register(listener, selectors.EVENT_READ, ("port", hello.name))
@@ -507,7 +513,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 class RelayClient:
     """A member that nobody can dial, reached through a relay: one thread that owns its control connection
-    and every stream it splices to its own server.
+    and every stream it splices to its own server. Picking up a peer's connection dials the relay (within
+    CONNECT_TIMEOUT_S), meanwhile the member's other relayed streams wait.
 
     Args:
         name: this member.
@@ -534,16 +541,21 @@ class RelayClient:
         self.granted: tuple[str, int] | None = None  # (relay host, port): where peers reach this member
         self.refusals: list[str] = []  # the last round's refusals, for the error at start
         self._granted = threading.Event()
+        self._refused_for_good: set[RelayAddress] = set()  # relays that refused this member's consent or proof
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-relayed", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"dpwa-relayed-{name}", daemon=True)
 
     def start(self) -> RelayClient:
         self._thread.start()
         return self
 
     def wait_granted(self, timeout_s: float) -> tuple[str, int] | None:
-        """Where peers reach this member once a relay has granted it a port; None if none did within `timeout_s`."""
-        self._granted.wait(timeout_s)
+        """Where peers reach this member once a relay has granted it a port; None if none did within `timeout_s`,
+        or sooner once every relay refused it for good (its certificate, its proof: asking again will not help)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._granted.wait(min(POLL_SLICE_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or len(self._refused_for_good) == len(self._relays):
+                break
         return self.granted
 
     def close(self, timeout_s: float = 5.0) -> bool:
@@ -643,7 +655,10 @@ class RelayClient:
             sock.sendall(encode("hello", **fields))
             answer = _read_one(sock, reader)
             if answer["t"] != "ok":
-                raise ProtocolError("refused", str(answer.get("why", answer["t"])))
+                why = str(answer.get("why", answer["t"]))
+                if not why.startswith(TRANSIENT):
+                    self._refused_for_good.add(relay)
+                raise ProtocolError("refused", why)
             port = int(answer["port"])
             if self.granted is not None and self.granted != (relay.host, port):
                 logger.error(

@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         help="only the blends table: exchanges per step by model size and step time, both modes, and a flaky link",
     )
     parser.add_argument(
+        "--relays",
+        action="store_true",
+        help="only the relay tables: exchange time direct and through a relay, and the digits example's loss with "
+        "two of three nodes behind a relay (--quick: one size, one run)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -209,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).write_text(json.dumps({"machine": machine(), "memory": rows}, indent=2))
             print(f"\nwrote {args.json}")
         return 0 if all("error" not in row for row in rows) else 1
+    if args.relays:
+        from .relays import bench_relays
+
+        relayed = bench_relays(args.quick)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "relays": relayed}, indent=2))
+            print(f"\nwrote {args.json}")
+        return 0
     if args.flaky:
         runs = bench_flaky(40 if args.quick else 250, seeds=(0,) if args.quick else (0, 1, 2))
         if args.json:
