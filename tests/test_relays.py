@@ -7,7 +7,8 @@ So every exchange with w1 or w2 goes through w0's relay, the one between w1 and 
   is what it was, to float32 rounding, after hundreds of relayed exchanges);
 - the relay moves only ciphertext: every byte its pipes moved is recorded, and no 16-byte run of any node's
   parameters is in it (the same recording on a cluster without keys finds them: the check has teeth);
-- every value stays within the starting values' range (convex mixes only).
+- every value stays within the starting values' range (convex mixes only);
+- in mode pull too, every pair fetches from each other through the relay.
 
 Not tested here: a relay that changes bytes. CURVE refuses a changed message, but libzmq 4.3.5 then sometimes
 aborts the receiving process (``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``, seen with a
@@ -260,3 +261,21 @@ def test_relay_settings_that_cannot_work_are_refused_naming_the_key(settings, me
 
     with pytest.raises(ConfigError, match=message):
         parse_config(settings, source="relays.yaml")
+
+
+@pytest.mark.io
+@pytest.mark.timeout(60)
+def test_in_mode_pull_relayed_members_fetch_from_each_other(nodes, tmp_path):
+    """Mode pull through the relay too: each relayed member fetches from the other and from w0, and is fetched from."""
+    configs, _ = relayed_cluster(tmp_path, keyed=True)
+    made = start(nodes, [{**config, "mode": "pull"} for config in configs])
+    stop = threading.Event()
+    threads = run_steps(made, stop)
+    try:
+        assert wait_until(lambda: every_pair(made), 40.0, 0.1), averaged_pairs(made)
+    finally:
+        stop.set()
+        settle(made, threads)
+    for node in made:
+        values = node.params.array  # type: ignore[attr-defined]
+        assert np.all(np.isfinite(values)) and values.min() >= min(START) - 1e-3 and values.max() <= max(START) + 1e-3

@@ -130,7 +130,9 @@ class _Pipe:
                     room = min(room, self.bucket.allowance(now))
                 if room > 0:
                     data = self.socks[side].recv(room)
-                    if not data:
+                    if not data:  # what is still buffered for the other side goes, as far as it goes at once
+                        if self.out[1 - side]:
+                            self.socks[1 - side].send(self.out[1 - side])
                         raise ConnectionResetError("closed")
                     self.out[1 - side].extend(data)
                     self.moved += len(data)

@@ -151,7 +151,7 @@ class Hello:
     @classmethod
     def of(cls, msg: Mapping[str, Any]) -> Hello:
         name, want, key, cert, made = (msg.get(k) for k in ("name", "want", "key", "cert", "proof"))
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ProtocolError("bad_field", f"hello.name must be a node name, got {name!r:.80}")
         if not isinstance(want, int) or not 0 <= want <= 65535:
             raise ProtocolError("bad_field", f"hello.want must be a port in 0..65535, got {want!r:.40}")

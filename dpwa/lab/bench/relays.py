@@ -2,8 +2,8 @@
 loss with two of its three nodes behind a relay against none.
 
 The exchange table: nodes in one process on 127.0.0.1, plain TCP (``insecure: true``), open membership through
-w0, which can be dialled and relays. Three setups, one after another: w0 and w1 both dialled; w1 behind w0's
-relay (``reachable: false``); w1 and w2 behind w0's relay, w0 only serving. None trains; each steps (publish,
+w0, which can be dialled and relays. Four setups, one after another: w0 and w1 both dialled; w1 behind w0's
+relay (``reachable: false``), only served, then only asking; w1 and w2 behind w0's relay, w0 only serving. None trains; each steps (publish,
 exchange) as fast as it can for a while, and every exchange's time, as the requester measured it (the
 ``peer.X.latency_s`` it keeps), is sampled. By path:
 
@@ -50,7 +50,9 @@ def path_of(asker: str, asked: str, relayed: tuple[str, ...]) -> str:
     return PATHS[0]
 
 
-def _configs(relay_port: int, ports: list[int], relay_ports: str, relayed: tuple[str, ...]) -> list[dict[str, Any]]:
+def _configs(
+    relay_port: int, ports: list[int], relay_ports: str, relayed: tuple[str, ...], serving: str | None
+) -> list[dict[str, Any]]:
     out = []
     for i, port in enumerate(ports):
         name = f"w{i}"
@@ -61,32 +63,41 @@ def _configs(relay_port: int, ports: list[int], relay_ports: str, relayed: tuple
             "join": "never",
             "timeout_ms": 4000,
         }
+        if name == serving:  # it only serves: the others' requests are the ones timed
+            config["fetch_probability"] = 0
         if i == 0:
             config.update(relay_port=relay_port, relay_ports=relay_ports, relay_mbit=0)
-            if len(ports) > 2:  # the relay only serves: w1 and w2 ask it or each other
-                config["fetch_probability"] = 0
         elif name in relayed:
             config["relays"] = [f"127.0.0.1:{relay_port}"]
         out.append(config)
     return out
 
 
-# (nodes, the relayed ones): two dialled; one behind the other's relay; two behind a third's relay
-SETUPS = ((2, ()), (2, ("w1",)), (3, ("w1", "w2")))
+# (nodes, the relayed ones, the one that only serves): two dialled; one behind the other's relay, asked, then
+# asking (two nodes that both ask cross, and the first name gives way: one path would get few samples); two behind
+# a third's relay, which only serves
+SETUPS = ((2, (), None), (2, ("w1",), "w1"), (2, ("w1",), "w0"), (3, ("w1", "w2"), "w0"))
 
 
 def bench_relayed_exchanges(size: int, seconds: float) -> dict[str, Any]:
     """Exchange times by path for a model of `size` float32s, each setup stepped for `seconds` (see the module)."""
     samples: dict[str, list[float]] = {path: [] for path in PATHS}
-    for count, relayed in SETUPS:
-        _sample(size, seconds, count, relayed, samples)
+    for count, relayed, serving in SETUPS:
+        _sample(size, seconds, count, relayed, serving, samples)
     row: dict[str, Any] = {"size": size, "mb": size * 4 / 1e6}
     for path, values in samples.items():
         row[path] = {"median_ms": 1000 * statistics.median(values) if values else None, "n": len(values)}
     return row
 
 
-def _sample(size: int, seconds: float, count: int, relayed: tuple[str, ...], samples: dict[str, list[float]]) -> None:
+def _sample(
+    size: int,
+    seconds: float,
+    count: int,
+    relayed: tuple[str, ...],
+    serving: str | None,
+    samples: dict[str, list[float]],
+) -> None:
     from dpwa.gossip.node import Node
     from dpwa.mixing.params import NumpyParams
 
@@ -95,7 +106,7 @@ def _sample(size: int, seconds: float, count: int, relayed: tuple[str, ...], sam
     relay_port, first = free_port(), free_port()
     nodes: list[Node] = []
     try:
-        for i, config in enumerate(_configs(relay_port, ports, f"{first}-{first + 3}", relayed)):
+        for i, config in enumerate(_configs(relay_port, ports, f"{first}-{first + 3}", relayed, serving)):
             nodes.append(Node(config, names[i], NumpyParams(np.full(size, float(i), np.float32))))
         stop = threading.Event()
         seen: dict[tuple[str, str], float] = {}
