@@ -279,3 +279,23 @@ def test_in_mode_pull_relayed_members_fetch_from_each_other(nodes, tmp_path):
     for node in made:
         values = node.params.array  # type: ignore[attr-defined]
         assert np.all(np.isfinite(values)) and values.min() >= min(START) - 1e-3 and values.max() <= max(START) + 1e-3
+
+
+def test_the_benchs_relay_tables_name_each_path_and_its_ratio():
+    from dpwa.lab.bench.relays import PATHS, format_loss, format_relayed, interval, path_of
+
+    assert [path_of("w0", "w1", ()), path_of("w0", "w1", ("w1",)), path_of("w1", "w0", ("w1",))] == list(PATHS[:3])
+    assert path_of("w1", "w2", ("w1", "w2")) == PATHS[3]
+    row = {
+        "size": 100,
+        "mb": 0.0004,
+        **{p: {"median_ms": ms, "n": 5} for p, ms in zip(PATHS, (2.0, 3.0, 2.0, 5.0), strict=True)},
+    }
+    table = format_relayed([row])
+    assert "1.50" in table and "2.50" in table  # to a relayed node / direct, relayed to relayed / direct
+    mean, half = interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.30 * 1.0 / 3**0.5)
+    loss: dict[str, Any] = {"runs": 3, "epochs": 10}
+    for label in ("all dialled", "w2, w3 behind a relay"):
+        loss[label] = {"accuracy": (0.9, 0.01), "last_loss": (0.2, 0.02), "averaged": (100.0, 5.0)}
+    assert "0.9000 ± 0.0100" in format_loss(loss)

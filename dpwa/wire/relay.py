@@ -454,7 +454,8 @@ class RelayServer:
 
     def _drop_member(self, selector: selectors.BaseSelector, member: _Member) -> None:
         name = member.hello.name
-        if self._members.get(name) is member:
+        current = self._members.get(name) is member  # not a stale event of a member that registered again since
+        if current:
             del self._members[name]
             self._ports.release(name)
         for sock in (member.sock, member.listener):
@@ -463,7 +464,7 @@ class RelayServer:
             except (KeyError, ValueError):
                 pass
             sock.close()
-        for token in [t for t, w in self._waiting.items() if w.member == name]:
+        for token in [t for t, w in self._waiting.items() if w.member == name and current]:
             self._waiting.pop(token).sock.close()
         self.counters.set("relay.members", len(self._members))
 
