@@ -879,6 +879,10 @@ def _check_relays(config: Config) -> None:
             f"{source}: relay_port is for open membership (bootstrap): the members it relays for are reached at "
             "its ports by gossip, and a fixed node list has no such members"
         )
+    if config.relay_port and config.nodes and len(hidden) == len(config.nodes):
+        raise ConfigError(
+            f"{source}: relay_port on node {hidden[0]!r}, which has reachable: false: nobody could dial the relay"
+        )
     if config.relays and not hidden:
         raise ConfigError(f"{source}: relays is for a node with reachable: false; this config's nodes can be dialled")
     if config.relay_ports and not config.relay_port:

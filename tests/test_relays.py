@@ -238,6 +238,16 @@ NODE = {"name": "w1", "host": "127.0.0.1", "port": 45001}
         ),
         ({"nodes": [NODE], "relay_port": 45100, "insecure": True}, "relay_port is for open membership"),
         (
+            {
+                "nodes": [{**NODE, "reachable": False}],
+                "bootstrap": ["127.0.0.1:45000"],
+                "relays": ["127.0.0.1:45100"],
+                "relay_port": 45200,
+                "insecure": True,
+            },
+            "nobody could dial the relay",
+        ),
+        (
             {"nodes": [NODE], "bootstrap": ["127.0.0.1:45000"], "relays": ["127.0.0.1:45100"], "insecure": True},
             "relays is for a node with reachable: false",
         ),

@@ -250,9 +250,9 @@ class Members:
             before = self._incarnations([raw])
             if self._view.merge(claim.name, [raw], now):  # it took its name back from a holder that never answered
                 self._changed(1)
+                logger.warning("%s: %s took its name back, at %s", self.name, claim.name, claim.endpoint)
             else:
                 self._changed(self._restarted(before))
-                logger.warning("%s: %s took its name back, at %s", self.name, claim.name, claim.endpoint)
             member = self._view.get(claim.name)
             return member is not None and member.info.same_node(claim)
 
