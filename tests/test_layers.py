@@ -15,6 +15,7 @@ RANK = {
     "logs": 0,
     "stats": 0,
     "signals": 0,  # the base: logging, counters, signal handling
+    "backoff": 0,  # the one back-off every retry uses
     "wire": 1,
     "runfiles": 1,  # a run folder's private files and metrics lines (the hook writes them, the cluster reads them)
     "mixing": 2,
