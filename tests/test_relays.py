@@ -126,31 +126,16 @@ def every_pair(made: list[Node]) -> bool:
     return all(len(row) == 2 and all(count > 0 for count in row.values()) for row in pairs.values())
 
 
-def run_steps(made: list[Node], stop: threading.Event) -> list[threading.Thread]:
-    """Each node steps on its own thread (update_send, update_wait: no training) until `stop`."""
-    errors: list[BaseException] = []
-
-    def loop(node: Node) -> None:
-        try:
-            while not stop.is_set():
-                node.update_send()
-                node.update_wait()
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=loop, args=(node,), name=f"stepper-{node.name}") for node in made]
-    for t in threads:
-        t.start()
-    threads.append(errors)  # type: ignore[arg-type]
-    return threads
-
-
-def settle(made: list[Node], threads: list[Any]) -> None:
-    errors = threads.pop()
-    for t in threads:
-        t.join(10)
-    assert not errors, errors
-    close_together(made)
+def stepping(made: list[Node], steppers: Any, done: Any, within_s: float = 40.0) -> None:
+    """Each node steps (update_send, update_wait: no training) until `done()` holds (asserted); then all stop
+    and close together, each settling what it has pending with the others."""
+    for node in made:
+        steppers.start(node)
+    try:
+        assert wait_until(done, within_s, 0.1), averaged_pairs(made)
+    finally:
+        steppers.stop()
+        close_together(made)
 
 
 def total(made: list[Node]) -> np.ndarray:
@@ -159,7 +144,9 @@ def total(made: list[Node]) -> np.ndarray:
 
 @pytest.mark.io
 @pytest.mark.timeout(90)
-def test_relayed_members_average_every_pair_keep_the_sum_and_the_relay_reads_nothing(nodes, tmp_path, monkeypatch):
+def test_relayed_members_average_every_pair_keep_the_sum_and_the_relay_reads_nothing(
+    nodes, steppers, tmp_path, monkeypatch
+):
     recorder = Recorder()
     recorder.patch(monkeypatch)
     configs, _ = relayed_cluster(tmp_path, keyed=True)
@@ -170,13 +157,7 @@ def test_relayed_members_average_every_pair_keep_the_sum_and_the_relay_reads_not
     for name in ("w1", "w2"):  # reached at a port of w0's relay, not where it listens
         assert endpoints[name].startswith("tcp://127.0.0.1:") and endpoints[name] != f"tcp://127.0.0.1:{relay_port}"
     before = total(made)
-    stop = threading.Event()
-    threads = run_steps(made, stop)
-    try:
-        assert wait_until(lambda: every_pair(made), 40.0, 0.1), averaged_pairs(made)
-    finally:
-        stop.set()
-        settle(made, threads)
+    stepping(made, steppers, lambda: every_pair(made))
     relay_stats = made[0].stats()
     assert relay_stats.get("relay.registered", 0) >= 2, relay_stats  # each relayed member (again if it lost it)
     assert relay_stats.get("relay.streams_opened", 0) >= 2
@@ -191,19 +172,13 @@ def test_relayed_members_average_every_pair_keep_the_sum_and_the_relay_reads_not
 
 @pytest.mark.io
 @pytest.mark.timeout(60)
-def test_without_keys_the_relay_can_read_what_it_moves(nodes, tmp_path, monkeypatch):
+def test_without_keys_the_relay_can_read_what_it_moves(nodes, steppers, tmp_path, monkeypatch):
     """The control of the test above: the same recording on a cluster without keys finds the values."""
     recorder = Recorder()
     recorder.patch(monkeypatch)
     configs, _ = relayed_cluster(tmp_path, keyed=False)
     made = start(nodes, configs)
-    stop = threading.Event()
-    threads = run_steps(made, stop)
-    try:
-        assert wait_until(lambda: recorder.holds_values_of(START), 30.0, 0.1)
-    finally:
-        stop.set()
-        settle(made, threads)
+    stepping(made, steppers, lambda: recorder.holds_values_of(START), within_s=30.0)
 
 
 @pytest.mark.io
@@ -275,17 +250,11 @@ def test_relay_settings_that_cannot_work_are_refused_naming_the_key(settings, me
 
 @pytest.mark.io
 @pytest.mark.timeout(60)
-def test_in_mode_pull_relayed_members_fetch_from_each_other(nodes, tmp_path):
+def test_in_mode_pull_relayed_members_fetch_from_each_other(nodes, steppers, tmp_path):
     """Mode pull through the relay too: each relayed member fetches from the other and from w0, and is fetched from."""
     configs, _ = relayed_cluster(tmp_path, keyed=True)
     made = start(nodes, [{**config, "mode": "pull"} for config in configs])
-    stop = threading.Event()
-    threads = run_steps(made, stop)
-    try:
-        assert wait_until(lambda: every_pair(made), 40.0, 0.1), averaged_pairs(made)
-    finally:
-        stop.set()
-        settle(made, threads)
+    stepping(made, steppers, lambda: every_pair(made))
     for node in made:
         values = node.params.array  # type: ignore[attr-defined]
         assert np.all(np.isfinite(values)) and values.min() >= min(START) - 1e-3 and values.max() <= max(START) + 1e-3

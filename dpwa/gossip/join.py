@@ -252,7 +252,10 @@ class JoinServer:
     # ----------------------------------------------------------------- Rx thread
 
     def expire(self) -> None:
-        """(training thread, before each publish) Drop the offers nobody uses any more: their slots go back."""
+        """(training thread, before each publish) Drop the offers nobody uses any more: their slots go back. Without
+        offers (all but the seconds of a join) it takes no lock: the Rx thread may hold it to hash a new offer."""
+        if not self._offers:  # one read of the dict's size: a stale answer only delays this to the next step
+            return
         with self._lock:
             self._expire(time.monotonic())
 

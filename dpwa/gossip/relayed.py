@@ -93,5 +93,4 @@ def reached_at(client: RelayClient, config: Config, name: str) -> str:
             f"{config.source}: node {name!r} has reachable: false, and no relay gave it a port: "
             + "; ".join(client.refusals or ["no answer"])
         )
-    host, port = granted
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    return NodeSpec(name, *granted).tcp_endpoint

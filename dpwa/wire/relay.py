@@ -242,10 +242,7 @@ class RelayServer:
 
     def close(self, timeout_s: float = 5.0) -> bool:
         """Stop relaying; every connection is closed. True if the thread stopped within `timeout_s`."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return _stopped(self._stop, self._thread, timeout_s)
 
     # ----------------------------------------------------------------- the relay's thread
 
@@ -500,6 +497,14 @@ class RelayServer:
         self.counters.set("relay.streams", len(alive))
 
 
+def _stopped(stop: threading.Event, thread: threading.Thread, timeout_s: float) -> bool:
+    """Tell `thread` to stop and wait for it at most `timeout_s`: True if it did."""
+    stop.set()
+    if thread.is_alive():
+        thread.join(timeout_s)
+    return not thread.is_alive()
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -562,10 +567,8 @@ class RelayClient:
         return self.granted
 
     def close(self, timeout_s: float = 5.0) -> bool:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        """Stop; the control connection and every stream are closed. True if the thread stopped within `timeout_s`."""
+        return _stopped(self._stop, self._thread, timeout_s)
 
     # ----------------------------------------------------------------- the member's thread
 
