@@ -240,3 +240,42 @@ def test_linger_s_serves_peers_after_a_normal_exit_before_closing(peers):
         one_step(net, opt, conn)
         left = time.monotonic()
     assert time.monotonic() - left >= 0.3 and conn.stats()["state"] == "closed"
+
+
+@pytest.mark.io
+@pytest.mark.timeout(60)
+def test_under_dpwas_launcher_the_block_starts_together_with_its_peers(peers, tmp_path, monkeypatch):
+    """Issue 48: under ./run.sh nothing started a gossip_optimizer's node together with the others, so the first
+    to finish its imports trained alone. Now, with $DPWA_RUN_DIR set, the block's node waits for its peers at
+    the ``start`` barrier before its first update_send (as the callbacks' and train.py's do): w0's block
+    is not entered until w1 makes its own start_together call."""
+    from dpwa.adapters.pytorch import START_BARRIER
+
+    monkeypatch.setenv("DPWA_RUN_DIR", str(tmp_path))
+    cfg = make_config(2, mode="pull")
+    entered = threading.Event()
+    failed: list[BaseException] = []
+
+    def w0() -> None:
+        net = filled(0.0)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        try:
+            with gossip_optimizer(opt, net, cfg, "w0", linger_s=0, metrics=False) as conn:
+                entered.set()
+                assert conn.adapter.barrier_counters() == {START_BARRIER: 1}
+        except BaseException as e:  # noqa: BLE001 - the test thread reports it
+            failed.append(e)
+            entered.set()
+
+    first = threading.Thread(target=w0, daemon=True)
+    first.start()
+    try:
+        assert not entered.wait(1.0), failed  # w0 waits at the start barrier for w1
+        peer = peers(filled(1.0), "w1", cfg)
+        assert peer.start_together(timeout_s=20) == []
+        assert entered.wait(20) and not failed, failed
+        assert peer.barrier_counters() == {START_BARRIER: 1}
+        assert peer.start_together() == [] and peer.barrier_counters() == {START_BARRIER: 1}  # passed already
+    finally:
+        first.join(20)
+    assert not first.is_alive() and not failed, failed

@@ -390,7 +390,9 @@ def gossip_optimizer(
     ``clock``, ``averaged``, ``stats()``, ``last_update``, and ``adapter`` for everything else (barriers,
     checkpoints, ``linger``).
 
-    The first ``update_send`` is made on entry; after each step, ``update_wait`` and the next ``update_send``.
+    Under dpwa's launcher (``$DPWA_RUN_DIR`` set, not torchrun) the node first waits for the others at the
+    ``start`` barrier (:meth:`~dpwa.adapters.pytorch.DpwaPyTorchAdapter.start_together`, at most 60 s), as
+    torchrun's workers start together. The first ``update_send`` is made on entry; after each step, ``update_wait`` and the next ``update_send``.
     On a normal exit the last exchange is waited for (its ``update_wait``: the clock counts one step's
     ``batch_size`` more than the steps made, as the send after the last step counts its batch); on every exit
     the hook is removed and the adapter closed, before the block's exception, if any, goes on.
@@ -413,6 +415,8 @@ def gossip_optimizer(
         raise
     hook = GossipHook(adapter, optimizer, batch_size, steps)
     try:
+        if os.environ.get(RUN_DIR_ENV) and not node.under_torchrun:  # dpwa's launcher: start as torchrun's workers do
+            adapter.start_together()
         hook._attach()
         yield hook
         hook._finish(linger_s)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,7 @@ from ..config import Config
 from ..gossip.node import Node, Update
 from ..gossip.protocol import MAX_VALUE
 from ..gossip.setup import as_config
+from ..logs import logger
 from ..mixing import kernels
 from ..mixing.params import FlatParams, checked_vector, fingerprint
 from .outer import OuterOptimizerFactory, TorchOuter
@@ -57,6 +59,8 @@ __all__ = ["CHUNKED_MIN_ELEMENTS", "CHUNK_ELEMENTS", "DpwaPyTorchAdapter", "Opti
 # model on a half-precision wire), not a copy of the model. On CUDA each chunk of a snapshot goes through a
 # pinned host buffer of a chunk's size to a device buffer of a chunk's size, and a publish comes back the same
 # way: all of them made once, at first use, and reused (docs/design.md#memory).
+START_BARRIER = "start"  # the barrier nodes meet at before their first step, under dpwa's launcher (train.py's too)
+START_WAIT_S = 60.0  # the longest start_together waits there for the others before it goes on without them
 CHUNKED_MIN_ELEMENTS = 1 << 22  # 16 MiB in float32
 CHUNK_ELEMENTS = 1 << 20
 
@@ -657,6 +661,24 @@ class DpwaPyTorchAdapter:
     ) -> list[str]:
         """Wait until every node has made as many calls of barrier `name`. See Node.barrier."""
         return self.node.barrier(name, timeout_s, missing, stop)
+
+    def start_together(self, timeout_s: float = START_WAIT_S) -> list[str]:
+        """Wait for the other nodes at the ``start`` barrier before the first step (at most `timeout_s`; then go on
+        without the missing ones, named in the log and returned), as torchrun's rendezvous starts its workers
+        together, so that the node whose imports finish first does not train alone. The callbacks and
+        ``gossip_optimizer`` call it under dpwa's launcher. A node that joined a running cluster, or resumed
+        with barrier counts, passed it already: it returns at once."""
+        if self.barrier_counters().get(START_BARRIER, 0):
+            return []
+        started = time.monotonic()
+        skipped = self.barrier(START_BARRIER, timeout_s=timeout_s, missing="proceed")
+        waited = time.monotonic() - started
+        if skipped:
+            logger.warning("%s: started without %s, which did not start within %.0f s", self.name,
+                           ", ".join(skipped), timeout_s)  # fmt: skip
+        else:
+            logger.info("%s: started together with its peers (waited %.1f s for them)", self.name, waited)
+        return skipped
 
     def linger(self, idle_s: float, limit_s: float, stop: Callable[[], bool] = lambda: False) -> float:
         """Keep serving peers without training until none is served for `idle_s`. See Node.linger."""

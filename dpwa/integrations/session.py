@@ -23,9 +23,9 @@ import atexit
 import dataclasses
 import math
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
+from ..adapters.pytorch import START_BARRIER, START_WAIT_S
 from ..logs import logger
 from ..runfiles.metrics import RUN_DIR_ENV, MetricsWriter, StepMetrics
 from .env import NodeEnv
@@ -37,9 +37,6 @@ if TYPE_CHECKING:
     from ..gossip.node import Update
 
 __all__ = ["START_BARRIER", "START_WAIT_S", "AdapterSession", "loss_of", "resumed_config"]
-
-START_BARRIER = "start"  # the barrier nodes meet at before their first step, under dpwa's launcher (train.py's too)
-START_WAIT_S = 60.0  # the longest a node waits there for the others before it goes on without them
 
 
 def loss_of(value: Any) -> float | None:
@@ -122,7 +119,7 @@ class AdapterSession:
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
         run_dir = os.environ.get(RUN_DIR_ENV)
         if run_dir and not self.node.under_torchrun:
-            self._start_together()
+            self.adapter.start_together(START_WAIT_S)
         if run_dir:
             adapter = self.adapter
             self.metrics = StepMetrics(MetricsWriter(run_dir, adapter.name), adapter.stats)
@@ -135,23 +132,6 @@ class AdapterSession:
                 clock=adapter.clock,
             )
         return self.adapter
-
-    def _start_together(self) -> None:
-        """Under dpwa's launcher: wait for the other nodes at the ``start`` barrier (at most START_WAIT_S), as
-        torchrun's rendezvous starts its workers together, so the node whose imports finish first does not
-        train alone. A node that joined, or resumed with barrier counts, passed it already."""
-        assert self.adapter is not None
-        adapter = self.adapter
-        if adapter.barrier_counters().get(START_BARRIER, 0):
-            return
-        started = time.monotonic()
-        skipped = adapter.barrier(START_BARRIER, timeout_s=START_WAIT_S, missing="proceed")
-        waited = time.monotonic() - started
-        if skipped:
-            logger.warning("%s: started without %s, which did not start within %.0f s", adapter.name,
-                           ", ".join(skipped), START_WAIT_S)  # fmt: skip
-        else:
-            logger.info("%s: started together with its peers (waited %.1f s for them)", adapter.name, waited)
 
     def send(self, batch_size: float = 1) -> bool:
         """update_send before a batch (after waiting out a send left open); False when not open."""
