@@ -134,22 +134,51 @@ def test_the_lightning_example_trains_one_copy_per_worker_and_they_average(torch
     print(f"lightning: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
 
 
+def checkpoint_sums(folder: Path) -> dict[str, float]:
+    """A Trainer checkpoint's sums, as hf_tiny.py's AtStart computes them of what a worker trains from."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    optimizer = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+    return {
+        "weights": sum(float(t.double().sum()) for t in weights.values()),
+        "optimizer": sum(float(s["exp_avg"].double().sum()) for s in optimizer["state"].values()),
+    }
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_S + 30)
-def test_the_hugging_face_example_trains_one_copy_per_worker_and_they_average(torchrun, tmp_path):
+@pytest.mark.timeout(2 * RUN_S + 30)
+def test_the_hugging_face_example_trains_one_copy_per_worker_they_average_and_each_resumes_its_own_state(
+    torchrun, tmp_path
+):
     """torchrun --nproc-per-node 2 examples/integrations/hf_tiny.py (a two-layer GPT-2 from a config, 60
     optimizer steps of synthetic tokens, each accumulating 2 batches, in bf16 autocast): the callback, made
     before TrainingArguments, hides torchrun's variables, so each Trainer is one process (world size 1, not
     parallel, the model not wrapped in DDP); one exchange per optimizer step; both workers average with
-    the other and their loss falls."""
+    the other and their loss falls.
+
+    The 60 steps run as 30 that save a checkpoint, then a resumed run to 60 (issue 48): each rank trains on
+    from its own checkpoint's weights AND optimizer state. Before, every rank but 0 took rank 0's weights
+    from a donor at the start while it kept its own optimizer state."""
     need("transformers", "accelerate")
-    results, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "60", "--accumulate", "2", "--bf16")
+    args = ("--accumulate", "2", "--bf16")
+    first, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "30", "--save-steps", "30", *args)
+    saved = {name: checkpoint_sums(tmp_path / "out" / "hf" / name / "checkpoint-30") for name in first}
+    assert sorted(saved) == ["rank0", "rank1"]
+    gap = abs(saved["rank0"]["weights"] - saved["rank1"]["weights"])
+    assert gap > 1e-4, f"the ranks' checkpoints hold the same weights ({saved}): a donor's could not be told apart"
+    results, more = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "60", "--resume", *args)
     check_training(results)
-    for result in results.values():
+    for name, result in results.items():
+        start, own = result["at_start"], saved[name]
+        assert start["step"] == 30, result["at_start"]
+        assert start["weights"] == pytest.approx(own["weights"], rel=1e-9, abs=gap / 1000), (name, start, saved)
+        assert start["optimizer"] == pytest.approx(own["optimizer"], rel=1e-9, abs=1e-9), (name, start, saved)
         assert result["world_size"] == 1 and result["parallel_mode"] == "ParallelMode.NOT_PARALLEL", result
-        assert result["ddp"] is False and result["steps"] == result["exchange_steps"] == 60, result
+        assert result["ddp"] is False and result["steps"] == 60 and result["exchange_steps"] == 30, result
         assert result["bf16"] is True, result
-    print(f"transformers: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
+    print(f"transformers: {seconds:.1f} s + {more:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
 
 
 LIGHTNING_TWO_DEVICES = """

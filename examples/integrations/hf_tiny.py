@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 examples/integrations/hf_tiny.py
     torchrun --standalone --nproc-per-node 2 examples/integrations/hf_tiny.py --steps 200 --out runs/hf
+    torchrun --standalone --nproc-per-node 2 examples/integrations/hf_tiny.py --steps 30 --save-steps 30 --out runs/hf
+    torchrun --standalone --nproc-per-node 2 examples/integrations/hf_tiny.py --steps 60 --resume --out runs/hf
 
 The model is built from a config (``GPT2Config(n_layer=2, n_embd=64, ...)``),
 never downloaded, and learns a synthetic language: sequences that count up by
@@ -30,7 +32,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    PrinterCallback,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from dpwa.integrations.transformers import DpwaTrainerCallback  # noqa: E402
 
@@ -55,6 +64,22 @@ class Counting(Dataset):
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
+class AtStart(TrainerCallback):
+    """Records what the worker trains from (after a resume: what it restored, and what dpwa's callback kept):
+    the step, and sums of its weights and of its optimizer's state."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = {}
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        assert model is not None
+        self.seen = {"step": state.global_step, "weights": sum(float(p.double().sum()) for p in model.parameters())}
+        if optimizer is not None and optimizer.state:
+            self.seen["optimizer"] = sum(
+                float(v.double().sum()) for s in optimizer.state.values() for k, v in s.items() if k == "exp_avg"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=os.environ.get("DPWA_CONFIG", str(HERE / "torchrun.yaml")))
@@ -64,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--accumulate", type=int, default=1, help="TrainingArguments(gradient_accumulation_steps=N)")
     parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): bf16 autocast")
+    parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: none)")
+    parser.add_argument("--resume", action="store_true", help="resume from the worker's own last checkpoint")
     parser.add_argument(
         "--out", type=Path, default=None, help="write DIR/<name>.json (and the Trainer's DIR/hf/<name>)"
     )
@@ -91,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=args.lr,
         warmup_steps=5,
         logging_steps=1,  # every step's loss in log_history (and for the callback: the loss it reports)
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -100,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(
         model=model, args=training, train_dataset=Counting(2048, seed=1000 + node.rank), callbacks=[gossip]
     )
+    at_start = AtStart()  # after dpwa's callback: it sees what dpwa's start left
+    trainer.add_callback(at_start)
     trainer.remove_callback(PrinterCallback)  # a line per step per worker is noise here; the losses are in log_history
     with gossip:  # the Trainer calls no callback on an exception: this closes the adapter whatever happens
-        trainer.train()
+        trainer.train(resume_from_checkpoint=True if args.resume else None)
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     stats = gossip.stats()
@@ -124,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "parallel_mode": str(training.parallel_mode),
         "ddp": type(trainer.model_wrapped).__name__ != type(model).__name__,
         "distributed": torch.distributed.is_initialized(),
+        "at_start": at_start.seen,
     }
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
