@@ -30,6 +30,8 @@ from conftest import ROOT, free_port, make_config
 from helpers.proc_tree import child_pids
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # .venv/bin/torchrun
+DPWA_RUN = [sys.executable, "-m", "dpwa", "run", "--nodes", "2"]  # ./run.sh --nodes 2 -- python SCRIPT
+AVERAGED_MIN = 0.95  # of its exchange steps, each worker averages at least this share with the defaults (issue 48)
 EXAMPLES = ROOT / "examples" / "integrations"
 RUN_S = 150  # one example's torchrun, start to exit: about 40 s on 2 shared cores
 
@@ -80,29 +82,39 @@ def need(*modules: str) -> None:
         pytest.skip(f"{', '.join(missing)} not installed: pip install 'dpwa[{extra}]' (CI installs requirements.txt)")
 
 
-def run_example(torchrun: Torchrun, tmp_path: Path, script: str, *args: str) -> tuple[dict[str, dict], float]:
-    """torchrun --standalone --nproc-per-node 2 of the example; each worker's result by name, and the seconds."""
-    out, log = tmp_path / "out", tmp_path / "torchrun.log"
+def run_example(
+    torchrun: Torchrun, tmp_path: Path, script: str, *args: str, launcher: str = "torchrun"
+) -> tuple[dict[str, dict], float]:
+    """The example on two workers, started by torchrun (--standalone --nproc-per-node 2: rank0, rank1) or by
+    dpwa's launcher (python -m dpwa run --nodes 2, as ./run.sh: w1, w2); each worker's result by name, and the
+    seconds."""
+    out, log = tmp_path / ("out" if launcher == "torchrun" else "out-dpwa"), tmp_path / f"{launcher}.log"
     started = time.monotonic()
-    proc = torchrun.start(
-        ["--standalone", "--nproc-per-node", "2", str(EXAMPLES / script), "--out", str(out), *args], log
-    )
+    script_argv = [str(EXAMPLES / script), "--out", str(out), *args]
+    if launcher == "torchrun":
+        proc = torchrun.start(["--standalone", "--nproc-per-node", "2", *script_argv], log)
+    else:
+        runs = ["--runs-dir", str(tmp_path / "runs"), "--"]
+        proc = torchrun.start([*runs, sys.executable, *script_argv], log, launcher=DPWA_RUN)
     try:
         code = proc.wait(RUN_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{script} under torchrun ran past {RUN_S} s:\n{log.read_text()[-3000:]}")
+        pytest.fail(f"{script} under {launcher} ran past {RUN_S} s:\n{log.read_text()[-3000:]}")
     assert code == 0, log.read_text()[-3000:]
-    results = {p.stem: json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
     return results, time.monotonic() - started
 
 
 def check_training(results: dict[str, dict]) -> None:
-    """Both workers trained, averaged with each other, and their loss fell."""
-    assert sorted(results) == ["rank0", "rank1"], sorted(results)
+    """Both workers trained, averaged with each other at AVERAGED_MIN of their steps or more, and their loss
+    fell."""
+    assert len(results) == 2, sorted(results)
     for name, result in results.items():
-        other = "rank1" if name == "rank0" else "rank0"
+        other = next(n for n in results if n != name)
         peers = result["stats"]["peers"]
         assert result["averaged"] > 0 and peers[other]["averaged"] > 0, (name, result["stats"])
+        # with the defaults: started together, and the one that finished first served the other's last steps
+        assert result["averaged"] >= AVERAGED_MIN * result["exchange_steps"], (name, result["stats"])
         assert result["stats"]["state"] == "closed"
         losses = result["losses"]
         assert len(losses) >= 20, (name, losses)
@@ -115,23 +127,27 @@ def check_training(results: dict[str, dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(RUN_S + 30)
-def test_the_lightning_example_trains_one_copy_per_worker_and_they_average(torchrun, tmp_path):
-    """torchrun --nproc-per-node 2 examples/integrations/lightning_tiny.py (3 epochs of the digits, a shard
-    each), with gradient accumulation over 2 batches and bf16 autocast (issue 42): each worker runs
-    SingleDeviceStrategy (Trainer(devices=1)), no process group; it exchanges once per optimizer step (36),
-    not per batch (72: before, it exchanged at every batch, moving the parameters between the batches whose
-    gradients are summed); both average with the other (every exchange moves both: mode symmetric) and
-    their loss falls."""
+@pytest.mark.timeout(2 * RUN_S + 30)
+def test_the_lightning_example_trains_one_copy_per_worker_and_they_average_under_torchrun_and_dpwas_launcher(
+    torchrun, tmp_path
+):
+    """examples/integrations/lightning_tiny.py on two workers (3 epochs of the digits, a shard each), with
+    gradient accumulation over 2 batches and bf16 autocast (issue 42), under torchrun --nproc-per-node 2 and
+    then under python -m dpwa run --nodes 2 (./run.sh's launcher): each worker runs SingleDeviceStrategy
+    (Trainer(devices=1)), no process group; it exchanges once per optimizer step (36), not per batch (72:
+    before, it exchanged at every batch, moving the parameters between the batches whose gradients are
+    summed); each averages with the other at 95% of its steps or more with the defaults (issue 48: before,
+    31 of 144 under run.sh, 72 of 144 under torchrun), and their loss falls."""
     need("lightning")
     args = ("--epochs", "3", "--accumulate", "2", "--precision", "bf16-mixed")
-    results, seconds = run_example(torchrun, tmp_path, "lightning_tiny.py", *args)
-    check_training(results)
-    for result in results.values():
-        assert result["strategy"] == "SingleDeviceStrategy" and result["precision"] == "bf16-mixed", result
-        assert result["steps"] == 72 and result["optimizer_steps"] == result["exchange_steps"] == 36, result
-        assert result["test_acc"] > 0.5, result
-    print(f"lightning: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
+    for launcher in ("torchrun", "dpwa"):
+        results, seconds = run_example(torchrun, tmp_path, "lightning_tiny.py", *args, launcher=launcher)
+        check_training(results)
+        for result in results.values():
+            assert result["strategy"] == "SingleDeviceStrategy" and result["precision"] == "bf16-mixed", result
+            assert result["steps"] == 72 and result["optimizer_steps"] == result["exchange_steps"] == 36, result
+            assert result["test_acc"] > 0.5, result
+        print(f"lightning, {launcher}: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
 
 
 def checkpoint_sums(folder: Path) -> dict[str, float]:
@@ -148,7 +164,7 @@ def checkpoint_sums(folder: Path) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2 * RUN_S + 30)
+@pytest.mark.timeout(3 * RUN_S + 30)
 def test_the_hugging_face_example_trains_one_copy_per_worker_they_average_and_each_resumes_its_own_state(
     torchrun, tmp_path
 ):
@@ -160,7 +176,8 @@ def test_the_hugging_face_example_trains_one_copy_per_worker_they_average_and_ea
 
     The 60 steps run as 30 that save a checkpoint, then a resumed run to 60 (issue 48): each rank trains on
     from its own checkpoint's weights AND optimizer state. Before, every rank but 0 took rank 0's weights
-    from a donor at the start while it kept its own optimizer state."""
+    from a donor at the start while it kept its own optimizer state. Then 30 steps under python -m dpwa run
+    --nodes 2 (./run.sh's launcher). Each run averages at 95% of its steps or more with the defaults."""
     need("transformers", "accelerate")
     args = ("--accumulate", "2", "--bf16")
     first, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "30", "--save-steps", "30", *args)
@@ -179,6 +196,12 @@ def test_the_hugging_face_example_trains_one_copy_per_worker_they_average_and_ea
         assert result["ddp"] is False and result["steps"] == 60 and result["exchange_steps"] == 30, result
         assert result["bf16"] is True, result
     print(f"transformers: {seconds:.1f} s + {more:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
+    # and under dpwa's launcher (./run.sh's): the nodes start together at the start barrier, each on its shard
+    results, seconds = run_example(torchrun, tmp_path, "hf_tiny.py", "--steps", "30", *args, launcher="dpwa")
+    check_training(results)
+    for result in results.values():
+        assert result["world_size"] == 1 and result["ddp"] is False and result["exchange_steps"] == 30, result
+    print(f"transformers, dpwa: {seconds:.1f} s; averaged {[results[n]['averaged'] for n in sorted(results)]}")
 
 
 LIGHTNING_TWO_DEVICES = """

@@ -25,7 +25,9 @@ with the snapshot published then. An offer costs the donor one hash of the
 state, so it makes at most one every :data:`OFFER_INTERVAL_S` (a fresh one
 serves every joiner meanwhile), and only a peer of the config may ask. A
 donor keeps at most :data:`MAX_OFFERS` offers, each for :data:`OFFER_TTL_S`
-after its last use.
+after its last use, or :data:`OFFER_DONE_S` after its last chunk was served,
+or until every joiner it was given to says ``join_done`` (it holds the state,
+checked): an offer holds a snapshot slot, and the donor's averaging needs it.
 
 The joiner takes nothing on faith. Before it allocates anything it checks
 the offer's sizes against its own: the parameters' exactly, the optimizer
@@ -52,7 +54,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -61,7 +63,7 @@ from ..logs import logger
 from ..mixing import kernels
 from ..mixing.model import WireModel
 from ..wire.calls import Ask
-from ..wire.errors import ProtocolError, refused
+from ..wire.errors import ProtocolError, Refused, TransportError, refused
 from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
 from ..wire.server import Reply, Request, Route
 from .barrier import COUNTS, BarrierCounts
@@ -83,9 +85,10 @@ __all__ = [
 CHUNK_BYTES = 4 << 20  # bytes of state per join_data reply
 MAX_OFFERS = 2  # offers a donor keeps at once (each a copy of the model and its optimizer state)
 OFFER_TTL_S = 30.0  # an offer is dropped this long after its last use
-# ... or this long, once its last chunk was served: a joiner that read it all is done, and an offer holds a
-# snapshot slot (two offers held both of a node's slots, and froze its averaging, for 30 s after each restart of a
-# peer: the relay walkthrough's restarts)
+# ... or this long, once its last chunk was served (a joiner that read it all is done), or at once when every joiner
+# it was given to said join_done. An offer holds a snapshot slot: two offers held both of a node's slots, and froze
+# its averaging, for 30 s after each restart of a peer (the relay walkthrough's restarts); held 2 s after a
+# torchrun start's join, the donor's publishes were skipped and its exchanges missed 4 or 5 steps of 144
 OFFER_DONE_S = 2.0
 EXTRA_PATIENCE_S = 2.0  # a joiner waits this long for a donor's optimizer state, then takes its parameters alone
 MAX_EXTRA_META = 60_000  # bytes of optimizer-state metadata
@@ -114,6 +117,8 @@ JOIN_OFFER = message_kind(
 )
 JOIN_CHUNK = message_kind("join_chunk", {"from": _NAME, "session": _SESSION, "offset": Integer(0, 1 << 40)})
 JOIN_DATA = message_kind("join_data", {"session": _SESSION, "offset": Integer(0, 1 << 40)}, payload=1)
+# the joiner took the offer's state whole and checked it: the donor lets the offer go (the reply echoes it)
+JOIN_DONE = message_kind("join_done", {"from": _NAME, "session": _SESSION})
 
 
 class ExtraState(Protocol):
@@ -155,6 +160,7 @@ class _Offer:
     created: float
     used: float
     finished: bool = False  # its last chunk was served
+    readers: set[str] = field(default_factory=set)  # the joiners it was given to that have not said join_done
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +227,7 @@ class JoinServer:
         return {
             JOIN_INFO.name: Route(JOIN_INFO, self.serve_info),
             JOIN_CHUNK.name: Route(JOIN_CHUNK, self.serve_chunk, bulk=True),
+            JOIN_DONE.name: Route(JOIN_DONE, self.serve_done),
         }
 
     # ----------------------------------------------------------------- training thread
@@ -333,6 +340,7 @@ class JoinServer:
                 offer = self._offer_for(sender, with_extra, now)
                 if offer is not None:
                     offer.used = now
+                    offer.readers.add(sender)
                     self._asked.pop(sender, None)
                 else:
                     self._asked.setdefault(sender, now)
@@ -375,6 +383,19 @@ class JoinServer:
         if offset >= offer.nbytes or offset % CHUNK_BYTES:
             raise ProtocolError("bad_offset", f"offset {offset} is not a chunk of the {offer.nbytes}-byte offer")
         return Reply(encode(JOIN_DATA, header.id, session=offer.session, offset=offset), payload=[offer.chunk(offset)])
+
+    def serve_done(self, request: Request) -> Reply:
+        """A joiner took the offer whole: once every joiner it was given to says so, it goes, and its slot back."""
+        if request.sender not in self._peers:
+            raise refused("unknown_node", "only a node of this cluster may join from us")
+        session = request.header["session"]
+        with self._lock:
+            offer = self._offers.get(session)
+            if offer is not None:
+                offer.readers.discard(request.sender)
+                if not offer.readers:
+                    self._offers.pop(session).snapshot.release()
+        return Reply(encode(JOIN_DONE, request.header.id, **{"from": self._name}, session=session))
 
     def close(self) -> None:
         with self._lock:
@@ -541,6 +562,7 @@ class JoinTask:
                 checked = terms.check_extra(meta, extra)
             except ValueError as exc:
                 raise ProtocolError("bad_extra", str(exc)) from None
+        self._done(ask, session)
         return Joined(
             donor=self.peer,
             clock=info.clock,
@@ -552,6 +574,20 @@ class JoinTask:
             digest=fields["digest"],
             extra_state=checked,
         )
+
+    def _done(self, ask: Ask, session: int) -> None:
+        """Tell the donor we hold its state, so its offer (a snapshot slot) goes at once, not OFFER_DONE_S later.
+        Best effort: a donor that does not hear it (or does not know join_done) lets it go after OFFER_DONE_S."""
+
+        def request(rid: int) -> list[bytes]:
+            return [encode(JOIN_DONE, rid, **{"from": self._name}, session=session)]
+
+        try:
+            ask(request, {JOIN_DONE.name: JOIN_DONE}, deadline=time.monotonic() + self._request_s)
+        except (TransportError, ProtocolError, Refused) as exc:
+            logger.debug(
+                "%s: %s did not take our join_done (%s); its offer expires by itself", self._name, self.peer, exc
+            )
 
 
 def _poll(

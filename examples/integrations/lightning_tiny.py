@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # one core per worker
-    # linger_s: a worker that ends first keeps serving the others' exchanges for up to 10 s
-    gossip = DpwaCallback(config=args.config, name=args.name, linger_s=10.0)
+    # The defaults start the workers together and, at the end, keep a worker that finished first serving the
+    # others' last exchanges (linger_s, 30 s at most: until no peer asked for 1 s)
+    gossip = DpwaCallback(config=args.config, name=args.name)
     node = gossip.node
     torch.manual_seed(node.rank)  # different initial weights: at the start every worker takes rank 0's
     train_set, test_set = digits(node.rank, node.world_size)
