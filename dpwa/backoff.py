@@ -9,7 +9,7 @@ per key (a peer), for the retries that are counted per peer.
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["Backoff", "Backoffs"]
@@ -42,6 +42,7 @@ class Backoff:
         self.initial_s, self.cap_s, self.factor, self.jitter = initial_s, cap_s, factor, jitter
         self._rng = rng if rng is not None else random.Random()
         self.failures = 0
+        self.failed_at = 0.0  # the `now` of the last fail()
         self.retry_at = 0.0
 
     def after(self, failures: int) -> float:
@@ -68,7 +69,8 @@ class Backoff:
         return wait
 
     def fail(self, now: float) -> float:
-        """One more failure at `now`: the time to try again (also kept in ``retry_at``)."""
+        """One more failure at `now` (kept in ``failed_at``): the time to try again (kept in ``retry_at``)."""
+        self.failed_at = now
         self.retry_at = now + self.next()
         return self.retry_at
 
@@ -79,7 +81,7 @@ class Backoff:
     def reset(self) -> None:
         """A success: the next failure waits ``initial_s`` again."""
         self.failures = 0
-        self.retry_at = 0.0
+        self.failed_at = self.retry_at = 0.0
 
 
 class Backoffs(Generic[K]):
@@ -114,6 +116,10 @@ class Backoffs(Generic[K]):
         backoff = self._each.get(key)
         return 0.0 if backoff is None else backoff.retry_at
 
+    def failed_at(self, key: K) -> float:
+        backoff = self._each.get(key)
+        return 0.0 if backoff is None else backoff.failed_at
+
     def reset(self, key: K) -> None:
         self._each.pop(key, None)
 
@@ -124,3 +130,10 @@ class Backoffs(Generic[K]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._each
+
+    def __len__(self) -> int:
+        return len(self._each)
+
+    def __iter__(self) -> Iterator[K]:
+        """The keys with a back-off (a copy: a caller may forget keys while it iterates)."""
+        return iter(list(self._each))

@@ -290,3 +290,40 @@ def test_a_member_removed_after_a_relayed_heartbeat_ran_ahead_comes_back_on_its_
     assert v.merge("n1", [info(1, beat=30).entry(), info(2, beat=40).entry()], now=18.0) == []  # relayed: no
     assert v.merge("n2", [info(2, beat=41).entry()], now=18.5) == [info(2, beat=41)]  # its own word: yes
     assert status(v, "n2") == "alive"
+
+
+def test_announcements_admit_a_bounded_number_a_second_and_one_member_per_connection():
+    """A node announces itself (a ``members`` request): at most `announces_per_s` newcomers a second whatever
+    names they use, one newcomer per connection (its first), and a member's own word is merge's."""
+    v = view(0, announces_per_s=3, new_per_sender=100)
+    assert v.announce(info(1).entry(), b"c1", now=0.0) == [info(1)]
+    assert v.announce(info(2).entry(), b"c1", now=0.1) == [] and v.refused["announce_source"] == 1
+    assert v.announce(info(1, beat=5).entry(), b"c1", now=0.2) == []  # its own news again: taken, not added
+    assert v.get("n1").info.beat == 5  # type: ignore[union-attr]
+    assert [len(v.announce(info(i).entry(), f"c{i}".encode(), now=0.3)) for i in (2, 3, 4)] == [1, 1, 0]
+    assert v.refused["announce_rate"] == 1 and "n4" not in v.names()
+    assert v.announce(info(4).entry(), b"c4", now=1.0) == [info(4)]  # a second after the first: room again
+    assert v.announce({"name": "n5"}, b"c5", now=2.0) == [] and v.refused["bad_entry"] == 1
+
+
+def test_the_connections_remembered_are_bounded_and_the_oldest_forgotten_first():
+    v = view(0, announces_per_s=100, sources_kept=2, new_per_sender=100)
+    for i in (1, 2, 3):
+        assert v.announce(info(i).entry(), f"c{i}".encode(), now=float(i)) == [info(i)]
+    assert v.announce(info(4).entry(), b"c1", now=5.0) == [info(4)]  # c1 was forgotten: it may introduce one
+    assert v.announce(info(5).entry(), b"c3", now=6.0) == [] and v.refused["announce_source"] == 1
+
+
+def test_a_member_that_comes_back_as_a_new_incarnation_counts_as_a_restart():
+    """Its own entry with a new incarnation is a new node under the old name (the node's peers forget its
+    predecessor's record); relayed news of one is refused, and a higher heartbeat is no restart."""
+    v = view(0)
+    v.merge("n1", [info(1).entry(), info(2).entry()], now=0.0)
+    v.merge("n1", [info(1, beat=3).entry()], now=1.0)
+    v.merge("n1", [info(2, incarnation=7).entry()], now=1.0)  # a third party: incarnation_by_other
+    assert v.restarts == 0 and v.refused["incarnation_by_other"] == 1
+    v.merge("n2", [info(2, incarnation=7).entry()], now=2.0)
+    assert v.restarts == 1 and v.get("n2").info.incarnation == 7  # type: ignore[union-attr]
+    v.tick(8.0)  # n1 silent since 1: suspect; restarted elsewhere, it takes its name back (a restart too)
+    assert v.announce(info(1, incarnation=2, port=47000).entry(), None, now=8.5) == [info(1, 2, port=47000)]
+    assert v.restarts == 2 and v.reclaimed == 1

@@ -94,6 +94,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..backoff import Backoffs
 from ..logs import logger
 from ..wire.calls import Ask, Call
 from ..wire.errors import ProtocolError
@@ -450,17 +451,17 @@ class BarrierWaiter:
     ) -> list[str]:
         calls: dict[str, Call] = {}
         told: set[str] = set()  # peers that have heard of this arrival
-        next_try: dict[str, float] = {}
-        pause: dict[str, float] = {}
+        # each peer is polled again 20 ms after its last answer, doubling up to the poll maximum (not reset)
+        polls: Backoffs[str] = Backoffs(min(0.02, self._poll_max_s), self._poll_max_s)
         keepalive = self._members is not None  # open membership: arrived members are asked again too
         idle_since: float | None = None  # since when only members that never took part are behind
         skipped: set[str] = set()  # members skipped for that (open membership)
         started = time.monotonic()
         while True:
             peers = self._counts.peers()  # open membership: the view now (members come and go while we wait)
-            if keepalive and len(pause) > len(peers):  # forget the back-off of members that left (bounded)
-                for gone in set(pause) - set(peers) - set(calls):
-                    del pause[gone], next_try[gone]
+            if keepalive and len(polls) > len(peers):  # forget the back-off of members that left (bounded)
+                for gone in set(polls) - set(peers) - set(calls):
+                    polls.forget(gone)
             for peer, call in list(calls.items()):
                 if not call.done.is_set():
                     continue
@@ -469,8 +470,7 @@ class BarrierWaiter:
                     theirs, _ = call.take()
                     self._counts.heard(peer, theirs)
                     told.add(peer)
-                pause[peer] = min(self._poll_max_s, 2 * pause.get(peer, 0.01))
-                next_try[peer] = time.monotonic() + pause[peer]
+                polls.fail(peer, time.monotonic())  # any answer: asked again after the next (longer) pause
             behind = [p for p in self._counts.behind(name, k) if p not in skipped]
             now = time.monotonic()
             idlers = [p for p in behind if not self._took_part(p) and p in told]  # answered, and not there yet
@@ -510,11 +510,11 @@ class BarrierWaiter:
                 return behind
             for peer in peers:
                 wanted = keepalive or peer in behind or peer not in told
-                if wanted and peer not in calls and now >= next_try.get(peer, 0.0):
+                if wanted and peer not in calls and polls.ready(peer, now):
                     end = min(deadline, now + self._timeout_s)
                     calls[peer] = self._submit(self._task(peer, end))
             idle()
-            wake = min([next_try.get(p, 0.0) for p in peers if p not in calls] + [now + 0.02])
+            wake = min([polls.retry_at(p) for p in peers if p not in calls] + [now + 0.02])
             time.sleep(max(0.001, min(0.02, wake - now)))  # a bounded poll: the Tx thread asks meanwhile
 
     def _dead(self, peer: str, now: float, started: float) -> bool:

@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from ..backoff import Backoff, Backoffs
 from ..logs import logger
 from .deadlines import Deadlines
 
@@ -231,10 +232,12 @@ class FlowControl:
         self.deadlines = Deadlines(timeout_s, deadline_cap_s)  # each peer's next deadline, from past request times
         self._p, self._timeout_s, self._rng = fetch_probability, timeout_s, rng
         self._misses = {peer: 0 for peer in peers}  # consecutive timeouts or transport failures
-        self._pause = dict.fromkeys(peers, 0.0)  # an unreachable peer's back-off (0: reachable)
-        self._retry_at = dict.fromkeys(peers, 0.0)  # clock() before which an unreachable peer is not asked
+        # an unreachable peer rests for the timeout, then twice that after each further miss, up to the maximum;
+        # while alone, the probes are as far apart (none: reachable; each back-off's times are clock()'s)
+        first_s = min(timeout_s, ALONE_BACKOFF_MAX_S)
+        self._rest: Backoffs[str] = Backoffs(first_s, ALONE_BACKOFF_MAX_S)
         self.alone = False  # every peer is unreachable, and we said so once
-        self._backoff_s = 0.0  # while alone: the interval between probes
+        self._probes = Backoff(first_s, ALONE_BACKOFF_MAX_S)  # while alone: the interval between probes
         self._next_probe = 0.0  # while alone: time.monotonic() of the next attempt
         self._probed_at = 0.0  # while alone: when we went alone, or last probed
         self.skipped_alone = 0  # steps that did not ask because we were backing off
@@ -268,8 +271,9 @@ class FlowControl:
         now = self._clock()
         return frozenset(
             peer
-            for peer, at in self._retry_at.items()
-            if now < at and not self.signs.since(peer, at - self._pause[peer])  # it asked us since: alive
+            for peer in self._rest
+            if not self._rest.ready(peer, now)
+            and not self.signs.since(peer, self._rest.failed_at(peer))  # it asked us since: alive
         )
 
     def unreachable(self) -> list[str]:
@@ -285,8 +289,7 @@ class FlowControl:
             if now < self._next_probe and not any(self.signs.since(peer, self._probed_at) for peer in self._misses):
                 self.skipped_alone += 1
                 return False
-            self._backoff_s = min(ALONE_BACKOFF_MAX_S, max(self._timeout_s, 2 * self._backoff_s))
-            self._next_probe, self._probed_at = now + self._backoff_s, now
+            self._next_probe, self._probed_at = now + self._probes.next(), now
         return True
 
     def peers(self) -> list[str]:
@@ -299,15 +302,15 @@ class FlowControl:
             return
         self.selector.add(peer)
         self._misses[peer] = 0
-        self._pause[peer] = self._retry_at[peer] = 0.0
+        self._rest.forget(peer)
 
     def remove_peer(self, peer: str) -> None:
         """(Open membership) A member was removed: it is asked no more. Outcomes of its requests still in
         flight are ignored."""
         self.selector.remove(peer)
         self.deadlines.forget(peer)
-        for table in (self._misses, self._pause, self._retry_at):
-            table.pop(peer, None)
+        self._misses.pop(peer, None)
+        self._rest.forget(peer)
 
     def heard(self, peer: str) -> None:
         """The peer answered something (not a request of ours that scores it): it is alive."""
@@ -316,10 +319,10 @@ class FlowControl:
         if peer not in self._misses:  # removed meanwhile (open membership)
             return
         self._misses[peer] = 0
-        self._pause[peer] = self._retry_at[peer] = 0.0
+        self._rest.reset(peer)
         if self.alone:
             self.alone = False
-            self._backoff_s = 0.0
+            self._probes.reset()
             logger.warning("%s: %s answered: averaging again", self.name, peer)
 
     def record(self, peer: str, outcome: str, refusal: str = "", started: float | None = None) -> None:
@@ -334,8 +337,7 @@ class FlowControl:
         if outcome in ("timeout", "failed"):
             self._misses[peer] += 1
             if self._misses[peer] >= UNREACHABLE_AFTER:  # rest it: timeout, then twice that, ... up to the maximum
-                self._pause[peer] = min(ALONE_BACKOFF_MAX_S, max(self._timeout_s, 2 * self._pause[peer]))
-                self._retry_at[peer] = self._clock() + self._pause[peer]
+                self._rest.fail(peer, self._clock())
         else:  # any reply, even a refusal, shows the peer is alive
             self.heard(peer)
         if outcome == "ok":

@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..backoff import Backoff
 from ..logs import logger
 from ..mixing import kernels
 from ..mixing.model import WireModel
@@ -503,13 +504,12 @@ class JoinTask:
     def run(self, ask: Ask) -> Joined:
         terms = self._terms
         info = None
-        pause = 0.01
+        backoff = Backoff(0.01, 0.2)  # between polls: 10 ms, doubling up to 0.2 s
         while info is None or not info.ready:  # the donor makes its offer at its next step
             if info is not None:
-                if time.monotonic() + pause >= self.deadline:
+                if time.monotonic() + backoff.peek() >= self.deadline:
                     raise refused("not_ready", "the donor made no offer in time")
-                time.sleep(pause)  # a bounded poll: the donor is training meanwhile
-                pause = min(0.2, 2 * pause)
+                time.sleep(backoff.next())  # a bounded poll: the donor is training meanwhile
             info = OfferTask(self.peer, self.deadline, self._name, terms.with_extra).run(ask)
         fields = info.fields
         if fields["fp"] != terms.model.fingerprint:
@@ -608,18 +608,18 @@ def _poll(
 def _take(donor: str, submit: Callable[[Any], Any], name: str, terms: JoinTerms, timeout_s: float, log) -> Any:
     """Take `donor`'s state, asking again with back-off while it answers busy. Returns the finished call."""
     deadline = time.monotonic() + max(60.0, 10 * timeout_s)
-    pause = 0.05
+    backoff = Backoff(0.05, BUSY_RETRY_MAX_S)
     while True:
         call = submit(JoinTask(donor, deadline, name, terms, timeout_s))
         call.wait(max(0.0, deadline - time.monotonic()) + 5.0)
         if not call.done.is_set():
             call.abandon()
             return call
+        pause = backoff.peek()
         if call.outcome != "refused" or call.refusal != "busy" or time.monotonic() + pause >= deadline:
             return call
         log(f"{donor} is busy ({call.reason}); asking again in {pause:.2f} s")
-        time.sleep(pause)  # a bounded back-off within the join's deadline
-        pause = min(BUSY_RETRY_MAX_S, 2 * pause)
+        time.sleep(backoff.next())  # a bounded back-off within the join's deadline
 
 
 def join_cluster(
@@ -650,7 +650,7 @@ def join_cluster(
     trained = False
     for round_ in range(1, JOIN_ROUNDS + 1):
         deadline = time.monotonic() + (timeout_s if name == first and not trained_only else wait_s)
-        pause = 0.05
+        backoff = Backoff(0.05, 1.0)  # between polls: 50 ms, doubling up to 1 s
         while True:
             infos = _poll(peers, submit, timeout_s, name, terms.with_extra)
             freshest = max((i.clock for i in infos.values()), default=0.0)
@@ -667,7 +667,7 @@ def join_cluster(
             if name != first and first in infos and not trained_only:
                 donors, trained = [first], False
                 break
-            if time.monotonic() + pause >= deadline:
+            if time.monotonic() + backoff.peek() >= deadline:
                 if trained_only:
                     log(f"no peer had trained within {wait_s:.0f} s; nothing to join")
                 elif name != first and round_ == 1:
@@ -675,8 +675,7 @@ def join_cluster(
                 elif name != first:
                     log(f"no donor answered again within {wait_s:.0f} s; starting from our own parameters")
                 return None, trained
-            time.sleep(pause)  # a bounded poll while the others start
-            pause = min(1.0, 2 * pause)
+            time.sleep(backoff.next())  # a bounded poll while the others start
         # donors that failed in an earlier round go last: they may have recovered, or be the only ones
         donors = [d for d in donors if d not in failed] + [d for d in donors if d in failed]
         reports = tuple(info.barriers for info in infos.values())

@@ -26,7 +26,10 @@ first admitted name; another new name from it is refused
 ``announce_source``): a node announces itself, and nobody else, so a client
 that announces a new name with every request on one connection cannot take
 the budget from the newcomers (before, one such client took every slot as it
-freed, and a newcomer waited 16 s or more).
+freed, and a newcomer waited 16 s or more). These are the view's rules
+(:meth:`~dpwa.gossip.membership.View.announce`, tested without a network);
+this class adds the checks that need the request: its connection, its CURVE
+key, and whether the member can be reached over this node's transport.
 
 Nodes here are reached at their ``tcp://host:port``; in a cluster on
 loopback addresses without keys (ipc transport) a member elsewhere cannot be
@@ -52,7 +55,7 @@ import ipaddress
 import random
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,14 +127,14 @@ class Members:
             keyed=self._keyed,
             trusted=certifier if certifier is not None else lambda name, key, cert: True,
             cert_order=certifier.order if certifier is not None else lambda cert: None,
+            announces_per_s=ANNOUNCES_PER_S,
+            sources_kept=SOURCES_KEPT,
         )
         self.keys = KeyBook()  # a member's raw CURVE key -> its name (keyed): what the Rx thread asks
         self._expiry: dict[str, int] = {}  # certificate -> its not_after (keyed; bounded, see _expire)
         self._view_max = config.members_max
         self._checked = -float("inf")  # when _expire last looked
-        self._announced: deque[float] = deque(maxlen=ANNOUNCES_PER_S)  # when announcements admitted members
-        self._sources: OrderedDict[bytes, str] = OrderedDict()  # a connection -> the member it introduced
-        self._refused: Counter[str] = Counter()  # refusals made here, before the view (unreachable, announce_rate)
+        self._refused: Counter[str] = Counter()  # refusals made here, before the view (unreachable, wrong_key)
         self._changes = 0  # members added or removed so far: the node's peers follow when it moves
         self._synced = -1  # _changes when the node's peers last followed the view (the training thread's)
         self._synced_incarnations: dict[str, int] = {}  # each member's incarnation when the peers last followed
@@ -207,9 +210,9 @@ class Members:
         if isinstance(entries, Sequence) and not isinstance(entries, (str, bytes)):
             entries = [e for e in entries[: DIGEST_MAX + 1] if self._reachable(e)]
         with self._lock:
-            before = self._incarnations(entries)
+            restarts = self._view.restarts
             added = self._view.merge(sender, entries, self._clock())
-            self._changed(len(added) + self._restarted(before))
+            self._changed(len(added) + self._view.restarts - restarts)
         for info in added:
             logger.info("%s: %s joined the view (from %s), at %s", self.name, info.name, sender, info.endpoint)
         return [info.name for info in added]
@@ -226,35 +229,17 @@ class Members:
             return False
         if not self._reachable(raw) or not self._holds(claim.key, key):
             return False
-        now = self._clock()
-        with self._lock:
-            known = self._view.get(claim.name)
-            if known is None:
-                introduced = self._sources.get(source) if source is not None else None
-                if introduced is not None and introduced != claim.name:
-                    self._refused["announce_source"] += 1  # this connection introduced another member already
-                    return False
-                if len(self._announced) == ANNOUNCES_PER_S and now - self._announced[0] < 1.0:
-                    self._refused["announce_rate"] += 1
-                    return False
-                added = self._view.merge(claim.name, [raw], now)
-                if added:
-                    if source is not None:
-                        self._sources[source] = claim.name
-                        while len(self._sources) > SOURCES_KEPT:
-                            self._sources.popitem(last=False)
-                    self._announced.append(now)
-                    self._changed(1)
-                    logger.info("%s: %s announced itself, at %s", self.name, claim.name, claim.endpoint)
-                return bool(added)
-            before = self._incarnations([raw])
-            if self._view.merge(claim.name, [raw], now):  # it took its name back from a holder that never answered
-                self._changed(1)
-                logger.warning("%s: %s took its name back, at %s", self.name, claim.name, claim.endpoint)
-            else:
-                self._changed(self._restarted(before))
+        with self._lock:  # the view's rules: rate, one member per connection, names (View.announce)
+            known = self._view.get(claim.name) is not None
+            restarts = self._view.restarts
+            added = self._view.announce(raw, source, self._clock())
+            self._changed(len(added) + self._view.restarts - restarts)
             member = self._view.get(claim.name)
-            return member is not None and member.info.same_node(claim)
+        if added and not known:
+            logger.info("%s: %s announced itself, at %s", self.name, claim.name, claim.endpoint)
+        elif added:  # it took its name back from a holder that never answered
+            logger.warning("%s: %s took its name back, at %s", self.name, claim.name, claim.endpoint)
+        return member is not None and member.info.same_node(claim)
 
     def admit(self, sender: str, digest: Any, key: str | None = None, source: bytes | None = None) -> bool:
         """A request from `sender` carrying `digest`: is the sender a member? One we do not know yet may
@@ -323,25 +308,6 @@ class Members:
         with self._lock:
             self._refused["wrong_key"] += 1
         return False
-
-    def _incarnations(self, entries: Any) -> dict[str, int]:
-        """(With the lock held) the incarnation the view holds of each member `entries` names."""
-        out = {}
-        for entry in entries if isinstance(entries, Sequence) and not isinstance(entries, (str, bytes)) else ():
-            name = entry.get("name") if isinstance(entry, Mapping) else None
-            member = self._view.get(name) if isinstance(name, str) else None
-            if member is not None:
-                out[member.info.name] = member.info.incarnation
-        return out
-
-    def _restarted(self, before: Mapping[str, int]) -> int:
-        """(With the lock held) how many of `before`'s members are a new incarnation now: restarted nodes."""
-        count = 0
-        for name, incarnation in before.items():
-            member = self._view.get(name)
-            if member is not None and member.info.incarnation != incarnation:
-                count += 1
-        return count
 
     def _changed(self, count: int) -> None:
         """(Under the lock) `count` members came or went: the node's peers follow, and so do the keys."""

@@ -27,8 +27,13 @@ they can be tested without a network:
 * **Bounds.** The view holds at most ``max_members``. One sender may
   introduce at most ``new_per_sender`` members per ``new_interval_s``. A
   digest is cut to :data:`DIGEST_MAX` entries, each field checked
-  (:func:`check_entry`). Every refusal is counted by its reason in
-  :attr:`View.refused`; nothing a peer sends raises out of :meth:`View.merge`.
+  (:func:`check_entry`). A node that announces itself (:meth:`View.announce`:
+  a ``members`` request's entry) is admitted within ``announces_per_s``
+  newcomers a second, whoever announces them (``announce_rate``), and one
+  connection introduces one member at most, its first (``announce_source``):
+  a node announces itself, and nobody else. Every refusal is counted by its
+  reason in :attr:`View.refused`; nothing a peer sends raises out of
+  :meth:`View.merge` or :meth:`View.announce`.
 * **News is evidence, not truth** (issue 41). A member's incarnation is its
   own to raise: a claim that raises it reaches the view only from the member
   itself (the digest's sender), never relayed. A relayed heartbeat may run
@@ -67,8 +72,8 @@ from __future__ import annotations
 
 import random
 import re
-from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -168,6 +173,8 @@ class View:
         trusted: ``trusted(name, key, cert)``: may this member join? (keyed clusters: a cluster key's signature.)
         cert_order: a certificate's (issued, expires) times, or None if unknown: of two valid certificates of a
             member, the view keeps the newer (an older one still valid, relayed by anyone, never replaces it).
+        announces_per_s: newcomers :meth:`announce` admits a second at most, whoever announces them.
+        sources_kept: connections remembered with the member each introduced (the oldest forgotten first).
     """
 
     def __init__(
@@ -183,9 +190,14 @@ class View:
         keyed: bool = False,
         trusted: Callable[[str, str | None, str | None], bool] = lambda name, key, cert: True,
         cert_order: Callable[[str | None], tuple[int, int] | None] = lambda cert: None,
+        announces_per_s: int = 8,
+        sources_kept: int = 4096,
     ) -> None:
-        if max_members < 1 or new_per_sender < 1:
-            raise ValueError("max_members and new_per_sender must be at least 1")
+        if min(max_members, new_per_sender, announces_per_s, sources_kept) < 1:
+            raise ValueError(
+                "max_members, new_per_sender, announces_per_s and sources_kept must be at least 1, got "
+                f"{max_members}, {new_per_sender}, {announces_per_s} and {sources_kept}"
+            )
         if min(suspect_after_s, dead_after_s, tombstone_s, new_interval_s) <= 0:
             raise ValueError("the view's times must be positive")
         if keyed and own.key is None:
@@ -198,8 +210,12 @@ class View:
         self._tombstones: dict[str, tuple[MemberInfo, float]] = {}  # name -> (its last news, removed at)
         self._retired: set[str] = set()  # tombstones that only a new incarnation beats (retire)
         self._introduced: dict[str, deque[float]] = {}  # sender -> when it introduced members, the latest few
+        self._announced: deque[float] = deque(maxlen=announces_per_s)  # when announcements admitted members
+        self._sources: OrderedDict[Hashable, str] = OrderedDict()  # a connection -> the member it introduced
+        self._sources_kept = sources_kept
         self.refused: Counter[str] = Counter()  # claims refused, by reason
         self.reclaimed = 0  # names taken back by their node from a holder that never answered (_reclaims)
+        self.restarts = 0  # members that came back as a new incarnation (a restarted node), so far
 
     # ----------------------------------------------------------------- reading
 
@@ -284,8 +300,39 @@ class View:
                 elif self._keyed and claim.cert != member.info.cert and self._older_cert(claim, member.info):
                     self.refused["older_cert"] += 1  # the news, but the newer certificate stays
                     claim = replace(claim, cert=member.info.cert)
+                if claim.incarnation != member.info.incarnation:
+                    self.restarts += 1  # a new node under the old name: the caller forgets its predecessor
                 member.info, member.news_at = claim, now  # from the member itself: the truth, newer or not
                 self._alive(member, now)
+        return added
+
+    def announce(self, raw: Any, source: Hashable | None, now: float) -> list[MemberInfo]:
+        """A node announces itself: `raw` is its own entry (a ``members`` request's), which came on connection
+        `source` (None: unknown). Merged as the node's own word (:meth:`merge`, the node the sender). A name
+        the view does not hold is admitted within two bounds more: at most ``announces_per_s`` newcomers a
+        second, whoever announces them (``announce_rate``), and one newcomer per connection, its first
+        (``announce_source``). Returns the members added (the node, or none); never raises."""
+        try:
+            claim = check_entry(raw)
+        except ValueError:
+            self.refused["bad_entry"] += 1
+            return []
+        if self._members.get(claim.name) is not None:  # a member's word (it may take its name back: merge)
+            return self.merge(claim.name, [raw], now)
+        introduced = self._sources.get(source) if source is not None else None
+        if introduced is not None and introduced != claim.name:
+            self.refused["announce_source"] += 1  # this connection introduced another member already
+            return []
+        if len(self._announced) == self._announced.maxlen and now - self._announced[0] < 1.0:
+            self.refused["announce_rate"] += 1
+            return []
+        added = self.merge(claim.name, [raw], now)
+        if added:
+            if source is not None:
+                self._sources[source] = claim.name
+                while len(self._sources) > self._sources_kept:
+                    self._sources.popitem(last=False)
+            self._announced.append(now)
         return added
 
     def _reclaims(self, sender: str, member: Member, claim: MemberInfo, now: float) -> bool:
@@ -299,6 +346,7 @@ class View:
             return False
         self._members[claim.name] = Member(claim, heard_at=now, since=now, news_at=now, admitted_at=now)
         self.reclaimed += 1
+        self.restarts += claim.incarnation != member.info.incarnation
         return True
 
     def _older_cert(self, claim: MemberInfo, known: MemberInfo) -> bool:

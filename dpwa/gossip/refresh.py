@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..backoff import Backoff
 from ..config import Config, NodeSpec
 from ..logs import logger
 from ..wire.calls import Call
@@ -67,7 +68,8 @@ class BootstrapRefresh:
         self._specs = config.bootstrap_for(name)
         self._config, self._members, self._book, self._submit, self._clock = config, members, book, submit, clock
         self.first_interval_s = (config.suspect_after_ms + config.dead_after_ms) / 1000.0
-        self.interval_s = self.first_interval_s  # the next pause: doubles while nobody answers
+        # the pause after n >= 1 unanswered asks in a row: the first interval times 2**n, up to REFRESH_MAX_S
+        self._backoff = Backoff(min(2 * self.first_interval_s, REFRESH_MAX_S), REFRESH_MAX_S)
         self._next = clock() + self.first_interval_s
         self._turn = 0  # which missing address is asked next (in turn)
         self._asking: tuple[NodeSpec, Call, float] | None = None  # the address asked, its call, its deadline
@@ -75,6 +77,12 @@ class BootstrapRefresh:
         self.answered = 0
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def interval_s(self) -> float:
+        """The next pause: the first interval, doubled by each unanswered ask in a row, up to REFRESH_MAX_S."""
+        failures = self._backoff.failures
+        return self._backoff.after(failures) if failures else self.first_interval_s
 
     def tend(self) -> None:
         """Between steps: collect the request in flight, or start one when it is time and it is needed."""
@@ -92,7 +100,7 @@ class BootstrapRefresh:
         present = {(spec.host.lower(), spec.port) for spec in self._members.peers().values()}
         missing = [spec for spec in self._specs if (spec.host.lower(), spec.port) not in present]
         if not missing:  # a member is at a bootstrap address: our view reaches the cluster
-            self.interval_s = self.first_interval_s
+            self._backoff.reset()
             self._next = now + self.interval_s
             return
         spec = missing[self._turn % len(missing)]
@@ -120,7 +128,7 @@ class BootstrapRefresh:
             answerer = str(digest[0].get("name", "")) if digest and isinstance(digest[0], dict) else ""
             added = self._members.merge(answerer, digest)
             self.answered += 1
-            self.interval_s = self.first_interval_s
+            self._backoff.reset()
             if added:
                 logger.warning(
                     "%s: no member was at a bootstrap address; %s:%d answered, and %s came back into the view",
@@ -130,7 +138,7 @@ class BootstrapRefresh:
                     ", ".join(added),
                 )
         else:
-            self.interval_s = min(REFRESH_MAX_S, 2 * self.interval_s)
+            self._backoff.next()
         self._next = now + self.interval_s
 
     def close(self) -> None:

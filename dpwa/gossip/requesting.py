@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backoff import Backoffs
 from ..logs import RateLimitedLog
 from ..mixing.codecs import CodecError, Fields
 from ..mixing.model import WireModel
@@ -173,7 +174,8 @@ class ReplyReader:
         self.bulk_hosts = dict(bulk_hosts or {})
         self._bulk = BulkReceiver(name)
         self._sealed = sealed
-        self._bulk_paused: dict[str, tuple[int, float]] = {}  # peer -> (streams failed in a row, no stream until)
+        # a peer whose stream failed gets none for BULK_PAUSE_S, doubling with each failure in a row (up to the max)
+        self._bulk_paused: Backoffs[str] = Backoffs(BULK_PAUSE_S, BULK_PAUSE_MAX_S)
         self.name = name
         self._limited = RateLimitedLog()
         # a snapshot that came in chunks or by stream is received into a slot the store lends, or a pooled buffer
@@ -188,17 +190,17 @@ class ReplyReader:
         """Ask `peer` for a stream now? (It is a bulk peer, and no failed stream paused it.)"""
         if peer not in self.bulk_hosts:
             return False
-        paused = self._bulk_paused.get(peer)
-        return paused is None or time.monotonic() >= paused[1]
+        return self._bulk_paused.ready(peer, time.monotonic())
 
     def bulk_failed(
         self, peer: str, why: object, then: str = "fetching over ZeroMQ instead", counter: str = "bulk_fallbacks"
     ) -> None:
         """A stream with `peer` failed (`then`: what happens now): count it, say so, and use no streams with
         that peer for a while (from BULK_PAUSE_S, doubling with each failure in a row)."""
-        failures = self._bulk_paused.get(peer, (0, 0.0))[0] + 1
-        pause = min(BULK_PAUSE_MAX_S, BULK_PAUSE_S * 2.0 ** min(failures - 1, 16))
-        self._bulk_paused[peer] = (failures, time.monotonic() + pause)
+        backoff = self._bulk_paused.get(peer)
+        pause = backoff.peek()
+        backoff.fail(time.monotonic())
+        failures = backoff.failures
         self._counters.add(counter)
         self._limited(
             30,
@@ -306,7 +308,7 @@ class ReplyReader:
                 )
                 self.values.check_distance(array)
             keep.pop_all()
-        self._bulk_paused.pop(peer, None)
+        self._bulk_paused.reset(peer)
         self._counters.add("bytes_in", buffer.nbytes)
         self._counters.add("bulk_fetches")
         return Received(header, array, give_back)

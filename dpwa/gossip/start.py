@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..backoff import Backoff
 from ..config import Config, ConfigError
 from ..logs import logger
 from ..mixing.model import WireModel
@@ -164,7 +165,7 @@ def start_together(
     (`at_start`); our requests say we wait at ours."""
     deadline = time.monotonic() + wait_s
     waiting = set(peers)
-    pause = 0.01
+    backoff = Backoff(0.01, 0.2)  # between polls: 10 ms, doubling up to 0.2 s
     while waiting:
         end = time.monotonic() + timeout_s
         calls = {peer: submit(StatusTask(peer, end, name, at_start=True)) for peer in waiting}
@@ -180,7 +181,7 @@ def start_together(
         waiting -= at_start.names() if at_start is not None else frozenset()
         if not waiting:
             return
-        if time.monotonic() + pause >= deadline:
+        if time.monotonic() + backoff.peek() >= deadline:
             logger.warning(
                 "%s: %s did not start within %.0f s; training without waiting for them (they join later)",
                 name,
@@ -188,8 +189,7 @@ def start_together(
                 wait_s,
             )
             return
-        time.sleep(pause)  # a bounded poll while the others join
-        pause = min(0.2, 2 * pause)
+        time.sleep(backoff.next())  # a bounded poll while the others join
 
 
 def find_members(
@@ -202,7 +202,7 @@ def find_members(
     this node's own from before a restart) gives the name back when this node announces itself; one that
     answers keeps it, and this raises ConfigError once the rounds are done."""
     addresses = config.bootstrap_for(name)
-    pause = 0.1
+    backoff = Backoff(0.1, 1.0)  # between rounds: 0.1 s, doubling up to 1 s
     taken_by = None  # a member holding our name elsewhere, as the last answer told
     try:
         for round_ in range(BOOTSTRAP_ROUNDS if addresses else 0):
@@ -231,8 +231,7 @@ def find_members(
                     "%s: %s:%d answered but did not admit us yet (rate limit); asking again", name, spec.host, spec.port
                 )
             if round_ + 1 < BOOTSTRAP_ROUNDS:
-                time.sleep(pause)  # a bounded pause between rounds while the cluster starts
-                pause = min(1.0, 2 * pause)
+                time.sleep(backoff.next())  # a bounded pause between rounds while the cluster starts
     finally:
         for spec in addresses:
             book.drop(spec.name)

@@ -52,6 +52,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..backoff import Backoff
 from .private import make_private_dir, open_private
 
 __all__ = [
@@ -140,7 +141,7 @@ def _locked(directory: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None
     with open_private(path, "ab") as fh:
         fd = fh.fileno()
         deadline = time.monotonic() + timeout_s
-        pause = 0.001
+        backoff = Backoff(0.001, 0.1)
         while True:  # bounded by the deadline
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -153,8 +154,7 @@ def _locked(directory: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None
                         f"{path}: still locked after {timeout_s:g} s"
                         + (f", by {holder}" if holder else " (the holder is not listed in /proc/locks)")
                     ) from None
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.1)
+                time.sleep(min(backoff.next(), left))
         yield  # closing the file releases the lock
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backoff import Backoff
 from ..logs import RateLimitedLog, logger
 from ..stats import Counters
 from .errors import ProtocolError
@@ -577,7 +578,7 @@ class RelayClient:
         pipes: list[_Pipe] = []
         control: socket.socket | None = None
         reader = Reader()
-        backoff, next_try, index = BACKOFF_FIRST_S, 0.0, 0
+        backoff, next_try, index = Backoff(BACKOFF_FIRST_S, BACKOFF_CAP_S), 0.0, 0
         heard = pinged = 0.0
         try:
             while not self._stop.is_set():
@@ -588,9 +589,10 @@ class RelayClient:
                     if control is None:
                         if self.granted is None:  # not yet anywhere: the next relay
                             index = (index + 1) % len(self._relays)
-                        next_try, backoff = now + backoff, min(2 * backoff, BACKOFF_CAP_S)
+                        next_try = backoff.fail(now)
                     else:
-                        backoff, heard, pinged = BACKOFF_FIRST_S, time.monotonic(), time.monotonic()
+                        backoff.reset()
+                        heard = pinged = time.monotonic()
                         selector.register(control, selectors.EVENT_READ, "control")
                 for key, mask in selector.select(POLL_SLICE_S):
                     now = time.monotonic()
@@ -608,7 +610,7 @@ class RelayClient:
                             selector.unregister(control)
                             control.close()
                             control = None
-                            next_try = now + backoff
+                            next_try = now + backoff.peek()  # the wait a failure to register would bring
                     else:
                         pipe, side = key.data
                         pipe.ready(side, mask, now)
@@ -619,7 +621,7 @@ class RelayClient:
                     self.counters.add("relay.lost")
                     selector.unregister(control)
                     control.close()
-                    control, next_try = None, now + backoff
+                    control, next_try = None, now + backoff.peek()
                 elif control is not None and now - pinged >= PING_S:
                     pinged = now
                 kept = []
