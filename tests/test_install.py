@@ -121,7 +121,7 @@ def run(installed, *args, timeout=420):
 def test_the_library_and_its_lab_are_wheels_of_their_own_imported_from_the_install_not_the_checkout(installed):
     """The library's wheel holds no lab module (nor the lab's data) and holds its PEP 561 marker; the lab's wheel
     holds the lab, its data and its marker. With the library alone, python -m dpwa.compare says in one line what
-    to install; with both, each is imported from the install."""
+    to install; with both, each is imported from the install, and the lab's console scripts run."""
     wheels = installed[2]
     modules = [name for name in wheels.library if name.endswith(".py")]
     assert "dpwa/__init__.py" in modules and "dpwa/compare.py" in modules, modules
@@ -143,6 +143,15 @@ def test_the_library_and_its_lab_are_wheels_of_their_own_imported_from_the_insta
     assert len(paths) == 2, paths
     for path in paths:
         assert "site-packages" in path and not path.startswith(str(ROOT)), path
+
+    bin_dir = Path(installed[0]).parent  # the lab's console scripts: the same commands under their own names
+    assert all((bin_dir / name).is_file() for name in ("dpwa-compare", "dpwa-bench", "dpwa-sim")), sorted(
+        p.name for p in bin_dir.iterdir()
+    )
+    helped = subprocess.run(
+        [str(bin_dir / "dpwa-sim"), "--help"], env=without_pythonpath(), capture_output=True, text=True, timeout=120
+    )
+    assert helped.returncode == 0 and "consensus" in helped.stdout, helped.stdout + helped.stderr
 
 
 @pytest.mark.timeout(600)

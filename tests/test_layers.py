@@ -10,6 +10,7 @@ sim). A module that is not in its table fails the test, so a new one is placed o
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,14 @@ def test_the_lab_is_a_distribution_of_its_own_that_depends_on_this_library_at_it
     assert f"dpwa=={version}" in lab["project"]["dependencies"], lab["project"]["dependencies"]
     assert library["tool"]["setuptools"]["packages"]["find"]["include"] == [LIBRARY, f"{LIBRARY}.*"]
     assert lab["tool"]["setuptools"]["packages"]["find"]["include"] == [LAB, f"{LAB}.*"]
+
+
+def test_the_lab_finds_the_checkout_and_the_packages_from_its_place():
+    """What the lab derives from its own location, from a checkout: where the example keeps CIFAR-10 (the
+    comparison's default --data-dir), and the folders its child processes import dpwa_lab and dpwa from."""
+    from dpwa_lab.compare.spawning import IMPORT_ROOTS, child_pythonpath
+    from dpwa_lab.compare.workload import CHECKOUT_CIFAR_DIR
+
+    assert CHECKOUT_CIFAR_DIR == ROOT / "examples" / "pytorch-cifar" / "data" / "cifar-10-batches-py"
+    assert (str(ROOT / "lab"), str(ROOT)) == IMPORT_ROOTS
+    assert child_pythonpath().split(os.pathsep)[:2] == [str(ROOT / "lab"), str(ROOT)]

@@ -52,7 +52,7 @@ class Child:
         log = open(log_path, "ab") if log_path else None  # noqa: SIM115  (closed below; the child keeps a copy)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dpwa.bench", *args],
+                [sys.executable, "-m", "dpwa_lab.bench", *args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
