@@ -14,9 +14,11 @@ The package, by layer:
   cluster's clock;
 * ``dpwa.integrations``: Lightning and Hugging Face callbacks (optional extras);
 * ``dpwa.cluster``: tools that run clusters (launcher, processes, monitor, plot, checkpoints, status);
-* ``dpwa.lab.systems``: the other training systems on the same transport (a sync master, parameter servers,
-  all-reduce);
-* ``dpwa.lab.compare``, ``dpwa.lab.bench``, ``dpwa.lab.sim``: the comparison, the benchmark and the simulator.
+* ``dpwa.compare``, ``dpwa.bench``, ``dpwa.sim``: launchers of the lab's commands (:mod:`dpwa.labcommand`).
+
+The lab is a distribution of its own, ``dpwa-lab`` (the package ``dpwa_lab``, in the repository's ``lab/``
+folder: the other training systems on the same transport, the comparison, the benchmark, the simulator and the
+workloads). It imports the library; the library never imports it.
 """
 
 from __future__ import annotations

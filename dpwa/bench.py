@@ -1,6 +1,6 @@
-"""python -m dpwa.bench: the command's short name; the code is dpwa.lab.bench (the lab, apart from the library)"""
+"""python -m dpwa.bench: kept working; the benchmark is the lab's ``python -m dpwa_lab.bench`` (lab/, dpwa-lab)"""
 
-import runpy
+from .labcommand import run_lab
 
 if __name__ == "__main__":
-    runpy.run_module("dpwa.lab.bench", run_name="__main__", alter_sys=True)
+    run_lab("dpwa_lab.bench", "python -m dpwa.bench")

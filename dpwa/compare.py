@@ -1,6 +1,6 @@
-"""python -m dpwa.compare: the command's short name; the code is dpwa.lab.compare (the lab, apart from the library)"""
+"""python -m dpwa.compare: kept working; the comparison is the lab's ``python -m dpwa_lab.compare`` (lab/, dpwa-lab)"""
 
-import runpy
+from .labcommand import run_lab
 
 if __name__ == "__main__":
-    runpy.run_module("dpwa.lab.compare", run_name="__main__", alter_sys=True)
+    run_lab("dpwa_lab.compare", "python -m dpwa.compare")

@@ -1,6 +1,6 @@
-"""python -m dpwa.sim: the command's short name; the code is dpwa.lab.sim (the lab, apart from the library)"""
+"""python -m dpwa.sim: kept working; the simulator is the lab's ``python -m dpwa_lab.sim`` (lab/, dpwa-lab)"""
 
-import runpy
+from .labcommand import run_lab
 
 if __name__ == "__main__":
-    runpy.run_module("dpwa.lab.sim", run_name="__main__", alter_sys=True)
+    run_lab("dpwa_lab.sim", "python -m dpwa.sim")

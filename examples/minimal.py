@@ -6,7 +6,8 @@
 
 Each node trains on its shard of the digits (rows rank::world_size; the last 297 are the test set) and
 averages with the others through dpwa.gossip_optimizer (a node done first serves the others for up to 5 s).
-It prints one line, ``minimal-result {...}``. DPWA_EPOCHS=N trains N epochs instead of 10.
+It prints one line, ``minimal-result {...}``. DPWA_EPOCHS=N trains N epochs instead of 10. The digits are
+dpwa's lab's (lab/, the package dpwa_lab): ``pip install -e . -e lab`` from the repository root (run.sh does).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 import dpwa
-from dpwa.lab.workloads.digits import load_digits
+from dpwa_lab.workloads.digits import load_digits
 
 EPOCHS, BATCH, TEST_ROWS = int(os.environ.get("DPWA_EPOCHS", "10")), 32, 297
 

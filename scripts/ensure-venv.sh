@@ -1,5 +1,6 @@
 # Sourced by run.sh and test.sh: make sure .venv exists and holds requirements.txt.
-# Re-installs only when requirements.txt or pyproject.toml changed since the last install.
+# Re-installs only when requirements.txt, pyproject.toml or lab/pyproject.toml changed since the last install.
+# The library and its lab (lab/, the distribution dpwa-lab) are both installed editable from the checkout.
 # After sourcing, $PY is the virtual environment's python.
 
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -7,7 +8,7 @@ _venv="$_root/.venv"
 PY="$_venv/bin/python"
 
 _stamp_of() {
-    cat "$_root/requirements.txt" "$_root/pyproject.toml" | sha256sum | cut -d' ' -f1
+    cat "$_root/requirements.txt" "$_root/pyproject.toml" "$_root/lab/pyproject.toml" | sha256sum | cut -d' ' -f1
 }
 
 if [ ! -x "$PY" ]; then
@@ -25,5 +26,8 @@ if [ "$(cat "$_venv/.dpwa-stamp" 2>/dev/null)" != "$(_stamp_of)" ]; then
     "$PY" -m compileall -qq -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
     "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$_root" \
         || { echo "dpwa: pip install -e . failed; see the messages above" >&2; exit 1; }
+    # the lab after the library it depends on (--no-deps: its dependencies are requirements.txt's)
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$_root/lab" \
+        || { echo "dpwa: pip install -e lab failed; see the messages above" >&2; exit 1; }
     _stamp_of > "$_venv/.dpwa-stamp"
 fi

@@ -28,7 +28,7 @@ PYTHON=${PYTHON:-python3}
 OUT=${1:-runs/gpu-check-$(date +%Y%m%d-%H%M%S)}
 STEPS=${GPU_CHECK_STEPS:-200}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # the library and its lab (lab/)
 
 if ! "$PYTHON" - >"$OUT/gpu.txt" 2>&1 <<'EOF'
 import sys

@@ -29,7 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
 TEST_TIMEOUT_S = int(os.environ.get("DPWA_TEST_TIMEOUT_S", "120"))
 
-sys.path.insert(0, str(ROOT))
+# the checkout's library and its lab (lab/, the package dpwa_lab), ahead of any installed copy: here, and through
+# CHECKOUT_PATH as PYTHONPATH in the child processes of tests that run the lab (its commands, the examples)
+CHECKOUT_PATH = os.pathsep.join([str(ROOT), str(ROOT / "lab")])
+sys.path[:0] = [str(ROOT), str(ROOT / "lab")]
 
 
 # --------------------------------------------------------------------------- bounded tests

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import CHECKOUT_PATH, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dpwa.bench", "--quick", "--json", str(out), "--log", str(log)],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH),
         capture_output=True,
         text=True,
         timeout=280,
@@ -64,7 +64,7 @@ def test_quick_benchmark_runs_and_writes_json(tmp_path):
         and "+work" in proc.stdout
     )
     # Its own nodes' warnings (deliberately odd configurations) go to the log it names, not between the tables.
-    assert proc.stdout.splitlines()[0] == f"dpwa.lab.bench: the benchmark's own nodes log to {log}"
+    assert proc.stdout.splitlines()[0] == f"dpwa_lab.bench: the benchmark's own nodes log to {log}"
     logged = log.read_text()
     assert "insecure: true: serving" in logged and "fetch_probability is 0 with 2 nodes" in logged
     for noise in ("insecure: true", "fetch_probability is 0", "WARNING"):
@@ -93,7 +93,7 @@ def test_the_memory_table_counts_what_a_node_holds_beyond_its_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dpwa.bench", "--memory", "--quick", "--json", str(out), "--log", str(tmp_path / "log")],
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH),
         capture_output=True,
         text=True,
         timeout=180,

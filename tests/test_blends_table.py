@@ -8,7 +8,7 @@ from __future__ import annotations
 def test_the_blends_table_has_both_modes_at_every_size_and_step_and_prints_what_it_measured():
     """`--blends`' rows and its lines, without running them (the rows' harness is the memory table's, run
     above; the flaky link's run is tests/test_flaky_link.py)."""
-    from dpwa.lab.bench.blends import blend_rows, format_blends, format_flaky
+    from dpwa_lab.bench.blends import blend_rows, format_blends, format_flaky
 
     rows = blend_rows((100, 200), (0.01, 0.05))
     same_host = [r for r in rows if r.settings.get("same_host") == "auto"]
@@ -31,7 +31,7 @@ def test_the_gpu_rows_size_the_largest_model_from_free_memory_and_print_the_floo
     """scripts/gpu-check.sh's memory rows (``--memory --device cuda``), without a GPU: the largest bfloat16
     model two nodes hold is the least of what the device, /dev/shm and the host allow (30% left free), in
     steps of 100M, at most 4B; a GPU row's line adds the device memory dpwa added and the step without it."""
-    from dpwa.lab.bench.memory import format_memory, gpu_rows, largest_on_gpu
+    from dpwa_lab.bench.memory import format_memory, gpu_rows, largest_on_gpu
 
     gb = 1_000_000_000
     assert largest_on_gpu(80 * gb, 64 * gb, 120 * gb) == 4_000_000_000  # an H100 host: the cap

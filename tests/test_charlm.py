@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpwa.lab.compare.workload import WorkloadSpec, load_workload
-from dpwa.lab.workloads import charlm
+from dpwa_lab.compare.workload import WorkloadSpec, load_workload
+from dpwa_lab.workloads import charlm
 
 
 def fake_stdlib(root, names):
@@ -109,7 +109,7 @@ def test_a_text_file_trains_through_the_comparisons_workload(tmp_path):
     net = w.build_model()
     loss = w.loss(net, batches[0])
     loss.backward()
-    from dpwa.lab.systems.layout import ModuleView
+    from dpwa_lab.systems.layout import ModuleView
 
     acc, val = w.evaluator()(ModuleView(net).state())
     assert 0 <= acc <= 1 and abs(val - np.log(256)) < 1.0  # an untrained model: about uniform over bytes

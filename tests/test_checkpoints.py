@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import HELPERS, ROOT, make_config  # noqa: E402
+from conftest import CHECKOUT_PATH, HELPERS, ROOT, make_config  # noqa: E402
 from dpwa.runfiles import checkpoints  # noqa: E402
 
 
@@ -115,7 +115,7 @@ def _private_tmpfs(disk, size: str, script: str, timeout: float, env: dict | Non
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), DISK=str(disk), **(env or {})),
+        env=dict(os.environ, PYTHONPATH=CHECKOUT_PATH, DISK=str(disk), **(env or {})),
     )
 
 

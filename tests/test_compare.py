@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import CHECKOUT_PATH, ROOT
 from dpwa.cluster.processes import process_start, read_pid_file
-from dpwa.lab.compare.__main__ import main
-from dpwa.lab.compare.evaluation import states
-from dpwa.lab.compare.runner import SYSTEMS, SystemRun
+from dpwa_lab.compare.__main__ import main
+from dpwa_lab.compare.evaluation import states
+from dpwa_lab.compare.runner import SYSTEMS, SystemRun
 
 # under parallel workers one worker runs all of this module's tests (tests/helpers/workers.py)
 pytestmark = [pytest.mark.timeout(300)]
@@ -44,7 +44,7 @@ def quick(tmp_path_factory):
         "--out",
         str(out / "run"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     report = json.loads(json_path.read_text()) if json_path.exists() else None
     return proc, report, out / "run"
@@ -90,8 +90,8 @@ def test_the_json_has_the_documented_shape(quick):
 
 def negative_running_variance(snapshots: Path) -> bool:
     """Whether a node's saved state holds a BatchNorm running variance below zero (none should)."""
-    from dpwa.lab.compare.workload import WorkloadSpec, load_workload
-    from dpwa.lab.systems.layout import ModuleView
+    from dpwa_lab.compare.workload import WorkloadSpec, load_workload
+    from dpwa_lab.systems.layout import ModuleView
 
     spec = WorkloadSpec(data="digits", data_dir="", workers=2, epochs=1, batch_size=32, lr=0.05)
     layout = ModuleView(load_workload(spec).build_model()).layout
@@ -214,9 +214,9 @@ def test_noloco_is_an_opt_in_gossip_system_at_its_authors_settings():
     """--systems gossip-noloco: the defaults but an exchange every 10 steps and NoLoCo's outer step at lr 0.7,
     momentum 0.3 (the settings of its authors' configs); the default run leaves it out."""
     from dpwa.config import parse_config
-    from dpwa.lab.compare.__main__ import parse_args
-    from dpwa.lab.compare.runner import KNOWN_SYSTEMS, RunOptions, plan_processes
-    from dpwa.lab.compare.workload import WorkloadSpec
+    from dpwa_lab.compare.__main__ import parse_args
+    from dpwa_lab.compare.runner import KNOWN_SYSTEMS, RunOptions, plan_processes
+    from dpwa_lab.compare.workload import WorkloadSpec
 
     assert "gossip-noloco" in KNOWN_SYSTEMS and "gossip-noloco" not in SYSTEMS
     assert parse_args(["--systems", "gossip,gossip-noloco"]).systems == ("gossip", "gossip-noloco")
@@ -230,13 +230,13 @@ def test_noloco_is_an_opt_in_gossip_system_at_its_authors_settings():
 
 
 def test_the_long_profile_is_a_named_set_of_flags_that_given_flags_override(tmp_path):
-    from dpwa.lab.compare.__main__ import config_from, parse_args
+    from dpwa_lab.compare.__main__ import config_from, parse_args
 
     args = parse_args(["--profile", "long", "--out", str(tmp_path / "o")])
     assert (args.workload, args.steps, args.workers, args.time_limit_s) == ("charlm", 2000, 4, 3600.0)
     assert args.systems == ("gossip", "gossip-lowbw", "allreduce", "diloco")
     config = config_from(args)
-    from dpwa.lab.compare.tune import SPACES
+    from dpwa_lab.compare.tune import SPACES
 
     assert config.spec.steps >= 100 * max(dict(SPACES["diloco"])["period"])  # 100 outer steps at any H tuned
     mine = parse_args(["--profile", "long", "--steps", "300", "--systems", "gossip"])

@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT
-from dpwa.lab.compare.__main__ import config_from, main, parse_args
-from dpwa.lab.compare.byzantine import OFFSET_STDS, attack_, byzantine_names, published_wrong
-from dpwa.lab.compare.evaluation import states
-from dpwa.lab.compare.report import table
-from dpwa.lab.compare.runner import RunOptions, SystemRun, byzantine_workers, plan_processes
-from dpwa.lab.compare.workload import WorkloadSpec
+from conftest import CHECKOUT_PATH, ROOT
+from dpwa_lab.compare.__main__ import config_from, main, parse_args
+from dpwa_lab.compare.byzantine import OFFSET_STDS, attack_, byzantine_names, published_wrong
+from dpwa_lab.compare.evaluation import states
+from dpwa_lab.compare.report import table
+from dpwa_lab.compare.runner import RunOptions, SystemRun, byzantine_workers, plan_processes
+from dpwa_lab.compare.workload import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -204,7 +204,7 @@ def test_a_short_run_with_a_byzantine_worker(tmp_path):
         "--out",
         str(tmp_path / "run"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(json_path.read_text())

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from dpwa.lab.compare.__main__ import main
-from dpwa.lab.compare.churn import Churn, trained_samples
-from dpwa.lab.compare.runner import RunOptions, open_config
+from dpwa_lab.compare.__main__ import main
+from dpwa_lab.compare.churn import Churn, trained_samples
+from dpwa_lab.compare.runner import RunOptions, open_config
 
 
 def write_snapshots(folder: Path, name: str, samples: list[int]) -> None:
@@ -148,7 +148,7 @@ def test_a_newcomer_replaced_in_turn_hands_on_where_the_shard_was(tmp_path) -> N
     """Three workers, two events: w2 leaves at its 900th sample and w3 takes shard 2 from there; then w3 (the
     only one that may leave: w0 and w1 are the bootstrap nodes) leaves at its own 500th, and w4 goes on from
     sample 1,400 of shard 2."""
-    from dpwa.lab.compare.runner import LiveRun
+    from dpwa_lab.compare.runner import LiveRun
 
     nodes: list[dict[str, Any]] = [{"name": f"w{i}", "host": "127.0.0.1", "port": 45000 + i} for i in range(3)]
     config: dict[str, Any] = {"nodes": nodes, "timeout_ms": 1000, "join": "never"}

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from test_links import needs_namespaces
 
-from conftest import ROOT
-from dpwa.lab.compare.__main__ import config_from, main, parse_args
-from dpwa.lab.compare.comparison import CompareConfig
-from dpwa.lab.compare.regimes import (
+from conftest import CHECKOUT_PATH, ROOT
+from dpwa_lab.compare.__main__ import config_from, main, parse_args
+from dpwa_lab.compare.comparison import CompareConfig
+from dpwa_lab.compare.regimes import (
     Cell,
     MapError,
     cell_config,
@@ -34,8 +34,8 @@ from dpwa.lab.compare.regimes import (
     plot_map,
     retarget,
 )
-from dpwa.lab.compare.seeds import aggregate
-from dpwa.lab.compare.tune import TuningError, load_tuning
+from dpwa_lab.compare.seeds import aggregate
+from dpwa_lab.compare.tune import TuningError, load_tuning
 
 
 def _report(times: dict[str, float | None]) -> dict[str, Any]:
@@ -96,8 +96,8 @@ def test_the_grid_is_every_cell_and_bad_values_are_named():
 
 def test_the_gossip_deadline_grows_with_the_rate_and_the_delay():
     """charlm's 765 KB model at 20 Mbit/s: four transfers (4 x 306 ms) and a second; each ms of delay adds 20."""
-    from dpwa.lab.compare.comparison import gossip_timeout_ms
-    from dpwa.lab.compare.runner import RunOptions
+    from dpwa_lab.compare.comparison import gossip_timeout_ms
+    from dpwa_lab.compare.runner import RunOptions
 
     model = 765_184
     assert gossip_timeout_ms(RunOptions(link_mbit=20), model) == 2224
@@ -292,7 +292,7 @@ def test_a_real_one_cell_map_through_a_delay_line(tmp_path):
         "--out",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH}
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "map.json").read_text())

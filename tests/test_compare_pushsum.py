@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import CHECKOUT_PATH, ROOT
 from dpwa.config import parse_config
-from dpwa.lab.compare.__main__ import config_from, main, parse_args
-from dpwa.lab.compare.comparison import EVALUATED_MODEL, fault_scenarios, weighted_by_mass
-from dpwa.lab.compare.evaluation import states
-from dpwa.lab.compare.report import mass_lines
-from dpwa.lab.compare.runner import (
+from dpwa_lab.compare.__main__ import config_from, main, parse_args
+from dpwa_lab.compare.comparison import EVALUATED_MODEL, fault_scenarios, weighted_by_mass
+from dpwa_lab.compare.evaluation import states
+from dpwa_lab.compare.report import mass_lines
+from dpwa_lab.compare.runner import (
     GOSSIP_SYSTEMS,
     KNOWN_SYSTEMS,
     OPT_IN_SYSTEMS,
@@ -32,7 +32,7 @@ from dpwa.lab.compare.runner import (
     SystemRun,
     plan_processes,
 )
-from dpwa.lab.compare.workload import WorkloadSpec
+from dpwa_lab.compare.workload import WorkloadSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,7 +162,7 @@ def test_a_short_pushsum_run_exchanges_weight_and_learns(tmp_path):
         "--out",
         str(tmp_path / "run"),
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "\ngossip-pushsum " in proc.stdout.split("system ", 1)[1]  # its row of the table

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from dpwa.lab.compare.__main__ import config_from, parse_args
-from dpwa.lab.compare.seeds import aggregate, interval, seeds_table, t95
-from dpwa.lab.compare.tune import SPACES, apply, draw
+from dpwa_lab.compare.__main__ import config_from, parse_args
+from dpwa_lab.compare.seeds import aggregate, interval, seeds_table, t95
+from dpwa_lab.compare.tune import SPACES, apply, draw
 
 
 def test_t95_is_students_t_and_widens_between_table_rows():

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from dpwa.config import parse_config
-from dpwa.lab.compare.__main__ import config_from, main, parse_args
-from dpwa.lab.compare.comparison import evaluated_model, fault_scenarios
-from dpwa.lab.compare.runner import RunOptions, gossip_keys, plan_processes
-from dpwa.lab.compare.tune import draw, space
-from dpwa.lab.compare.workload import WorkloadSpec
+from dpwa_lab.compare.__main__ import config_from, main, parse_args
+from dpwa_lab.compare.comparison import evaluated_model, fault_scenarios
+from dpwa_lab.compare.runner import RunOptions, gossip_keys, plan_processes
+from dpwa_lab.compare.tune import draw, space
+from dpwa_lab.compare.workload import WorkloadSpec
 
 
 @pytest.mark.io  # plan_processes picks free ports

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import Tensor, nn  # noqa: E402
 
-from conftest import ORIGINAL, ROOT, make_config  # noqa: E402
+from conftest import CHECKOUT_PATH, ORIGINAL, ROOT, make_config  # noqa: E402
 from dpwa.adapters.pytorch import TorchParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu-check.sh)")
@@ -217,7 +217,7 @@ def test_the_comparison_trains_on_the_gpu(tmp_path):
         "--out",
         str(out),
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -97,7 +97,7 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
     Pseudo-gradients [0.5, -1] and [-0.5, 0]: mean [0, -0.5]; the outer step (0.7, 0.9): buf [0, -0.5],
     update [0, -0.5 - 0.45] = [0, -0.95], anchor [1, 2 + 0.665] = [1, 2.665] on both ranks.
     """
-    from dpwa.lab.systems.diloco import DiLoCo
+    from dpwa_lab.systems.diloco import DiLoCo
 
     net = torch.nn.Linear(1, 2, bias=False)
     with torch.no_grad():
@@ -118,7 +118,7 @@ def _rank(rank: int, world: int, out_dir: str) -> None:
 def test_two_ranks_synchronise_to_the_hand_computed_anchor(tmp_path, monkeypatch):
     """...through a rendezvous file under a relative folder (as python -m dpwa.compare --out runs/x gives):
     file://nested/run/... would name host "nested" and the folder /run/..., where no rank finds the others."""
-    from dpwa.lab.systems.allreduce import launch
+    from dpwa_lab.systems.allreduce import launch
 
     monkeypatch.chdir(tmp_path)
     launch(_rank, (str(tmp_path),), 2, workdir=Path("nested") / "deeper" / "run", timeout_s=60)

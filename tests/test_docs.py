@@ -29,9 +29,10 @@ _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 
 
 def documents() -> list[Path]:
-    """The Markdown files whose links are checked: the README, docs/, and the examples' and data's READMEs."""
+    """The Markdown files whose links are checked: the README, docs/, and the examples', the library's and the
+    lab's READMEs (the embedded data's)."""
     files = [README, *sorted(DOCS.glob("*.md")), *sorted(ROOT.glob("examples/*/README.md"))]
-    files += sorted((ROOT / "dpwa").glob("**/README.md"))
+    files += sorted((ROOT / "dpwa").glob("**/README.md")) + sorted((ROOT / "lab").glob("**/README.md"))
     return files
 
 

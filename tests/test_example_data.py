@@ -14,14 +14,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 # isort: off
-from example_helpers import EXAMPLE, ROOT, cifar_pixel, write_cifar_batch, write_cifar_dir  # noqa: E402 - puts the example on sys.path
+from example_helpers import EXAMPLE, cifar_pixel, write_cifar_batch, write_cifar_dir  # noqa: E402 - puts the example on sys.path
 
 import data as datasets  # noqa: E402
 import evaluate  # noqa: E402
 import models  # noqa: E402
 # isort: on
 
-from conftest import make_config, wait_until  # noqa: E402
+from conftest import CHECKOUT_PATH, make_config, wait_until  # noqa: E402
 
 # --------------------------------------------------------------------------- CIFAR-10 python batches
 
@@ -230,7 +230,7 @@ def test_train_py_runs_on_cifar_files_and_writes_metrics_and_weights(tmp_path):
         "--device",
         "cpu",
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics" / "w0.jsonl").read_text().splitlines()]
@@ -282,7 +282,7 @@ def test_train_py_stopped_while_waiting_at_a_barrier_saves_its_state_and_exits_a
         "--barrier-timeout-s",
         "300",
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = run_dir / "metrics" / "w0.jsonl"
@@ -408,7 +408,7 @@ def test_train_py_trains_charlm_on_a_text_file_and_evaluate_and_plot_read_it(tmp
         "--device",
         "cpu",
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics" / "w0.jsonl").read_text().splitlines()]
@@ -418,7 +418,7 @@ def test_train_py_trains_charlm_on_a_text_file_and_evaluate_and_plot_read_it(tmp
     for e in evals:
         assert e["test_loss"] == e["val_loss"] > 0 and e["bits_per_char"] == pytest.approx(e["val_loss"] / np.log(2))
     assert lines[-1]["reason"] == "done"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{EXAMPLE}")
+    env = dict(os.environ, PYTHONPATH=f"{CHECKOUT_PATH}{os.pathsep}{EXAMPLE}")
     average = subprocess.run(
         [sys.executable, str(EXAMPLE / "evaluate.py"), str(run_dir)],
         capture_output=True,

@@ -1,6 +1,6 @@
 """Issue 50's flaky link, end to end: three nodes in the default mode, every link through a proxy that delays
 each reply chunk 150 to 450 ms around a 300 ms deadline and cuts a connection about every 6 s on each link,
-each node stepping in a thread of its own (dpwa.lab.bench.flaky). Before deadlines followed the link and
+each node stepping in a thread of its own (dpwa_lab.bench.flaky). Before deadlines followed the link and
 channels outlived a timeout, the same scenario applied no exchange at all in 750 node-steps, seeds 0, 1
 and 2 (11 in the issue's own run): the nodes rested each other and went silent. python -m dpwa.bench
 --flaky runs it for 250 steps; this is a shorter run of it."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpwa.lab.bench.flaky import FlakyLink, flaky_run
+from dpwa_lab.bench.flaky import FlakyLink, flaky_run
 
 
 @pytest.mark.io

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, free_port, make_config
+from conftest import CHECKOUT_PATH, ROOT, free_port, make_config
 from helpers.proc_tree import child_pids
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # .venv/bin/torchrun
@@ -44,7 +44,7 @@ class Torchrun:
 
     def start(self, argv: list[str], log: Path, launcher: list[str] = TORCHRUN) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ("DPWA_CONFIG", "DPWA_NAME")}
-        env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        env.update(PYTHONPATH=CHECKOUT_PATH, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 launcher + argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
@@ -355,7 +355,7 @@ def test_the_trainer_callback_hides_torchrun_from_the_trainer_and_both_refuse_a_
     1, not parallel); and both callbacks refuse a Trainer that spans several processes (RuntimeError
     naming the all-reduce), before making an adapter. Nothing is started: no store, no process group."""
     need("lightning", "transformers", "accelerate")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH, HF_HUB_OFFLINE="1", RANK="1", LOCAL_RANK="1", WORLD_SIZE="2")
     env.update(LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(
         [sys.executable, "-c", GUARDS, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=100

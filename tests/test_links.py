@@ -16,11 +16,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, wait_until
+from conftest import CHECKOUT_PATH, ROOT, wait_until
 from dpwa.cluster.processes import process_start, read_pid_file
-from dpwa.lab.compare import links
-from dpwa.lab.compare.__main__ import main
-from dpwa.lab.compare.links import Links, LinkSpec, LinksUnavailable
+from dpwa_lab.compare import links
+from dpwa_lab.compare.__main__ import main
+from dpwa_lab.compare.links import Links, LinkSpec, LinksUnavailable
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -172,7 +172,7 @@ def test_a_delay_needs_a_tun_device(monkeypatch):
 OWNER_DELAYED = """
 import sys, time
 sys.path.insert(0, {root!r})
-from dpwa.lab.compare.links import Links, LinkSpec
+from dpwa_lab.compare.links import Links, LinkSpec
 net = Links(["a", "b"], LinkSpec(20, delay_ms=10)).start()
 print(net.prefix, net._line.pid, flush=True)
 time.sleep(120)
@@ -271,7 +271,7 @@ def test_hosts_talk_over_shaped_links_and_everything_goes_even_after_a_sigkill()
 OWNER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from dpwa.lab.compare.links import Links, LinkSpec
+from dpwa_lab.compare.links import Links, LinkSpec
 net = Links(["a", "b"], LinkSpec(20)).start()
 print(net.prefix, flush=True)
 time.sleep(120)
@@ -315,7 +315,7 @@ def _compare(tmp_path, *extra):
         str(tmp_path / "report.json"),
         *extra,
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=CHECKOUT_PATH)
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import CHECKOUT_PATH, ROOT
 from helpers.proc_tree import child_pids
 
 SCRIPT = ROOT / "examples" / "minimal.py"
@@ -56,7 +56,7 @@ def test_the_minimal_example_trains_under_torchrun_and_both_ranks_average(tmp_pa
     needed DPWA_CONFIG=samples/torchrun.yaml, and exited 1 without): the torchrun defaults apply; ranks 0 and 1
     (names rank0, rank1) each trained their shard, averaged with the other, and their loss fell."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPWA_")}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=CHECKOUT_PATH, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     log = tmp_path / "torchrun.log"
     started = time.monotonic()
     with open(log, "wb") as out:

@@ -10,10 +10,10 @@ from conftest import filled, make_config, serving_only
 from dpwa import NumpyParams, parse_config
 from dpwa.config import ConfigError
 from dpwa.gossip.protocol import PARAMS
-from dpwa.lab.sim.simulate import Gossip
 from dpwa.mixing.rules import Side
 from dpwa.mixing.rules.pushsum import FLOOR, MAX_WEIGHT, PushSum
 from dpwa.wire.schema import encode
+from dpwa_lab.sim.simulate import Gossip
 from helpers.raw_peer import FakePeer
 
 SIZE = 4

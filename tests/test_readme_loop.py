@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, make_config
+from conftest import CHECKOUT_PATH, ROOT, make_config
 
 MARK = re.compile(r"<!-- readme-loop -->\n```python\n(.*?)```", flags=re.DOTALL)
 RUN_S = 90  # both processes, start to exit: imports of torch on 2 shared cores, then about a second of training
@@ -50,7 +50,7 @@ def test_the_readme_loop_runs_as_two_nodes_that_average(tmp_path):
     (tmp_path / "cluster.yaml").write_text(json.dumps(config))  # JSON is YAML
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DPWA_", "TORCHELASTIC_"))}
     env.update(
-        PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DPWA_CONFIG=str(tmp_path / "cluster.yaml")
+        PYTHONPATH=CHECKOUT_PATH, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", DPWA_CONFIG=str(tmp_path / "cluster.yaml")
     )
     procs: dict[str, subprocess.Popen[str]] = {}
     try:

@@ -261,7 +261,7 @@ def test_in_mode_pull_relayed_members_fetch_from_each_other(nodes, steppers, tmp
 
 
 def test_the_benchs_relay_tables_name_each_path_and_its_ratio():
-    from dpwa.lab.bench.relays import PATHS, format_loss, format_relayed, interval, path_of
+    from dpwa_lab.bench.relays import PATHS, format_loss, format_relayed, interval, path_of
 
     assert [path_of("w0", "w1", ()), path_of("w0", "w1", ("w1",)), path_of("w1", "w0", ("w1",))] == list(PATHS[:3])
     assert path_of("w1", "w2", ("w1", "w2")) == PATHS[3]

@@ -14,10 +14,10 @@ import pytest
 from conftest import ROOT, filled, make_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
 from dpwa.config import ConfigError
-from dpwa.lab.sim.simulate import Gossip
 from dpwa.mixing.interpolation import Constant
 from dpwa.mixing.rules import Rule, RuleError, Side, builtin, rule_class
 from dpwa.mixing.rules.clipped import CAP, ClippedGossip
+from dpwa_lab.sim.simulate import Gossip
 
 DOCS = ROOT / "docs" / "rules.md"
 
@@ -320,7 +320,7 @@ def test_every_simulator_command_takes_a_users_rule_with_its_options(tmp_path, m
     """Issue 49: `sim consensus` took a rule of one's own, `sim rounds` refused it (invalid choice) and `sim
     study` had no rule option. Now all three take module:Class and --rule-options; `study --rule ... --only`
     puts it beside exact averaging; a rule that cannot be used is one line, naming it."""
-    from dpwa.lab.sim.simulate import main
+    from dpwa_lab.sim.simulate import main
 
     module = example_module(tmp_path, monkeypatch, name="simrules")
     rule = [f"--rule={module}:ScaledDelta", "--rule-options={scale: 0.5}"]

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import ROOT
 from dpwa.config import parse_config
-from dpwa.lab.compare.tune import TUNING_SEED_OFFSET
-from dpwa.lab.sim.simulate import Gossip
+from dpwa_lab.compare.tune import TUNING_SEED_OFFSET
+from dpwa_lab.sim.simulate import Gossip
 
 DOC = ROOT / "docs" / "rules.md"
 STEPS = ["heavyball.py", "config", "simulate", "compare"]

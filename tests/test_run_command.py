@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_cluster import alive, metrics, reap
 
-from conftest import HELPERS, ROOT, wait_until
+from conftest import CHECKOUT_PATH, HELPERS, ROOT, wait_until
 from dpwa.cluster import runner
 from dpwa.runfiles.metrics import MetricsError, MetricsWriter
 
@@ -35,7 +35,7 @@ def dpwa_run(runs: Path, *args: str, env: dict[str, str] | None = None) -> subpr
         start_new_session=True,
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("DPWA_")},
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": CHECKOUT_PATH,
             **(env or {}),
         },
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dpwa.lab import sim
+from dpwa_lab import sim
 
 
 @pytest.mark.parametrize("n", [4, 8, 16])

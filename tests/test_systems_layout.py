@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from dpwa.lab.systems.allreduce import ring_allreduce_bytes
-from dpwa.lab.systems.layout import ModelLayout, ModuleView, check_values
-from dpwa.lab.systems.optim import FlatSGD, SGDSettings
+from dpwa_lab.systems.allreduce import ring_allreduce_bytes
+from dpwa_lab.systems.layout import ModelLayout, ModuleView, check_values
+from dpwa_lab.systems.optim import FlatSGD, SGDSettings
 
 
 def small_net() -> torch.nn.Module:

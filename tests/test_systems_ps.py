@@ -17,16 +17,16 @@ import pytest
 import torch
 
 from conftest import wait_until
-from dpwa.lab.systems.layout import ModelLayout, ModuleView
-from dpwa.lab.systems.optim import SGDSettings
-from dpwa.lab.systems.ps import protocol as m
-from dpwa.lab.systems.ps.blocks import BlockApplier, BlockUpdate
-from dpwa.lab.systems.ps.server import ParameterServer
-from dpwa.lab.systems.ps.sharding import make_plan
-from dpwa.lab.systems.ps.trainer import PSTrainer
 from dpwa.wire.channel import Channel
 from dpwa.wire.endpoints import private_dir
 from dpwa.wire.schema import encode
+from dpwa_lab.systems.layout import ModelLayout, ModuleView
+from dpwa_lab.systems.optim import SGDSettings
+from dpwa_lab.systems.ps import protocol as m
+from dpwa_lab.systems.ps.blocks import BlockApplier, BlockUpdate
+from dpwa_lab.systems.ps.server import ParameterServer
+from dpwa_lab.systems.ps.sharding import make_plan
+from dpwa_lab.systems.ps.trainer import PSTrainer
 
 PLAIN_SGD = SGDSettings(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0)
 
@@ -304,9 +304,9 @@ def test_a_dead_server_is_marked_down_and_its_blocks_keep_their_values(servers):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_killed_trainer_does_not_stop_the_others(tmp_path):
-    from dpwa.lab.compare.faults import KillProcess
-    from dpwa.lab.compare.runner import RunOptions, run_system
-    from dpwa.lab.compare.workload import WorkloadSpec, load_workload
+    from dpwa_lab.compare.faults import KillProcess
+    from dpwa_lab.compare.runner import RunOptions, run_system
+    from dpwa_lab.compare.workload import WorkloadSpec, load_workload
 
     # 4 epochs, so that the kill at 0.5 s lands mid-run: at 2, a faster machine's w2 had pushed all its steps
     # by then (applied == 3 * local, in 2 of 5 fresh-clone runs on 2026-12-04)

@@ -15,11 +15,16 @@ import pytest
 import torch
 import zmq
 
-from dpwa.lab.systems.layout import ModuleView
-from dpwa.lab.systems.optim import SGDSettings
-from dpwa.lab.systems.sync import protocol as m
-from dpwa.lab.systems.sync.client import MasterClient, MasterUnreachable
-from dpwa.lab.systems.sync.master import (
+from dpwa.wire.calls import Response
+from dpwa.wire.curve import CurveKeys
+from dpwa.wire.endpoints import private_dir
+from dpwa.wire.errors import TransportError
+from dpwa.wire.schema import decode, encode, error_header
+from dpwa_lab.systems.layout import ModuleView
+from dpwa_lab.systems.optim import SGDSettings
+from dpwa_lab.systems.sync import protocol as m
+from dpwa_lab.systems.sync.client import MasterClient, MasterUnreachable
+from dpwa_lab.systems.sync.master import (
     Assignment,
     BadRequest,
     Holding,
@@ -31,14 +36,9 @@ from dpwa.lab.systems.sync.master import (
     Wait,
     make_tasks,
 )
-from dpwa.lab.systems.sync.model import GlobalModel
-from dpwa.lab.systems.sync.service import MasterService
-from dpwa.lab.systems.sync.worker import SyncWorker
-from dpwa.wire.calls import Response
-from dpwa.wire.curve import CurveKeys
-from dpwa.wire.endpoints import private_dir
-from dpwa.wire.errors import TransportError
-from dpwa.wire.schema import decode, encode, error_header
+from dpwa_lab.systems.sync.model import GlobalModel
+from dpwa_lab.systems.sync.service import MasterService
+from dpwa_lab.systems.sync.worker import SyncWorker
 
 G = np.ones(4, np.float32)  # a gradient
 D = np.zeros(0, np.float32)  # no buffers
@@ -231,7 +231,7 @@ def test_bad_settings_are_named():
 
 def test_global_model_applies_the_sample_weighted_mean_and_the_mean_buffer_delta():
     params, buffers = np.zeros(2, np.float32), np.ones(1, np.float32)
-    from dpwa.lab.systems.layout import ModelLayout
+    from dpwa_lab.systems.layout import ModelLayout
 
     layout = ModelLayout([("w", (2,), "param"), ("rm", (1,), "buffer")])
     model = GlobalModel(layout, params, buffers, SGDSettings(lr=1.0, momentum=0.0, nesterov=False, weight_decay=0))
@@ -459,9 +459,9 @@ def test_workers_train_a_tiny_model_through_the_master(service):
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_worker_killed_mid_task_loses_no_task_and_none_is_done_twice(tmp_path):
-    from dpwa.lab.compare.faults import KillSyncWorkerMidTask
-    from dpwa.lab.compare.runner import RunOptions, run_system
-    from dpwa.lab.compare.workload import WorkloadSpec, load_workload
+    from dpwa_lab.compare.faults import KillSyncWorkerMidTask
+    from dpwa_lab.compare.runner import RunOptions, run_system
+    from dpwa_lab.compare.workload import WorkloadSpec, load_workload
 
     spec = WorkloadSpec(
         data="digits", data_dir=str(tmp_path), workers=3, epochs=2, batch_size=32, lr=0.05, eval_points=4

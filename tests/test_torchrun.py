@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, wait_until
+from conftest import CHECKOUT_PATH, ROOT, wait_until
 
 pytestmark = pytest.mark.slow
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+ENV = dict(os.environ, PYTHONPATH=CHECKOUT_PATH, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
 TRAIN = str(ROOT / "examples" / "pytorch-cifar" / "train.py")
 SAMPLE = str(ROOT / "samples" / "torchrun.yaml")
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from test_links import namespaces, needs_namespaces
 
-from conftest import ROOT, wait_until
+from conftest import CHECKOUT_PATH, ROOT, wait_until
 
 DOC = ROOT / "docs" / "operations.md"
 STEPS = [
@@ -90,7 +90,7 @@ needs_iptables = pytest.mark.skipif(
 def test_the_walkthrough_trains_five_through_firewalls_and_survives_restarts():
     prefix = f"dpwawalk{os.getpid()}x"  # x: no other run's prefix starts with ours
     folder = Path("/tmp") / prefix
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH}
     blocks = {
         step: block.replace("dpwawalk", prefix).replace(".venv/bin/python", sys.executable)
         for step, block in walkthrough().items()

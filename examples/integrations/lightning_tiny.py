@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 examples/integrations/lightning_tiny.py
     torchrun --standalone --nproc-per-node 2 examples/integrations/lightning_tiny.py --epochs 5 --out runs/lightning
 
-A two-layer perceptron on the handwritten digits shipped inside dpwa (nothing
+A two-layer perceptron on the handwritten digits shipped with dpwa's lab (nothing
 is downloaded); each worker trains on its own shard (RANK of WORLD_SIZE) and
 averages with the others through dpwa (``DpwaCallback``). The Trainer gets one
 device, so Lightning runs ``SingleDeviceStrategy`` in every worker and starts
@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dpwa.integrations.lightning import DpwaCallback
-from dpwa.lab.workloads.digits import load_digits
 from dpwa.signals import stop_on_signals
+from dpwa_lab.workloads.digits import load_digits
 
 HERE = Path(__file__).resolve().parent
 TEST_ROWS = 297  # the last rows of the digits: a test set every worker evaluates on

@@ -1,6 +1,6 @@
 """Data of the example: CIFAR-10 (prepared by prepare.sh into data/) or the embedded digits.
 
-The loading itself is :mod:`dpwa.lab.workloads.images` (the comparison trains the
+The loading itself is :mod:`dpwa_lab.workloads.images` (the comparison trains the
 same data); this module gives it the example's CIFAR-10 folder,
 ``examples/pytorch-cifar/data/cifar-10-batches-py``.
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dpwa.lab.workloads import images
-from dpwa.lab.workloads.images import (
+from dpwa_lab.workloads import images
+from dpwa_lab.workloads.images import (
     CIFAR_MEAN,
     CIFAR_STD,
     DATASETS,

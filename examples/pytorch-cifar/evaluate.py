@@ -103,7 +103,7 @@ def average_checkpoints(paths: list[Path]) -> dict:
 
 def build_from(saved: dict) -> nn.Module:
     if saved["model"].startswith("charlm-"):
-        from dpwa.lab.workloads import charlm
+        from dpwa_lab.workloads import charlm
 
         net: nn.Module = charlm.build(saved["model"][len("charlm-") :])
         net.load_state_dict(saved["state_dict"])

@@ -1,13 +1,13 @@
 """Models of the example: a small ResNet for CPU cores and the pre-activation ResNet-18 for GPUs.
 
-They are :mod:`dpwa.lab.workloads.images`'s (the comparison trains the same).
+They are :mod:`dpwa_lab.workloads.images`'s (the comparison trains the same).
 
     .venv/bin/python examples/pytorch-cifar/models.py      # prints each model's size
 """
 
 from __future__ import annotations
 
-from dpwa.lab.workloads.images import MODELS, build, count_parameters
+from dpwa_lab.workloads.images import MODELS, build, count_parameters
 
 __all__ = ["MODELS", "build", "count_parameters"]
 

@@ -1,4 +1,4 @@
-"""The charlm workload in the example: dpwa.lab.workloads.charlm's transformer and text, in the shape train.py uses.
+"""The charlm workload in the example: dpwa_lab.workloads.charlm's transformer and text, in the shape train.py uses.
 
 ``./run.sh --workload charlm`` trains a small GPT-style character-level
 transformer on the Python standard library's own source (``--data stdlib``,
@@ -6,7 +6,7 @@ the default) or on a text file of yours (``--data text:PATH``); nothing is
 downloaded. Each node trains on its own part of the training text; its
 evaluation is the validation loss in nats per character (and the
 next-character accuracy) on fixed windows of the validation text. The model,
-the split and the sizes are described in ``dpwa/lab/workloads/charlm.py`` and
+the split and the sizes are described in ``lab/dpwa_lab/workloads/charlm.py`` and
 docs/comparison.md.
 
     .venv/bin/python examples/pytorch-cifar/text.py      # prints the text's and the model's sizes
@@ -22,7 +22,7 @@ import data as datasets
 import torch
 from torch import nn
 
-from dpwa.lab.workloads import charlm
+from dpwa_lab.workloads import charlm
 
 SIZES = tuple(charlm.SIZES)
 EVAL_WINDOWS = 128  # validation windows each evaluation reads

@@ -10,7 +10,7 @@ repository root (after ./run.sh or ./test.sh made .venv), in two terminals:
     .venv/bin/python examples/pytorch-cifar/train.py --help
 
 With ``--workload charlm`` a node trains the small GPT-style character-level
-transformer of ``dpwa.lab.workloads.charlm`` on the Python standard library's
+transformer of ``dpwa_lab.workloads.charlm`` on the Python standard library's
 source (``--data stdlib``) or a text file (``--data text:PATH``), and
 evaluates the validation loss (nats per character) every epoch (an epoch is
 ``--steps-per-epoch`` batches, 50 by default: its shard is large). It trains

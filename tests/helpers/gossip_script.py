@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import dpwa
-from dpwa.lab.workloads.digits import load_digits
+from dpwa_lab.workloads.digits import load_digits
 
 
 def main() -> None:
