@@ -194,10 +194,10 @@ def test_the_scan_tells_a_hand_written_backoff(code, caught):
 
 
 def test_every_retry_uses_the_one_backoff():
-    """No hand-written back-off (a wait doubled, capped and reset by hand) in the library: each uses
-    dpwa.backoff.Backoff. The lab is not scanned; the few left are listed in _KNOWN with their reason."""
+    """No hand-written back-off (a wait doubled, capped and reset by hand) in the library or the lab: each uses
+    dpwa.backoff.Backoff. The few left are listed in _KNOWN with their reason."""
     found, left = [], {path: dict(known) for path, known in _KNOWN.items()}
-    for path in sorted((ROOT / "dpwa").rglob("*.py")):
+    for path in sorted([*(ROOT / "dpwa").rglob("*.py"), *(ROOT / "lab").rglob("*.py")]):
         relative = path.relative_to(ROOT).as_posix()
         if relative == "dpwa/backoff.py":
             continue

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from dpwa.backoff import Backoff
 from dpwa.wire.calls import Ask, Call
 from dpwa.wire.errors import ProtocolError
 from dpwa.wire.schema import encode
@@ -66,21 +67,22 @@ class TrainerStats:
 
 @dataclass
 class _Health:
+    """A server's failures in a row; from the DOWN_AFTER-th on, it is rested RETRY_FIRST_S, doubling to RETRY_MAX_S."""
+
     failures: int = 0
-    retry_at: float = 0.0
-    backoff_s: float = RETRY_FIRST_S
+    rest: Backoff = field(default_factory=lambda: Backoff(RETRY_FIRST_S, RETRY_MAX_S))
 
     def usable(self, now: float) -> bool:
-        return self.failures < DOWN_AFTER or now >= self.retry_at
+        return self.failures < DOWN_AFTER or self.rest.ready(now)
 
     def ok(self) -> None:
-        self.failures, self.backoff_s = 0, RETRY_FIRST_S
+        self.failures = 0
+        self.rest.reset()
 
     def failed(self, now: float) -> None:
         self.failures += 1
         if self.failures >= DOWN_AFTER:
-            self.retry_at = now + self.backoff_s
-            self.backoff_s = min(2 * self.backoff_s, RETRY_MAX_S)
+            self.rest.fail(now)
 
 
 @dataclass

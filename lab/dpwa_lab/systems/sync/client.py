@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from dpwa.backoff import Backoff
 from dpwa.wire.calls import Response
 from dpwa.wire.channel import Channel
 from dpwa.wire.errors import ProtocolError, TransportError
@@ -103,7 +104,7 @@ class MasterClient:
         self, make_frames: Callable[[int], Sequence[Any]], accept: Mapping[str, MessageKind], what: str
     ) -> Response:
         start = time.monotonic()
-        busy = 0  # busy refusals of this request so far
+        busy = Backoff(0.001, BUSY_PAUSE_MAX_S)  # the pause after each busy refusal of this request
         while True:
             request_id = secrets.randbits(64)
             frames = make_frames(request_id)
@@ -127,8 +128,7 @@ class MasterClient:
                 if time.monotonic() - start > self.unreachable_s:
                     raise Refusal(response.header["reason"], response.header["detail"])
                 self.busy_retries += 1
-                time.sleep(min(BUSY_PAUSE_MAX_S, 0.001 * 2 ** min(busy, 10)))  # a bounded back-off, not a wait
-                busy += 1
+                time.sleep(busy.next())  # a bounded back-off, not a wait
                 continue
             if response.header.kind == "error":
                 raise Refusal(response.header["reason"], response.header["detail"])
