@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import secrets
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,8 @@ class InDoubt:
 
 # --------------------------------------------------------------------------- requester
 
+_EXACT = random.Random(0)  # the short pauses' back-offs have no jitter: a Random of their own would cost a seeding
+
 
 class ExchangeTask:
     """One exchange, on the client thread. Its value is a ClientHalf (committed) or an InDoubt.
@@ -238,7 +241,7 @@ class ExchangeTask:
                 raise refused("aborted", f"this node served {self.peer}'s crossing exchange instead")
             cleanup.pop_all()
         half = ClientHalf(self.peer, xid, f, self._own, theirs)
-        pauses = Backoff(0.001, 0.016)
+        pauses = Backoff(0.001, 0.016, rng=_EXACT)
         while True:  # bounded: "streaming" is asked again only until the deadline
             try:
                 decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": name}, xid=xid)], _DECISIONS)
@@ -287,7 +290,7 @@ class ExchangeTask:
         the snapshot as the payload.
         """
         give_up = min(time.monotonic() + self._busy_budget_s, self.deadline - self._min_confirm_s)
-        pauses = Backoff(0.001, 0.008)
+        pauses = Backoff(0.001, 0.008, rng=_EXACT)
         payload: list[Any] = []  # encoded once, when a peer first needs it
 
         def with_payload(rid: int, fields: dict[str, Any]) -> list[Any]:
@@ -595,6 +598,27 @@ def _lost(call: Call) -> bool:
 # --------------------------------------------------------------------------- server
 
 
+class _Locked:
+    """``with`` it: the server's machine under its lock, and the halves the machine let go of meanwhile
+    released on the way out (a class, not a generator: it is entered a dozen times an exchange)."""
+
+    __slots__ = ("_lock", "_machine")
+
+    def __init__(self, lock: threading.Lock, machine: ServerMachine[ServerHalf]) -> None:
+        self._lock, self._machine = lock, machine
+
+    def __enter__(self) -> ServerMachine[ServerHalf]:
+        self._lock.acquire()
+        return self._machine
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            for half in self._machine.take_released():
+                half.release()
+        finally:
+            self._lock.release()
+
+
 class ExchangeServer:
     """The server half: serves exchanges and answers confirms (Rx thread), hands committed ones over (training
     thread). The driver of a :class:`~dpwa.gossip.exchange_machine.ServerMachine`, which decides; this class
@@ -644,17 +668,12 @@ class ExchangeServer:
         self._counters = counters
         self._lock = threading.Lock()
         self._machine: ServerMachine[ServerHalf] = ServerMachine(name, self.ttl_s, counters.add)
+        self._guard = _Locked(self._lock, self._machine)
         self.committed = threading.Event()  # set when an exchange commits (a lingering node waits on it)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[ServerMachine[ServerHalf]]:
+    def _locked(self) -> _Locked:
         """The machine, under the lock; the halves it let go of meanwhile are released on the way out."""
-        with self._lock:
-            try:
-                yield self._machine
-            finally:
-                for half in self._machine.take_released():
-                    half.release()
+        return self._guard
 
     @property
     def last_confirm(self) -> float:

@@ -113,6 +113,7 @@ calls each under its own lock, or from one thread.
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,7 @@ QUERY_INTERVAL_S = 0.1  # a closing server asks a requester about its commits at
 FACTOR_TOLERANCE = 1e-9
 UNCONFIRMED_KEPT = 1024  # exchanges that struck for want of a confirm, remembered (the latest) for _late
 
+_EXACT = random.Random(0)  # the back-offs here have no jitter: never drawn from (a fresh Random costs a seeding)
 H = TypeVar("H")  # the driver's handle on one half (its snapshots): opaque to the machine
 Key = tuple[str, int]  # (peer, xid): an exchange, as the server named it for that peer
 
@@ -720,7 +722,7 @@ class RequesterMachine(Generic[H]):
 
     def add(self, peer: str, xid: int, half: H, now: float) -> None:
         """Our confirm of `xid` went to `peer`, and no decision came back: in doubt from now."""
-        retry = Backoff(RESOLVE_RETRY_FIRST_S, RESOLVE_RETRY_MAX_S)
+        retry = Backoff(RESOLVE_RETRY_FIRST_S, RESOLVE_RETRY_MAX_S, rng=_EXACT)
         self._doubts[(peer, xid)] = Doubt(peer, xid, half, since=now, retry=retry)
         self._count("exchanges_in_doubt")
 

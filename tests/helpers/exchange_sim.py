@@ -31,6 +31,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from dpwa.backoff import Backoff
 from dpwa.gossip import exchange_machine as em
 
 TIMEOUT_S = 0.25  # the requesters' deadline (timeout_ms), as the real chaos tests had it
@@ -60,7 +61,7 @@ class Half:
 class Record:
     """One exchange, as the simulation's ledger sees it (not the nodes: they know only their machines)."""
 
-    __slots__ = ("server", "requester", "xid", "d_server", "d_requester", "expires", "decision", "excused")
+    __slots__ = ("server", "requester", "xid", "d_server", "d_requester", "expires", "decision", "excused", "streamed")
 
     def __init__(self, server: Node, requester: Node, xid: int, expires: float) -> None:
         self.server, self.requester, self.xid, self.expires = server, requester, xid, expires
@@ -68,18 +69,20 @@ class Record:
         self.d_requester: float | None = None
         self.decision: str | None = None  # the first commit/abort the server answered
         self.excused = ""  # why the promise does not hold for it (a crash, a close deadline)
+        self.streamed = False  # the requester's snapshot is in (a bulk exchange)
 
 
 class Own:
     """This node's own exchange on its Tx thread (ExchangeTask): asking, confirming, then a result."""
 
-    __slots__ = ("ticket", "peers", "snap", "deadline", "phase", "half", "result")
+    __slots__ = ("ticket", "peers", "snap", "deadline", "phase", "half", "result", "pauses")
 
     def __init__(self, ticket: int, peers: list[str], snap: tuple, deadline: float) -> None:
         self.ticket, self.peers, self.snap, self.deadline = ticket, peers, snap, deadline
         self.phase = "asking"  # asking, confirming, done
         self.half: Half | None = None
         self.result: str | None = None  # commit, in_doubt, ended (nothing applied), set when phase is done
+        self.pauses = Backoff(0.001, 0.016)  # between confirms answered "streaming"
 
 
 class Node:
@@ -256,9 +259,16 @@ class Node:
         record = self.sim.records[(server, xid)]
         own.half = Half(self, peer, xid, f, own.snap, theirs, record)
         own.phase = "confirming"
-        self.ask(peer, ("confirm", xid, False), own.deadline, lambda answer: self.on_decision(own, xid, answer))
+        self.confirm(own, peer, xid)
 
-    def on_decision(self, own: Own, xid: int, answer: Any) -> None:
+    def confirm(self, own: Own, peer: str, xid: int) -> None:
+        self.ask(peer, ("confirm", xid, False), own.deadline, lambda answer: self.on_decision(own, peer, xid, answer))
+
+    def on_decision(self, own: Own, peer: str, xid: int, answer: Any) -> None:
+        if answer is not None and answer[:3:2] == ("error", "streaming"):  # nothing decided yet: confirm again
+            if self.sim.now + own.pauses.peek() < own.deadline:
+                self.sim.at(self.sim.now + own.pauses.next(), self.confirm, own, peer, xid)
+                return
         if answer is None or answer[0] != "decision":
             own.phase, own.result = "done", "in_doubt"  # the confirm may have arrived: learn it later
             return
@@ -310,6 +320,9 @@ class Node:
             self.let_go()
             sim.decided(self, peer, xid, outcome, now, withdraw)
             answer = ("decision", self, (xid, outcome))
+            if outcome == "streaming":
+                sim.count("sim.answered_streaming")
+                answer = ("error", self, "streaming")
         elif kind == "ack":
             outcome = self.server.ack(peer, fields[1])
             answer = ("decision", self, (fields[1], outcome))
@@ -332,8 +345,17 @@ class Node:
         expires = now + em.wait_s(wait_s * 1000, TIMEOUT_S, 4 * TIMEOUT_S) + em.TTL_MARGIN_S
         record = sim.records[(self, xid)] = Record(self, requester, xid, expires)
         half = Half(self, peer, xid, sim.f, self.snap, theirs, record)  # its correction: f (s_i - s_j)
-        self.server.hold(peer, xid, half, now, expires)
+        self.server.hold(peer, xid, half, now, expires, arrived=not sim.bulk)
+        if sim.bulk:  # the requester's snapshot streams in on a thread of its own: it arrives, or fails
+            sim.at(now + sim.rng.uniform(0.0, 2 * TIMEOUT_S), self.streamed, peer, xid, sim.rng.random() > 0.1)
         return ("params", self, (xid, sim.f, self.snap[1]))
+
+    def streamed(self, peer: str, xid: int, ok: bool) -> None:
+        if self.alive and not self.closed:
+            if self.server.streamed(peer, xid, ok, self.sim.now):
+                self.sim.records[(self, xid)].streamed = ok
+                self.sim.count("sim.streamed_in" if ok else "sim.stream_failed")
+            self.let_go()
 
     # ----------------------------------------------------------------- closing
 
@@ -415,6 +437,7 @@ class Sim:
         self.dup = rng.choice((0.0, 0.0, 0.05, 0.2))
         self.delay = rng.choice((0.002, 0.02, 0.08))  # the usual one way, and at times far longer (reorders)
         self.slow = rng.choice((0.0, 0.05, 0.2))  # the share of messages delayed up to 1.5 s
+        self.bulk = rng.random() < 0.25  # requesters' snapshots stream in (bulk_exchange), and may fail to
         self.now = 0.0
         self.active_until = rng.uniform(0.3, 2.5) if not long else 5.0
         self.counts: dict[str, int] = {}
@@ -527,6 +550,8 @@ class Sim:
 
     def decided(self, server: Node, peer: str, xid: int, outcome: str, now: float, withdraw: bool) -> None:
         record = self.records.get((server, xid))
+        if outcome == "commit" and record is not None and record.server.sim.bulk and not record.streamed:
+            self.fail(f"{server.name} committed exchange {xid} before the requester's snapshot streamed in")
         if record is None or record.requester.name != peer or outcome not in ("commit", "abort"):
             if outcome == "commit":
                 self.fail(f"{server.name} committed exchange {xid}, which it never served to {peer}")
