@@ -172,7 +172,6 @@ def test_the_machine_and_what_it_imports_do_no_io():
     assert {p.name for p in seen} >= {"exchange_machine.py", "backoff.py", "admission.py"}, seen
 
 
-
 class Handle:
     released = False
 

@@ -265,10 +265,10 @@ class Node:
         self.ask(peer, ("confirm", xid, False), own.deadline, lambda answer: self.on_decision(own, peer, xid, answer))
 
     def on_decision(self, own: Own, peer: str, xid: int, answer: Any) -> None:
-        if answer is not None and answer[:3:2] == ("error", "streaming"):  # nothing decided yet: confirm again
-            if self.sim.now + own.pauses.peek() < own.deadline:
-                self.sim.at(self.sim.now + own.pauses.next(), self.confirm, own, peer, xid)
-                return
+        streaming = answer is not None and answer[0] == "error" and answer[2] == "streaming"
+        if streaming and self.sim.now + own.pauses.peek() < own.deadline:  # nothing decided yet: confirm again
+            self.sim.at(self.sim.now + own.pauses.next(), self.confirm, own, peer, xid)
+            return
         if answer is None or answer[0] != "decision":
             own.phase, own.result = "done", "in_doubt"  # the confirm may have arrived: learn it later
             return
