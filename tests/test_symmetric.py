@@ -274,39 +274,6 @@ def test_a_lost_decision_leaves_the_requester_in_doubt_and_it_learns_commit_late
     assert proxy.stats[("decision", "drop")] == 1
 
 
-def test_confirms_lost_until_the_exchange_expired_abort_it_on_both_sides(through_chaos):
-    """Every confirm is lost until the server's pending exchange has expired (an abort). Then the
-    link heals, the requester asks again and hears abort: nobody moved."""
-    node, peer, proxy, mine, theirs = through_chaos()
-    proxy.rules["confirm"] = Rule(drop=1.0)
-    node.update_send()
-    assert node.update_wait().outcome == "in_doubt"
-    assert settle(node, peer, lambda: peer.stats().get("exchanges_expired", 0) == 1)
-    proxy.heal()
-    assert settle(node, peer, lambda: node.stats().get("exchanges_aborted", 0) == 1)
-    assert np.all(mine == 0.0) and np.all(theirs == 10.0)
-    assert node.stats()["averaged"] == 0 and peer.stats().get("mirrored", 0) == 0
-
-
-@pytest.mark.parametrize("kind", ["exchange", "params"])
-def test_a_lost_request_or_reply_moves_nobody(through_chaos, kind):
-    """The exchange request, or the server's reply, is lost: the requester never confirms,
-    and whatever the server recorded expires."""
-    node, peer, proxy, mine, theirs = through_chaos(timeout_ms=300)
-    proxy.plan(kind, "drop")
-    node.update_send()
-    update = node.update_wait()
-    assert not update.averaged and update.outcome in ("timeout", "failed")
-    expired = 0 if kind == "exchange" else 1
-    assert settle(
-        node,
-        peer,
-        lambda: peer.stats().get("exchanges_expired", 0) == expired and peer.stats()["exchanges_pending"] == 0,
-    )
-    assert np.all(mine == 0.0) and np.all(theirs == 10.0)
-    assert proxy.stats[(kind, "drop")] == 1
-
-
 @pytest.mark.parametrize("kind", ["exchange", "params", "confirm", "decision"])
 def test_a_cut_right_after_any_step_applies_both_halves_or_neither(through_chaos, kind):
     """The link is cut right after one message of the exchange. ZeroMQ reconnects and may
@@ -476,24 +443,26 @@ def chaos_everywhere(seen, times: int) -> bool:
 def every_outcome(stats, seen) -> bool:
     """Coverage of test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither: exchanges applied
     on both sides, timed out, left in doubt, learned aborted after being in doubt, and expired on the
-    server, each several times, and chaos at every message."""
+    server, and chaos at every message. Once each is enough here: the schedules themselves are the
+    simulation's (tests/test_exchange_sim.py, 10,000 of them); this run proves the driver and the wire."""
     return (
-        chaos_everywhere(seen, 2)
-        and summed(stats, "averaged") >= 40
-        and summed(stats, "fetches_timed_out") >= 10
-        and summed(stats, "exchanges_in_doubt") >= 10
-        and summed(stats, "exchanges_aborted") >= 3
-        and summed(stats, "exchanges_expired") >= 3
+        chaos_everywhere(seen, 1)
+        and summed(stats, "averaged") >= 15
+        and summed(stats, "fetches_timed_out") >= 3
+        and summed(stats, "exchanges_in_doubt") >= 3
+        and summed(stats, "exchanges_aborted") >= 1
+        and summed(stats, "exchanges_expired") >= 1
     )
 
 
 @pytest.mark.timeout(300)
 def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
-    """chaos_round until every outcome was seen several times (every_outcome: 40 exchanges applied, 10
-    in doubt, 3 of those aborted, 3 expired, 10 timed out, every message lost or cut twice), the links
-    healed before closing: the sum is unchanged to float rounding, as many halves were applied on
-    requesting sides as on serving sides, nothing was dropped while the nodes ran, and the protocol
-    still made progress (at least one exchange in six committed; runs here: one in four to one in three).
+    """The end-to-end chaos run of the driver and the wire (ZeroMQ, the payload path): chaos_round until
+    every outcome was seen (every_outcome: 15 exchanges applied, 3 in doubt, one of those aborted, one
+    expired, 3 timed out, every message lost or cut), the links healed before closing: the sum is unchanged
+    to float rounding, as many halves were applied on requesting sides as on serving sides, nothing was
+    dropped while the nodes ran, and the protocol still made progress (at least one exchange in six
+    committed; runs here: one in four to one in three).
 
     At close, a requester may still drop one: it sent a confirm that was lost, its peer never committed
     and closed first (a closing server waits for the commits it made, not for a question it cannot
@@ -512,7 +481,7 @@ def test_under_chaos_every_exchange_is_applied_on_both_sides_or_neither(nodes):
 @pytest.mark.timeout(300)
 def test_under_chaos_an_outer_step_keeps_what_it_promises_to_keep(nodes):
     """chaos_round with an outer step after every exchange a node starts (period 2, DiLoCo's outer lr and
-    momentum), until 30 exchanges were applied and 5 were in doubt: each outer step keeps its node's
+    momentum), until 15 exchanges were applied and 2 were in doubt: each outer step keeps its node's
     a * params + b * anchor + c * momentum, and each exchange keeps the sum of the models, so the cluster's
     sum of that quantity stays exact under the chaos, and both halves of every exchange were still applied
     or neither. The rule here is nesterov; the gossip layer (dpwa.gossip.outer) treats noloco the same way,
@@ -521,19 +490,18 @@ def test_under_chaos_an_outer_step_keeps_what_it_promises_to_keep(nodes):
 
     def enough(stats, seen) -> bool:
         return (
-            chaos_everywhere(seen, 1) and summed(stats, "averaged") >= 30 and summed(stats, "exchanges_in_doubt") >= 5
+            chaos_everywhere(seen, 1) and summed(stats, "averaged") >= 15 and summed(stats, "exchanges_in_doubt") >= 2
         )
 
     drift, stats, seen, before = chaos_round(nodes, seed=2, enough=enough, heal=True, outer="nesterov", period=2)
     assert enough(before, seen), (seen, before)
     assert drift < 1e-2, drift  # a is 7 here: float32 rounding of values near 70 over a few hundred steps
     assert sum(s.get("averaged", 0) for s in stats) == sum(s.get("mirrored", 0) for s in stats)
-    assert sum(s.get("averaged", 0) for s in stats) >= 30
+    assert sum(s.get("averaged", 0) for s in stats) >= 15
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nodes, seed):
+def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nodes):
     """The links are NOT healed: the three nodes close at once, with the default close timeout, while
     replies, confirms and decisions are still lost, cut and delayed, and at a moment when a requester
     is in doubt about an exchange (chaos_round runs until then, after 10 exchanges were applied: what the
@@ -541,12 +509,13 @@ def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nod
     closing server keeps answering its commits until each requester is known to hold it (the requester's
     ack, or its answer to the server's ``known``), so the sum of the models stays exact. (Before, in one
     of two seeds the sum moved by 6.9 per element: a server closed while its requester still asked for
-    the decision.)"""
+    the decision.) One seed: the simulation closes thousands of schedules on lossy links
+    (tests/test_exchange_sim.py); this run proves the driver's settling (acks, ``known``) on the wire."""
 
     def enough(stats, seen) -> bool:
         return summed(stats, "averaged") >= 10 and summed(stats, "exchanges_unsettled") >= 1
 
-    drift, stats, _, before = chaos_round(nodes, seed=seed, enough=enough, heal=False)
+    drift, stats, _, before = chaos_round(nodes, seed=0, enough=enough, heal=False)
     assert enough(before, {}), before  # closed with an exchange in doubt
     assert drift < 1e-3, drift
     assert sum(s.get("averaged", 0) for s in stats) == sum(s.get("mirrored", 0) for s in stats)

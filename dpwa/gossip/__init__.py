@@ -5,7 +5,8 @@
 * :mod:`.snapshots`: published snapshots and their leases;
 * :mod:`.serving`: the Rx side, answering fetches;
 * :mod:`.requesting`: the Tx side, fetching and checking replies;
-* :mod:`.exchange`: symmetric exchanges, both halves and their state machine;
+* :mod:`.exchange_machine`: symmetric exchanges' protocol, both halves, as state machines without I/O;
+* :mod:`.exchange`: the driver of those machines (requests, snapshots, locks, the clock);
 * :mod:`.flow`: flow control (whom to ask);
 * :mod:`.validation`: the checks a peer's parameters must pass.
 """

@@ -1,109 +1,34 @@
-"""Symmetric exchanges (``mode: symmetric``): both halves in one place, applied on both sides or neither.
+"""Symmetric exchanges (``mode: symmetric``): the driver of the protocol, with its sockets, threads and clock.
 
-One exchange between a requester i and a server j, and every state each side
-can be in::
-
-    requester i (client thread, then training thread)   server j (Rx thread, then training thread)
-    ─────────────────────────────────────────────────   ────────────────────────────────────────────
-    publish s_i; send exchange(s_i), or      ─────────►  cheap checks first (model, closing, our one
-      shm_exchange(s_i's slot) on one host               unsettled exchange, a fresh snapshot), then
-                                                         s_i's values (its slot locked for reading
-                                                         while held); picks a fresh id xid and
-                                                         f = rule.factor(s_i, s_j) <= 1/2;
-                                                         PENDING(i, xid): holds s_i and a lease on
-                                                         s_j; expires at receipt + the requester's
-                                                         deadline (wait_ms, bounded) + TTL_MARGIN_S
-                 ◄─────────  params(s_j, xid, f)  or  error(busy | not_ready | closing | ...)
-    error, or no reply by the deadline: DONE,
-      nothing applied (j's PENDING expires: ABORTED)
-    checks s_j and recomputes f; a mismatch or too
-      little time left to confirm: DONE, no confirm
-      (j's PENDING expires: ABORTED)
-    IN DOUBT from here on: send confirm(xid) ─────────►  PENDING, not expired: COMMITTED
-                                                         PENDING, expired:      ABORTED
-                                                         already decided:       the same answer
-                                                         never seen/forgotten:  unknown
-                 ◄─────────  decision(xid, commit | abort | unknown)
-    commit: COMMITTED, applied at the next                COMMITTED: x_j += f (s_i - s_j) at j's
-      update: x_i += f (s_j - s_i) (delta);                 next update_wait (or linger, or close)
-      i records that it knows commit xid
-    abort / unknown: ABORTED, nothing applied             ABORTED: nothing applied
-    no decision by the deadline: stays IN DOUBT;
-      confirm(xid) is asked again in the background
-      (every step, backing off to RESOLVE_RETRY_MAX_S)
-      until a decision arrives, or gives up after
-      RESOLVE_LIMIT_S (DROPPED: counted and logged)
-
-**The guarantee.** While both nodes live and their link eventually delivers,
-each exchange is applied on both sides exactly once, or on neither:
-
-* the server decides, once: commit only for a PENDING exchange whose confirm
-  arrived before it expired; expiry is an abort. It remembers each decision
-  for :data:`DECISION_RETENTION_S` (the last :data:`DECISIONS_PER_PEER` per
-  peer), longer than any requester keeps asking, and answers a repeated
-  confirm with it;
-* a requester applies its half only on ``commit`` and never gives up on a
-  confirm it has sent: it learns the decision later, in the background;
-* exchange ids are the server's, keyed by the authenticated peer: a requester
-  cannot pick, reuse or overwrite another exchange;
-* f is computed by the server from the two snapshots' clocks and losses,
-  recomputed and checked by the requester, and never above 1/2;
-* ``close()`` settles by the same rule, within the close's deadline: new
-  exchanges are refused (``closing``); confirms are still answered and
-  in-doubt ones still asked, until nothing of ours is in doubt and no confirm
-  arrived for :data:`SETTLE_QUIET_S` (at once when no exchange we serve is
-  pending: nothing is left to commit). Then the server stops committing:
-  a confirm of an exchange still PENDING is answered abort (its requester
-  applies nothing). It keeps answering the commits it made until each
-  requester is known to hold its decision: a closing requester says so
-  (``ack`` of its latest commit with each peer), and the closing server
-  asks the others (``known``: which of these commits do you hold?), so a
-  requester whose decision was lost on the way still learns it, however
-  slow the link, and nothing is sent for it while nobody closes. Then
-  committed halves are applied; only what is still unknown or in doubt
-  when the deadline passes is logged (a commit's may move the mean).
-
-A node takes part in one unsettled exchange at a time, as requester or as
-server, and each published snapshot in at most one exchange (see
-:mod:`dpwa.mixing.admission`): so a server holds at most one requester
-snapshot, and a requester in doubt starts nothing until it learns the
-decision. Two requests that cross (each node asks the other) would both be
-refused ``busy``: the node whose name sorts first gives its own exchange up
-before its confirm and serves the other's (:meth:`ExchangeServer._give_way`);
-if its own still gets a reply, it withdraws it (a ``confirm`` marked
-``withdraw``, aborted at once) instead of confirming.
-
-Nobody holds that one exchange against others for long. One still
-unconfirmed after a few times the slowest recent confirm gives way to
-another peer's request (:meth:`ExchangeServer._preempt`), at once if its
-requester failed recently. A peer whose served exchanges failed on its side
-(expired or preempted unconfirmed, or its offered snapshot did not stream
-in) :data:`EXPIRIES_BEFORE_PAUSE` times in a row is refused ``busy`` for a
-pause (the ttl, doubling with each further failure up to
-:data:`RESOLVE_LIMIT_S`, reset by its next confirm). A confirm that comes
-after its exchange expired or gave way takes that strike back (a slow link,
-not a hostile requester; the exchange stays aborted). So one member that asks
-and never confirms cuts an honest peer's rate with a node by less than half
-(tests/test_hostile_member_rate.py).
+The protocol itself (both halves' states, the one commit decision, expiry,
+preemption, the pause after failed exchanges, exchanges in doubt, settling at
+close) and its guarantee, each exchange applied on both sides exactly once or
+on neither, live in :mod:`dpwa.gossip.exchange_machine`, which holds no
+socket, thread or clock and is tested by a deterministic simulation
+(``tests/test_exchange_sim.py``). This module drives it: the requests and
+replies (:class:`ExchangeTask` and the small tasks on the client thread; the
+server's routes on the Rx thread), the snapshots and their slots, streams and
+leases (a half: :class:`ClientHalf`, :class:`ServerHalf`), the locks, and
+``time.monotonic()``, which it reads and hands to the machine with every event.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..backoff import Backoff
 from ..logs import logger
 from ..mixing import rules
-from ..mixing.admission import Admission
 from ..stats import Counters
 from ..wire.bulk import BulkError
 from ..wire.calls import Ask, Call, Response
@@ -112,6 +37,20 @@ from ..wire.schema import MAX_ID, encode
 from ..wire.server import Reply, Request, Route
 from ..wire.shm import PeerSlots
 from .deadlines import CAP_FACTOR, Deadlines
+from .exchange_machine import DECISIONS_PER_PEER as DECISIONS_PER_PEER  # where callers have long found it
+from .exchange_machine import (
+    RESOLVE_LIMIT_S,
+    TTL_MARGIN_S,
+    AckQuerySchedule,
+    Dropped,
+    KnownTable,
+    RequesterMachine,
+    ServerMachine,
+    check_reply,
+    decision_applies,
+    wait_s,
+)
+from .exchange_machine import SETTLE_QUIET_S as SETTLE_QUIET_S
 from .protocol import (
     ACK,
     BULK_EXCHANGE,
@@ -139,26 +78,6 @@ __all__ = [
     "ServerHalf",
     "StreamInTask",
 ]
-
-TTL_MARGIN_S = 1.0  # a PENDING exchange expires this long after the requester's deadline would
-EXPIRIES_BEFORE_PAUSE = 3  # a peer whose served exchanges fail this many times in a row (expired unconfirmed, or
-# its snapshot did not stream in) is paused
-FAILURE_MEMORY_S = 60.0  # a peer one of whose served exchanges failed this recently holds no exchange against others
-PREEMPT_MARGIN = 4.0  # an unconfirmed exchange may give way after this many times the slowest recent confirm...
-PREEMPT_FLOOR_S = 0.05  # ... but not sooner than this, nor later than half the requesters' deadline
-CONFIRM_MEMORY_S = 60.0  # recent: each peer's latest commit, if this recent
-MAX_IN_DOUBT = 1  # exchanges a requester may be in doubt about at once (one unsettled: dpwa.mixing.admission)
-RESOLVE_RETRY_MAX_S = 0.5  # in doubt: ask again at most this long after the last try
-RESOLVE_LIMIT_S = 60.0  # in doubt this long: give up (the peer is gone, or the link is)
-DECISION_RETENTION_S = 2 * RESOLVE_LIMIT_S  # a server remembers a decision this long...
-DECISIONS_PER_PEER = 64  # ... and at most this many per peer
-SETTLE_QUIET_S = 1.0  # close() waits until no confirm arrived for this long (two retry intervals), while one is pending
-ACK_TRIES = 3  # a closing requester sends the ack of a commit at most this many times
-KNOWN_PER_PEER = 8  # commits a requester remembers knowing, per peer (the latest; it is in doubt about one at most)
-KNOWN_PEERS_MAX = 4096  # peers whose commits a requester remembers (open membership: members come and go)
-QUERY_INTERVAL_S = 0.1  # a closing server asks a requester about its commits at most this often
-FACTOR_TOLERANCE = 1e-9
-UNCONFIRMED_KEPT = 1024  # exchanges that struck for want of a confirm, remembered (the latest) for _late
 
 
 class _Half:
@@ -192,13 +111,10 @@ class ServerHalf(_Half):
     """The server's half: the snapshot it served s_j (a lease) and the requester's s_i (None while it is
     still streaming in: a ``bulk_exchange``; such a half cannot commit until :meth:`attach`)."""
 
-    def __init__(
-        self, peer: str, xid: int, f: float, served: Lease, theirs: Received | None, received: float, expires: float
-    ) -> None:
+    def __init__(self, peer: str, xid: int, f: float, served: Lease, theirs: Received | None) -> None:
         super().__init__(peer, xid, f)
         self.served = self._stack.enter_context(served)
         self._theirs = self._stack.enter_context(theirs) if theirs is not None else None
-        self.received, self.expires = received, expires  # when its request came, and when it expires
 
     @property
     def arrived(self) -> bool:
@@ -226,6 +142,8 @@ class InDoubt:
 
 
 # --------------------------------------------------------------------------- requester
+
+_EXACT = random.Random(0)  # the short pauses' back-offs have no jitter: a Random of their own would cost a seeding
 
 
 class ExchangeTask:
@@ -313,20 +231,17 @@ class ExchangeTask:
             cleanup.push(theirs)
             header = theirs.header
             xid, f = header.get("xid"), header.get("f")
-            if xid is None or f is None:
-                raise ProtocolError("bad_reply", "a reply to an exchange without its xid and f")
             expected = self._factor((snap.clock, snap.loss), (header["clock"], header["loss"]))
-            if abs(f - expected) > FACTOR_TOLERANCE:
-                raise ProtocolError("bad_factor", f"the peer's f = {f!r}, ours is {expected!r} (same config?)")
-            if self.deadline - time.monotonic() < self._min_confirm_s:
-                raise RequestTimeout("too little time left to confirm; the peer's pending exchange will expire")
+            failed = check_reply(xid, f, expected, time.monotonic(), self.deadline, self._min_confirm_s)
+            if failed is not None:
+                raise RequestTimeout(failed[1]) if failed[0] == "timeout" else ProtocolError(*failed)
             name = self._fields(self.peer)["from"]
             if not self._confirms():  # our node serves this peer's crossing request: take ours back
                 self._withdraw_exchange(ask, name, xid)
                 raise refused("aborted", f"this node served {self.peer}'s crossing exchange instead")
             cleanup.pop_all()
         half = ClientHalf(self.peer, xid, f, self._own, theirs)
-        pause = 0.001
+        pauses = Backoff(0.001, 0.016, rng=_EXACT)
         while True:  # bounded: "streaming" is asked again only until the deadline
             try:
                 decision = ask(lambda rid: [encode(CONFIRM, rid, **{"from": name}, xid=xid)], _DECISIONS)
@@ -337,9 +252,8 @@ class ExchangeTask:
                 return InDoubt(half)  # the confirm may have arrived: learn the decision later
             except Refused as exc:
                 # our snapshot is still streaming in to the peer: nothing is decided yet; confirm again soon
-                if exc.reason == "streaming" and time.monotonic() + pause < self.deadline:
-                    time.sleep(pause)  # a bounded wait, on the Tx thread
-                    pause = min(2 * pause, 0.016)
+                if exc.reason == "streaming" and time.monotonic() + pauses.peek() < self.deadline:
+                    time.sleep(pauses.next())  # a bounded wait, on the Tx thread
                     continue
                 return InDoubt(half, answered=True)
             except ProtocolError:
@@ -349,7 +263,7 @@ class ExchangeTask:
         if decision.header["xid"] != xid:
             return InDoubt(half, answered=True)  # a confused peer: ask again later
         self.took_s = time.monotonic() - self._asked_at
-        if outcome == "commit":
+        if decision_applies(outcome):
             return half
         half.release()
         if self._streamed:  # the peer may not reach our bulk port: the payload, for a while
@@ -376,7 +290,7 @@ class ExchangeTask:
         the snapshot as the payload.
         """
         give_up = min(time.monotonic() + self._busy_budget_s, self.deadline - self._min_confirm_s)
-        pause = 0.001
+        pauses = Backoff(0.001, 0.008, rng=_EXACT)
         payload: list[Any] = []  # encoded once, when a peer first needs it
 
         def with_payload(rid: int, fields: dict[str, Any]) -> list[Any]:
@@ -425,10 +339,9 @@ class ExchangeTask:
                         self.busy += 1
                         self.busy_peers.add(peer)
                         break
-            if time.monotonic() + pause >= give_up:
+            if time.monotonic() + pauses.peek() >= give_up:
                 raise refused("busy", f"every peer asked is busy ({', '.join(self._peers)})")
-            time.sleep(pause)  # a bounded retry: a busy peer publishes a fresh snapshot at its next step
-            pause = min(2 * pause, 0.008)
+            time.sleep(pauses.next())  # a bounded retry: a busy peer publishes a fresh snapshot at its next step
 
 
 _DECISIONS = {DECISION.name: DECISION}
@@ -503,58 +416,37 @@ class KnownTask:
 
 
 class KnownCommits:
-    """The commits a requester holds (applied), per server peer: the latest few. Thread-safe.
+    """The commits a requester holds (applied), per server peer: the latest few (a
+    :class:`~dpwa.gossip.exchange_machine.KnownTable` under a lock). Thread-safe.
 
     The training thread records them; the Rx thread answers a closing server's ``known`` from them.
     """
 
     def __init__(self, peers: list[str]) -> None:
         self._lock = threading.Lock()
-        self._known: dict[str, OrderedDict[int, float]] = {peer: OrderedDict() for peer in peers}
+        self._table = KnownTable(peers)
 
     def record(self, peer: str, xid: int) -> None:
         with self._lock:
-            table = self._known.get(peer)
-            if table is None:
-                if len(self._known) >= KNOWN_PEERS_MAX:
-                    return
-                table = self._known[peer] = OrderedDict()  # a member that joined after we started
-            table[xid] = time.monotonic()
-            while len(table) > KNOWN_PER_PEER:
-                table.popitem(last=False)
+            self._table.record(peer, xid, time.monotonic())
 
     def latest(self, within_s: float) -> dict[str, int]:
         """Each peer's latest commit we hold, if it is younger than `within_s`."""
-        now = time.monotonic()
         with self._lock:
-            return {
-                peer: next(reversed(table))
-                for peer, table in self._known.items()
-                if table and now - table[next(reversed(table))] < within_s
-            }
+            return self._table.latest(within_s, time.monotonic())
 
     def routes(self) -> dict[str, Route]:
         return {KNOWN.name: Route(KNOWN, self.serve)}
 
     def serve(self, request: Request) -> Reply:
-        peer = request.sender
         with self._lock:
-            table = self._known.get(peer)
-            held = [xid for xid in request.header["xids"] if table is not None and xid in table]
+            held = self._table.held(request.sender, request.header["xids"])
         return Reply(encode(KNOWN_REPLY, request.header.id, xids=held))
 
 
-@dataclass(eq=False)
-class _Doubt:
-    half: ClientHalf
-    since: float
-    next_try: float
-    tries: int = 0
-    call: Call | None = None
-
-
 class ExchangeClient:
-    """The requester's exchanges in doubt, and their resolution (training thread only).
+    """The requester's exchanges in doubt, and their resolution (training thread only): the driver of a
+    :class:`~dpwa.gossip.exchange_machine.RequesterMachine`, which says when to ask and when to give up.
 
     Args:
         name: this node.
@@ -582,44 +474,40 @@ class ExchangeClient:
         self.name, self._timeout_s, self._submit, self._counters = name, timeout_s, submit, counters
         self._deadlines = deadlines
         self._heard, self._ended = heard, ended
-        self._doubts: dict[tuple[str, int], _Doubt] = {}
+        self._machine: RequesterMachine[ClientHalf] = RequesterMachine(counters.add)
+        self._calls: dict[tuple[str, int], Call] = {}  # the resolve request on its way, per exchange in doubt
         self.known = KnownCommits(list(peers))
         self._acks: list[tuple[AckTask, Call, int]] = []  # a closing node's acks on their way (task, call, tries)
-        self._closing = False  # send_acks was called: a commit learned from now on is acknowledged at once
 
     def __len__(self) -> int:
-        return len(self._doubts)
+        return len(self._machine)
 
     def blocked_peers(self) -> frozenset[str]:
         """Peers we are in doubt with: no new exchange with them until their decision arrives."""
-        return frozenset(peer for peer, _ in self._doubts)
+        return self._machine.blocked_peers()
 
     def can_start(self) -> bool:
         """May a new exchange start? Not while MAX_IN_DOUBT are in doubt (and not with a peer in blocked_peers)."""
-        return len(self._doubts) < MAX_IN_DOUBT
+        return self._machine.can_start()
 
     def add(self, doubt: InDoubt) -> None:
-        half = doubt.half
-        now = time.monotonic()
-        self._doubts[(half.peer, half.xid)] = _Doubt(half, since=now, next_try=now)
-        self._counters.add("exchanges_in_doubt")
+        self._machine.add(doubt.half.peer, doubt.half.xid, doubt.half, time.monotonic())
 
     def hold(self, half: ClientHalf) -> None:
         """We hold (have applied) `half`'s commit: a closing peer that asks learns it."""
         self.known.record(half.peer, half.xid)
-        if self._closing:  # in doubt until we closed: once we are gone that peer cannot ask us, so tell it now
+        if self._machine.holds():
             self._ack(half.peer, half.xid)
 
     def send_acks(self) -> None:
         """Closing: tell each peer we hold its latest commit, so a closing peer need not wait or ask (and each
         commit learned from now on, as it is held)."""
-        self._closing = True
-        for peer, xid in self.known.latest(RESOLVE_LIMIT_S).items():
+        for peer, xid in self._machine.acks_to_send(self.known.latest(RESOLVE_LIMIT_S)):
             self._ack(peer, xid)
 
-    def _ack(self, peer: str, xid: int) -> None:
+    def _ack(self, peer: str, xid: int, tries: int = 1) -> None:
         task = AckTask(peer, self.closing_deadline(), self.name, xid)
-        self._acks.append((task, self._submit(task), 1))
+        self._acks.append((task, self._submit(task), tries))
 
     def closing_deadline(self) -> float:
         """The deadline of a request a closing node queues now: one request's time from when the acks queued
@@ -631,94 +519,113 @@ class ExchangeClient:
         return len(self._acks)
 
     def _tend_acks(self) -> None:
-        keep = []
-        for task, call, tries in self._acks:
-            if not call.done.is_set():
-                keep.append((task, call, tries))
-            elif call.outcome in ("timeout", "failed", "expired") and tries < ACK_TRIES:
-                again = AckTask(task.peer, self.closing_deadline(), self.name, task.xid)
-                keep.append((again, self._submit(again), tries + 1))
-            elif call.outcome in ("timeout", "failed", "expired"):
+        done = [(task, tries) for task, call, tries in self._acks if call.done.is_set() and _lost(call)]
+        self._acks = [entry for entry in self._acks if not entry[1].done.is_set()]
+        for task, tries in done:
+            if self._machine.ack_again(tries):
+                self._ack(task.peer, task.xid, tries + 1)
+            else:
                 self._counters.add("acks_lost")  # that peer may ask us instead (known), or wait out its close
-        self._acks = keep
 
     def poll(self) -> list[ClientHalf]:
         """Collect decisions; returns the halves now known committed (the caller applies, then acknowledges them)."""
         self._tend_acks()
         now = time.monotonic()
         ready = []
-        for key, doubt in list(self._doubts.items()):
-            call = doubt.call
-            if call is not None and call.done.is_set():
-                doubt.call = None
-                if call.outcome in ("ok", "refused", "rejected"):
-                    self._heard(doubt.half.peer)
-                if self._deadlines is not None and call.outcome == "ok" and call.latency_s is not None:
-                    self._deadlines.sample(doubt.half.peer, ResolveTask.timed, call.latency_s)
-                elif self._deadlines is not None and call.outcome == "timeout":
-                    self._deadlines.timed_out(doubt.half.peer, ResolveTask.timed)
-                if call.outcome == "ok":
-                    outcome = call.take()
-                    del self._doubts[key]
-                    if outcome == "commit":
-                        ready.append(doubt.half)
-                    else:
-                        doubt.half.release()
-                        self._counters.add("exchanges_aborted")
-                        self._ended()
-                    continue
-                doubt.next_try = now + min(RESOLVE_RETRY_MAX_S, 0.05 * 2**doubt.tries)
-            if doubt.call is None:
-                if now - doubt.since > RESOLVE_LIMIT_S:
-                    self._drop(key, f"no decision from {doubt.half.peer} within {RESOLVE_LIMIT_S:.0f} s")
-                elif now >= doubt.next_try:
-                    doubt.tries += 1
-                    wait_s = self._timeout_s
-                    if self._deadlines is not None:
-                        wait_s = self._deadlines.deadline_s(doubt.half.peer, ResolveTask.timed)
-                    task = ResolveTask(doubt.half.peer, now + wait_s, self.name, doubt.half.xid)
-                    doubt.call = self._submit(task)
+        for (peer, xid), call in list(self._calls.items()):
+            if not call.done.is_set():
+                continue
+            del self._calls[(peer, xid)]
+            if call.outcome in ("ok", "refused", "rejected"):
+                self._heard(peer)
+            if self._deadlines is not None and call.outcome == "ok" and call.latency_s is not None:
+                self._deadlines.sample(peer, ResolveTask.timed, call.latency_s)
+            elif self._deadlines is not None and call.outcome == "timeout":
+                self._deadlines.timed_out(peer, ResolveTask.timed)
+            half = self._machine.answered(peer, xid, call.take() if call.outcome == "ok" else None, now)
+            if half is not None:
+                ready.append(half)
+        self._let_go()
+        asks, dropped = self._machine.due(now)
+        for peer, xid in asks:
+            wait_s = self._timeout_s
+            if self._deadlines is not None:
+                wait_s = self._deadlines.deadline_s(peer, ResolveTask.timed)
+            self._calls[(peer, xid)] = self._submit(ResolveTask(peer, now + wait_s, self.name, xid))
+        self._dropped(dropped)
         return ready
+
+    def _let_go(self) -> None:
+        """The halves the machine says ended unapplied (aborted, unknown): let go, and our node may serve."""
+        for half in self._machine.take_released():
+            half.release()
+            self._ended()
 
     def forget_gone(self, members: Collection[str]) -> None:
         """(Open membership) A peer removed from the view will not answer: an exchange in doubt with it is
         dropped now (logged), not after RESOLVE_LIMIT_S, in which no exchange of ours could start."""
-        for key in [key for key in self._doubts if key[0] not in members]:
-            self._drop(key, "it was removed from the view (declared dead)")
+        self._dropped(self._machine.forget_gone(members))
 
-    def _drop(self, key: tuple[str, int], why: str) -> None:
-        doubt = self._doubts.pop(key)
-        if doubt.call is not None:
-            doubt.call.abandon()
-        doubt.half.release()
-        self._counters.add("exchanges_dropped")
-        self._ended()
-        logger.warning(
-            "%s: gave up on exchange %d with %s: %s; if the peer committed it, "
-            "the nodes' mean moved by that exchange's correction",
-            self.name,
-            key[1],
-            key[0],
-            why,
-        )
+    def _dropped(self, dropped: list[Dropped[ClientHalf]]) -> None:
+        for gone in dropped:
+            call = self._calls.pop((gone.peer, gone.xid), None)
+            if call is not None:
+                call.abandon()
+            gone.half.release()
+            self._ended()
+            logger.warning(
+                "%s: gave up on exchange %d with %s: %s; if the peer committed it, "
+                "the nodes' mean moved by that exchange's correction",
+                self.name,
+                gone.xid,
+                gone.peer,
+                gone.why,
+            )
 
     def close(self) -> None:
         """Drop whatever is still in doubt (logged): the peer never answered within the settle time."""
-        for key in list(self._doubts):
-            self._drop(key, "the node closed before the peer answered")
+        self._dropped(self._machine.close())
         for _, call, _ in self._acks:
             call.abandon()
         self._acks.clear()
 
 
+def _lost(call: Call) -> bool:
+    """Did a request fail on the way (so it may be sent again), rather than be answered?"""
+    return call.outcome in ("timeout", "failed", "expired")
+
+
 # --------------------------------------------------------------------------- server
 
 
+class _Locked:
+    """``with`` it: the server's machine under its lock, and the halves the machine let go of meanwhile
+    released on the way out (a class, not a generator: it is entered a dozen times an exchange)."""
+
+    __slots__ = ("_lock", "_machine")
+
+    def __init__(self, lock: threading.Lock, machine: ServerMachine[ServerHalf]) -> None:
+        self._lock, self._machine = lock, machine
+
+    def __enter__(self) -> ServerMachine[ServerHalf]:
+        self._lock.acquire()
+        return self._machine
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            for half in self._machine.take_released():
+                half.release()
+        finally:
+            self._lock.release()
+
+
 class ExchangeServer:
-    """The server half: decides on exchanges (Rx thread) and hands committed ones over (training thread).
+    """The server half: serves exchanges and answers confirms (Rx thread), hands committed ones over (training
+    thread). The driver of a :class:`~dpwa.gossip.exchange_machine.ServerMachine`, which decides; this class
+    holds the snapshots, reads the requests, answers them, and calls the machine under its lock.
 
     Args:
-        name: this node (crossing exchanges are settled by name: see :meth:`_give_way`).
+        name: this node (crossing exchanges are settled by name: see ServerMachine._give_way).
         serving: builds the snapshot replies, and checks the requester's model.
         values: the checks the requester's snapshot must pass.
         rule: the mixing rule (how f is computed, and checked against the requester's).
@@ -756,35 +663,22 @@ class ExchangeServer:
         # what a requester may name: within [timeout_s, the cap]
         self._wait_floor_s = timeout_s
         self._wait_cap_s = max(timeout_s, CAP_FACTOR * timeout_s if wait_cap_s is None else wait_cap_s)
-        # peer -> (seconds from its request to its confirm, when) of its latest commit
-        self._confirm_took: dict[str, tuple[float, float]] = {}
         # requester snapshots that came in chunks (or encoded): received into our slot nobody holds, if any
         self._arrivals = Arrivals(serving.model, spare=serving.store.borrow)
         self._counters = counters
         self._lock = threading.Lock()
-        self._pending: dict[tuple[str, int], ServerHalf] = {}
-        self._committed: list[ServerHalf] = []
-        self._decisions: dict[str, OrderedDict[int, tuple[str, float]]] = {}
-        # this node's one unsettled exchange (its own or one it serves), and which snapshots are stale
-        self._admission = Admission()
-        self._own_ticket = 0  # the ticket of our own unsettled exchange (see take_own)
-        self._name = name
-        self._own_peer: str | None = None  # the peer our own exchange asks now (own_asks)
-        self._own_confirming = False  # our own exchange had its reply and confirms: it no longer gives way
-        # peers whose served exchanges failed on their side: peer -> (refused until, pause, failures in a row)
-        self._paused: dict[str, tuple[float, float, int]] = {}
-        # peer -> when one of its served exchanges last failed on its side (not forgotten at its next confirm)
-        self._failed_at: dict[str, float] = {}
-        # (peer, xid) of the latest exchanges that struck their requester for want of a confirm: a late confirm
-        # of one takes its strike back (a slow link, not a hostile requester)
-        self._unconfirmed: OrderedDict[tuple[str, int], None] = OrderedDict()
-        # per peer, its latest commits not yet known to be held: a requester starts no exchange with a peer
-        # it is in doubt with, so only its latest few can be unknown to it
-        self._unacked: dict[str, OrderedDict[int, float]] = {}
-        self._closing = False
-        self._frozen = False  # closing: confirms of pending exchanges are answered abort
-        self.last_confirm = 0.0  # time.monotonic() of the last confirm received
+        self._machine: ServerMachine[ServerHalf] = ServerMachine(name, self.ttl_s, counters.add)
+        self._guard = _Locked(self._lock, self._machine)
         self.committed = threading.Event()  # set when an exchange commits (a lingering node waits on it)
+
+    def _locked(self) -> _Locked:
+        """The machine, under the lock; the halves it let go of meanwhile are released on the way out."""
+        return self._guard
+
+    @property
+    def last_confirm(self) -> float:
+        """time.monotonic() of the last confirm received."""
+        return self._machine.last_confirm
 
     def routes(self) -> dict[str, Route]:
         return {
@@ -798,7 +692,6 @@ class ExchangeServer:
         }
 
     # ----------------------------------------------------------------- Rx thread
-
     def serve_exchange(self, request: Request) -> Reply:
         """An exchange whose requester's snapshot came with it, as the payload."""
 
@@ -862,19 +755,18 @@ class ExchangeServer:
 
     def _streamed(self, peer: str, xid: int, theirs: Received | None, why: str) -> None:
         """(The stream thread) the requester's snapshot of exchange `xid` is in and checked, or failed."""
-        gone: ServerHalf | None = None
-        with self._lock:
-            half = self._pending.get((peer, xid))
-            if half is not None and theirs is not None:
-                half.attach(theirs)
-                theirs = None
-            elif half is not None:  # the stream failed: nothing can commit
-                gone = self._abort((peer, xid), time.monotonic())
-                self._strike(peer, time.monotonic())
+        failed = False
+        with self._locked() as machine:
+            half = machine.half(peer, xid)
+            if machine.streamed(peer, xid, theirs is not None, time.monotonic()):
+                if theirs is None:
+                    failed = True  # nothing can commit: the machine aborted it
+                elif half is not None:
+                    half.attach(theirs)
+                    theirs = None
         if theirs is not None:
             theirs.release()  # the exchange expired (or the node closed) while it streamed in
-        if gone is not None:
-            gone.release()
+        if failed:
             self._counters.add("bulk_exchange_streams_failed")
             logger.info("dpwa: exchange %d with %s aborted: its snapshot did not stream in (%s)", xid, peer, why)
 
@@ -898,294 +790,113 @@ class ExchangeServer:
             f = self._rule.factor(requester, rules.Side(snap.clock, snap.loss), symmetric=True)
             xid = secrets.randbelow(MAX_ID) + 1
             now = time.monotonic()
-            wait_s = self._wait_s(header)
-            half = ServerHalf(peer, xid, f, served, theirs, received=now, expires=now + wait_s + TTL_MARGIN_S)
+            wait = wait_s(header.get("wait_ms"), self._wait_floor_s, self._wait_cap_s)
+            half = ServerHalf(peer, xid, f, served, theirs)
             reply = self._serving.reply(request, half.served.share(), xid=xid, f=f)
             undo.pop_all()
-        with self._lock:
-            self._pending[(peer, xid)] = half
+        with self._locked() as machine:
+            machine.hold(peer, xid, half, received=now, expires=now + wait + TTL_MARGIN_S, arrived=half.arrived)
         self._counters.add("exchanges_served")
         if receive is None:
             assert self._streams_in is not None
             submit, reader = self._streams_in
             done = functools.partial(self._streamed, peer, xid)
-            key = (peer, xid)
 
             def cancelled() -> bool:  # closing, or the exchange is over (aborted, preempted, expired)
-                return self._closed.is_set() or key not in self._pending
+                return self._closed.is_set() or not self._machine.is_pending(peer, xid)
 
-            submit(StreamInTask(peer, now + wait_s, header, reader, done, cancelled))
+            submit(StreamInTask(peer, now + wait, header, reader, done, cancelled))
             self._counters.add("bulk_exchanges_served")
         return reply
 
-    def _wait_s(self, header: Any) -> float:
-        """How long the requester waits for this exchange (its ``wait_ms``, a deadline that follows its link),
-        within [timeout_ms, CAP_FACTOR x timeout_ms] whatever it asks; timeout_ms when it names none."""
-        wait_ms = header.get("wait_ms")
-        if wait_ms is None:
-            return self._wait_floor_s
-        return min(self._wait_cap_s, max(self._wait_floor_s, wait_ms / 1000.0))
-
     def _reserve(self, peer: str) -> Lease:
-        with self._lock:
+        with self._locked() as machine:
             now = time.monotonic()
-            self._expire(now)
-            if self._closing:
-                raise refused("closing", "this node is closing")
-            until = self._paused.get(peer, (0.0, 0.0, 0))[0]
-            if now < until:
-                raise refused("busy", f"your last exchanges failed on your side; ask again in {until - now:.1f} s")
+            refusal = machine.refusal(peer, now)
+            if refusal is not None:
+                raise refused(*refusal)
             served = self._store.lease()
             if served is None:
                 raise refused(*self._store.refusal())
-            # see dpwa.mixing.admission: a second unsettled exchange, or a stale snapshot, could erase our state
-            version = served.snapshot.version
-            if (
-                not self._admission.take(version, "served")
-                and not self._give_way(peer, version)
-                and not self._preempt(peer, now, version)
-            ):
-                why = self._admission.refusal(version)
+            why = machine.admit(peer, served.snapshot.version, now)
+            if why:
                 served.release()
                 raise refused("busy", why)
             return served
 
-    def _give_way(self, peer: str, version: int) -> bool:
-        """(With the lock held) `peer` asks while our own exchange asks `peer`: the two requests crossed. Each
-        side would refuse the other ``busy`` and neither would average, so the side whose name sorts first
-        serves: its own exchange ends here, before its confirm (:meth:`own_confirms` says no from now on; a
-        reply that still comes is answered with an abort), and the other side's refusal of it is the usual
-        one. Nothing of our own exchange is ever applied, so the node still takes part in one exchange."""
-        if self._admission.unsettled != "own" or self._own_confirming or self._own_peer != peer:
-            return False
-        if not self._name < peer or not self._admission.hand_over(version, "served"):
-            return False
-        self._own_ticket += 1  # our own exchange is over: own_asks, own_confirms and own_ended see that
-        self._own_peer = None
-        self._counters.add("exchanges_given_way")
-        return True
-
-    def _preempt(self, peer: str, now: float, version: int) -> bool:
-        """(With the lock held) serve `peer` instead of another peer's exchange that is still unconfirmed
-        after :meth:`_preempt_after`, or whose requester had an exchange fail on its side in the last
-        :data:`FAILURE_MEMORY_S`: abort that one (nothing was applied anywhere; its late confirm is answered
-        abort, its stream in stops), count it as that requester's failure, and take the node's one
-        exchange for `peer`.
-
-        Honest requesters confirm about as fast as each other (a round trip, and the transfers), so only a
-        requester that stalls is preempted. One that never confirms (or offers streams that stall) holds a
-        node a few confirm times once; from then on only while nobody else asks, until its pause."""
-        if len(self._pending) != 1 or self._committed:
-            return False
-        key, half = next(iter(self._pending.items()))
-        if key[0] == peer:
-            return False
-        suspect = key[0] in self._failed_at and now - self._failed_at[key[0]] < FAILURE_MEMORY_S
-        if not suspect and now - half.received < self._preempt_after(half):
-            return False
-        self._abort(key, now).release()
-        self._strike(key[0], now, key[1])
-        self._counters.add("exchanges_preempted")
-        return self._admission.take(version, "served")
-
-    def _preempt_after(self, half: ServerHalf) -> float:
-        """(With the lock held) how long the unconfirmed exchange `half` is held against other peers: a few
-        times the slowest recent confirm (honest requesters confirm about as fast as each other), and at most
-        half its requester's deadline (all of that before any commit)."""
-        now = time.monotonic()
-        limit = (half.expires - half.received - TTL_MARGIN_S) / 2
-        recent = [took for took, at in self._confirm_took.values() if now - at < CONFIRM_MEMORY_S]
-        if not recent:
-            return limit
-        return min(limit, max(PREEMPT_FLOOR_S, PREEMPT_MARGIN * max(recent)))
-
     def _unreserve(self) -> None:
-        with self._lock:
-            self._admission.give_back()
+        with self._locked() as machine:
+            machine.unreserve()
 
     # ----------------------------------------------------------------- this node's own exchanges
 
     def take_own(self, version: int) -> int:
         """(Training thread) May our own exchange start on snapshot `version`? If so (a ticket > 0) it is our
         one unsettled exchange until :meth:`own_ended` with that ticket."""
-        with self._lock:
-            self._expire(time.monotonic())
-            if self._closing or not self._admission.take(version, "own"):
-                return 0
-            self._own_ticket += 1
-            self._own_peer, self._own_confirming = None, False
-            return self._own_ticket
+        with self._locked() as machine:
+            return machine.take_own(version, time.monotonic())
 
     def own_asks(self, ticket: int, peer: str) -> bool:
         """(Tx thread) Our own exchange `ticket` is about to ask `peer`: False if it is over (it gave way to a
         crossing request: ask nobody)."""
-        with self._lock:
-            if ticket != self._own_ticket or self._admission.unsettled != "own":
-                return False
-            self._own_peer = peer
-            return True
+        with self._locked() as machine:
+            return machine.own_asks(ticket, peer)
 
     def own_confirms(self, ticket: int) -> bool:
         """(Tx thread) Our own exchange `ticket` had its reply and is about to confirm: False if it gave way
         meanwhile (withdraw it instead); True, and from now on it gives way to nobody."""
-        with self._lock:
-            if ticket != self._own_ticket or self._admission.unsettled != "own":
-                return False
-            self._own_confirming = True
-            return True
+        with self._locked() as machine:
+            return machine.own_confirms(ticket)
 
     def own_ended(self, ticket: int, applied: bool) -> None:
         """Our own exchange `ticket` is over: its half `applied` (training thread), or nothing applied on
         either side (any thread, as soon as that is known; again later, harmlessly)."""
-        with self._lock:
-            if ticket != self._own_ticket or self._admission.unsettled != "own":
-                return  # ended already
-            self._own_ticket += 1
-            if applied:
-                self._settle()
-            else:
-                self._admission.give_back()
+        with self._locked() as machine:
+            machine.own_ended(ticket, applied, self._published())
 
-    def _settle(self) -> None:
+    def _published(self) -> int:
         current = self._store.current()
-        self._admission.settle(current.version if current is not None else 0)
+        return current.version if current is not None else 0
 
     def serve_confirm(self, request: Request) -> Reply:
         """A requester's confirm (commit, if still pending), or its withdrawal (``withdraw``: abort it; it
         gave way to a crossing exchange and applies nothing). Either is answered with the decision."""
         peer, xid = request.sender, request.header["xid"]
-        now = time.monotonic()
-        withdrawn: ServerHalf | None = None
-        with self._lock:
-            self.last_confirm = now
-            self._expire(now)
-            if self._frozen:
-                self._expire(now, everything=True)  # closing: what is still pending is aborted, not committed
-            known = self._decisions.get(peer, {}).get(xid)
-            half = self._pending.get((peer, xid)) if known is None else None
-            streaming = half is not None and not half.arrived
-            outcome = ""
-            if known is not None:
-                outcome = known[0]
-                if not request.header.get("withdraw"):
-                    self._late(peer, xid)
-            elif request.header.get("withdraw"):
-                outcome = "unknown"
-                if half is not None:  # nothing applied anywhere: not the requester's failure, no strike
-                    withdrawn, outcome = self._abort((peer, xid), now), "abort"
-            elif not streaming:
-                half = self._pending.pop((peer, xid), None)
-                if half is None:
-                    outcome = "unknown"
-                else:
-                    outcome = "commit"
-                    self._paused.pop(peer, None)
-                    self._confirm_took[peer] = (now - half.received, now)
-                    self._committed.append(half)
-                    self._decide(peer, xid, outcome, now)
-                    unacked = self._unacked.setdefault(peer, OrderedDict())
-                    unacked[xid] = now
-                    while len(unacked) > KNOWN_PER_PEER:
-                        unacked.popitem(last=False)
-                    self.committed.set()
-        if withdrawn is not None:
-            withdrawn.release()
-            self._counters.add("exchanges_withdrawn")
-        elif streaming:  # nothing decided: its snapshot is still coming in (it expires like any pending one)
+        with self._locked() as machine:
+            outcome, committed = machine.confirm(peer, xid, bool(request.header.get("withdraw")), time.monotonic())
+        if committed:
+            self.committed.set()
+        if outcome == "streaming":  # nothing decided: its snapshot is still coming in (it expires like any other)
             raise refused("streaming", f"your snapshot for exchange {xid} is still streaming in; confirm again")
-        self._counters.add(f"exchanges_decided.{outcome}")
         return Reply(encode(DECISION, request.header.id, xid=xid, outcome=outcome))
 
     def serve_ack(self, request: Request) -> Reply:
-        peer, xid = request.sender, request.header["xid"]
-        with self._lock:
-            self._held_up_to(peer, xid)
-            known = self._decisions.get(peer, {}).get(xid)
-        return Reply(encode(DECISION, request.header.id, xid=xid, outcome=known[0] if known else "unknown"))
-
-    def _decide(self, peer: str, xid: int, outcome: str, now: float) -> None:
-        table = self._decisions.setdefault(peer, OrderedDict())
-        table[xid] = (outcome, now)
-        while len(table) > DECISIONS_PER_PEER or (table and now - next(iter(table.values()))[1] > DECISION_RETENTION_S):
-            table.popitem(last=False)
-
-    def _expire(self, now: float, everything: bool = False) -> None:
-        """Abort the pending exchanges past their time (`everything`: all of them); forget old acks."""
-        # a requester gives up asking after RESOLVE_LIMIT_S: nobody waits for an ack longer
-        for table in self._unacked.values():
-            for xid in [x for x, t in table.items() if now - t > RESOLVE_LIMIT_S]:
-                del table[xid]
-        for key in [k for k, half in self._pending.items() if everything or now >= half.expires]:
-            self._abort(key, now).release()
-            self._counters.add("exchanges_expired")
-            if not everything:  # its requester did not confirm in time
-                self._strike(key[0], now, key[1])
-
-    def _strike(self, peer: str, now: float, unconfirmed: int = 0) -> None:
-        """(With the lock held) an exchange `peer` asked for failed on its side (not confirmed in time, or its
-        snapshot did not stream in): after a few in a row, it waits to be served again, longer each time.
-        `unconfirmed`: the exchange's xid when it was not confirmed in time; a confirm that still comes takes
-        the strike back (:meth:`_late`)."""
-        if unconfirmed:
-            self._unconfirmed[(peer, unconfirmed)] = None
-            while len(self._unconfirmed) > UNCONFIRMED_KEPT:
-                self._unconfirmed.popitem(last=False)
-        self._failed_at[peer] = now
-        _, pause, strikes = self._paused.get(peer, (0.0, 0.0, 0))
-        strikes += 1
-        if strikes >= EXPIRIES_BEFORE_PAUSE:
-            pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))
-        self._paused[peer] = (now + pause if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
+        with self._locked() as machine:
+            outcome = machine.ack(request.sender, request.header["xid"])
+        return Reply(encode(DECISION, request.header.id, xid=request.header["xid"], outcome=outcome))
 
     def forget(self, peer: str) -> None:
-        """`peer` left the view or restarted: its strikes and pause were its predecessor's, and go with it (a
-        node killed in the middle of exchanges would otherwise leave its restart refused busy for up to
-        RESOLVE_LIMIT_S)."""
-        with self._lock:
-            self._paused.pop(peer, None)
-            self._failed_at.pop(peer, None)
-
-    def _late(self, peer: str, xid: int) -> None:
-        """(With the lock held) the confirm of `xid`, which expired (or gave way) unconfirmed, came after all:
-        its requester is on a slow link, not hostile. The strike is taken back, and with it a pause it led to;
-        the exchange stays aborted, and the requester stays one whose exchanges give way to others' at once
-        for a while (FAILURE_MEMORY_S), so a requester that always confirms late still costs others little."""
-        if (peer, xid) not in self._unconfirmed:
-            return  # not one that struck (or already taken back: a repeated confirm)
-        del self._unconfirmed[(peer, xid)]
-        until, pause, strikes = self._paused.get(peer, (0.0, 0.0, 0))
-        strikes = max(0, strikes - 1)
-        self._paused[peer] = (until if strikes >= EXPIRIES_BEFORE_PAUSE else 0.0, pause, strikes)
-        self._counters.add("exchanges_confirmed_late")
-
-    def _abort(self, key: tuple[str, int], now: float) -> ServerHalf:
-        """(With the lock held) decide abort for the pending exchange `key`; its half, for the caller to
-        release. Never applied, so its snapshot may serve another exchange."""
-        half = self._pending.pop(key)
-        self._admission.give_back()
-        self._decide(key[0], key[1], "abort", now)
-        return half
+        """`peer` left the view or restarted: its strikes and pause were its predecessor's, and go with it."""
+        with self._locked() as machine:
+            machine.forget(peer)
 
     # ----------------------------------------------------------------- training thread
 
     def take_committed(self) -> list[ServerHalf]:
         """The committed halves, now owned by the caller (who applies them, calls :meth:`applied`, then
         releases them)."""
-        with self._lock:
-            self._expire(time.monotonic())
-            committed, self._committed = self._committed, []
-        return committed
+        with self._locked() as machine:
+            return machine.take_committed(time.monotonic())
 
     def applied(self) -> None:
         """(Training thread) A committed half we served is applied: our snapshots so far are stale."""
-        with self._lock:
-            self._settle()
+        with self._locked() as machine:
+            machine.applied(self._published())
 
     def pending(self) -> int:
         """Exchanges served and not yet decided."""
-        with self._lock:
-            self._expire(time.monotonic())
-            return len(self._pending)
+        with self._locked() as machine:
+            return machine.pending(time.monotonic())
 
     def spent(self) -> bool:
         """Has the current snapshot taken part in an applied exchange, with nothing unsettled?
@@ -1195,89 +906,68 @@ class ExchangeServer:
         unsettled settles (:mod:`dpwa.mixing.admission`).
         """
         current = self._store.current()
-        with self._lock:
-            self._expire(time.monotonic())
-            return current is not None and self._admission.spent(current.version)
+        with self._locked() as machine:
+            return current is not None and machine.spent(current.version, time.monotonic())
 
     def held(self) -> int:
         """Requester snapshots held: pending and committed-not-applied."""
-        with self._lock:
-            return len(self._pending) + len(self._committed)
+        with self._locked() as machine:
+            return machine.held()
 
     def start_closing(self) -> None:
         """Refuse new exchanges from now on; confirms are still answered."""
-        with self._lock:
-            self._closing = True
+        with self._locked() as machine:
+            machine.start_closing()
 
     def stop_committing(self) -> None:
         """Commit nothing more: what is pending is aborted now, and so is any later confirm of it."""
-        with self._lock:
-            self._frozen = True
-            self._expire(time.monotonic(), everything=True)
+        with self._locked() as machine:
+            machine.stop_committing(time.monotonic())
 
     def unacknowledged(self) -> list[tuple[str, int]]:
         """Commits whose requester is not yet known to hold them (peer, xid)."""
-        with self._lock:
-            self._expire(time.monotonic())
-            return [(peer, xid) for peer, table in self._unacked.items() for xid in table]
+        with self._locked() as machine:
+            return machine.unacknowledged(time.monotonic())
 
     def acknowledged(self, peer: str, xids: Sequence[int]) -> None:
         """`peer` holds these commits of ours (it said so when asked)."""
-        with self._lock:
-            for xid in xids:
-                self._held_up_to(peer, xid)
-
-    def _held_up_to(self, peer: str, xid: int) -> None:
-        """(With the lock held) `peer` holds our commit `xid`, so it holds every earlier commit with us too: a
-        requester starts nothing while it is in doubt (dpwa.mixing.admission), so it learned each decision
-        before it started the next exchange. Those need no answer from us any more."""
-        table = self._unacked.get(peer)
-        if table is None or xid not in table:
-            return
-        while table:
-            first, _ = table.popitem(last=False)
-            if first == xid:
-                return
+        with self._locked() as machine:
+            machine.acknowledged(peer, xids)
 
     def close(self) -> None:
         """Abort what is still pending (the Rx thread has stopped: no confirm can come)."""
         self._closed.set()  # a requester's snapshot still streaming in stops
         with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
-            committed, self._committed = self._committed, []
-        for half in pending + committed:
+            halves, committed = self._machine.close()
+        for half in halves:
             half.release()
         for slots in self._slots.values():
             slots.close()
         if committed:
-            logger.error("dpwa: %d committed exchange halves were not applied before close", len(committed))
+            logger.error("dpwa: %d committed exchange halves were not applied before close", committed)
 
 
 class AckQueries:
     """A closing server asks each requester whether it holds the commits it has not acknowledged (training
-    thread): one ``known`` request per peer at a time, at most every :data:`QUERY_INTERVAL_S`."""
+    thread): one ``known`` request per peer at a time, at most every QUERY_INTERVAL_S (the machine's
+    :class:`~dpwa.gossip.exchange_machine.AckQuerySchedule`)."""
 
     def __init__(
         self, server: ExchangeServer, submit: Callable[[Any], Call], name: str, deadline: Callable[[], float]
     ) -> None:
         self._server, self._submit, self._name, self._deadline = server, submit, name, deadline
         self._calls: dict[str, Call] = {}
-        self._next: dict[str, float] = {}
+        self._schedule = AckQuerySchedule()
 
     def tend(self) -> None:
-        now = time.monotonic()
         for peer, call in list(self._calls.items()):
             if call.done.is_set():
                 del self._calls[peer]
                 if call.outcome == "ok":
                     self._server.acknowledged(peer, call.take())
-        asked: dict[str, list[int]] = {}
-        for peer, xid in self._server.unacknowledged():
-            asked.setdefault(peer, []).append(xid)
-        for peer, xids in asked.items():
-            if peer not in self._calls and now >= self._next.get(peer, 0.0):
-                self._next[peer] = now + QUERY_INTERVAL_S
-                self._calls[peer] = self._submit(KnownTask(peer, self._deadline(), self._name, xids))
+        due = self._schedule.due(self._server.unacknowledged(), self._calls, time.monotonic())
+        for peer, xids in due.items():
+            self._calls[peer] = self._submit(KnownTask(peer, self._deadline(), self._name, xids))
 
     def close(self) -> None:
         for call in self._calls.values():

@@ -4,7 +4,8 @@ At update_send a node publishes its snapshot and sends it with an exchange
 request (to a peer on the same machine: the name of the shared-memory slot it
 is in; a large model's to a peer on another host: a ticket to stream it from
 our bulk port); the server answers with its own and both apply their halves, or
-neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange`).
+neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange_machine`, driven by
+:mod:`dpwa.gossip.exchange`).
 This module runs that protocol on the node's training thread: it owns the
 exchange server (Rx side) and client (exchanges in doubt), applies committed
 halves as they settle, and settles what is pending before the node closes.
@@ -21,7 +22,8 @@ from ..mixing.rules import Side
 from ..wire.calls import Call
 from ..wire.errors import Refused
 from ..wire.server import Route
-from .exchange import SETTLE_QUIET_S, AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .exchange import AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .exchange_machine import Settling
 from .snapshots import Lease
 from .steps import Crew, Step, Update
 
@@ -326,22 +328,16 @@ class SymmetricSteps:
         server.start_closing()
         client.send_acks()
         queries = AckQueries(server, crew.parts.client.submit, crew.name, client.closing_deadline)
-        frozen = False
+        settling = Settling()  # the rule: when to stop committing, and when we are done
         try:
             while time.monotonic() < deadline:
                 self.tend()
-                # our own exchanges decided (our acks may still be on their way: an ack to a peer that closed
-                # first waits out its deadline, and must not keep us from asking the others about our commits)
-                decided = not (self._outstanding or len(client))
-                # the quiet time is for a confirm on its way to an exchange we serve: with none pending (new
-                # ones are refused), there is nothing left to commit, and nothing to wait for
-                quiet = not server.pending() or time.monotonic() - server.last_confirm >= SETTLE_QUIET_S
-                if not frozen and decided and quiet:
+                decided = not (self._outstanding or len(client))  # our own exchanges decided
+                if settling.stop_committing(time.monotonic(), decided, server.pending(), server.last_confirm):
                     server.stop_committing()
-                    frozen = True
-                if frozen:
+                if settling.frozen:
                     queries.tend()
-                    if not client.acks_pending() and not server.unacknowledged():
+                    if settling.done(client.acks_pending(), len(server.unacknowledged())):
                         return
                 time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
         finally:
