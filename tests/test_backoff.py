@@ -82,13 +82,6 @@ def test_failed_at_is_when_the_last_failure_was_and_backoffs_list_their_keys():
 _WAIT_WORDS = ("pause", "wait", "backoff", "interval", "delay", "sleep", "retry")
 # Hand-written back-offs still allowed, by file: (line's source, why). Keep it short and say why.
 _KNOWN: dict[str, dict[str, str]] = {
-    # exchange.py is being rewritten by another change, which takes these over; remove them with it
-    "dpwa/gossip/exchange.py": {
-        "pause = min(2 * pause, 0.016)": "exchange rewrite",
-        "pause = min(2 * pause, 0.008)": "exchange rewrite",
-        "doubt.next_try = now + min(RESOLVE_RETRY_MAX_S, 0.05 * 2**doubt.tries)": "exchange rewrite",
-        "pause = min(RESOLVE_LIMIT_S, max(self.ttl_s, 2 * pause))": "exchange rewrite",
-    },
     # not a wait between tries: RFC 6298's multiplier of a request's deadline (how long an answer is waited
     # for), applied to an estimate that moves with each sample, and capped as a product (dpwa/gossip/deadlines.py)
     "dpwa/gossip/deadlines.py": {"est.backoff *= 2": "a deadline's multiplier"},
