@@ -28,7 +28,7 @@ from typing import Any
 from .adapters.hook import GossipHook, gossip_optimizer
 from .adapters.schedule import ClockSchedule, step_decay
 from .config import Config, ConfigError, load_config, parse_config
-from .gossip.barrier import BarrierTimeout
+from .gossip.membership.barrier import BarrierTimeout
 from .gossip.node import Node, Update
 from .mixing.params import FlatParams, NumpyParams
 from .wire.errors import TransportError

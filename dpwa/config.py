@@ -66,7 +66,7 @@ SNAPSHOT_SLOTS = (1, 2)  # snapshot_slots: the most a node publishes into (docs/
 BULK_MODES = ("auto", "off")
 MODES = ("pull", "symmetric")
 JOINS = ("auto", "never")
-BROKEN_RULE = ("raise", "alone")  # what a node does once a rule of its own broke (dpwa.gossip.guard)
+BROKEN_RULE = ("raise", "alone")  # what a node does once a rule of its own broke (dpwa.gossip.exchange.guard)
 
 BULK_HELP = (
     "`auto`: over TCP, snapshots of 4 MiB or more (a fetch's; in mode symmetric, both of an exchange's) stream "
@@ -565,7 +565,9 @@ class Config:
         "with `nodes: torchrun`: the address peers reach a worker at (`auto`: the route to torchrun's store; an "
         "address; or an interface name)",
     )
-    torchrun: bool = False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.gossip.rendezvous)
+    torchrun: bool = (
+        False  # `nodes: torchrun`: the node list comes from torchrun's rendezvous (dpwa.gossip.membership.rendezvous)
+    )
     source: str = "<config>"  # where this configuration came from, for messages
 
     @property

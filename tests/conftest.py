@@ -233,7 +233,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
 
 def served_clock(node) -> float:
     """The clock of the snapshot `node` serves its peers (published at update_send: a step behind node.clock)."""
-    current = node.parts.store.current()
+    current = node.services.store.current()
     return current.clock if current is not None else 0.0
 
 

@@ -83,8 +83,8 @@ _WAIT_WORDS = ("pause", "wait", "backoff", "interval", "delay", "sleep", "retry"
 # Hand-written back-offs still allowed, by file: (line's source, why). Keep it short and say why.
 _KNOWN: dict[str, dict[str, str]] = {
     # not a wait between tries: RFC 6298's multiplier of a request's deadline (how long an answer is waited
-    # for), applied to an estimate that moves with each sample, and capped as a product (dpwa/gossip/deadlines.py)
-    "dpwa/gossip/deadlines.py": {"est.backoff *= 2": "a deadline's multiplier"},
+    # for), applied to an estimate that moves with each sample, and capped as a product (dpwa/gossip/membership/deadlines.py)
+    "dpwa/gossip/membership/deadlines.py": {"est.backoff *= 2": "a deadline's multiplier"},
 }
 
 

@@ -105,7 +105,7 @@ def test_a_peer_that_died_after_taking_part_is_not_waited_for_the_whole_timeout(
     next barrier, with a 120 s timeout, ends once w2 has answered none of their polls for dead_peer_s (10 s
     here), naming it (w1 goes on; w0, missing="raise", gets BarrierTimeout), not after 120 s. A peer that
     never answered (still starting) is waited for the whole timeout: the previous test."""
-    from dpwa.gossip.barrier import dead_peer_s
+    from dpwa.gossip.membership.barrier import dead_peer_s
 
     cfg = make_config(3, timeout_ms=500)
     group = [nodes(cfg, f"w{k}", NumpyParams(filled(k))) for k in range(3)]
@@ -206,7 +206,7 @@ def test_a_forged_arrival_moves_a_peers_count_two_calls_at_most_and_a_stranger_c
     Who can forge an arrival under each transport is in docs/security.md."""
     import zmq
 
-    from dpwa.gossip.barrier import BARRIER, BARRIER_STATE, MAX_COUNT, SLACK
+    from dpwa.gossip.membership.barrier import BARRIER, BARRIER_STATE, MAX_COUNT, SLACK
     from dpwa.wire.schema import decode, encode
 
     cfg = make_config(3, insecure=True, same_host="off")
@@ -248,7 +248,7 @@ def test_a_forged_arrival_moves_a_peers_count_two_calls_at_most_and_a_stranger_c
 def test_counts_stay_within_the_schema_and_a_restore_beyond_it_is_refused(nodes):
     """A count never leaves [0, MAX_COUNT]: restoring one beyond it (a checkpoint from elsewhere) is a
     ValueError naming it, and takes nothing; a call that would count past it is refused."""
-    from dpwa.gossip.barrier import MAX_COUNT, BarrierCounts
+    from dpwa.gossip.membership.barrier import MAX_COUNT, BarrierCounts
 
     node = nodes(make_config(2), "w0", NumpyParams(filled(0)))
     with pytest.raises(ValueError, match="epoch"):

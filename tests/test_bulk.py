@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ORIGINAL, make_config, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.parts import BULK_MIN_BYTES
+from dpwa.gossip.services import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.bulk import (
     BLOCK_BYTES,
@@ -328,7 +328,7 @@ def test_nodes_with_keys_stream_sealed(nodes, tmp_path):
     cfg = keyed(make_config(2, same_host="off"), tmp_path / "keys")
     node, peer, update, mine = _fetch_a_bulk_sized_model(nodes, cfg)
     assert update.averaged and np.all(mine == 2.0)
-    assert node.stats()["bulk_fetches"] == 1 and peer.parts.bulk is not None and peer.parts.bulk.sealed
+    assert node.stats()["bulk_fetches"] == 1 and peer.services.bulk is not None and peer.services.bulk.sealed
 
 
 SERVE = """
@@ -464,7 +464,7 @@ def test_a_flood_on_the_bulk_port_cannot_keep_a_new_peer_from_averaging(nodes, t
     theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
-    with Flood(peer.parts.bulk.port, 30) as flood:
+    with Flood(peer.services.bulk.port, 30) as flood:
         assert wait_until(lambda: flood.closed_by_server > 30, 10)
         node = nodes(cfg, "w0", NumpyParams(mine))
         steps = averaged = 0
@@ -491,7 +491,7 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
     a stream, and once the pause is over it does. (Before, a stream that stalled after its first byte
     held the fetch to its deadline and failed it: 0 of 6 fetches averaged in a keyed cluster.)"""
     from conftest import free_port
-    from dpwa.gossip import requesting
+    from dpwa.gossip.transfer import requesting
 
     monkeypatch.setattr(requesting, "BULK_PAUSE_S", 0.5)
     size = BULK_MIN_BYTES // 4
@@ -503,14 +503,14 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
     node = nodes(cfg, "w0", NumpyParams(mine))
-    real_port = peer.parts.bulk.port
+    real_port = peer.services.bulk.port
     silent: SilentListener | StallingRelay | None = None
     if failure == "silent":
         silent = SilentListener()
     elif failure == "stalls":
         silent = StallingRelay(real_port, passed=1)
     try:
-        peer.parts.bulk.port = silent.port if silent else free_port()  # what the peer's replies will name
+        peer.services.bulk.port = silent.port if silent else free_port()  # what the peer's replies will name
         node.update_send()
         started = time.monotonic()
         update = node.update_wait()
@@ -522,7 +522,7 @@ def test_a_fetch_falls_back_to_zeromq_when_the_bulk_connection_fails(nodes, tmp_
         assert node.update_wait().averaged and np.all(mine == 3.0)
         assert peer.stats()["bulk_served"] == 1 and node.stats()["bulk_fallbacks"] == 1
     finally:
-        peer.parts.bulk.port = real_port
+        peer.services.bulk.port = real_port
         if silent:
             silent.close()
     averaged = []
@@ -542,7 +542,7 @@ def test_a_bulk_server_out_of_budget_answers_over_zeromq(nodes):
     it (3), the snapshot comes in the reply itself, as long as its ZeroMQ budget allows."""
     import zmq
 
-    from dpwa.gossip.protocol import FETCH
+    from dpwa.gossip.transfer.protocol import FETCH
     from dpwa.wire.schema import decode, encode
 
     size = BULK_MIN_BYTES // 4
@@ -587,9 +587,9 @@ BULK_REPLY_FIELDS = {
 
 def test_a_keyed_requester_refuses_a_plain_stream():
     """With keys, a bulk reply without a key would stream the snapshot in the clear: refused."""
-    from dpwa.gossip.protocol import BULK_PARAMS
-    from dpwa.gossip.requesting import ReplyReader
-    from dpwa.gossip.validation import PeerValues
+    from dpwa.gossip.transfer.protocol import BULK_PARAMS
+    from dpwa.gossip.transfer.requesting import ReplyReader
+    from dpwa.gossip.transfer.validation import PeerValues
     from dpwa.mixing.model import WireModel
     from dpwa.wire.calls import Response
     from dpwa.wire.schema import decode, encode
@@ -623,7 +623,7 @@ def test_bind_to_an_interface_name_serves_a_bulk_sized_model(nodes):
         spec["bind"] = "lo"
     node, peer, update, mine = _fetch_a_bulk_sized_model(nodes, cfg)
     assert update.averaged and np.all(mine == 2.0) and node.stats()["bulk_fetches"] == 1
-    assert peer.parts.bulk._listener.getsockname()[0] == "127.0.0.1"
+    assert peer.services.bulk._listener.getsockname()[0] == "127.0.0.1"
 
 
 def test_bind_to_an_interface_this_machine_lacks_is_refused_before_anything_starts(nodes):
@@ -643,7 +643,7 @@ def test_bind_to_an_interface_this_machine_lacks_is_refused_before_anything_star
 def test_a_bulk_reply_whose_key_is_not_32_bytes_is_refused_by_its_schema(key):
     import msgpack
 
-    from dpwa.gossip.protocol import BULK_PARAMS
+    from dpwa.gossip.transfer.protocol import BULK_PARAMS
     from dpwa.wire.schema import decode, encode
 
     fields = dict(BULK_REPLY_FIELDS)

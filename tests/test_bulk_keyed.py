@@ -21,7 +21,7 @@ from test_bulk import FakeHold, keyed
 
 from conftest import ORIGINAL, make_config, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.parts import BULK_MIN_BYTES
+from dpwa.gossip.services import BULK_MIN_BYTES
 from dpwa.stats import Counters
 from dpwa.wire.bulk import (
     BLOCK_BYTES,
@@ -250,7 +250,7 @@ def test_a_tampered_sealed_stream_makes_the_node_fetch_over_zeromq(nodes, tmp_pa
     theirs, mine = np.full(size, 4.0, np.float32), np.zeros(size, np.float32)
     peer = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     peer.update_send()
-    server = peer.parts.bulk
+    server = peer.services.bulk
     original = server._seal
     first_block: list[bytes] = []
 

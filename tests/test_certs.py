@@ -24,7 +24,7 @@ from zmq.utils import z85
 
 from conftest import ROOT
 from dpwa import cli
-from dpwa.gossip import membership
+from dpwa.gossip.membership import view as membership
 from dpwa.wire import certs
 from dpwa.wire.curve import KeyFileError
 

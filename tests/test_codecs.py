@@ -18,7 +18,7 @@ import zmq
 
 from conftest import ORIGINAL, make_config, step_until_averaged
 from dpwa import ConfigError, NumpyParams, parse_config
-from dpwa.gossip.protocol import MAX_VALUE
+from dpwa.gossip.transfer.protocol import MAX_VALUE
 from dpwa.mixing import codecs
 from dpwa.mixing.codecs import CodecError
 from dpwa.mixing.codecs.topk import TopK

@@ -289,7 +289,7 @@ def test_keygen_config_keys_every_node_and_the_result_loads(tmp_path):
 @pytest.mark.io
 def test_a_torchrun_config_has_no_node_list_until_the_workers_meet(tmp_path):
     from dpwa import Node, NumpyParams
-    from dpwa.gossip.rendezvous import TorchrunEnv, advertised_address
+    from dpwa.gossip.membership.rendezvous import TorchrunEnv, advertised_address
 
     config = load_config(ROOT / "samples" / "torchrun.yaml")
     assert config.torchrun and not config.resolved and config.secure and config.nodes == ()

@@ -1,11 +1,11 @@
-"""Deadlines that follow the link (dpwa.gossip.deadlines): RFC 6298's estimate, timeout_ms as the floor, the cap,
+"""Deadlines that follow the link (dpwa.gossip.membership.deadlines): RFC 6298's estimate, timeout_ms as the floor, the cap,
 and the back-off after a timeout. Pure: the times are plain numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from dpwa.gossip.deadlines import CAP_FACTOR, Deadlines
+from dpwa.gossip.membership.deadlines import CAP_FACTOR, Deadlines
 
 
 def test_a_peer_never_sampled_gets_the_floor():
@@ -93,7 +93,7 @@ def test_bad_bounds_are_refused_with_their_values():
 def test_the_cap_is_four_timeouts_and_with_open_membership_no_longer_than_dead_after():
     """A node waiting out a deadline sends no digest, so its heartbeat stops rising: with open membership no
     deadline outlasts dead_after_ms (never less than timeout_ms, which the config checks against it)."""
-    from dpwa.gossip.deadlines import cap_s
+    from dpwa.gossip.membership.deadlines import cap_s
 
     assert cap_s(1.0) == 4.0
     assert cap_s(1.0, dead_after_s=2.0) == 2.0  # the walkthrough's settings

@@ -8,6 +8,7 @@ that is not a letter, a digit, a space, '-' or '_' dropped, spaces turned into
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -189,3 +190,34 @@ def test_the_configuration_page_has_the_key_table_the_code_declares():
     page = (DOCS / "configuration.md").read_text(encoding="utf-8")
     assert key_table() in page
     assert all(f"| `{name}` |" in page for name, _ in settings())
+
+
+def test_the_package_trees_in_the_design_doc_are_the_codes():
+    """docs/design.md's trees of dpwa/ and lab/dpwa_lab/ are made from the code (tests/helpers/tree.py: each
+    module's first docstring paragraph, in layer order), so a module added, moved or renamed fails here until
+    the doc says so. DPWA_WRITE_TREES=1 writes them."""
+    import os
+
+    from helpers.tree import trees
+
+    design = ROOT / "docs" / "design.md"
+    text = design.read_text()
+    blocks = re.findall(r"```\n((?:dpwa/|lab/dpwa_lab/) .*?)\n```", text, re.S)
+    made = trees(ROOT)
+    assert sorted(b.split("\n", 1)[0] for b in blocks) == sorted(made), "a tree is missing from docs/design.md"
+    if os.environ.get("DPWA_WRITE_TREES"):
+        for block in blocks:
+            text = text.replace(block, made[block.split("\n", 1)[0]])
+        design.write_text(text)
+        blocks = re.findall(r"```\n((?:dpwa/|lab/dpwa_lab/) .*?)\n```", text, re.S)
+    for block in blocks:
+        expected = made[block.split("\n", 1)[0]]
+        assert block == expected, (
+            "docs/design.md's package tree is not the code's: DPWA_WRITE_TREES=1 .venv/bin/python -m pytest -q "
+            "tests/test_docs.py -k package_trees writes it\n"
+            + "\n".join(
+                difflib.unified_diff(
+                    block.splitlines(), expected.splitlines(), "docs/design.md", "the code", lineterm="", n=0
+                )
+            )
+        )

@@ -1,4 +1,4 @@
-"""The symmetric exchange's machine (dpwa.gossip.exchange_machine) under a deterministic simulation: thousands of
+"""The symmetric exchange's machine (dpwa.gossip.exchange.machine) under a deterministic simulation: thousands of
 seeded schedules of 2 to 4 nodes whose messages are dropped, delayed, duplicated and reordered, with crashes,
 restarts and closes, each checked for every promise of the protocol (tests/helpers/exchange_sim.py). A unit
 test: no socket, thread or sleep. A failure names its seed; ``DPWA_SIM_SEED=123 python -m pytest -q
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dpwa.gossip import exchange_machine as em
+from dpwa.gossip.exchange import machine as em
 from helpers.exchange_sim import Violation, run_schedule
 
 SCHEDULES = 10_000  # short schedules with faults, in chunks (two workers share them)
@@ -157,10 +157,18 @@ def imports_of(path: Path) -> tuple[set[str], set[Path]]:
     return outside, inside
 
 
-def test_the_machine_and_what_it_imports_do_no_io():
-    """dpwa/gossip/exchange_machine.py, and every dpwa module it imports (transitively), import none of zmq,
-    socket, threading, select or time: the protocol holds no socket, thread or clock."""
-    todo, seen = [ROOT / "dpwa" / "gossip" / "exchange_machine.py"], set()
+@pytest.mark.parametrize(
+    "module, needs",
+    [
+        ("exchange/machine.py", {"machine.py", "backoff.py", "admission.py"}),
+        ("membership/view.py", {"view.py"}),
+    ],
+)
+def test_the_machine_and_the_view_and_what_they_import_do_no_io(module, needs):
+    """dpwa/gossip/exchange/machine.py and dpwa/gossip/membership/view.py, and every dpwa module they import
+    (transitively; packages' __init__ files aside), import none of zmq, socket, threading, select or time: the
+    protocol and the view hold no socket, thread or clock."""
+    todo, seen = [ROOT / "dpwa" / "gossip" / module], set()
     while todo:
         path = todo.pop()
         if path in seen:
@@ -169,7 +177,7 @@ def test_the_machine_and_what_it_imports_do_no_io():
         outside, inside = imports_of(path)
         assert not outside & NO_IO, f"{path.relative_to(ROOT)} imports {sorted(outside & NO_IO)}"
         todo += [p for p in inside if p.name != "__init__.py"]
-    assert {p.name for p in seen} >= {"exchange_machine.py", "backoff.py", "admission.py"}, seen
+    assert {p.name for p in seen} >= needs, seen
 
 
 class Handle:

@@ -19,7 +19,7 @@ from test_node import disagreement
 
 from conftest import ORIGINAL, endpoint_is_free, filled, make_config, port_is_free, step_until_averaged, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.flow import ALONE_BACKOFF_MAX_S
+from dpwa.gossip.membership.flow import ALONE_BACKOFF_MAX_S
 from dpwa.gossip.node import WAIT_SLACK_S
 from dpwa.wire.endpoints import private_dir as user_dir
 from helpers.proxy import Proxy

@@ -44,8 +44,8 @@ import zmq
 
 from conftest import ORIGINAL, make_config, step_until_averaged, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip import exchange as exchange_rules
-from dpwa.gossip.protocol import ACK, MAX_CLOCK, MAX_LOSS, MAX_VALUE
+from dpwa.gossip.exchange import driver as exchange_rules
+from dpwa.gossip.transfer.protocol import ACK, MAX_CLOCK, MAX_LOSS, MAX_VALUE
 from dpwa.mixing import kernels
 from dpwa.wire.schema import KINDS, MAX_ID, PROTOCOL_VERSION, decode, encode
 from helpers.raw_peer import FakePeer
@@ -1159,7 +1159,7 @@ def test_bad_exchange_replies_and_decisions_are_never_applied(nodes, tmp_path):
     plan = [cases[i % len(cases)] for i in range(EXCHANGE_REPLIES)]
     rng.shuffle(plan)
     # Flow control counts an exchange left in doubt as a miss, and two misses in a row with the only
-    # peer make the node back off for seconds (see the report on dpwa.gossip.flow): never two in a row.
+    # peer make the node back off for seconds (see the report on dpwa.gossip.membership.flow): never two in a row.
     for i in range(1, len(plan)):
         if plan[i][1] == plan[i - 1][1] == "in_doubt":
             j = next(

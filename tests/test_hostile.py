@@ -23,8 +23,8 @@ import zmq
 
 from conftest import ORIGINAL, filled, make_config, secure_config, serving_only, step_until_averaged, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
-from dpwa.gossip.protocol import ACK, CONFIRM, EXCHANGE, FETCH, PARAMS
+from dpwa.gossip.services import MAX_SNAPSHOT_SLOTS, UNSENT_PER_CLIENT
+from dpwa.gossip.transfer.protocol import ACK, CONFIRM, EXCHANGE, FETCH, PARAMS
 from dpwa.wire.schema import PROTOCOL_VERSION, decode, encode
 from helpers.raw_peer import FakePeer
 from helpers.raw_zmtp import RawZmtp, ZmtpError, frames_blob, greeting

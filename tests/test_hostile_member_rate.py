@@ -31,7 +31,7 @@ import pytest
 
 from conftest import HELPERS, ROOT, make_config, serving_only
 from dpwa import NumpyParams
-from dpwa.gossip.parts import BULK_MIN_BYTES
+from dpwa.gossip.services import BULK_MIN_BYTES
 
 WINDOW_S = 2.0  # each rate is counted over this long: the attack's first seconds, its worst
 SMALL, LARGE = 1000, BULK_MIN_BYTES // 4  # float32 parameters: over ZeroMQ, and streamed (dpwa.wire.bulk)

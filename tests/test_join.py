@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ORIGINAL, filled, free_port, make_config, tcp_endpoint, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.join import Joined
+from dpwa.gossip.transfer.join import Joined
 from helpers.chaos import ChaosProxy
 from helpers.hostile_donor import HostileDonor, Offer, state_bytes
 
@@ -442,7 +442,7 @@ def test_a_join_info_flood_costs_the_donor_one_offer_a_second_at_most(nodes, zct
 
     import zmq
 
-    from dpwa.gossip.join import JOIN_INFO, JOIN_OFFER, OFFER_INTERVAL_S
+    from dpwa.gossip.transfer.join import JOIN_INFO, JOIN_OFFER, OFFER_INTERVAL_S
     from dpwa.wire.schema import decode, encode
 
     cfg = make_config(3, fetch_probability=0, timeout_ms=500, insecure=True, same_host="off")
@@ -558,7 +558,7 @@ def test_offers_read_to_their_end_let_the_donors_slots_go(nodes, monkeypatch):
     the donor could publish nothing for 30 s (the relay walkthrough's restarts froze the public node so)."""
     import time as _time
 
-    from dpwa.gossip.join import OFFER_DONE_S, JoinTask
+    from dpwa.gossip.transfer.join import OFFER_DONE_S, JoinTask
 
     cfg = make_config(3, join="never", fetch_probability=0, timeout_ms=500)
     w0 = nodes(cfg, "w0", NumpyParams(filled(1, 1000)))
@@ -566,7 +566,7 @@ def test_offers_read_to_their_end_let_the_donors_slots_go(nodes, monkeypatch):
     trainer = Training(w0, max_steps=10**7)  # bounded by the test's own deadlines: it steps until the end
     try:
         assert wait_until(lambda: w0.clock > 10, 20)
-        offers = w0.parts.joins._offers
+        offers = w0.services.joins._offers
         assert joiners[0].join(wait_s=20)
         assert not offers and w0.stats()["served.join_done"] == 1  # said join_done: gone at once
         monkeypatch.setattr(JoinTask, "_done", lambda self, ask, session: None)  # a joiner that never says it

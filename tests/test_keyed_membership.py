@@ -31,8 +31,8 @@ from conftest import make_config, wait_until
 from dpwa import NumpyParams
 from dpwa.cluster.status import StatusClient
 from dpwa.config import ConfigError, parse_config
-from dpwa.gossip.members import Members
-from dpwa.gossip.membership import MemberInfo
+from dpwa.gossip.membership.members import Members
+from dpwa.gossip.membership.view import MemberInfo
 from dpwa.gossip.setup import identify, open_membership
 from dpwa.wire import certs
 from dpwa.wire.curve import CurveKeys, generate

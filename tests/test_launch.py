@@ -359,10 +359,10 @@ def test_a_chaos_kill_that_falls_due_while_a_node_starts_waits_for_it_instead_of
     metrics.nodes["w3"].start = {"t": 1.0}
     supervisor.next_kill = 0.0  # due
     for _ in range(3):
-        supervisor.tend(stopping=False)
+        supervisor.kill_and_restart_due(stopping=False)
         assert cluster.killed == [] and supervisor.next_kill == 0.0  # not up: still due, nobody killed
     metrics.nodes["w3"].step = {"t": 3.0}
-    supervisor.tend(stopping=False)
+    supervisor.kill_and_restart_due(stopping=False)
     assert len(cluster.killed) == 1 and messages == [f"dpwa: chaos: SIGKILL to {cluster.killed[0]}"]
     assert metrics.nodes[cluster.killed[0]].kills == 1 and supervisor.next_kill > 0.0  # the next one drawn
 

@@ -141,3 +141,72 @@ def test_the_lab_finds_the_checkout_and_the_packages_from_its_place():
     assert CHECKOUT_CIFAR_DIR == ROOT / "examples" / "pytorch-cifar" / "data" / "cifar-10-batches-py"
     assert (str(ROOT / "lab"), str(ROOT)) == IMPORT_ROOTS
     assert child_pythonpath().split(os.pathsep)[:2] == [str(ROOT / "lab"), str(ROOT)]
+
+
+# --------------------------------------------------------------------------- the gossip node's own layers
+
+GOSSIP_RANK = {  # dpwa/gossip/: who the members are and whom to ask < moving snapshots < exchanging < the node
+    "membership": 1,  # the view (pure), its threaded owner, refresh, rendezvous, barriers, flow control, relays
+    "transfer": 2,  # the node's message kinds, snapshots, serving and requesting them, validation, joins
+    "exchange": 3,  # the exchange's machine (pure) and its driver, the two mixing modes, the rule's guard
+    "": 4,  # the node that assembles them: node, its services, start, setup, settings, reporting
+}
+SIBLINGS_MAX = 8  # no module imports more of the modules (or sub-packages) beside it
+
+
+def gossip_imports() -> list[tuple[str, str, str]]:
+    """(importing module, its sub-package or "", imported module) for every import of a dpwa.gossip module by
+    another (TYPE_CHECKING imports included: a type named from above is a dependency too)."""
+    found = []
+    base = ROOT / LIBRARY / "gossip"
+    for path in base.rglob("*.py"):
+        rel = path.relative_to(base).with_suffix("").parts
+        module = ".".join(("dpwa", "gossip", *rel))
+        package = module.split(".") if rel[-1] == "__init__" else module.split(".")[:-1]
+        if rel[-1] == "__init__":
+            package = package[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    target = package[: len(package) - (node.level - 1)] + ([node.module] if node.module else [])
+                    names = [".".join(target)] if node.module else [".".join(target + [a.name]) for a in node.names]
+                else:
+                    names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith("dpwa.gossip.") and name != module:
+                    found.append((module, rel[0] if len(rel) > 1 else "", name))
+    return found
+
+
+def sub_package(module: str) -> str:
+    parts = module.split(".")[2:]
+    return parts[0] if len(parts) > 1 and parts[0] in GOSSIP_RANK else ""
+
+
+def test_the_gossip_sub_packages_have_a_layer_and_point_only_down():
+    base = ROOT / LIBRARY / "gossip"
+    subs = {p.name for p in base.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert subs == set(GOSSIP_RANK) - {""}, "place the new sub-package of dpwa/gossip in GOSSIP_RANK"
+    upward = sorted(
+        f"{module} -> {name}"
+        for module, sub, name in gossip_imports()
+        if GOSSIP_RANK[sub_package(name)] > GOSSIP_RANK[sub] and not module.endswith("__init__")
+    )
+    assert not upward, "gossip imports that point up (membership < transfer < exchange < the node):\n" + "\n".join(
+        upward
+    )
+
+
+def test_no_gossip_module_imports_more_than_eight_of_its_siblings():
+    siblings: dict[str, set[str]] = {}
+    for module, _, name in gossip_imports():
+        package = module.rsplit(".", 1)[0]
+        if name.startswith(package + "."):
+            rest = name[len(package) + 1 :].split(".")
+            siblings.setdefault(module, set()).add(rest[0])
+    crowded = {m: sorted(s) for m, s in siblings.items() if len(s) > SIBLINGS_MAX}
+    assert not crowded, f"modules that import more than {SIBLINGS_MAX} of their siblings: {crowded}"

@@ -12,8 +12,8 @@ import zmq
 
 from conftest import filled, make_config
 from dpwa import NumpyParams, parse_config
-from dpwa.gossip.protocol import ACK, FETCH, KNOWN
 from dpwa.gossip.reporting import STATUS
+from dpwa.gossip.transfer.protocol import ACK, FETCH, KNOWN
 from dpwa.wire.schema import decode, encode
 
 

@@ -1,4 +1,4 @@
-"""The membership view's rules (dpwa.gossip.membership), without a network: a simulated clock, seeded gossip.
+"""The membership view's rules (dpwa.gossip.membership.view), without a network: a simulated clock, seeded gossip.
 
 What each test asserts is known in advance: who is in every view after a
 bounded number of rounds, what a refusal is counted as, and that no
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from dpwa.gossip.membership import DIGEST_MAX, MemberInfo, View, check_entry
+from dpwa.gossip.membership.view import DIGEST_MAX, MemberInfo, View, check_entry
 
 KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a well-formed Z85 key (40 characters)
 OTHER_KEY = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
@@ -135,7 +135,7 @@ def test_forged_news_of_a_live_member_cannot_evict_it_and_its_own_word_refutes_i
     Now a third party cannot raise n1's incarnation (incarnation_by_other), a relayed heartbeat may run
     ahead of the last news by BEAT_RATE a second at most (beat_too_far), and n1's own entry, from n1,
     is taken as the truth (SWIM's refutation): n1 stays a member for the whole attack."""
-    from dpwa.gossip.membership import BEAT_RATE, BEAT_SLACK, MAX_COUNT
+    from dpwa.gossip.membership.view import BEAT_RATE, BEAT_SLACK, MAX_COUNT
 
     v = view(0)
     v.merge("n1", [info(1, incarnation=3, beat=10).entry()], now=0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from dpwa.gossip.protocol import CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, MAX_LOSS, PARAMS, check_payload
+from dpwa.gossip.transfer.protocol import CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, MAX_LOSS, PARAMS, check_payload
 from dpwa.mixing.model import WireModel
 from dpwa.mixing.params import fingerprint
 from dpwa.wire.errors import EncodeError, ProtocolError

@@ -21,7 +21,7 @@ from conftest import (
     wait_until,
 )
 from dpwa import Node, NumpyParams, Update
-from dpwa.gossip.deadlines import CAP_FACTOR
+from dpwa.gossip.membership.deadlines import CAP_FACTOR
 from dpwa.gossip.node import WAIT_SLACK_S
 from dpwa.wire.errors import TransportError
 
@@ -50,8 +50,8 @@ def test_a_node_publishes_into_two_snapshot_slots_or_the_one_its_config_says(nod
     for slots in (None, 1):
         cfg = make_config(2, same_host=same_host, insecure=True, **({"snapshot_slots": slots} if slots else {}))
         node = nodes(cfg, "w0", NumpyParams(np.zeros(10, np.float32)))
-        assert bool(node.parts.local) == (same_host == "auto")
-        assert node.parts.store.max_slots == (slots or 2)
+        assert bool(node.services.local) == (same_host == "auto")
+        assert node.services.store.max_slots == (slots or 2)
         node.close()
 
 
@@ -223,7 +223,7 @@ def test_a_dead_peer_costs_one_timeout_and_training_goes_on(nodes, make_cluster)
         update = node.update_wait()
         waited = time.monotonic() - t0
         # the bound is the contract: the request's deadline, which grows after timeouts up to 4 x timeout_ms
-        # (dpwa.gossip.deadlines.CAP_FACTOR: a peer whose connection is still being set up cannot be told from a
+        # (dpwa.gossip.membership.deadlines.CAP_FACTOR: a peer whose connection is still being set up cannot be told from a
         # dead one), plus slack, and a margin for a loaded machine
         assert waited <= CAP_FACTOR * timeout_ms / 1000 + WAIT_SLACK_S + 0.5, (step, waited, update)
         outcomes.append((update.peer, update.outcome))

@@ -25,7 +25,7 @@ from test_open_membership import RawClient, entry, open_config, start_cluster, v
 from conftest import free_port, make_config, served_clock, wait_until
 from dpwa import NumpyParams
 from dpwa.config import parse_config
-from dpwa.gossip.barrier import BARRIER, BARRIER_STATE
+from dpwa.gossip.membership.barrier import BARRIER, BARRIER_STATE
 from dpwa.wire.endpoints import ipc_endpoint
 from dpwa.wire.schema import ERROR, encode
 from helpers.raw_peer import FakePeer
@@ -162,7 +162,7 @@ def test_status_lists_every_member_of_a_bootstrap_cluster(nodes, steppers):  # n
 
 
 def test_barrier_counts_follow_the_view_and_stay_bounded() -> None:
-    from dpwa.gossip.barrier import BarrierCounts
+    from dpwa.gossip.membership.barrier import BarrierCounts
 
     view = {"a", "b"}
     counts = BarrierCounts([], view=lambda: set(view), max_peers=3)

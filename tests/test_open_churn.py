@@ -38,7 +38,7 @@ SIZE = 64
 class LockStep:
     """Steps a changing group of in-process nodes in rounds on one thread: every node's update_send, then
     a step of each array (the steps sum to zero over the group, and alternate in sign), then every node's
-    update_wait. ``tend()`` makes the rounds update_wait only (no exchange is started); ``step()`` again."""
+    update_wait. ``waits_only()`` makes the rounds update_wait only (no exchange is started); ``step()`` again."""
 
     def __init__(self) -> None:
         self.group: list[Any] = []
@@ -57,7 +57,7 @@ class LockStep:
         with self._lock:
             self.group.append(node)
 
-    def tend(self) -> None:
+    def waits_only(self) -> None:
         self._tending.set()
 
     def step(self) -> None:
@@ -160,7 +160,7 @@ def test_eight_nodes_two_killed_three_joining_views_mean_and_barrier(nodes, chil
         }
         converged_s = time.monotonic() - killed_at
         # 3. a settled point: no node starts an exchange until nothing is pending anywhere
-        driver.tend()
+        driver.waits_only()
         group = list(driver.group)
         settled = wait_until(lambda: all(node._reporter.status()["pending"] == 0 for node in group), 15.0, 0.02)
         assert settled, {node.name: node._reporter.status()["pending"] for node in group}

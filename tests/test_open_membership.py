@@ -2,7 +2,7 @@
 
 Each node's config lists only itself and ``bootstrap:`` (the first node's address, or a survivor's); the
 nodes find each other through the ``members`` call and the digests their exchanges carry
-(dpwa.gossip.members). Checked here, on real nodes over 127.0.0.1:
+(dpwa.gossip.membership.members). Checked here, on real nodes over 127.0.0.1:
 
 - five nodes find each other, and average with nodes other than the bootstrap node;
 - members that close, or are killed (SIGKILL, by PID), leave every survivor's view within the stated
@@ -27,8 +27,8 @@ import zmq
 from conftest import free_port, make_config, served_clock, wait_until
 from dpwa import NumpyParams
 from dpwa.config import ConfigError, parse_config
-from dpwa.gossip.flow import FlowControl
-from dpwa.gossip.members import ANNOUNCES_PER_S, Members, MembersTask
+from dpwa.gossip.membership.flow import FlowControl
+from dpwa.gossip.membership.members import ANNOUNCES_PER_S, Members, MembersTask
 from dpwa.wire.client import PeerBook
 from dpwa.wire.schema import PROTOCOL_VERSION
 
@@ -521,7 +521,7 @@ def test_a_node_without_bootstrap_has_no_members(nodes) -> None:
     assert not any(key.startswith("members") for key in node.stats())
 
 
-# --------------------------------------------------------------------------- the way back (dpwa.gossip.refresh)
+# --------------------------------------------------------------------------- the way back (dpwa.gossip.membership.refresh)
 
 
 @pytest.mark.slow
@@ -559,7 +559,7 @@ def _bootstrap_members(clock: FakeClock) -> tuple[Any, Members]:
 
 
 def test_a_bootstrap_address_is_asked_again_only_while_no_member_is_there() -> None:
-    from dpwa.gossip.refresh import REFRESH_MAX_S, BootstrapRefresh
+    from dpwa.gossip.membership.refresh import REFRESH_MAX_S, BootstrapRefresh
     from dpwa.wire.calls import Call
 
     clock = FakeClock()
@@ -577,42 +577,42 @@ def test_a_bootstrap_address_is_asked_again_only_while_no_member_is_there() -> N
     for _ in range(5):
         clock.now += 2.0
         members.heard("w1")
-        refresh.tend()
+        refresh.ask_if_due()
     assert calls == []
     for _ in range(4):  # w1 falls silent: suspect, then removed
         clock.now += 1.0
         members.tick()
     assert "w1" not in members
-    refresh.tend()
+    refresh.ask_if_due()
     assert len(calls) == 1 and "@0" in book  # asked, announcing w0 (its heartbeat raised)
     task = calls[0].task
     assert isinstance(task, MembersTask) and task.peer == "@0" and task._me is not None and task._me["name"] == "w0"
-    refresh.tend()
+    refresh.ask_if_due()
     assert len(calls) == 1  # one request at a time
     # nobody answers: abandoned after its deadline, and the interval doubles each time, up to REFRESH_MAX_S
     intervals = []
     for _ in range(12):
         clock.now += config.timeout_s + 1.0
-        refresh.tend()
+        refresh.ask_if_due()
         assert calls[-1].cancelled and "@0" not in book
         intervals.append(refresh.interval_s)
         clock.now += refresh.interval_s
-        refresh.tend()
+        refresh.ask_if_due()
     assert intervals[:3] == [4.0, 8.0, 16.0] and intervals[-1] == REFRESH_MAX_S
     assert len(calls) == 13
     # it answers: its digest is merged (w1 and a member it names come back) and the interval is the first again
     calls[-1].finish("ok", value=([entry("w1", 45002, beat=9), entry("w2", 45004, beat=1)], True))
-    refresh.tend()
+    refresh.ask_if_due()
     assert sorted(members.names()) == ["w0", "w1", "w2"]
     assert refresh.answered == 1 and refresh.interval_s == 2.0 and "@0" not in book
     clock.now += 2.0
-    refresh.tend()
+    refresh.ask_if_due()
     assert len(calls) == 13  # w1 is a member again: nothing to ask
     members.tick()  # (w1 was heard at the merge: not suspect)
     for _ in range(4):
         clock.now += 1.0
         members.tick()
-    refresh.tend()
+    refresh.ask_if_due()
     assert len(calls) == 14
     refresh.close()
     assert calls[-1].cancelled and "@0" not in book
@@ -624,7 +624,7 @@ def test_any_answer_keeps_a_member_alive_a_refusal_included() -> None:
     full with exchanges to dead peers) is alive; one that never answers is not."""
     import random
 
-    from dpwa.gossip.outcomes import Outcomes
+    from dpwa.gossip.exchange.outcomes import Outcomes
     from dpwa.stats import Counters
     from dpwa.wire.calls import Call
 

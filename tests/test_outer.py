@@ -12,8 +12,8 @@ import pytest
 
 from conftest import ORIGINAL, filled, make_config, step_until_averaged, wait_until
 from dpwa import NumpyParams, parse_config
-from dpwa.gossip.extras import Extras
-from dpwa.gossip.outer import OuterStep
+from dpwa.gossip.exchange.outer import OuterStep
+from dpwa.gossip.transfer.extras import Extras
 from dpwa.mixing.codecs import int8 as quantize
 from dpwa.mixing.outer import GossipOuter, OuterSettings, nesterov_step, noloco_step
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from dpwa.gossip.flow import SCORE_MAX, SCORE_MIN, FlowControl, PeerSelector
+from dpwa.gossip.membership.flow import SCORE_MAX, SCORE_MIN, FlowControl, PeerSelector
 
 
 def test_scores_are_bounded_and_follow_the_documented_rule():
@@ -165,7 +165,7 @@ def test_a_peer_heard_from_while_its_request_was_out_is_slow_not_rested():
 
 
 def test_signs_of_life_are_bounded_and_keep_the_latest():
-    from dpwa.gossip.flow import SignsOfLife
+    from dpwa.gossip.membership.flow import SignsOfLife
 
     clock = FakeClock()
     signs = SignsOfLife(clock, max_peers=3)
@@ -181,9 +181,9 @@ def test_members_that_never_complete_an_exchange_get_half_the_first_asks_at_most
     """Issue 41: fakes that answer busy and keep sending news filled a view with 1,003 members, and a node's
     averaging rate with its honest peers fell from 43.4/s to 2.6/s: it asked fakes nearly every step. Peers
     that completed an exchange with us (proven) come first in PROVEN_FIRST of the rankings, so 1,000 fakes
-    get at most about half of the first asks (one exchange asks dpwa.gossip.symmetric.EXCHANGE_PEERS_MAX
+    get at most about half of the first asks (one exchange asks dpwa.gossip.exchange.symmetric.EXCHANGE_PEERS_MAX
     candidates at most, so the other half costs a step a few busy answers, not a thousand)."""
-    from dpwa.gossip.flow import PROVEN_FIRST, PeerSelector
+    from dpwa.gossip.membership.flow import PROVEN_FIRST, PeerSelector
 
     fakes = [f"fake{i}" for i in range(1000)]
     selector = PeerSelector(["w1", "w2", "w3", *fakes], rng=random.Random(7))

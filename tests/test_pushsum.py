@@ -9,7 +9,7 @@ import pytest
 from conftest import filled, make_config, serving_only
 from dpwa import NumpyParams, parse_config
 from dpwa.config import ConfigError
-from dpwa.gossip.protocol import PARAMS
+from dpwa.gossip.transfer.protocol import PARAMS
 from dpwa.mixing.rules import Side
 from dpwa.mixing.rules.pushsum import FLOOR, MAX_WEIGHT, PushSum
 from dpwa.wire.schema import encode

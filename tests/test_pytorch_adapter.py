@@ -331,7 +331,7 @@ def test_a_model_all_in_one_half_precision_is_snapshotted_and_sent_in_it(adapter
         assert adapter.node.config.wire_dtype == wire, dtypes
         adapter.update_send(1.0)
         adapter.update_wait(1.0)
-        snapshot = adapter.node.parts.store.current()
+        snapshot = adapter.node.services.store.current()
         assert snapshot is not None and snapshot.array.nbytes == 10 * len(dtypes) * (4 if wire == "float32" else 2)
         adapter.close()
 
@@ -368,7 +368,7 @@ def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(
     MAX_SNAPSHOT_SLOTS snapshot slots and never retired one, at most one receive buffer at a time (none
     beside a same-host peer), and its adapter's scratch is three chunks, not a model-sized buffer."""
     from dpwa.adapters.pytorch import CHUNK_ELEMENTS
-    from dpwa.gossip.parts import MAX_SNAPSHOT_SLOTS
+    from dpwa.gossip.services import MAX_SNAPSHOT_SLOTS
 
     cfg = make_cluster(2, timeout_ms=5000)
     pair = [adapters(_large_model(i), f"w{i}", cfg) for i in range(2)]
@@ -392,7 +392,7 @@ def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(
         thread.join(120)
     assert not errors and not any(t.is_alive() for t in threads), errors
     for adapter in pair:
-        stats, parts = adapter.node.stats(), adapter.node.parts
+        stats, parts = adapter.node.stats(), adapter.node.services
         assert stats["averaged"] + stats.get("mirrored", 0) >= 4, stats
         # beside a same-host peer: 2 slots, its snapshots read in place; over TCP: 2 slots and 1 receive buffer
         received = 0 if parts.local else 1

@@ -1,7 +1,7 @@
 """Every way an outer step's state comes in has the same bounds (issue 28, item 7).
 
 A checkpoint's outer state (``restore(outer=...)``) gets exactly the checks a donor's gets, from one
-function (:func:`dpwa.gossip.outer.checked_outer_state`): the node's rule, the model's size, finite
+function (:func:`dpwa.gossip.exchange.outer.checked_outer_state`): the node's rule, the model's size, finite
 values within ±1e18, a step count. A bad one is refused with a ValueError naming the field, and the
 node is left as it was; so a hostile checkpoint can no longer drive the parameters to inf.
 """
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ORIGINAL, filled, make_config, step_until_averaged
 from dpwa import NumpyParams
-from dpwa.gossip.outer import OuterStep, checked_outer_state
+from dpwa.gossip.exchange.outer import OuterStep, checked_outer_state
 from dpwa.mixing.outer import OuterSettings
 
 SIZE = 50

@@ -2,7 +2,7 @@
 
 The state is the one a joiner takes from its donor (:meth:`dpwa.mixing.rules.Rule.state`: ClippedGossip with
 ``radius: auto`` keeps its recent distances), saved as ``{"rule": name, "state": ...}`` and checked on restore
-exactly as a donor's is (:class:`dpwa.gossip.extras.RuleState`: msgpack-able, at most 64 KiB, then the rule's
+exactly as a donor's is (:class:`dpwa.gossip.transfer.extras.RuleState`: msgpack-able, at most 64 KiB, then the rule's
 own ``check_state``). A state that does not fit, or that another rule (or a rule that keeps none) saved, is
 refused with a ValueError before anything of the call is taken. Push-sum keeps no such state (its weight is
 mass: a restarted node starts again at weight 1), so its ``rule_state()`` is None.
@@ -23,7 +23,7 @@ import pytest
 
 from conftest import filled, make_config, serving_only, step_until_averaged
 from dpwa import NumpyParams
-from dpwa.gossip.extras import MAX_RULE_STATE_BYTES, RuleState
+from dpwa.gossip.transfer.extras import MAX_RULE_STATE_BYTES, RuleState
 from dpwa.mixing.rules.clipped import ClippedGossip
 
 AUTO = {"mode": "pull", "rule": "clipped", "rule_options": {"radius": "auto"}, "pairing": "random"}

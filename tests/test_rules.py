@@ -366,7 +366,7 @@ def test_an_exchange_or_a_reply_that_names_no_rule_is_refused_like_another_rule(
     ``python -m dpwa average``) is still served, since it moves nothing here."""
     import zmq
 
-    from dpwa.gossip.protocol import FETCH, PARAMS
+    from dpwa.gossip.transfer.protocol import FETCH, PARAMS
     from dpwa.wire.schema import decode, encode
     from helpers.raw_peer import FakePeer, RawPeer
 
@@ -572,7 +572,7 @@ def test_a_joiner_takes_its_donors_clipping_history_so_it_clips_from_its_first_e
 def test_a_donors_rule_state_that_does_not_fit_is_refused_whole(state, why):
     import msgpack
 
-    from dpwa.gossip.extras import RuleState
+    from dpwa.gossip.transfer.extras import RuleState
 
     rule = ClippedGossip(radius="auto")
     part = RuleState(rule)

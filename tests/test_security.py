@@ -11,7 +11,7 @@ import zmq
 
 from conftest import ORIGINAL, filled, make_config, port_is_free, secure_config, serving_only, wait_until
 from dpwa import ConfigError, Node, NumpyParams, parse_config
-from dpwa.gossip.protocol import FETCH
+from dpwa.gossip.transfer.protocol import FETCH
 from dpwa.wire.curve import KeyFileError, generate, load_secret, valid_public_key
 from dpwa.wire.schema import decode, encode
 from helpers.proxy import Proxy

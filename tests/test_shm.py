@@ -18,7 +18,7 @@ from test_node import RecordingParams
 
 from conftest import HELPERS, ORIGINAL, ROOT, filled, make_config
 from dpwa import NumpyParams
-from dpwa.gossip.snapshots import SnapshotStore
+from dpwa.gossip.transfer.snapshots import SnapshotStore
 from dpwa.wire.endpoints import PrivateDirError
 from dpwa.wire.endpoints import private_dir as user_dir
 from dpwa.wire.errors import ProtocolError
@@ -187,7 +187,7 @@ def test_a_churning_peer_is_never_read_torn(nodes, children, same_host):
 def test_same_host_off_creates_no_shared_memory(nodes):
     cfg = make_config(2, same_host="off")
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
-    assert node.parts.shared is None
+    assert node.services.shared is None
     assert not list(user_dir().glob(f"w0-{cfg['nodes'][0]['port']}-*"))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from dpwa.gossip.snapshots import HeapMemory, Lease, Snapshot, SnapshotStore
+from dpwa.gossip.transfer.snapshots import HeapMemory, Lease, Snapshot, SnapshotStore
 
 
 def leased(store: SnapshotStore) -> Lease:
@@ -196,7 +196,7 @@ def test_a_slot_held_too_long_by_unsent_replies_is_retired_and_publishing_goes_o
         10, np.float32, max_slots=2, memory=counting_memory(allocations), hold_limit_s=5.0, max_retired=1
     )
     now = [1000.0]
-    monkeypatch.setattr("dpwa.gossip.snapshots.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("dpwa.gossip.transfer.snapshots.time.monotonic", lambda: now[0])
     trackers: list[FakeTracker] = []
 
     def serve_to_a_client_that_never_reads():

@@ -24,7 +24,7 @@ def total(arrays) -> np.ndarray:
     return np.sum([a.astype(np.float64) for a in arrays], axis=0)
 
 
-def tend(node) -> None:
+def apply_settled(node) -> None:
     """An update_wait without a step: applies whatever exchanges have settled."""
     node.update_wait()
 
@@ -33,7 +33,7 @@ def acknowledge(raw: RawPeer, xid: int) -> str:
     """`raw` tells the server it holds the commit of `xid`, as a closing requester does (AckTask). A raw peer
     serves no ``known`` either, so without it the server's close would wait its whole deadline for word
     from a requester that cannot give it (5 s of the fixture's teardown)."""
-    from dpwa.gossip.protocol import ACK
+    from dpwa.gossip.transfer.protocol import ACK
 
     return str(raw._ask([encode(ACK, 3, **{"from": raw.name}, xid=xid)])["outcome"])
 
@@ -214,7 +214,7 @@ def test_a_factor_the_requester_does_not_share_moves_nobody(nodes):
     update = node.update_wait()
     assert update.outcome == "refused" and "bad_rule" in update.reason, update
     assert peer.stats()["rejected.bad_rule"] == 1 and peer.stats().get("exchanges_pending", 0) == 0
-    tend(peer)
+    apply_settled(peer)
     assert np.all(mine == 0) and np.all(theirs == 8)
 
 
@@ -252,8 +252,8 @@ def settle(node, peer, until, timeout_s=10.0) -> bool:
     """Let both sides apply what has settled (no new exchanges: w1 never republishes) until `until()`."""
 
     def step() -> bool:
-        tend(node)
-        tend(peer)
+        apply_settled(node)
+        apply_settled(peer)
         return until()
 
     return wait_until(step, timeout_s, interval_s=0.02)
@@ -343,7 +343,7 @@ def test_an_exchange_in_doubt_with_a_peer_removed_from_the_view_ends_at_once(thr
     assert node.update_wait().outcome == "in_doubt"
     assert node.stats()["exchanges_unsettled"] == 1
     node._flow.remove_peer("w1")  # what the view's sync does for a removed member
-    tend(node)
+    apply_settled(node)
     assert node.stats()["exchanges_unsettled"] == 0 and node.stats()["exchanges_dropped"] == 1
     assert np.all(mine == 0.0)  # nothing of w1's applied here
     assert settle(node, peer, lambda: peer.stats().get("exchanges_expired", 0) == 1)
@@ -484,7 +484,7 @@ def test_under_chaos_an_outer_step_keeps_what_it_promises_to_keep(nodes):
     momentum), until 15 exchanges were applied and 2 were in doubt: each outer step keeps its node's
     a * params + b * anchor + c * momentum, and each exchange keeps the sum of the models, so the cluster's
     sum of that quantity stays exact under the chaos, and both halves of every exchange were still applied
-    or neither. The rule here is nesterov; the gossip layer (dpwa.gossip.outer) treats noloco the same way,
+    or neither. The rule here is nesterov; the gossip layer (dpwa.gossip.exchange.outer) treats noloco the same way,
     and that each rule's step keeps its own (a, b, c) is test_outer.py's
     test_each_step_keeps_the_weighted_sum_it_says, for both."""
 
@@ -614,7 +614,7 @@ def test_exchange_ids_are_the_servers_and_bound_to_the_peer(nodes, zctx):
     assert w0.confirm(xid ^ 1)["outcome"] == "unknown"  # an id nobody was given
     assert w0.confirm(xid)["outcome"] == "commit"
     assert w0.confirm(xid)["outcome"] == "commit"  # repeated: the same decision
-    tend(server)
+    apply_settled(server)
     assert np.all(theirs == 5.0)  # applied once
     for _ in range(50):  # many more, none confirmed: they expire, nothing piles up
         server.update_send()
@@ -641,7 +641,7 @@ def test_hypercube_pairing_gives_four_nodes_in_step_the_exact_mean_in_two_rounds
         for node in group:
             node.update_wait()
     for node in group:
-        tend(node)  # the last mirrors (symmetric)
+        apply_settled(node)  # the last mirrors (symmetric)
     assert all(np.all(a == 1.5) for a in arrays), [a[0] for a in arrays]
     assert sum(node.stats().get("fetches_busy", 0) + node.stats().get("busy_answers", 0) for node in group) == 0
 
@@ -675,7 +675,7 @@ def test_an_exchange_that_never_ran_gives_its_snapshot_back(nodes):
     peer.update_send()
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
     blocker = _Blocker("w1")
-    node.parts.client.submit(blocker)
+    node.services.client.submit(blocker)
     assert blocker.running.wait(10)
     assert node.update_send()  # queued behind the blocker
     queued = node._step.call
@@ -686,7 +686,7 @@ def test_an_exchange_that_never_ran_gives_its_snapshot_back(nodes):
     wait_until(queued.done.is_set, timeout_s=10)
     node.update_wait()  # harvests it, if update_wait did not already
     assert queued.outcome == "expired", (update, queued.outcome, queued.reason)
-    assert node.parts.store.held() == 0
+    assert node.services.store.held() == 0
 
 
 # --------------------------------------------------------------------------- same host: the request names a slot
@@ -697,7 +697,7 @@ def locked_by_a_reader(node) -> bool:
     import fcntl
     import os
 
-    for path in node.parts.shared.dir.glob("slot-*"):
+    for path in node.services.shared.dir.glob("slot-*"):
         fd = os.open(path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -720,7 +720,7 @@ def test_a_same_host_exchange_names_the_requesters_slot_which_the_server_copies_
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     if not spare:
-        peer.parts.store.borrow = lambda: None
+        peer.services.store.borrow = lambda: None
     peer.update_send()
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -735,7 +735,7 @@ def test_a_same_host_exchange_names_the_requesters_slot_which_the_server_copies_
     # copied: our slot is free before the server's next step; read in place: held while its half waits
     assert locked_by_a_reader(node) is not spare
     theirs += 1.0
-    tend(peer)
+    apply_settled(peer)
     assert np.all(theirs == 6.0)
     assert not locked_by_a_reader(node)  # applied: let go
 
@@ -752,7 +752,7 @@ def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exch
         peer._steps.server._slots.clear()
         refusal = "shm_unavailable"
     else:  # its Rx thread knows no such request (nothing has asked it anything yet)
-        del peer.parts.server._routes["shm_exchange"], peer.parts.server._accept["shm_exchange"]
+        del peer.services.server._routes["shm_exchange"], peer.services.server._accept["shm_exchange"]
         refusal = "unexpected_kind"
     mine = filled(0)
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -762,7 +762,7 @@ def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exch
         node.update_send()
         update = node.update_wait()
         assert update.averaged and np.all(mine == expected), (update, mine[:3])
-        tend(peer)
+        apply_settled(peer)
         assert np.all(theirs == expected)  # the mirror: the mean is kept
     stats = peer.stats()
     assert stats[f"rejected.{refusal}"] == 1  # asked by slot once only
@@ -787,7 +787,7 @@ class SlotPeer(RawPeer):
         self.slot.end_write(version)
 
     def shm_exchange(self, node, version, slot=0, shm_id=None):
-        from dpwa.gossip.protocol import SHM_EXCHANGE
+        from dpwa.gossip.transfer.protocol import SHM_EXCHANGE
 
         header = encode(
             SHM_EXCHANGE,
@@ -857,7 +857,7 @@ def test_a_slot_that_does_not_hold_what_the_request_says_is_refused_and_holds_no
     assert not w0.held()  # pending, on the copy in the server's own free slot: ours was let go at once
     assert server.stats()["shm_exchanges_copied"] == 2  # this one, and the one full of NaN (copied, then refused)
     assert w0.confirm(served["xid"])["outcome"] == "commit"
-    tend(server)
+    apply_settled(server)
     assert np.all(server.params.array == 6.0)  # 10 + (2 - 10) / 2
     assert not w0.held()
     assert acknowledge(w0, served["xid"]) == "commit"
@@ -870,7 +870,7 @@ def test_a_pending_slot_is_let_go_when_the_exchange_expires(nodes, slot_peer):
     cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=200)
     theirs = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
-    server.parts.store.borrow = lambda: None
+    server.services.store.borrow = lambda: None
     server.update_send()
     w0 = slot_peer(cfg, "w0")
     w0.publish(filled(0), version=1)
@@ -878,7 +878,7 @@ def test_a_pending_slot_is_let_go_when_the_exchange_expires(nodes, slot_peer):
     assert w0.held()
 
     def released() -> bool:
-        tend(server)  # expiry is noticed as the server updates
+        apply_settled(server)  # expiry is noticed as the server updates
         return not w0.held()
 
     assert wait_until(released, 10.0)
@@ -920,7 +920,7 @@ class CrossingPeer:
 
 def mirrored_once(node) -> bool:
     """Apply what settled; has the node applied one half it served?"""
-    tend(node)
+    apply_settled(node)
     return node.stats().get("mirrored", 0) == 1
 
 
@@ -956,7 +956,7 @@ def test_crossing_requests_the_node_whose_name_sorts_first_serves_and_both_sides
     """w0 asks w1 while w1 asks w0 (played by hand): each would refuse the other busy and neither would
     average. w0's name sorts first, so w0 gives its own exchange up and serves w1's; w1 refuses w0's (its
     usual busy), and the one exchange is applied on w0's side as a mirror: w0 moves to the midpoint."""
-    from dpwa.gossip.protocol import EXCHANGE
+    from dpwa.gossip.transfer.protocol import EXCHANGE
     from dpwa.wire.schema import error_header
 
     node, mine, w1, envelope, request, reply = crossed
@@ -977,7 +977,7 @@ def test_a_crossing_reply_that_comes_after_the_node_gave_way_is_withdrawn_not_co
     serves w0's. w0 must not confirm it: that would put its one snapshot in two exchanges. It withdraws
     it at once (a confirm marked withdraw, so w1 aborts it now rather than at its expiry), and applies
     only the exchange it served."""
-    from dpwa.gossip.protocol import CONFIRM, DECISION, PARAMS
+    from dpwa.gossip.transfer.protocol import CONFIRM, DECISION, PARAMS
     from dpwa.wire.payload import chunks
 
     node, mine, w1, envelope, request, reply = crossed
@@ -1036,7 +1036,7 @@ def test_crossing_requests_the_node_whose_name_sorts_last_refuses_busy(nodes, zc
 
 def expired(server) -> int:
     """Apply what settled (a pending exchange past its time is aborted then); the exchanges expired so far."""
-    tend(server)
+    apply_settled(server)
     return server.stats().get("exchanges_expired", 0)
 
 

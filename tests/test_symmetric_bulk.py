@@ -11,9 +11,9 @@ import pytest
 
 from conftest import free_port, make_config, secure_config, serving_only, wait_until
 from dpwa import NumpyParams
-from dpwa.gossip.exchange import ExchangeServer
-from dpwa.gossip.parts import BULK_MIN_BYTES
-from dpwa.gossip.protocol import BULK_EXCHANGE
+from dpwa.gossip.exchange.driver import ExchangeServer
+from dpwa.gossip.services import BULK_MIN_BYTES
+from dpwa.gossip.transfer.protocol import BULK_EXCHANGE
 from dpwa.wire.schema import decode
 from helpers.flood import SilentListener, Trickle
 from helpers.raw_peer import BulkRawPeer, bulk_exchange_header
@@ -55,7 +55,7 @@ def test_a_large_exchange_between_hosts_streams_both_snapshots_and_moves_both_si
     assert ours["bulk_fetches"] == 1 and served["bulk_fetches"] == 1  # each read the other's by stream
     assert served["bulk_exchanges_served"] == 1 and served["bulk_served"] == 1 and served["mirrored"] == 1
     assert ours.get("bulk_fallbacks", 0) == 0 and served.get("bulk_fallbacks", 0) == 0
-    assert node.parts.bulk.sealed is keys and peer.parts.bulk.sealed is keys
+    assert node.services.bulk.sealed is keys and peer.services.bulk.sealed is keys
 
 
 @pytest.mark.parametrize("keys", [False, True], ids=["insecure", "keys"])
@@ -84,7 +84,7 @@ def test_a_bulk_port_that_refuses_connections_aborts_the_exchange_and_nothing_mo
     """w0's request names a bulk port where nobody listens: w1 cannot stream its snapshot in, aborts,
     and neither side moves. w0 then sends that peer the payload for a while (it may not reach w0's
     port), and the next exchange commits; once the pause is over, exchanges stream again."""
-    from dpwa.gossip import requesting
+    from dpwa.gossip.transfer import requesting
 
     monkeypatch.setattr(requesting, "BULK_PAUSE_S", 0.3)
     cfg = cluster(tmp_path, keys=False)
@@ -135,11 +135,11 @@ def test_a_server_that_reads_no_streams_is_sent_the_payload_in_the_same_exchange
 @contextlib.contextmanager
 def bulk_port_named(node, port):
     """`node`'s requests and replies name `port` as its bulk port, for the block."""
-    real, node.parts.bulk.port = node.parts.bulk.port, port
+    real, node.services.bulk.port = node.services.bulk.port, port
     try:
         yield
     finally:
-        node.parts.bulk.port = real
+        node.services.bulk.port = real
 
 
 def test_a_confirm_before_the_snapshot_is_in_decides_nothing_and_a_stream_that_never_comes_aborts(
@@ -207,12 +207,12 @@ def test_a_hostile_ticket_in_a_keyed_cluster_without_a_key_is_refused_as_it_stre
     """In a cluster with keys a stream must be sealed: a bulk_exchange that offers a plain one (no key)
     aborts without a byte being read from it. (A raw requester over plain TCP cannot reach a keyed node,
     so this drives the server half directly.)"""
-    from dpwa.gossip.requesting import ReplyReader
+    from dpwa.gossip.transfer.requesting import ReplyReader
     from dpwa.wire.errors import ProtocolError
 
     cfg = cluster(tmp_path, keys=True)
     server = nodes(serving_only(cfg), "w1", NumpyParams(np.zeros(SIZE, np.float32)))
-    _, reader = server.parts.streams_in
+    _, reader = server.services.streams_in
     assert isinstance(reader, ReplyReader)
     header = decode(bulk_exchange_header(server.params.fingerprint, free_port(), name="w0", rule=server.model.rule))
     with pytest.raises(ProtocolError, match="plain bulk stream in a cluster with keys"):

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..config import Config, ConfigError
-from ..gossip.progress import loss_value
+from ..gossip.exchange.progress import loss_value
 from ..logs import logger
 from ..runfiles.metrics import RUN_DIR_ENV, MetricsWriter, StepMetrics
 

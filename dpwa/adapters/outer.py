@@ -1,7 +1,7 @@
 """An outer step by any ``torch.optim.Optimizer``: the PyTorch adapter's ``outer_optimizer``.
 
 The named outer steps (``outer: nesterov``, ``outer: noloco``; see
-:mod:`dpwa.gossip.outer`) are two fixed rules over flat float32 arrays. As
+:mod:`dpwa.gossip.exchange.outer`) are two fixed rules over flat float32 arrays. As
 torchft's DiLoCo does, the adapter also takes any optimizer over the
 pseudo-gradient::
 

@@ -45,8 +45,8 @@ from torch import nn
 
 from ..config import Config
 from ..gossip.node import Node, Update
-from ..gossip.protocol import MAX_VALUE
 from ..gossip.setup import as_config
+from ..gossip.transfer.protocol import MAX_VALUE
 from ..logs import logger
 from ..mixing import kernels
 from ..mixing.params import FlatParams, checked_vector, fingerprint
@@ -378,13 +378,13 @@ class OptimizerState:
     """An optimizer's state (momentum buffers, step counts) as msgpack metadata plus raw tensor bytes.
 
     What a joining node takes from its donor besides the parameters (see
-    :mod:`dpwa.gossip.join`). Never pickle: the metadata holds only numbers,
+    :mod:`dpwa.gossip.transfer.join`). Never pickle: the metadata holds only numbers,
     names and tensor layouts. A donor's state is checked against what our own
     optimizer's state looks like once it has stepped (learned from a probe of
     the same class and parameter groups on the ``meta`` device: no memory,
     no change to ours): the same parameters, the same keys, each tensor of
     the same shape and dtype, every value finite and within the bounds
-    peers' parameters get (:data:`~dpwa.gossip.protocol.MAX_VALUE`), numbers
+    peers' parameters get (:data:`~dpwa.gossip.transfer.protocol.MAX_VALUE`), numbers
     of the same type. Tensors go to the device ours would live on.
     """
 

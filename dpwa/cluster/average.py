@@ -378,10 +378,10 @@ def average_live(
 
     from ..adapters.pytorch import TorchParams
     from ..config import load_config
-    from ..gossip.join import CHUNK_BYTES
-    from ..gossip.requesting import FetchTask, Received, ReplyReader
     from ..gossip.settings import rule_of
-    from ..gossip.validation import PeerValues
+    from ..gossip.transfer.join import CHUNK_BYTES
+    from ..gossip.transfer.requesting import FetchTask, Received, ReplyReader
+    from ..gossip.transfer.validation import PeerValues
     from ..mixing.model import WireModel
     from ..stats import Counters
     from ..wire.client import ClientThread

@@ -361,7 +361,7 @@ class _Supervisor:
         wait = self.rng.expovariate(1.0 / self.spec.chaos_s)
         return time.monotonic() + max(wait, self.spec.chaos_s / 2 if first else 1.0)
 
-    def tend(self, stopping: bool) -> set[str]:
+    def kill_and_restart_due(self, stopping: bool) -> set[str]:
         """Kill (chaos) and restart as due; returns the nodes started again now."""
         restarted: set[str] = set()
         if stopping:
@@ -417,7 +417,7 @@ def _watch(
     killed: list[str] = []
     reported: set[str] = set()
     supervisor = _Supervisor(spec, cluster, metrics, view, events)
-    while cluster.alive() or supervisor.tend(stopping=stopping_since is not None):
+    while cluster.alive() or supervisor.kill_and_restart_due(stopping=stopping_since is not None):
         if signals.first and stopping_since is None:
             view.message(
                 f"dpwa: {signal.Signals(signals.first).name}: stopping {len(cluster.alive())} nodes "
@@ -435,7 +435,7 @@ def _watch(
                 view.message(f"dpwa: SIGKILL to {', '.join(killed)} ({why})")
                 cluster.signal(signal.SIGKILL)
         _report_exits(cluster, metrics, view, reported, Path(spec.run_dir), events)
-        reported -= supervisor.tend(stopping=stopping_since is not None)
+        reported -= supervisor.kill_and_restart_due(stopping=stopping_since is not None)
         view.update(list(metrics.poll().values()))
         time.sleep(0.25)
     _report_exits(cluster, metrics, view, reported, Path(spec.run_dir), events)

@@ -45,8 +45,8 @@ from typing import Any, TextIO
 import zmq
 
 from ..config import Config, ConfigError
-from ..gossip.members import MembersTask, member_spec
-from ..gossip.membership import check_entry
+from ..gossip.membership.members import MembersTask, member_spec
+from ..gossip.membership.view import check_entry
 from ..gossip.reporting import STATUS_REPORT, StatusTask
 from ..gossip.setup import key_pair
 from ..wire.calls import Call

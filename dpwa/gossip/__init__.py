@@ -1,14 +1,13 @@
-"""The gossip node, split by concern (see :mod:`.node` for how the parts fit).
+"""The gossip node, in layers that point down: membership < transfer < exchange < the node.
 
-* :mod:`.node`: the :class:`Node` facade and its training-thread API;
-* :mod:`.messages`: the node's message kinds;
-* :mod:`.snapshots`: published snapshots and their leases;
-* :mod:`.serving`: the Rx side, answering fetches;
-* :mod:`.requesting`: the Tx side, fetching and checking replies;
-* :mod:`.exchange_machine`: symmetric exchanges' protocol, both halves, as state machines without I/O;
-* :mod:`.exchange`: the driver of those machines (requests, snapshots, locks, the clock);
-* :mod:`.flow`: flow control (whom to ask);
-* :mod:`.validation`: the checks a peer's parameters must pass.
+tests/test_layers.py holds them:
+
+* :mod:`.membership`: who the members are and whom to ask (the view, barriers, flow control, relays);
+* :mod:`.transfer`: the node's message kinds, snapshots, serving and requesting them, joins;
+* :mod:`.exchange`: the exchange's state machine and its driver, and the two mixing modes;
+* the node that assembles them: :mod:`.node` (the :class:`Node` facade), :mod:`.services` (its sockets,
+  threads and slots, built in order and closed in reverse), :mod:`.setup` and :mod:`.start` (who it is, and
+  how it starts), :mod:`.settings` (the mixing objects a config names) and :mod:`.reporting` (stats and status).
 """
 
 from .node import Node, Update

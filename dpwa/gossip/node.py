@@ -12,17 +12,17 @@ The training thread calls :meth:`Node.update_send` before each batch and
 
 ``Node`` is a facade: it wires the parts together and forwards. The parts own their state:
 
-* :class:`~dpwa.gossip.parts.Parts`: everything the node runs (snapshots,
+* :class:`~dpwa.gossip.services.NodeServices`: everything the node runs (snapshots,
   the Rx and Tx threads, the bulk server, the join server), built in order and
   closed in reverse;
-* the mixing mode, chosen once: :class:`~dpwa.gossip.pull.PullSteps` or
-  :class:`~dpwa.gossip.symmetric.SymmetricSteps` (:mod:`dpwa.gossip.steps`);
-* :class:`~dpwa.gossip.flow.FlowControl` (whom to ask) and
-  :class:`~dpwa.gossip.outcomes.Outcomes` (how each finished request counts);
-* :class:`~dpwa.gossip.progress.Progress`: the training thread's clock and loss;
-* :class:`~dpwa.gossip.barrier.BarrierWaiter`: waiting at barriers;
+* the mixing mode, chosen once: :class:`~dpwa.gossip.exchange.pull.PullMode` or
+  :class:`~dpwa.gossip.exchange.symmetric.SymmetricMode` (:mod:`dpwa.gossip.exchange.steps`);
+* :class:`~dpwa.gossip.membership.flow.FlowControl` (whom to ask) and
+  :class:`~dpwa.gossip.exchange.outcomes.Outcomes` (how each finished request counts);
+* :class:`~dpwa.gossip.exchange.progress.Progress`: the training thread's clock and loss;
+* :class:`~dpwa.gossip.membership.barrier.BarrierWaiter`: waiting at barriers;
 * :class:`~dpwa.gossip.reporting.Reporter`: ``stats()`` and status;
-* with open membership (``bootstrap:``), :class:`~dpwa.gossip.members.Members`:
+* with open membership (``bootstrap:``), :class:`~dpwa.gossip.membership.members.Members`:
   the view of who is in the cluster; the node's peers follow it between steps.
 
 Only the training thread writes the model: fetched snapshots, and both
@@ -46,27 +46,27 @@ from ..logs import logger
 from ..mixing.model import WireModel
 from ..mixing.params import FlatParams
 from ..stats import Counters
-from .barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter, dead_peer_s
-from .deadlines import cap_s
-from .extras import Extras, RuleState
-from .flow import FlowControl
-from .guard import RuleGuard
-from .join import JOIN_CHUNK, JOIN_INFO, ExtraState, Joined
-from .members import MembersServer
-from .outcomes import Outcomes
-from .outer import OuterStep
-from .parts import Parts
-from .progress import Progress, loss_value
-from .protocol import BULK_EXCHANGE, CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, SHM_EXCHANGE
-from .pull import PullSteps
-from .refresh import BootstrapRefresh
-from .relayed import reached_at
-from .reporting import NodeState, Reporter, StatusServer
+from .exchange.guard import RuleGuard
+from .exchange.outcomes import Outcomes
+from .exchange.outer import OuterStep
+from .exchange.progress import Progress, loss_value
+from .exchange.pull import PullMode
+from .exchange.steps import WAIT_SLACK_S, Mode, ModeContext, OuterHook, Step, Update
+from .exchange.symmetric import SymmetricMode
+from .membership.barrier import BARRIER, BarrierCounts, BarrierServer, BarrierWaiter, dead_peer_s
+from .membership.deadlines import cap_s
+from .membership.flow import FlowControl
+from .membership.members import MembersServer
+from .membership.refresh import BootstrapRefresh
+from .membership.relayed import reached_at
+from .reporting import Reporter, StatusServer
+from .services import NodeServices
 from .settings import pairing_of, rule_of, start_share_of
 from .setup import ConfigSource, identify, node_keys, open_membership
 from .start import AtStart, find_members, join_wait_s, start_together, take_state
-from .steps import WAIT_SLACK_S, Crew, OuterHook, Step, Steps, Update
-from .symmetric import SymmetricSteps
+from .transfer.extras import Extras, RuleState
+from .transfer.join import JOIN_CHUNK, JOIN_INFO, ExtraState, Joined
+from .transfer.protocol import BULK_EXCHANGE, CONFIRM, EXCHANGE, FETCH, MAX_CLOCK, SHM_EXCHANGE, NodeState
 
 __all__ = ["LINGER_KINDS", "Node", "Update", "WAIT_SLACK_S"]
 
@@ -165,7 +165,7 @@ class Node:
         for note in pointless_settings(self.config):
             logger.warning("%s: %s", self.name, note)
         symmetric = self.config.mode == "symmetric"
-        self.parts = Parts(
+        self.services = NodeServices(
             name=self.name,
             config=self.config,
             spec=self.spec,
@@ -184,14 +184,14 @@ class Node:
             heard=self._flow.signs.heard,  # a peer that answers late, or asks us, is alive: slow, not dead
         )
         try:
-            if self.parts.relayed is not None and self.members is not None:  # nobody can dial us: a relay's port
-                self.members.move(reached_at(self.parts.relayed, self.config, self.name))
-            crew = Crew(
+            if self.services.relayed is not None and self.members is not None:  # nobody can dial us: a relay's port
+                self.members.move(reached_at(self.services.relayed, self.config, self.name))
+            ctx = ModeContext(
                 name=self.name,
                 config=self.config,
                 params=params,
                 model=self.model,
-                parts=self.parts,
+                services=self.services,
                 flow=self._flow,
                 progress=self._progress,
                 counters=self.counters,
@@ -201,12 +201,12 @@ class Node:
                 publish=self._publish,
                 outer=self._outer if self._outer is not None else outer,
             )
-            self._steps: Steps = SymmetricSteps(crew) if symmetric else PullSteps(crew)
-            self.parts.own(self._steps.close)  # after the Rx thread stops: the last decisions it made
+            self._mode: Mode = SymmetricMode(ctx) if symmetric else PullMode(ctx)
+            self.services.own(self._mode.close)  # after the Rx thread stops: the last decisions it made
             self._waiter = BarrierWaiter(
                 self.name,
                 self._barriers,
-                self.parts.client.submit,
+                self.services.client.submit,
                 self.config.timeout_s,
                 members=self.members,
                 keepalive_s=self.config.suspect_after_ms / 3000.0,
@@ -217,7 +217,7 @@ class Node:
                 dead_after_s=math.inf if self.members is not None else dead_peer_s(self.config.timeout_s),
                 last_sign=self._flow.signs.last,
             )
-            self.parts.own(self._waiter.close)
+            self.services.own(self._waiter.close)
             self._reporter = Reporter(
                 self.name,
                 self.counters,
@@ -226,14 +226,14 @@ class Node:
                 self._barriers,
                 lambda: self.state,
                 self._parts_report,
-                self._steps.report,
+                self._mode.report,
             )
-            self.parts.serve(
+            self.services.serve(
                 {
-                    **self.parts.serving.routes(),
-                    **self._steps.routes(),
+                    **self.services.serving.routes(),
+                    **self._mode.routes(),
                     **BarrierServer(self._barriers, list(self.peers), self.members).routes(),
-                    **self.parts.joins.routes(),
+                    **self.services.joins.routes(),
                     **StatusServer(self._reporter.status, self._at_start.heard).routes(),
                     **(MembersServer(self.members).routes() if self.members is not None else {}),
                 }
@@ -265,7 +265,7 @@ class Node:
             start_together(
                 self.name,
                 list(self.peers),
-                self.parts.client.submit,
+                self.services.client.submit,
                 self.config.timeout_s,
                 join_wait_s(self.config),
                 self._at_start,
@@ -275,9 +275,11 @@ class Node:
         """Open membership: find the members through a bootstrap address, join from them (join: auto) as a
         late node does, and publish our state. No start barrier: the cluster is whoever is there."""
         assert self.members is not None
-        answerer = find_members(self.name, self.config, self.members, self.parts.endpoints, self.parts.client.submit)
+        answerer = find_members(
+            self.name, self.config, self.members, self.services.endpoints, self.services.client.submit
+        )
         self._refresh = BootstrapRefresh(
-            self.name, self.config, self.members, self.parts.endpoints, self.parts.client.submit
+            self.name, self.config, self.members, self.services.endpoints, self.services.client.submit
         )
         self._sync_members()
         others = self._flow.peers()
@@ -290,11 +292,11 @@ class Node:
 
     def _sync_members(self) -> None:
         """(The training thread) Open membership: our peers follow the view (members come and go), and a
-        bootstrap address is asked again while no member is at one (see dpwa.gossip.refresh)."""
+        bootstrap address is asked again while no member is at one (see dpwa.gossip.membership.refresh)."""
         if self.members is not None:
             if self._refresh is not None:
-                self._refresh.tend()
-            self.members.sync(self._flow, self.parts.endpoints, gone=self._steps.forget)
+                self._refresh.ask_if_due()
+            self.members.sync(self._flow, self.services.endpoints, gone=self._mode.forget)
 
     def _take_state(
         self, trained_only: bool = False, wait_s: float | None = None, order: list[str] | None = None
@@ -305,7 +307,7 @@ class Node:
             self.params,
             self.model,
             self._extra,
-            self.parts.client.submit,
+            self.services.client.submit,
             self._flow,
             self._progress,
             self._barriers,
@@ -344,8 +346,8 @@ class Node:
             self._own_outer.reanchor()
 
     def _publish(self, loss: float | None) -> None:
-        if self.parts.publish(self._progress.clock, loss) and self.rule.carries:
-            snapshot = self.parts.store.current()  # (we are its one publisher: this is the one just made)
+        if self.services.publish(self._progress.clock, loss) and self.rule.carries:
+            snapshot = self.services.store.current()  # (we are its one publisher: this is the one just made)
             if snapshot is not None:
                 self.rule.published(snapshot.version)
 
@@ -375,7 +377,7 @@ class Node:
             self._publish(step.send_loss)
             return False
         self._local_steps = 0  # this step's turn is taken (fetch_probability and pairing decide whether it asks)
-        return self._steps.start(step)
+        return self._mode.start(step)
 
     def update_wait(self, loss: Any = None) -> Update:
         """Finish the step: wait for the request started by update_send, if any, and blend in place.
@@ -402,7 +404,7 @@ class Node:
         try:
             if step.call is not None:
                 step.call.wait(max(0.0, step.deadline + WAIT_SLACK_S - time.monotonic()))
-            update = self._steps.finish(step, own_loss)
+            update = self._mode.finish(step, own_loss)
             if step.call is not None and update.outcome not in ("ok", "in_doubt"):
                 self._local_steps = self.config.period  # the exchange failed: try again at the next step
         finally:
@@ -413,7 +415,7 @@ class Node:
         return update
 
     def _alone(self) -> bool:
-        """True once this node's rule broke (dpwa.gossip.guard). The first time, its gossip closes (peers see
+        """True once this node's rule broke (dpwa.gossip.exchange.guard). The first time, its gossip closes (peers see
         it leave). Under ``broken_rule: alone`` it trains on without averaging; under ``raise`` (the error was
         raised already) a later call raises."""
         if self._guard.broken is None:
@@ -430,7 +432,7 @@ class Node:
         if step is None:
             return
         self._progress.set_clock(self._progress.clock + step.batch)
-        self._steps.abandon(step)
+        self._mode.abandon(step)
         if step.own is not None:
             step.own.release()
 
@@ -439,17 +441,17 @@ class Node:
         membership, our peers follow the view."""
         self._sync_members()
         self._waiter.tidy()
-        if self.parts.joins.wanted.is_set() and self.state in ("at_barrier", "lingering"):
+        if self.services.joins.wanted.is_set() and self.state in ("at_barrier", "lingering"):
             self._publish(self._progress.loss)  # a peer is joining while we make no steps: offer our state as of now
-        return self._steps.tend()
+        return self._mode.apply_settled()
 
     def _idle(self) -> None:
         """While making no steps (lingering, at a barrier): keep taking part."""
         self._sync_members()
         self._waiter.tidy()
-        if self.parts.joins.wanted.is_set():
+        if self.services.joins.wanted.is_set():
             self._publish(self._progress.loss)
-        self._steps.idle()
+        self._mode.idle()
 
     # ----------------------------------------------------------------- without training
 
@@ -476,7 +478,7 @@ class Node:
             return sum(self.counters.get(f"served.{kind}") for kind in LINGER_KINDS)
 
         last = served()
-        wakeup = self._steps.wakeup
+        wakeup = self._mode.wakeup
         try:
             while not stop() and time.monotonic() - start < limit_s:
                 wakeup.clear()
@@ -504,15 +506,15 @@ class Node:
         call with this name, or a later one (with ``bootstrap:``, every member of this node's view
         at the time, re-read while it waits). There is no master: each node
         tells its peers its counters and asks for theirs (see
-        :mod:`dpwa.gossip.barrier`). Meanwhile the node keeps serving its
+        :mod:`dpwa.gossip.membership.barrier`). Meanwhile the node keeps serving its
         peers, and settled exchanges are applied. A node that has closed or
         died never arrives: after `timeout_s` (None: wait for ever) this raises
-        :class:`~dpwa.gossip.barrier.BarrierTimeout` naming the missing nodes,
+        :class:`~dpwa.gossip.membership.barrier.BarrierTimeout` naming the missing nodes,
         or, with ``missing="proceed"``, logs them and returns their names.
         Returns the nodes skipped ([] when everyone arrived); with ``bootstrap:``
         that includes members this node never blended with that were all it
         waited for during ``suspect_after_ms`` (whatever `missing` says; see
-        :mod:`dpwa.gossip.barrier`). `stop` is
+        :mod:`dpwa.gossip.membership.barrier`). `stop` is
         asked between polls: once it returns True (a SIGTERM, say) the wait
         ends at once and returns the nodes not yet arrived, whatever
         `missing` says; this call still counts as made. A node whose rule broke under ``broken_rule: alone``
@@ -578,7 +580,7 @@ class Node:
         rule's state is left as it is).
 
         Everything is checked before anything is taken: the outer state exactly as a donor's is
-        (:func:`~dpwa.gossip.outer.checked_outer_state`: this node's rule and size, finite values within
+        (:func:`~dpwa.gossip.exchange.outer.checked_outer_state`: this node's rule and size, finite values within
         ±1e18, a step count), the rule's state as a donor's is (its size, then the rule's own
         ``check_state``), and it must be this node's rule's (a rule that keeps none takes none).
         A ValueError names what is wrong, and the node is left as it was."""
@@ -611,7 +613,7 @@ class Node:
             self._progress.set_clock(float(clock))
         # Peers and joiners must see the restored state, not the one published when the node started (a
         # joiner took that one: the initial parameters at clock 0, while its donor restored epoch 3).
-        self.parts.joins.replaced()
+        self.services.joins.replaced()
         self._publish(self._progress.loss)
 
     # ----------------------------------------------------------------- reporting
@@ -637,7 +639,7 @@ class Node:
         return self._reporter.stats()
 
     def _parts_report(self) -> dict[str, Any]:
-        store, bulk = self.parts.store, self.parts.bulk
+        store, bulk = self.services.store, self.services.bulk
         out: dict[str, Any] = {
             "snapshot_slots": store.slots,
             "publish_skipped": store.skipped,
@@ -663,7 +665,7 @@ class Node:
     @property
     def alive(self) -> bool:
         """True while both the Rx and the Tx thread run (they survive any message a peer sends)."""
-        return self._serving and self.parts.server.alive and self.parts.client.alive
+        return self._serving and self.services.server.alive and self.services.client.alive
 
     @property
     def closed(self) -> bool:
@@ -674,7 +676,7 @@ class Node:
 
         Idempotent; bounded by about `timeout_s` per stage. A fetch in flight
         is abandoned. In mode symmetric, exchanges are settled first by the
-        rule of :mod:`dpwa.gossip.exchange` (new ones refused; confirms still
+        rule of :mod:`dpwa.gossip.exchange.driver` (new ones refused; confirms still
         answered; in-doubt ones still asked), within `timeout_s`; committed
         halves are applied, so the model may change here. Logs an error if a
         thread is still alive after that. Shared-memory slot files are deleted.
@@ -688,8 +690,8 @@ class Node:
             if self._refresh is not None:
                 self._refresh.close()
             if self._serving:
-                self._steps.settle(time.monotonic() + timeout_s)
-            self.parts.close(timeout_s)
+                self._mode.settle(time.monotonic() + timeout_s)
+            self.services.close(timeout_s)
         finally:
             self.state = "closed"
         logger.info("%s: closed", self.name)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any
 
 import msgpack
 
@@ -26,17 +26,16 @@ from ..stats import Counters
 from ..wire.calls import Ask
 from ..wire.schema import NAME_PATTERN, Choice, Flag, Integer, MapOf, Number, Record, Text, clamp, encode, message_kind
 from ..wire.server import Reply, Request, Route
-from .barrier import MAX_BARRIERS, BarrierCounts
-from .flow import FlowControl
-from .progress import Progress
+from .exchange.progress import Progress
+from .membership.barrier import MAX_BARRIERS, BarrierCounts
+from .membership.flow import FlowControl
+from .transfer.protocol import STATES, NodeState
 
 __all__ = ["NodeState", "STATES", "STATUS", "STATUS_BYTES", "STATUS_REPORT", "Reporter", "StatusServer", "StatusTask"]
 
 STATUS_BYTES = 1 << 16  # the largest status reply
 MAX_PEERS_SHOWN = 1024  # peers one report lists at most (fewer if their names are long)
 
-NodeState = Literal["starting", "joining", "training", "at_barrier", "lingering", "closing", "closed"]
-STATES: tuple[NodeState, ...] = get_args(NodeState)
 _NAME = Text(64, NAME_PATTERN)
 _COUNT = Integer(0, 1 << 62)
 _SECONDS = Number(0.0, 1e9, optional=True)

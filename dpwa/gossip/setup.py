@@ -2,7 +2,7 @@
 
 A config may be a file, parsed YAML or a :class:`~dpwa.config.Config`; with
 ``nodes: torchrun`` the node list and keys come from torchrun's rendezvous
-(:mod:`dpwa.gossip.rendezvous`). Keys come from the rendezvous or from the
+(:mod:`dpwa.gossip.membership.rendezvous`). Keys come from the rendezvous or from the
 node's secret key file (:func:`key_pair`, which ``python -m dpwa status``
 uses too).
 """
@@ -23,8 +23,8 @@ from ..logs import logger
 from ..wire.certs import PROBLEMS as CERT_PROBLEMS
 from ..wire.certs import Certifier, load_cluster_public, read_cert
 from ..wire.curve import CurveKeys, KeyFileError, KeyPair, load_secret
-from .members import Members
-from .rendezvous import Rendezvous, rendezvous
+from .membership.members import Members
+from .membership.rendezvous import Rendezvous, rendezvous
 
 __all__ = ["Identity", "identify", "key_pair", "node_keys", "open_membership"]
 

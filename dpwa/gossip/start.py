@@ -2,13 +2,13 @@
 
 Before a node's constructor returns (``join: auto``):
 
-* :func:`take_state` joins from a peer (see :mod:`dpwa.gossip.join` for whom,
+* :func:`take_state` joins from a peer (see :mod:`dpwa.gossip.transfer.join` for whom,
   and what is checked): a late or restarted node takes a trained peer's
   parameters, optimizer state, clock and barrier counts; at a fresh start,
   every node but the first takes the first node's initial parameters;
 * :func:`start_together`: at a fresh start of a node list, like DDP's
   constructor, it waits until every peer holds that same initial state (under
-  torchrun the start barrier is torchrun's store: :mod:`dpwa.gossip.rendezvous`).
+  torchrun the start barrier is torchrun's store: :mod:`dpwa.gossip.membership.rendezvous`).
 
 With open membership (``bootstrap:``) :func:`find_members` comes first: it
 asks the bootstrap addresses who the members are, announcing this node, and
@@ -32,12 +32,12 @@ from ..mixing.params import FlatParams
 from ..stats import Counters
 from ..wire.calls import Call
 from ..wire.client import PeerBook
-from .barrier import BarrierCounts, plausible
-from .flow import FlowControl
-from .join import ExtraState, Joined, JoinTerms, join_cluster
-from .members import Members, MembersTask
-from .progress import Progress
+from .exchange.progress import Progress
+from .membership.barrier import BarrierCounts, plausible
+from .membership.flow import FlowControl
+from .membership.members import Members, MembersTask
 from .reporting import StatusTask
+from .transfer.join import ExtraState, Joined, JoinTerms, join_cluster
 
 __all__ = [
     "AtStart",

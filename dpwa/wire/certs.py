@@ -12,7 +12,7 @@ DIR/cluster.secret`` writes ``keys/NAME.cert``) says, signed by that key:
 
 * which cluster key signed it (:func:`key_id`: 8 bytes of its SHA-256);
 * the member's name (1 to 64 letters, digits, ``_``, ``.``, ``-``, as a
-  config's node names and :mod:`dpwa.gossip.membership` have them);
+  config's node names and :mod:`dpwa.gossip.membership.view` have them);
 * the member's CURVE public key (its 32 bytes; Z85 text, 40 characters, to
   the caller);
 * when it was issued and when it expires (``not_after``), in whole unix
@@ -23,7 +23,7 @@ claims, and returns ``"ok"`` or one reason from :data:`REFUSALS`. Nothing a
 peer sends raises out of it: a value that is not a string, too long, not
 canonical base64url, of the wrong length or version, or with a field out of
 range is ``bad_cert``. :class:`Certifier` is the ``trusted(name, key)`` that
-:class:`dpwa.gossip.membership.View` takes, and counts its refusals by reason.
+:class:`dpwa.gossip.membership.view.View` takes, and counts its refusals by reason.
 
 **What a certificate does not bind: the endpoint.** A certificate travels
 with gossip, far from the member it names, and the member's address may
@@ -137,7 +137,7 @@ CERT_MAX: Final = 256  # characters a certificate may have (the longest name giv
 CLOCK_SKEW_S: Final = 300  # a certificate issued this far in the verifier's future is still accepted
 MAX_VALID_S: Final = 366 * 86400  # the longest validity sign() gives: expiry is the revocation
 MAX_TIME: Final = 2**53  # issued_at and not_after beyond this are refused
-NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as dpwa.gossip.membership's names
+NAME_RE: Final = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # as dpwa.gossip.membership.view's names
 KEY_RE: Final = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")  # as its Z85 CURVE public keys
 
 _CONTEXT = b"dpwa member certificate\0"  # what the signature covers starts with this: it signs nothing else
@@ -271,7 +271,7 @@ def verify(cluster_public: Ed25519PublicKey, cert: object, name: object, key: ob
 
 
 class Certifier:
-    """A keyed cluster's consent, as :class:`dpwa.gossip.membership.View` asks it: ``trusted(name, key, cert)``.
+    """A keyed cluster's consent, as :class:`dpwa.gossip.membership.view.View` asks it: ``trusted(name, key, cert)``.
 
     Args:
         cluster_public: the cluster's public key (:func:`load_cluster_public`).

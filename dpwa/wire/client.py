@@ -39,7 +39,7 @@ class PeerBook(Mapping[str, str]):
     """Peer name -> endpoint, shared by a node's clients: thread-safe, and changed while they run.
 
     A plain mapping given to a client is copied into one. An owner that learns of peers as they come
-    and go (open membership, :mod:`dpwa.gossip.members`) changes it with :meth:`put` and :meth:`drop`;
+    and go (open membership, :mod:`dpwa.gossip.membership.members`) changes it with :meth:`put` and :meth:`drop`;
     a client's channel to a peer whose endpoint changed is replaced at its next request, and its channels
     to peers dropped meanwhile are closed then (each client sweeps them in its own thread, which owns them;
     :attr:`generation` tells it that something changed).

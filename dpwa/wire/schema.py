@@ -10,7 +10,7 @@ A message is a list of ZeroMQ frames:
    received into numpy memory without copies), for the kinds that carry them.
 
 A service declares its kinds with :func:`message_kind` in its own module
-(``dpwa.gossip.protocol``, the lab's ``dpwa_lab.systems.sync.protocol``, ...), so every
+(``dpwa.gossip.transfer.protocol``, the lab's ``dpwa_lab.systems.sync.protocol``, ...), so every
 kind has one schema, checked on both ends: :func:`encode` refuses to send a
 header that breaks it and :func:`decode` refuses to hand one to anyone. Each
 field says what it accepts (a number within bounds, a short string, a blob of

@@ -70,7 +70,7 @@ def learning_rate(data: str, nodes: int, lr: float | None = None) -> tuple[float
 
 
 def warmup_steps(scale: float, steps_per_epoch: int, total_steps: int) -> int:
-    """Steps of linear warm-up: the first epoch (at most a tenth of all steps) when the rate was scaled up."""
+    """Mode of linear warm-up: the first epoch (at most a tenth of all steps) when the rate was scaled up."""
     if scale <= 1.0:
         return 0
     return max(1, min(steps_per_epoch, total_steps // 10))

@@ -225,7 +225,7 @@ def node_state(
 def position(config: dpwa.Config, args: argparse.Namespace) -> tuple[int, int]:
     """(this node's index, the number of nodes): from the config's node list, or from torchrun's RANK."""
     if config.torchrun:
-        from dpwa.gossip.rendezvous import TorchrunEnv
+        from dpwa.gossip.membership.rendezvous import TorchrunEnv
 
         env = TorchrunEnv.from_environ(source=config.source)
         if args.name not in (None, env.name):

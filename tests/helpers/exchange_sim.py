@@ -1,10 +1,10 @@
 """A deterministic simulation of symmetric exchanges, after FoundationDB's: N nodes' exchange machines
-(:mod:`dpwa.gossip.exchange_machine`) wired through a seeded network that drops, delays, duplicates and
+(:mod:`dpwa.gossip.exchange.machine`) wired through a seeded network that drops, delays, duplicates and
 reorders messages, with crashes, restarts, closes and a simulated clock. No socket, thread, sleep or real clock:
 it runs in the unit lane, and a seed replays exactly.
 
 Each node holds one number (its "model"); a half is an opaque handle the machine passes around. The simulated
-driver does what :mod:`dpwa.gossip.exchange` and :mod:`dpwa.gossip.symmetric` do around the machine, in
+driver does what :mod:`dpwa.gossip.exchange.driver` and :mod:`dpwa.gossip.exchange.symmetric` do around the machine, in
 outline: the requester's task (ask the candidates in turn, check the reply, confirm or withdraw, in doubt when
 no decision comes), the server's routes (request, confirm, ack, known), the training thread's step (apply what
 committed, resolve what is in doubt, start an exchange), and close (settle, then let go of everything).
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dpwa.backoff import Backoff
-from dpwa.gossip import exchange_machine as em
+from dpwa.gossip.exchange import machine as em
 
 TIMEOUT_S = 0.25  # the requesters' deadline (timeout_ms), as the real chaos tests had it
 CLOSE_TIMEOUT_S = 5.0  # a close's deadline
@@ -98,7 +98,7 @@ class Node:
         self.known = em.KnownTable([p for p in sim.names if p != name])
         self.halves: list[Half] = []
         self.own: Own | None = None
-        self.ticket = 0  # our latest own exchange's (SymmetricSteps._ticket)
+        self.ticket = 0  # our latest own exchange's (SymmetricMode._ticket)
         self.waiting: dict[int, Callable[[Any], None]] = {}  # rid -> what to do with the answer (None: timed out)
         self.resolved: list[tuple[str, int, str | None]] = []  # resolve calls done, for the next step
         self.resolving: set[tuple[str, int]] = set()
@@ -404,7 +404,7 @@ class Node:
         return answered
 
     def finish_close(self, now: float) -> None:
-        """SymmetricSteps.close: apply the last decisions, let go of everything else."""
+        """SymmetricMode.close: apply the last decisions, let go of everything else."""
         self.tend(now)
         if self.own is not None:  # abandoned on the Tx thread
             if self.own.half is not None:

@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from dpwa.gossip.join import CHUNK_BYTES
+from dpwa.gossip.transfer.join import CHUNK_BYTES
 from helpers.raw_peer import FakePeer, FakeRequest
 
 

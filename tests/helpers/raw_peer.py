@@ -107,7 +107,7 @@ class RawPeer:
         """An exchange that offers `payload` for a model whose layout has `fingerprint` (`fields`: optional
         header fields, such as ``wait_ms``, or ``rule``: the rule's fingerprint, without which a node refuses
         it ``bad_rule``)."""
-        from dpwa.gossip.protocol import EXCHANGE
+        from dpwa.gossip.transfer.protocol import EXCHANGE
         from dpwa.wire.schema import encode
 
         header = encode(
@@ -126,7 +126,7 @@ class RawPeer:
         return self._ask([header, *chunks([payload])])
 
     def confirm(self, xid: int) -> Any:
-        from dpwa.gossip.protocol import CONFIRM
+        from dpwa.gossip.transfer.protocol import CONFIRM
         from dpwa.wire.schema import encode
 
         return self._ask([encode(CONFIRM, 2, **{"from": self.name}, xid=xid)])
@@ -150,8 +150,8 @@ def bulk_exchange_header(fingerprint, port, token=None, name="w2", nbytes=None, 
     """A ``bulk_exchange`` request from `name` (clock 0, no loss) for a snapshot of `nbytes` (by default
     the smallest model that streams), offered at `port` with `token` (by default a fixed one), naming the
     mixing rule whose fingerprint is `rule` (None: none, which a node refuses ``bad_rule``)."""
-    from dpwa.gossip.parts import BULK_MIN_BYTES
-    from dpwa.gossip.protocol import BULK_EXCHANGE
+    from dpwa.gossip.services import BULK_MIN_BYTES
+    from dpwa.gossip.transfer.protocol import BULK_EXCHANGE
     from dpwa.wire.bulk import TOKEN_BYTES
     from dpwa.wire.schema import encode
 

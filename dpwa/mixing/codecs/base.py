@@ -18,7 +18,7 @@ needs the requester's identity or history (top-k keeps one reference per
 peer) may restrict the modes it runs in (:attr:`Codec.modes`); the config
 refuses the others when it loads.
 
-Header fields a codec uses must be declared in :mod:`dpwa.gossip.protocol`
+Header fields a codec uses must be declared in :mod:`dpwa.gossip.transfer.protocol`
 (``_CODEC_REQUEST`` and ``_CODEC_REPLY``), with their bounds: the schema
 checks them before a codec sees them.
 """

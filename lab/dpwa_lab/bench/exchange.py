@@ -111,7 +111,7 @@ class DpwaPair:
         mode: str = "pull",
     ) -> None:
         from dpwa.gossip.node import Node
-        from dpwa.gossip.parts import BULK_MIN_BYTES
+        from dpwa.gossip.services import BULK_MIN_BYTES
         from dpwa.mixing.params import NumpyParams
 
         self.same_host = same_host
@@ -169,7 +169,7 @@ class RawClientOfNode:
     def __init__(self, pair: DpwaPair) -> None:
         import zmq
 
-        from dpwa.gossip.protocol import FETCH
+        from dpwa.gossip.transfer.protocol import FETCH
         from dpwa.wire.schema import decode, encode
 
         config = pair.node.config

@@ -152,7 +152,7 @@ class WorkFloor(ZmqFloor):
         self.params, self.snapshot = NumpyParams(np.zeros(size, np.float32)), np.empty(size, np.float32)
 
     def sample(self) -> dict[str, float]:
-        from dpwa.gossip.protocol import MAX_VALUE
+        from dpwa.gossip.transfer.protocol import MAX_VALUE
         from dpwa.mixing import kernels
 
         t0 = time.perf_counter()

@@ -255,7 +255,7 @@ def serve_memory_node(
         torch.cuda.reset_peak_memory_stats()
     baseline = _status_kib("RssAnon") * 1024
     adapter = DpwaPyTorchAdapter(net, name, config_path)
-    shared = adapter.node.parts.shared
+    shared = adapter.node.services.shared
     sampler = _Sampler(str(shared.dir) if shared is not None else None)
     step_times: list[float] = []
     try:

@@ -17,7 +17,7 @@ def median_ms(samples: list[float]) -> float:
 def measure_size(size: int, reps: int, wire_dtypes: list[str], warmup: int = 3) -> dict[str, Any]:
     """Every measurement for one model size, interleaved: one sample of each per repetition. The subjects'
     helper processes start side by side; sampling begins once every one serves."""
-    from dpwa.gossip.parts import BULK_MIN_BYTES
+    from dpwa.gossip.services import BULK_MIN_BYTES
 
     with tempfile.TemporaryDirectory() as tmp:
         subjects: dict[str, Any] = {}

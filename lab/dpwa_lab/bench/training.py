@@ -161,7 +161,7 @@ def _work_floor(net: Any, mode: str) -> Any:
     into a snapshot, check the peer's values (finite, within bounds), blend them in as `mode` does
     (pull: towards the peer's state; symmetric: by the difference of the two snapshots)."""
     from dpwa.adapters.pytorch import TorchParams
-    from dpwa.gossip.protocol import MAX_VALUE
+    from dpwa.gossip.transfer.protocol import MAX_VALUE
     from dpwa.mixing import kernels
 
     params = TorchParams(net)

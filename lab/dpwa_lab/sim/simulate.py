@@ -12,7 +12,7 @@ Commands (they run as written from the repository root)::
 applies exchanges exactly as :class:`~dpwa.gossip.node.Node` does: the requester's
 half through its rule's :meth:`~dpwa.mixing.rules.Rule.blend`, the server's half (mode
 symmetric) through :meth:`~dpwa.mixing.rules.Rule.mirror`, and the peer chosen by the same
-:class:`~dpwa.gossip.flow.PeerSelector`. What it leaves out is the network: every
+:class:`~dpwa.gossip.membership.flow.PeerSelector`. What it leaves out is the network: every
 exchange succeeds, and a round is synchronous (everyone publishes, trains,
 then blends), which is how a cluster of equally fast nodes behaves.
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from dpwa.gossip.flow import PeerSelector
+from dpwa.gossip.membership.flow import PeerSelector
 from dpwa.mixing import pairing as pairings
 from dpwa.mixing import rules as mixing
 from dpwa.mixing.admission import Admission

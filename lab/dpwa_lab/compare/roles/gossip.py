@@ -133,10 +133,10 @@ def _publish_wrong(conn: Any, net: Any, attack: str, count: list[int]) -> None:
     """Make every snapshot `conn`'s node publishes from now on wrong, by `attack` (counted in count[0]).
 
     Every publication of the node (at update_send, after an exchange it applied in mode symmetric, while
-    it lingers) goes through ``node.parts.publish``, on the training thread: the parameters are attacked
+    it lingers) goes through ``node.services.publish``, on the training thread: the parameters are attacked
     for the copy and restored exactly after it, so the node trains and blends on its true parameters.
     """
-    parts = conn.node.parts
+    parts = conn.node.services
     publish = parts.publish
 
     def wrong(clock: float, loss: float | None) -> None:

@@ -1,7 +1,7 @@
 """Open membership on a node: its view of the members, shared by its threads, and the ``members`` call.
 
 A node whose config names ``bootstrap:`` addresses (issue 32) owns one
-:class:`Members`: the pure view (:class:`~dpwa.gossip.membership.View`, which
+:class:`Members`: the pure view (:class:`~dpwa.gossip.membership.view.View`, which
 holds the rules) under one lock, because three threads touch it:
 
 * the Rx thread merges the digests requests carry, answers ``members``
@@ -9,14 +9,14 @@ holds the rules) under one lock, because three threads touch it:
   request's ``from`` names a member;
 * the Tx thread (or the training thread, for a small model's direct fetch)
   puts a digest in each request and merges the one each reply carries
-  (:class:`~dpwa.gossip.requesting.ReplyReader`);
+  (:class:`~dpwa.gossip.transfer.requesting.ReplyReader`);
 * the training thread calls :meth:`Members.tick` between steps: silent members
   become suspect, long-suspect ones are removed, and the node's peers (flow
   control and the clients' address book) follow the view
   (:meth:`Members.sync`).
 
-What a peer sends is checked twice: by the schema (:data:`~dpwa.gossip.protocol.ENTRY`:
-types and lengths) and by :func:`~dpwa.gossip.membership.check_entry`
+What a peer sends is checked twice: by the schema (:data:`~dpwa.gossip.transfer.protocol.ENTRY`:
+types and lengths) and by :func:`~dpwa.gossip.membership.view.check_entry`
 (names, endpoints, counts); every refusal is counted by its reason
 (``members.refused.<reason>`` in ``stats()``), none raises. Announcements
 (``members`` requests with an entry) admit at most :data:`ANNOUNCES_PER_S`
@@ -27,7 +27,7 @@ first admitted name; another new name from it is refused
 that announces a new name with every request on one connection cannot take
 the budget from the newcomers (before, one such client took every slot as it
 freed, and a newcomer waited 16 s or more). These are the view's rules
-(:meth:`~dpwa.gossip.membership.View.announce`, tested without a network);
+(:meth:`~dpwa.gossip.membership.view.View.announce`, tested without a network);
 this class adds the checks that need the request: its connection, its CURVE
 key, and whether the member can be reached over this node's transport.
 
@@ -61,17 +61,17 @@ from typing import Any
 
 from zmq.utils import z85
 
-from ..config import Config, NodeSpec, split_host_port
-from ..logs import logger
-from ..wire.calls import Ask
-from ..wire.certs import Certifier
-from ..wire.client import PeerBook
-from ..wire.endpoints import ipc_endpoint
-from ..wire.schema import encode
-from ..wire.server import Reply, Request, Route
+from ...config import Config, NodeSpec, split_host_port
+from ...logs import logger
+from ...wire.calls import Ask
+from ...wire.certs import Certifier
+from ...wire.client import PeerBook
+from ...wire.endpoints import ipc_endpoint
+from ...wire.schema import encode
+from ...wire.server import Reply, Request, Route
 from .flow import FlowControl
-from .membership import DIGEST_MAX, MemberInfo, View, check_entry
-from .protocol import MEMBERS, MEMBERS_REPLY
+from .messages import MEMBERS, MEMBERS_REPLY
+from .view import DIGEST_MAX, MemberInfo, View, check_entry
 
 __all__ = ["ANNOUNCES_PER_S", "KeyBook", "Members", "MembersServer", "MembersTask", "TOMBSTONE_MIN_S", "member_spec"]
 

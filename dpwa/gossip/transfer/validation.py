@@ -1,8 +1,8 @@
 """The checks a peer's parameters must pass before anyone blends them.
 
-Headers are range-checked by their schemas (:mod:`dpwa.gossip.protocol`);
+Headers are range-checked by their schemas (:mod:`dpwa.gossip.transfer.protocol`);
 this module checks what only the payload can tell: that every value is
-finite and within :data:`~dpwa.gossip.protocol.MAX_VALUE` (so a blend cannot
+finite and within :data:`~dpwa.gossip.transfer.protocol.MAX_VALUE` (so a blend cannot
 overflow), and, with ``max_peer_distance``, that the peer is not implausibly
 far from our own snapshot. Both the requester (a reply) and the server (an
 exchange request) use it.
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..mixing import kernels
-from ..wire.errors import ProtocolError
+from ...mixing import kernels
+from ...wire.errors import ProtocolError
 from .protocol import MAX_VALUE
 from .snapshots import Lease
 

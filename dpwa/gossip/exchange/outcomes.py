@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ..logs import RateLimitedLog
-from ..stats import Counters
-from ..wire.calls import Call
-from .flow import FlowControl
-from .requesting import FetchTask
+from ...logs import RateLimitedLog
+from ...stats import Counters
+from ...wire.calls import Call
+from ..membership.flow import FlowControl
+from ..transfer.requesting import FetchTask
 
 __all__ = ["Outcomes", "QuietRefusal"]
 

@@ -1,6 +1,6 @@
 """The symmetric exchange's protocol, both halves, as state machines without I/O (``mode: symmetric``).
 
-The rules of :mod:`dpwa.gossip.exchange` live here: what a server answers to a
+The rules of :mod:`dpwa.gossip.exchange.driver` live here: what a server answers to a
 request, a confirm or an ack, when a pending exchange expires or gives way,
 the one place that decides commit or abort, how long decisions are
 remembered, the strikes and pauses of a peer whose exchanges fail on its side,
@@ -12,7 +12,7 @@ what the driver must do comes back as return values, or as halves to let go
 of (``take_released``). A half is the driver's opaque handle (its snapshots):
 the machine never looks inside one. So the rules are tested without a network,
 by a deterministic simulation (``tests/test_exchange_sim.py``), as
-:mod:`dpwa.gossip.membership` is for the view, after h11's sans-I/O protocol
+:mod:`dpwa.gossip.membership.view` is for the view, after h11's sans-I/O protocol
 objects.
 
 One exchange between a requester i and a server j, and every state each side
@@ -107,7 +107,7 @@ that strike back (a slow link, not a hostile requester; the exchange stays
 aborted). So one member that asks and never confirms cuts an honest peer's
 rate with a node by less than half (tests/test_hostile_member_rate.py).
 
-None of these objects is thread-safe: the driver (:mod:`dpwa.gossip.exchange`)
+None of these objects is thread-safe: the driver (:mod:`dpwa.gossip.exchange.driver`)
 calls each under its own lock, or from one thread.
 """
 
@@ -119,8 +119,8 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-from ..backoff import Backoff, Backoffs
-from ..mixing.admission import Admission
+from ...backoff import Backoff, Backoffs
+from ...mixing.admission import Admission
 
 __all__ = [
     "ACK_TRIES",

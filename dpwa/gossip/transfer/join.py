@@ -40,7 +40,7 @@ answers ``busy`` is asked again with back-off; one that fails, dies or lies
 mid-transfer is logged with the field at fault and the next donor is tried;
 when every donor failed, the peers are asked again, within the join's time.
 The donor's barrier counts are adopted only up to what the other peers
-report (:func:`dpwa.gossip.barrier.plausible`).
+report (:func:`dpwa.gossip.membership.barrier.plausible`).
 
 The optimizer state travels as msgpack metadata (numbers, names, tensor
 layouts) plus raw tensor bytes: never pickle.
@@ -59,17 +59,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..backoff import Backoff
-from ..logs import logger
-from ..mixing import kernels
-from ..mixing.model import WireModel
-from ..wire.calls import Ask
-from ..wire.errors import ProtocolError, Refused, TransportError, refused
-from ..wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
-from ..wire.server import Reply, Request, Route
-from .barrier import COUNTS, BarrierCounts
-from .protocol import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE
-from .reporting import STATES, NodeState
+from ...backoff import Backoff
+from ...logs import logger
+from ...mixing import kernels
+from ...mixing.model import WireModel
+from ...wire.calls import Ask
+from ...wire.errors import ProtocolError, Refused, TransportError, refused
+from ...wire.schema import MAX_ID, NAME_PATTERN, Blob, Choice, Flag, Integer, Text, encode, message_kind
+from ...wire.server import Reply, Request, Route
+from ..membership.barrier import COUNTS, BarrierCounts
+from .protocol import CLOCK, DTYPE, FINGERPRINT, MAX_VALUE, STATES, NodeState
 from .snapshots import Lease, SnapshotStore
 
 __all__ = [

@@ -32,7 +32,7 @@ requests, and no request of its own reached our Rx thread
 (:class:`SignsOfLife`, fed by both). A peer that answers late, or whose
 reply was cut while it kept asking us, is slow: its score halves (it is
 asked less), and its next deadline is longer
-(:mod:`dpwa.gossip.deadlines`), but it is never rested for it. A resting
+(:mod:`dpwa.gossip.membership.deadlines`), but it is never rested for it. A resting
 peer that asks us is not resting any more.
 """
 
@@ -44,8 +44,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ..backoff import Backoff, Backoffs
-from ..logs import logger
+from ...backoff import Backoff, Backoffs
+from ...logs import logger
 from .deadlines import Deadlines
 
 __all__ = [

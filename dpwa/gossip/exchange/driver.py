@@ -3,7 +3,7 @@
 The protocol itself (both halves' states, the one commit decision, expiry,
 preemption, the pause after failed exchanges, exchanges in doubt, settling at
 close) and its guarantee, each exchange applied on both sides exactly once or
-on neither, live in :mod:`dpwa.gossip.exchange_machine`, which holds no
+on neither, live in :mod:`dpwa.gossip.exchange.machine`, which holds no
 socket, thread or clock and is tested by a deterministic simulation
 (``tests/test_exchange_sim.py``). This module drives it: the requests and
 replies (:class:`ExchangeTask` and the small tasks on the client thread; the
@@ -26,19 +26,34 @@ from typing import Any
 
 import numpy as np
 
-from ..backoff import Backoff
-from ..logs import logger
-from ..mixing import rules
-from ..stats import Counters
-from ..wire.bulk import BulkError
-from ..wire.calls import Ask, Call, Response
-from ..wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError, refused
-from ..wire.schema import MAX_ID, encode
-from ..wire.server import Reply, Request, Route
-from ..wire.shm import PeerSlots
-from .deadlines import CAP_FACTOR, Deadlines
-from .exchange_machine import DECISIONS_PER_PEER as DECISIONS_PER_PEER  # where callers have long found it
-from .exchange_machine import (
+from ...backoff import Backoff
+from ...logs import logger
+from ...mixing import rules
+from ...stats import Counters
+from ...wire.bulk import BulkError
+from ...wire.calls import Ask, Call, Response
+from ...wire.errors import DeadlinePassed, ProtocolError, Refused, RequestTimeout, TransportError, refused
+from ...wire.schema import MAX_ID, encode
+from ...wire.server import Reply, Request, Route
+from ...wire.shm import PeerSlots
+from ..membership.deadlines import CAP_FACTOR, Deadlines
+from ..transfer.protocol import (
+    ACK,
+    BULK_EXCHANGE,
+    CONFIRM,
+    DECISION,
+    EXCHANGE,
+    KNOWN,
+    KNOWN_REPLY,
+    SHM_EXCHANGE,
+    SNAPSHOT_REPLIES,
+)
+from ..transfer.requesting import Arrivals, Received, ReplyReader
+from ..transfer.serving import Serving
+from ..transfer.snapshots import Lease
+from ..transfer.validation import PeerValues
+from .machine import DECISIONS_PER_PEER as DECISIONS_PER_PEER  # where callers have long found it
+from .machine import (
     RESOLVE_LIMIT_S,
     TTL_MARGIN_S,
     AckQuerySchedule,
@@ -50,22 +65,7 @@ from .exchange_machine import (
     decision_applies,
     wait_s,
 )
-from .exchange_machine import SETTLE_QUIET_S as SETTLE_QUIET_S
-from .protocol import (
-    ACK,
-    BULK_EXCHANGE,
-    CONFIRM,
-    DECISION,
-    EXCHANGE,
-    KNOWN,
-    KNOWN_REPLY,
-    SHM_EXCHANGE,
-    SNAPSHOT_REPLIES,
-)
-from .requesting import Arrivals, Received, ReplyReader
-from .serving import Serving
-from .snapshots import Lease
-from .validation import PeerValues
+from .machine import SETTLE_QUIET_S as SETTLE_QUIET_S
 
 __all__ = [
     "AckQueries",
@@ -153,13 +153,13 @@ class ExchangeTask:
     snapshot already serves an exchange) is skipped for the next; when all are
     busy they are asked again after a short pause, for at most `busy_budget_s`.
     ``took_s`` is the time from the request the partner answered to its decision (the exchange's own time,
-    without the busy answers before it): the sample its deadline follows (dpwa.gossip.deadlines).
+    without the busy answers before it): the sample its deadline follows (dpwa.gossip.membership.deadlines).
     ``task.peer`` is the peer of the exchange in the end. The task owns `own`
     (our published snapshot) from construction: it goes into the half, or is
     released when the exchange ends without one.
     """
 
-    timed = "exchange"  # its deadline follows the link (dpwa.gossip.deadlines)
+    timed = "exchange"  # its deadline follows the link (dpwa.gossip.membership.deadlines)
 
     def __init__(
         self,
@@ -380,7 +380,7 @@ class StreamInTask:
 class ResolveTask:
     """Ask a peer again for its decision on an exchange we are in doubt about. Value: the outcome."""
 
-    timed = "confirm"  # its deadline follows the link (dpwa.gossip.deadlines)
+    timed = "confirm"  # its deadline follows the link (dpwa.gossip.membership.deadlines)
 
     def __init__(self, peer: str, deadline: float, name: str, xid: int) -> None:
         self.peer, self.deadline, self._name, self.xid = peer, deadline, name, xid
@@ -417,7 +417,7 @@ class KnownTask:
 
 class KnownCommits:
     """The commits a requester holds (applied), per server peer: the latest few (a
-    :class:`~dpwa.gossip.exchange_machine.KnownTable` under a lock). Thread-safe.
+    :class:`~dpwa.gossip.exchange.machine.KnownTable` under a lock). Thread-safe.
 
     The training thread records them; the Rx thread answers a closing server's ``known`` from them.
     """
@@ -446,7 +446,7 @@ class KnownCommits:
 
 class ExchangeClient:
     """The requester's exchanges in doubt, and their resolution (training thread only): the driver of a
-    :class:`~dpwa.gossip.exchange_machine.RequesterMachine`, which says when to ask and when to give up.
+    :class:`~dpwa.gossip.exchange.machine.RequesterMachine`, which says when to ask and when to give up.
 
     Args:
         name: this node.
@@ -456,7 +456,7 @@ class ExchangeClient:
         counters: where to count committed, aborted and dropped exchanges.
         heard: called with a peer that answered (flow control: it is alive).
         ended: called when an exchange in doubt ends with nothing applied here (aborted, unknown, dropped).
-        deadlines: each peer's deadlines, which follow its link (dpwa.gossip.deadlines): a resolve request is
+        deadlines: each peer's deadlines, which follow its link (dpwa.gossip.membership.deadlines): a resolve request is
             given the peer's, and each answered or timed-out one teaches it; None: `timeout_s` each time.
     """
 
@@ -621,7 +621,7 @@ class _Locked:
 
 class ExchangeServer:
     """The server half: serves exchanges and answers confirms (Rx thread), hands committed ones over (training
-    thread). The driver of a :class:`~dpwa.gossip.exchange_machine.ServerMachine`, which decides; this class
+    thread). The driver of a :class:`~dpwa.gossip.exchange.machine.ServerMachine`, which decides; this class
     holds the snapshots, reads the requests, answers them, and calls the machine under its lock.
 
     Args:
@@ -950,7 +950,7 @@ class ExchangeServer:
 class AckQueries:
     """A closing server asks each requester whether it holds the commits it has not acknowledged (training
     thread): one ``known`` request per peer at a time, at most every QUERY_INTERVAL_S (the machine's
-    :class:`~dpwa.gossip.exchange_machine.AckQuerySchedule`)."""
+    :class:`~dpwa.gossip.exchange.machine.AckQuerySchedule`)."""
 
     def __init__(
         self, server: ExchangeServer, submit: Callable[[Any], Call], name: str, deadline: Callable[[], float]
@@ -959,7 +959,7 @@ class AckQueries:
         self._calls: dict[str, Call] = {}
         self._schedule = AckQuerySchedule()
 
-    def tend(self) -> None:
+    def ask_due(self) -> None:
         for peer, call in list(self._calls.items()):
             if call.done.is_set():
                 del self._calls[peer]

@@ -1,12 +1,12 @@
 """One training step's exchange: what update_wait returns, and the interface both mixing modes implement.
 
-A node picks its mode once, in its constructor: :class:`~dpwa.gossip.pull.PullSteps`
-(only the requester moves) or :class:`~dpwa.gossip.symmetric.SymmetricSteps`
-(both sides move). Either is a :class:`Steps`: it starts a request at
+A node picks its mode once, in its constructor: :class:`~dpwa.gossip.exchange.pull.PullMode`
+(only the requester moves) or :class:`~dpwa.gossip.exchange.symmetric.SymmetricMode`
+(both sides move). Either is a :class:`Mode`: it starts a request at
 ``update_send``, finishes it at ``update_wait``, applies what settled in the
-background (``tend``), keeps exchanging while the node makes no steps
+background (``apply_settled``), keeps exchanging while the node makes no steps
 (``idle``) and settles what is pending before the node closes (``settle``).
-What both need from the node is a :class:`Crew`: the parts and the state
+What both need from the node is a :class:`ModeContext`: the services and the state
 they share, each owned by the training thread or thread-safe.
 """
 
@@ -17,21 +17,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from ..config import Config
-from ..mixing.model import WireModel
-from ..mixing.params import FlatParams
-from ..mixing.rules import Rule
-from ..stats import Counters
-from ..wire.calls import Call
-from ..wire.server import Route
-from .flow import FlowControl
+from ...config import Config, NodeSpec
+from ...mixing.codecs import Sender
+from ...mixing.model import WireModel
+from ...mixing.params import FlatParams
+from ...mixing.rules import Rule
+from ...stats import Counters
+from ...wire.bulk import BulkServer
+from ...wire.calls import Call
+from ...wire.client import ClientThread, DirectClient
+from ...wire.server import Route
+from ...wire.shm import PeerSlots
+from ..membership.flow import FlowControl
+from ..transfer.requesting import ReplyReader
+from ..transfer.serving import Serving
+from ..transfer.snapshots import Lease, SnapshotStore
+from ..transfer.validation import PeerValues
 from .guard import RuleGuard
 from .outcomes import Outcomes
-from .parts import Parts
 from .progress import Progress
-from .snapshots import Lease
 
-__all__ = ["WAIT_SLACK_S", "Crew", "OuterHook", "Step", "StepOutcome", "Steps", "Update"]
+__all__ = ["WAIT_SLACK_S", "Mode", "ModeContext", "OuterHook", "Services", "Step", "StepOutcome", "Update"]
 
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
 
@@ -67,7 +73,7 @@ class Step:
 
 class OuterHook(Protocol):
     """An outer step, taken after each blend of an exchange the node started (training thread): the
-    named one (:class:`~dpwa.gossip.outer.OuterStep`, ``outer:``), or one given to the node (the
+    named one (:class:`~dpwa.gossip.exchange.outer.OuterStep`, ``outer:``), or one given to the node (the
     PyTorch adapter's ``outer_optimizer``)."""
 
     def apply(self) -> None:
@@ -77,21 +83,51 @@ class OuterHook(Protocol):
         """The parameters were replaced (a join, a restore): start afresh from them."""
 
 
+class Services(Protocol):
+    """What a mode uses of the node's services (:class:`dpwa.gossip.services.NodeServices` builds them, in the
+    layer above): the snapshot store, the clients and their reply reader, what serves our snapshots, the bulk
+    server and the peers' same-host slots. ``direct``, ``bulk`` and ``streams_in`` are None when unused."""
+
+    @property
+    def peers(self) -> dict[str, NodeSpec]: ...
+    @property
+    def local(self) -> tuple[str, ...]: ...
+    @property
+    def store(self) -> SnapshotStore: ...
+    @property
+    def values(self) -> PeerValues: ...
+    @property
+    def sender(self) -> Sender | None: ...
+    @property
+    def reader(self) -> ReplyReader: ...
+    @property
+    def client(self) -> ClientThread: ...
+    @property
+    def direct(self) -> DirectClient | None: ...
+    @property
+    def bulk(self) -> BulkServer | None: ...
+    @property
+    def serving(self) -> Serving: ...
+    @property
+    def streams_in(self) -> tuple[ClientThread, ReplyReader] | None: ...
+    def slot_readers(self) -> dict[str, PeerSlots]: ...
+
+
 @dataclass
-class Crew:
-    """What a mode's steps work with: the node's parts and the state they share (training thread)."""
+class ModeContext:
+    """What a mode's steps work with: the node's services and the state they share (training thread)."""
 
     name: str
     config: Config
     params: FlatParams
     model: WireModel
-    parts: Parts
+    services: Services
     flow: FlowControl
     progress: Progress
     counters: Counters
     outcomes: Outcomes
     rule: Rule  # how f is chosen and each half applied (dpwa.mixing.rules)
-    guard: RuleGuard  # applies each half of the rule, checked (dpwa.gossip.guard)
+    guard: RuleGuard  # applies each half of the rule, checked (dpwa.gossip.exchange.guard)
     publish: Callable[[float | None], None]  # publish a snapshot with this loss (and the clock as it is)
     state: Callable[[], str] = field(default=lambda: "training")
     outer: OuterHook | None = None  # outer: nesterov or noloco, or one given to the node
@@ -103,7 +139,7 @@ class Crew:
             self.outer.apply()
 
 
-class Steps(Protocol):
+class Mode(Protocol):
     """A mixing mode, chosen once per node."""
 
     wakeup: threading.Event  # set when something settles in the background (a lingering node waits on it)
@@ -120,7 +156,7 @@ class Steps(Protocol):
     def abandon(self, step: Step) -> None:
         """The step will not be finished (update_wait was skipped): let go of its request."""
 
-    def tend(self) -> int:
+    def apply_settled(self) -> int:
         """Apply what settled in the background since the last call; returns how many blends."""
 
     def idle(self) -> None:

@@ -35,7 +35,7 @@ reports (:func:`plausible`).
 
 **Open membership** (a config with ``bootstrap:``; issue 32). "Every node" is
 every member of this node's view *now*
-(:class:`~dpwa.gossip.members.Members`), re-read at each poll round; a
+(:class:`~dpwa.gossip.membership.members.Members`), re-read at each poll round; a
 fixed cluster's barriers count the config's nodes as above. Each node
 judges by its own view, which gossip makes the same everywhere in time:
 
@@ -69,7 +69,7 @@ judges by its own view, which gossip makes the same everywhere in time:
   names (a member that does not answer is waited for until it leaves the
   view, as above). Those that have been members for ``suspect_after_ms`` +
   ``dead_after_ms`` (as long as a dead member takes to leave) are retired
-  from the view (:meth:`~dpwa.gossip.members.Members.retire`: removed as dead
+  from the view (:meth:`~dpwa.gossip.membership.members.Members.retire`: removed as dead
   ones are, and kept out for the tombstone's time unless they restart; not
   named, as a removed member is not). Before, such a member was admitted,
   cost every barrier its whole ``timeout_s``, and stayed. A member this node
@@ -94,14 +94,14 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..backoff import Backoffs
-from ..logs import logger
-from ..wire.calls import Ask, Call
-from ..wire.errors import ProtocolError
-from ..wire.schema import NAME_PATTERN, Integer, ListOf, MapOf, Text, encode, message_kind
-from ..wire.server import Reply, Request, Route
-from .membership import DIGEST_MAX
-from .protocol import DIGEST_HEADER_BYTES, ENTRY
+from ...backoff import Backoffs
+from ...logs import logger
+from ...wire.calls import Ask, Call
+from ...wire.errors import ProtocolError
+from ...wire.schema import NAME_PATTERN, Integer, ListOf, MapOf, Text, encode, message_kind
+from ...wire.server import Reply, Request, Route
+from .messages import DIGEST_HEADER_BYTES, ENTRY
+from .view import DIGEST_MAX
 
 if TYPE_CHECKING:
     from .members import Members
@@ -393,7 +393,7 @@ class BarrierWaiter:
             them), not after the whole `timeout_s` (a fixed cluster; open membership's view removes its dead
             members itself).
         last_sign: when a peer last showed a sign of life (monotonic seconds), None if never: the node's
-            :class:`~dpwa.gossip.flow.SignsOfLife`, which every reply and every request of a peer updates.
+            :class:`~dpwa.gossip.membership.flow.SignsOfLife`, which every reply and every request of a peer updates.
     """
 
     def __init__(
@@ -519,7 +519,7 @@ class BarrierWaiter:
 
     def _dead(self, peer: str, now: float, started: float) -> bool:
         """Is `peer` dead: one that showed a sign of life once (a reply to any request of ours, a request of its
-        own: :class:`~dpwa.gossip.flow.SignsOfLife`) and none for `dead_after_s` of this wait? A peer that never
+        own: :class:`~dpwa.gossip.membership.flow.SignsOfLife`) and none for `dead_after_s` of this wait? A peer that never
         did (one still starting) is waited for until the barrier's own timeout."""
         last = self._last_sign(peer)
         return last is not None and now - max(last, started) >= self._dead_after_s

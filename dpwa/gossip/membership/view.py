@@ -45,7 +45,7 @@ they can be tested without a network:
   incarnation and heartbeat 2**53 made every later true entry "older": the
   member was suspected and removed while it was alive.)
 * **A member that never takes part is retired** (:meth:`View.retire`, the
-  caller's judgement: a barrier's, :mod:`dpwa.gossip.barrier`). It leaves the
+  caller's judgement: a barrier's, :mod:`dpwa.gossip.membership.barrier`). It leaves the
   view as a dead one would, but its heartbeats cannot bring it back: for
   ``tombstone_s`` only a new incarnation, a restart of the node, readmits it
   (``retired`` counts the claims refused meanwhile). A ghost that answers

@@ -4,7 +4,7 @@ Each half of an exchange (``blend`` at the requester, ``mirror`` at the server) 
 :meth:`RuleGuard.apply`. For a rule that ships with dpwa it only checks what the rule returned
 (:func:`dpwa.mixing.rules.weight`). For a rule of the user's own it also checks the model before and
 after: a rule that raises, returns something other than one finite weight, or leaves a NaN, an Inf or a
-value beyond :data:`~dpwa.gossip.protocol.MAX_VALUE` in a model that was within bounds before, is broken.
+value beyond :data:`~dpwa.gossip.transfer.protocol.MAX_VALUE` in a model that was within bounds before, is broken.
 The model is then set back to the snapshot the half started from (so a broken rule's write is never
 published), ``rule_broken`` is counted, no later half runs the rule, and ``broken_rule`` says what follows:
 ``raise`` (the default) the error, naming the rule and its file, from the node's call that ran the half
@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from ..config import BROKEN_RULE
-from ..logs import logger
-from ..mixing import rules
-from ..mixing.params import FlatParams
-from ..mixing.rules import Rule, RuleError
-from ..stats import Counters
-from .protocol import MAX_VALUE
+from ...config import BROKEN_RULE
+from ...logs import logger
+from ...mixing import rules
+from ...mixing.params import FlatParams
+from ...mixing.rules import Rule, RuleError
+from ...stats import Counters
+from ..transfer.protocol import MAX_VALUE
 
 __all__ = ["RuleGuard"]
 

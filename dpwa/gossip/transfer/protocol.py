@@ -44,23 +44,24 @@ members_reply server -> asker      a digest of the server's view (`members`) and
 
 With open membership (``bootstrap:``) the snapshot requests and replies
 (fetch, exchange and their replies) also carry `digest`: at most
-:data:`~dpwa.gossip.membership.DIGEST_MAX` entries of the sender's view, its
-own first (:mod:`dpwa.gossip.members`). Nodes without it send none and
+:data:`~dpwa.gossip.membership.view.DIGEST_MAX` entries of the sender's view, its
+own first (:mod:`dpwa.gossip.membership.members`). Nodes without it send none and
 ignore one.
 
-Errors travel as the transport's ``error`` kind. See :mod:`dpwa.gossip.exchange`
+Errors travel as the transport's ``error`` kind. See :mod:`dpwa.gossip.exchange.driver`
 for the exchange's state machine.
 """
 
 from __future__ import annotations
 
-from ..mixing import codecs
-from ..mixing.model import WireModel
-from ..mixing.rules import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR
-from ..wire.bulk import KEY_BYTES, TOKEN_BYTES
-from ..wire.certs import CERT_MAX
-from ..wire.errors import ProtocolError
-from ..wire.schema import (
+from typing import Literal, get_args
+
+from ...mixing import codecs
+from ...mixing.model import WireModel
+from ...mixing.rules import FINGERPRINT_BYTES, MAX_CARRIED, MAX_SYMMETRIC_FACTOR
+from ...wire.bulk import KEY_BYTES, TOKEN_BYTES
+from ...wire.errors import ProtocolError
+from ...wire.schema import (
     MAX_ID,
     NAME_PATTERN,
     Blob,
@@ -70,20 +71,19 @@ from ..wire.schema import (
     Integer,
     ListOf,
     Number,
-    Record,
     Text,
     message_kind,
 )
-from .membership import DIGEST_MAX, MAX_COUNT
+from ..membership.messages import DIGEST, DIGEST_HEADER_BYTES
 
 __all__ = [
+    "NodeState",
+    "STATES",
     "ACK",
     "BULK_EXCHANGE",
     "BULK_PARAMS",
     "KNOWN",
     "KNOWN_REPLY",
-    "MEMBERS",
-    "MEMBERS_REPLY",
     "CONFIRM",
     "DECISION",
     "EXCHANGE",
@@ -104,6 +104,9 @@ MAX_LOSS = 1e30  # |loss| beyond this is treated as a lie
 MAX_VALUE = 1e18  # |parameter| beyond this is refused: blends of such values stay far from overflow
 
 NAME = Text(64, NAME_PATTERN)
+# what a node is doing, as its join offers and status replies say
+NodeState = Literal["starting", "joining", "training", "at_barrier", "lingering", "closing", "closed"]
+STATES: tuple[NodeState, ...] = get_args(NodeState)
 FINGERPRINT = Blob(length=16)
 DTYPE = Choice(codecs.names())  # the wire codec (dpwa.mixing.codecs)
 CLOCK = Number(0.0, MAX_CLOCK)
@@ -129,18 +132,11 @@ _CODEC_REQUEST = {"cstream": Blob(length=8), "cver": Integer(1, MAX_ID)}
 _CODEC_REPLY = {**_CODEC_REQUEST, "cbase": Integer(0, MAX_ID)}
 _SLOT = {"shm_slot": Integer(0, 1023), "shm_id": Text(16, "[0-9a-f]{16}")}  # a slot of a same-host node
 _EXCHANGE_REPLY = {"xid": XID, "f": FACTOR}  # present in replies to an exchange
-# an exchange request's deadline, in ms (dpwa.gossip.deadlines): the server holds it pending that long (within
+# an exchange request's deadline, in ms (dpwa.gossip.membership.deadlines): the server holds it pending that long (within
 # its own timeout_ms and CAP_FACTOR times that, whatever is asked)
 _WAIT = {"wait_ms": Integer(1, 1 << 31)}
 
-# One member as a digest tells it (dpwa.gossip.membership.check_entry checks each field's meaning on arrival):
-# an entry has no `key` where the cluster has none
-ENTRY = Record(
-    {"name": NAME, "endpoint": Text(270), "inc": Integer(0, MAX_COUNT), "beat": Integer(0, MAX_COUNT)},
-    {"key": Text(40), "cert": Text(CERT_MAX)},
-)
-_DIGEST = {"digest": ListOf(ENTRY, max_len=DIGEST_MAX)}  # open membership: the sender's view, sampled
-DIGEST_HEADER_BYTES = 1 << 14  # a kind that may carry a digest: DIGEST_MAX entries of at most ~430 bytes, and more
+_DIGEST = {"digest": DIGEST}  # open membership: the sender's view, sampled (dpwa.gossip.membership.messages)
 
 FETCH = message_kind(
     "fetch",
@@ -194,10 +190,6 @@ DECISION = message_kind("decision", {"xid": XID, "outcome": Choice(("commit", "a
 ACK = message_kind("ack", {"from": NAME, "xid": XID})
 KNOWN = message_kind("known", {"from": NAME, "xids": ListOf(XID, max_len=8)})
 KNOWN_REPLY = message_kind("known_reply", {"xids": ListOf(XID, max_len=8)})
-MEMBERS = message_kind("members", {}, {"me": ENTRY})
-MEMBERS_REPLY = message_kind(
-    "members_reply", {"members": _DIGEST["digest"], "admitted": Flag()}, max_header_bytes=DIGEST_HEADER_BYTES
-)
 
 SNAPSHOT_REPLIES = {PARAMS.name: PARAMS, SHM_PARAMS.name: SHM_PARAMS, BULK_PARAMS.name: BULK_PARAMS}
 

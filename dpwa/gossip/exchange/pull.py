@@ -15,59 +15,59 @@ from typing import Any
 
 import numpy as np
 
-from ..logs import logger
-from ..mixing.rules import Side
-from ..wire.calls import Call
-from ..wire.server import Route
-from .requesting import FetchTask
-from .snapshots import Snapshot
-from .steps import Crew, Step, Update
+from ...logs import logger
+from ...mixing.rules import Side
+from ...wire.calls import Call
+from ...wire.server import Route
+from ..transfer.requesting import FetchTask
+from ..transfer.snapshots import Snapshot
+from .steps import ModeContext, Step, Update
 
-__all__ = ["PullSteps"]
+__all__ = ["PullMode"]
 
 
-class PullSteps:
-    """Fetch, then blend: :class:`~dpwa.gossip.steps.Steps` for mode pull."""
+class PullMode:
+    """Fetch, then blend: :class:`~dpwa.gossip.exchange.steps.Mode` for mode pull."""
 
-    def __init__(self, crew: Crew) -> None:
-        self._crew = crew
+    def __init__(self, ctx: ModeContext) -> None:
+        self._ctx = ctx
         self.wakeup = threading.Event()  # nothing settles in the background in mode pull: never set
 
     def routes(self) -> dict[str, Route]:
         return {}
 
     def start(self, step: Step) -> bool:
-        crew = self._crew
-        parts, reader = crew.parts, crew.parts.reader
-        candidates = crew.flow.candidates()
+        ctx = self._ctx
+        services, reader = ctx.services, ctx.services.reader
+        candidates = ctx.flow.candidates()
         peer = candidates[0] if candidates else None
         if peer is not None:
-            # a deadline that follows the peer's link (dpwa.gossip.deadlines): timeout_ms at least
-            step.deadline = time.monotonic() + crew.flow.deadlines.deadline_s(peer, FetchTask.timed)
-            task = FetchTask(peer, step.deadline, crew.name, reader)
+            # a deadline that follows the peer's link (dpwa.gossip.membership.deadlines): timeout_ms at least
+            step.deadline = time.monotonic() + ctx.flow.deadlines.deadline_s(peer, FetchTask.timed)
+            task = FetchTask(peer, step.deadline, ctx.name, reader)
             # A same-host reply names a slot the peer may rewrite before update_wait: the Tx thread locks it
             # at once. Other small replies wait in ZeroMQ's queue, and the training thread takes them.
-            direct = parts.direct if parts.direct is not None and not reader.wants_shm(peer) else None
-            step.call = direct.start(task) if direct is not None else parts.client.submit(task)
-            crew.counters.add("fetches_started")
-        crew.publish(step.send_loss)  # after the fetch started: the copy overlaps with the request
-        if step.call is not None and crew.rule.uses_own_snapshot:
-            step.own = parts.store.lease()  # the snapshot the delta is taken from
+            direct = services.direct if services.direct is not None and not reader.wants_shm(peer) else None
+            step.call = direct.start(task) if direct is not None else services.client.submit(task)
+            ctx.counters.add("fetches_started")
+        ctx.publish(step.send_loss)  # after the fetch started: the copy overlaps with the request
+        if step.call is not None and ctx.rule.uses_own_snapshot:
+            step.own = services.store.lease()  # the snapshot the delta is taken from
         return step.call is not None
 
     def finish(self, step: Step, own_loss: float | None) -> Update:
-        crew = self._crew
-        progress = crew.progress
+        ctx = self._ctx
+        progress = ctx.progress
         call = step.call
         if call is None:
             return Update(False, "no_fetch", reason="no fetch was started this step", clock=progress.clock)
         if not call.done.is_set():
             call.abandon()
-            crew.outcomes.timed_out(call.peer)
+            ctx.outcomes.timed_out(call.peer)
             return Update(
                 False, "timeout", call.peer, reason="the Tx thread did not finish in time", clock=progress.clock
             )
-        crew.outcomes.record(call)
+        ctx.outcomes.record(call)
         if call.outcome != "ok":
             return Update(
                 False,
@@ -79,7 +79,7 @@ class PullSteps:
             )
         own = step.own.snapshot if step.own is not None else None
         # a guarded rule that breaks sets the model back to the snapshot published at update_send
-        start = step.own if step.own is not None or not crew.guard.checked else crew.parts.store.lease()
+        start = step.own if step.own is not None or not ctx.guard.checked else ctx.services.store.lease()
         try:
             return self._blend(step, call, own, start.snapshot.array if start is not None else None, own_loss)
         finally:
@@ -89,45 +89,45 @@ class PullSteps:
     def _blend(
         self, step: Step, call: Call, own: Snapshot | None, start: np.ndarray | None, own_loss: float | None
     ) -> Update:
-        crew = self._crew
-        progress = crew.progress
+        ctx = self._ctx
+        progress = ctx.progress
         with call.take() as received:
             peer_clock, peer_loss = received.header["clock"], received.header["loss"]
             try:
-                carried = crew.rule.checked_carried(received.header.get("carry"))
+                carried = ctx.rule.checked_carried(received.header.get("carry"))
             except ValueError as exc:  # nothing of it is used
-                crew.counters.add("rejected.bad_carry")
-                crew.flow.record(call.peer, "rejected")
-                logger.warning("%s: snapshot from %s refused: bad_carry: %s", crew.name, call.peer, exc)
+                ctx.counters.add("rejected.bad_carry")
+                ctx.flow.record(call.peer, "rejected")
+                logger.warning("%s: snapshot from %s refused: bad_carry: %s", ctx.name, call.peer, exc)
                 return Update(False, "rejected", call.peer, reason=f"bad_carry: {exc}", clock=progress.clock)
-            f = crew.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss, carried))
+            f = ctx.rule.factor(Side(progress.clock, own_loss), Side(peer_clock, peer_loss, carried))
             own_array = own.array if own else None
-            f = crew.guard.apply(
+            f = ctx.guard.apply(
                 "blend",
-                functools.partial(crew.rule.blend, crew.params, own_array, received.array, f, crew.model.kept),
+                functools.partial(ctx.rule.blend, ctx.params, own_array, received.array, f, ctx.model.kept),
                 start,
-                crew.model.kept,
+                ctx.model.kept,
             )
-        if crew.guard.broken is not None:
-            return Update(False, "rule_broken", call.peer, reason=crew.guard.broken, clock=progress.clock)
+        if ctx.guard.broken is not None:
+            return Update(False, "rule_broken", call.peer, reason=ctx.guard.broken, clock=progress.clock)
         if f == 0.0:  # the rule moved nothing (push-sum: the snapshot came with no weight): not a blend
-            crew.counters.add("blends_empty")
+            ctx.counters.add("blends_empty")
             reason = "the rule gave the peer's snapshot weight 0: nothing moved"
             return Update(
                 False, "ok", call.peer, factor=0.0, reason=reason, latency_s=call.latency_s, clock=progress.clock
             )
-        crew.blended()
-        progress.set_clock(crew.rule.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
-        crew.counters.add("averaged")
-        crew.counters.add(f"peer.{call.peer}.averaged")
+        ctx.blended()
+        progress.set_clock(ctx.rule.clock(progress.clock, own.clock if own else 0.0, peer_clock, f))
+        ctx.counters.add("averaged")
+        ctx.counters.add(f"peer.{call.peer}.averaged")
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=progress.clock)
 
     def abandon(self, step: Step) -> None:
         if step.call is not None:
             step.call.abandon()
-            self._crew.counters.add("fetches_abandoned")
+            self._ctx.counters.add("fetches_abandoned")
 
-    def tend(self) -> int:
+    def apply_settled(self) -> int:
         return 0
 
     def idle(self) -> None:

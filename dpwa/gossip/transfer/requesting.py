@@ -30,18 +30,18 @@ from typing import Any
 
 import numpy as np
 
-from ..backoff import Backoffs
-from ..logs import RateLimitedLog
-from ..mixing.codecs import CodecError, Fields
-from ..mixing.model import WireModel
-from ..stats import Counters
-from ..wire.bulk import BulkError, BulkReceiver
-from ..wire.calls import Ask, Response
-from ..wire.errors import ProtocolError
-from ..wire.payload import BufferPool, Payload
-from ..wire.schema import Header, MessageKind, encode
-from ..wire.shm import PeerSlots
-from .members import Members
+from ...backoff import Backoffs
+from ...logs import RateLimitedLog
+from ...mixing.codecs import CodecError, Fields
+from ...mixing.model import WireModel
+from ...stats import Counters
+from ...wire.bulk import BulkError, BulkReceiver
+from ...wire.calls import Ask, Response
+from ...wire.errors import ProtocolError
+from ...wire.payload import BufferPool, Payload
+from ...wire.schema import Header, MessageKind, encode
+from ...wire.shm import PeerSlots
+from ..membership.members import Members
 from .protocol import BULK_PARAMS, FETCH, MAX_VALUE, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
@@ -341,7 +341,7 @@ class ReplyReader:
 class FetchTask:
     """Fetch one peer's snapshot (pull mode). Its value is a :class:`Received`."""
 
-    timed = "fetch"  # its deadline follows the link (dpwa.gossip.deadlines), sampled from the call's latency
+    timed = "fetch"  # its deadline follows the link (dpwa.gossip.membership.deadlines), sampled from the call's latency
 
     def __init__(self, peer: str, deadline: float, name: str, reader: ReplyReader) -> None:
         self.peer, self.deadline = peer, deadline

@@ -1,6 +1,6 @@
 """Open membership's way back: a node asks a bootstrap address again while no member of its view is there.
 
-Members are removed by silence (:mod:`dpwa.gossip.membership`), and a
+Members are removed by silence (:mod:`dpwa.gossip.membership.view`), and a
 removed member comes back only through news newer than what it last said.
 So two parts of a cluster that stopped hearing each other for
 ``suspect_after_ms + dead_after_ms`` (a partition, or members too busy to
@@ -18,7 +18,7 @@ a time on the Tx thread (which serves no exchange meanwhile: at most
 ``timeout_ms`` when the address does not answer), the interval doubling while
 nobody answers, up to :data:`REFRESH_MAX_S`, and back to the first interval
 after an answer. It never waits: the training thread starts a request at one
-step (:meth:`BootstrapRefresh.tend`) and collects it at a later one.
+step (:meth:`BootstrapRefresh.ask_if_due`) and collects it at a later one.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..backoff import Backoff
-from ..config import Config, NodeSpec
-from ..logs import logger
-from ..wire.calls import Call
-from ..wire.client import PeerBook
+from ...backoff import Backoff
+from ...config import Config, NodeSpec
+from ...logs import logger
+from ...wire.calls import Call
+from ...wire.client import PeerBook
 from .members import Members, MembersTask
 
 __all__ = ["REFRESH_MAX_S", "BootstrapRefresh"]
@@ -45,7 +45,7 @@ class BootstrapRefresh:
     """(The training thread) Ask a bootstrap address again while no member of the view is at one.
 
     :meth:`close` may come from another thread (a node closed from elsewhere): a lock orders it with
-    :meth:`tend`.
+    :meth:`ask_if_due`.
 
     Args:
         name: this node.
@@ -84,13 +84,13 @@ class BootstrapRefresh:
         failures = self._backoff.failures
         return self._backoff.after(failures) if failures else self.first_interval_s
 
-    def tend(self) -> None:
+    def ask_if_due(self) -> None:
         """Between steps: collect the request in flight, or start one when it is time and it is needed."""
         with self._lock:
             if not self._closed:
-                self._tend()
+                self._ask_if_due()
 
-    def _tend(self) -> None:
+    def _ask_if_due(self) -> None:
         if self._asking is not None:
             self._collect()
             return

@@ -12,13 +12,13 @@ the outer step sees H local steps at a time, as DiLoCo's does.
 
 :class:`OuterStep` is that state, owned by the training thread. It is also
 what a joiner takes with the parameters (it is an
-:class:`~dpwa.gossip.join.ExtraState`: checked on arrival like the
+:class:`~dpwa.gossip.transfer.join.ExtraState`: checked on arrival like the
 optimizer's) and what a checkpoint keeps (:meth:`state`, :meth:`restore`).
 
 Both ways in are checked by one function, :func:`checked_outer_state`: a
 donor's state and a checkpoint's must name this node's rule, hold an anchor
 and a momentum buffer of exactly this model's size (flat float32), finite and
-within ±1e18 (:data:`~dpwa.gossip.protocol.MAX_VALUE`, the bound peers'
+within ±1e18 (:data:`~dpwa.gossip.transfer.protocol.MAX_VALUE`, the bound peers'
 parameters get), and a step count up to 2^53. A state that fails is refused
 with a ``ValueError`` naming where it came from and what is wrong, and
 nothing of it is taken.
@@ -32,10 +32,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..config import Config
-from ..mixing.outer import GossipOuter, OuterSettings
-from ..mixing.params import FlatParams
-from .protocol import MAX_VALUE
+from ...config import Config
+from ...mixing.outer import GossipOuter, OuterSettings
+from ...mixing.params import FlatParams
+from ..transfer.protocol import MAX_VALUE
 
 __all__ = ["OuterStep", "checked_outer_state"]
 

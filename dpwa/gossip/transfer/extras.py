@@ -1,4 +1,4 @@
-"""Everything a joiner takes besides the parameters, as one :class:`~dpwa.gossip.join.ExtraState`.
+"""Everything a joiner takes besides the parameters, as one :class:`~dpwa.gossip.transfer.join.ExtraState`.
 
 A node may hold several such states: the optimizer's (momentum buffers; the
 PyTorch adapter's ``optimizer=``), its outer step's (anchor and momentum;
@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..mixing.rules import Rule
+from ...mixing.rules import Rule
 from .join import MAX_EXTRA_META, ExtraState
 
 __all__ = ["Extras", "MAX_RULE_STATE_BYTES", "RuleState"]

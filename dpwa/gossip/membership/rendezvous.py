@@ -38,8 +38,8 @@ from typing import Any
 
 import zmq
 
-from ..config import Config, ConfigError, NodeSpec, parse_config
-from ..wire.curve import KeyPair, valid_public_key
+from ...config import Config, ConfigError, NodeSpec, parse_config
+from ...wire.curve import KeyPair, valid_public_key
 
 __all__ = ["Rendezvous", "StartTimeout", "TorchrunEnv", "advertised_address", "rendezvous"]
 

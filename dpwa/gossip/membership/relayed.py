@@ -1,18 +1,19 @@
 """A node's relay parts, from its config: the relay it runs for others (``relay_port``), and its own way in
-when nobody can dial it (``reachable: false``, through ``relays``). The relay's protocol and sockets are
-:mod:`dpwa.wire.relay`'s; this module only decides who is admitted and where things are.
+when nobody can dial it (``reachable: false``, through ``relays``).
+
+The relay's protocol and sockets are :mod:`dpwa.wire.relay`'s; this module only decides who is admitted and where things are.
 """
 
 from __future__ import annotations
 
 from zmq.utils import z85
 
-from ..config import Config, ConfigError, NodeSpec
-from ..stats import Counters
-from ..wire.certs import Certifier, read_cert
-from ..wire.curve import CurveKeys, KeyFileError
-from ..wire.relay import Admit, Local, RelayAddress, RelayClient, RelayServer
-from ..wire.relaying import Hello, proof_holds
+from ...config import Config, ConfigError, NodeSpec
+from ...stats import Counters
+from ...wire.certs import Certifier, read_cert
+from ...wire.curve import CurveKeys, KeyFileError
+from ...wire.relay import Admit, Local, RelayAddress, RelayClient, RelayServer
+from ...wire.relaying import Hello, proof_holds
 
 __all__ = ["GRANT_WAIT_S", "admit", "relay_client", "relay_server", "reached_at"]
 

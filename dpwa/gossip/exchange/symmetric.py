@@ -4,8 +4,8 @@ At update_send a node publishes its snapshot and sends it with an exchange
 request (to a peer on the same machine: the name of the shared-memory slot it
 is in; a large model's to a peer on another host: a ticket to stream it from
 our bulk port); the server answers with its own and both apply their halves, or
-neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange_machine`, driven by
-:mod:`dpwa.gossip.exchange`).
+neither (the protocol and its guarantee are in :mod:`dpwa.gossip.exchange.machine`, driven by
+:mod:`dpwa.gossip.exchange.driver`).
 This module runs that protocol on the node's training thread: it owns the
 exchange server (Rx side) and client (exchanges in doubt), applies committed
 halves as they settle, and settles what is pending before the node closes.
@@ -17,58 +17,60 @@ import functools
 import time
 from typing import Any
 
-from ..logs import logger
-from ..mixing.rules import Side
-from ..wire.calls import Call
-from ..wire.errors import Refused
-from ..wire.server import Route
-from .exchange import AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
-from .exchange_machine import Settling
-from .snapshots import Lease
-from .steps import Crew, Step, Update
+from ...logs import logger
+from ...mixing.rules import Side
+from ...wire.calls import Call
+from ...wire.errors import Refused
+from ...wire.server import Route
+from ..transfer.snapshots import Lease
+from .driver import AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
+from .machine import Settling
+from .steps import ModeContext, Step, Update
 
-__all__ = ["BUSY_RETRY_MIN_S", "BUSY_RETRY_STEPS", "EXCHANGE_PEERS_MAX", "SymmetricSteps"]
+__all__ = ["BUSY_RETRY_MIN_S", "BUSY_RETRY_STEPS", "EXCHANGE_PEERS_MAX", "SymmetricMode"]
 
 BUSY_RETRY_STEPS = 1.5  # an exchange asks busy peers again for this many of our steps (within its deadline) ...
 BUSY_RETRY_MIN_S = 0.02  # ... and at least this long
 EXCHANGE_PEERS_MAX = 8  # the candidates one exchange asks (in turn, while they answer busy), at most
 
 
-class SymmetricSteps:
-    """Exchange, then both apply: :class:`~dpwa.gossip.steps.Steps` for mode symmetric."""
+class SymmetricMode:
+    """Exchange, then both apply: :class:`~dpwa.gossip.exchange.steps.Mode` for mode symmetric."""
 
-    def __init__(self, crew: Crew) -> None:
-        self._crew = crew
-        config, parts = crew.config, crew.parts
+    def __init__(self, ctx: ModeContext) -> None:
+        self._ctx = ctx
+        config, services = ctx.config, ctx.services
         self.server = ExchangeServer(
-            crew.name,
-            parts.serving,
-            parts.values,
-            crew.rule,
+            ctx.name,
+            services.serving,
+            services.values,
+            ctx.rule,
             config.timeout_s,
-            crew.counters,
-            wait_cap_s=crew.flow.deadlines.cap_s,  # the longest deadline a requester of ours may name
-            slots=parts.slot_readers(),  # same-host requesters name their snapshot's slot
+            ctx.counters,
+            wait_cap_s=ctx.flow.deadlines.cap_s,  # the longest deadline a requester of ours may name
+            slots=services.slot_readers(),  # same-host requesters name their snapshot's slot
             # large models between hosts: requesters offer their snapshots at their bulk ports
-            streams_in=(parts.streams_in[0].submit, parts.streams_in[1]) if parts.streams_in is not None else None,
+            streams_in=(services.streams_in[0].submit, services.streams_in[1])
+            if services.streams_in is not None
+            else None,
         )
         self.client = ExchangeClient(
-            crew.name,
-            list(parts.peers),
+            ctx.name,
+            list(services.peers),
             config.timeout_s,
-            parts.client.submit,
-            crew.counters,
-            crew.flow.heard,
+            services.client.submit,
+            ctx.counters,
+            ctx.flow.heard,
             ended=lambda: self.server.own_ended(self._ticket, False),
-            deadlines=crew.flow.deadlines,
+            deadlines=ctx.flow.deadlines,
         )
         self._ticket = 0  # our own unsettled exchange's (ExchangeServer.take_own)
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
-        self._slot_peers = frozenset(parts.local)  # same-host peers we name our slot to (until one refuses)
+        self._slot_peers = frozenset(services.local)  # same-host peers we name our slot to (until one refuses)
         # peers on other hosts we offer our snapshot to at our bulk port (until one refuses); int8 snapshots
         # are encoded as they are sent, with error feedback: they go as the payload
-        streams = parts.bulk is not None and not crew.model.encoded
-        self._stream_peers = frozenset(parts.reader.bulk_hosts) if streams else frozenset()
+        streams = services.bulk is not None and not ctx.model.encoded
+        self._stream_peers = frozenset(services.reader.bulk_hosts) if streams else frozenset()
         self.wakeup = self.server.committed  # set when an exchange commits (a lingering node waits on it)
 
     def routes(self) -> dict[str, Route]:
@@ -77,32 +79,32 @@ class SymmetricSteps:
     # ----------------------------------------------------------------- a step
 
     def start(self, step: Step) -> bool:
-        crew = self._crew
-        crew.publish(step.send_loss)  # the request carries our snapshot: publish it first
-        exchanges, reader = self.client, crew.parts.reader
+        ctx = self._ctx
+        ctx.publish(step.send_loss)  # the request carries our snapshot: publish it first
+        exchanges, reader = self.client, ctx.services.reader
         if not exchanges.can_start():
             return False
         # the best few: members that answer busy forever (an attacker can add hundreds) cost one step a few
         # requests at most, not one to each of them
-        peers = crew.flow.candidates(exclude=exchanges.blocked_peers())[:EXCHANGE_PEERS_MAX]
+        peers = ctx.flow.candidates(exclude=exchanges.blocked_peers())[:EXCHANGE_PEERS_MAX]
         if not peers:
             return False
-        own = crew.parts.store.lease()
+        own = ctx.services.store.lease()
         if own is None:  # nothing published (every slot held at our first publish): nothing to offer
             return False
         ticket = self.server.take_own(own.snapshot.version)
         if not ticket:  # in an exchange we serve (dpwa.mixing.admission)
             own.release()
-            crew.counters.add("starts_skipped_in_exchange")
+            ctx.counters.add("starts_skipped_in_exchange")
             return False
         self._ticket = ticket
         snap = own.snapshot
         common = {
-            "from": crew.name,
-            "fp": crew.model.fingerprint,
-            **({"rule": crew.model.rule} if crew.model.rule is not None else {}),
-            "dtype": crew.model.dtype,
-            "nbytes": crew.model.nbytes,
+            "from": ctx.name,
+            "fp": ctx.model.fingerprint,
+            **({"rule": ctx.model.rule} if ctx.model.rule is not None else {}),
+            "dtype": ctx.model.dtype,
+            "nbytes": ctx.model.nbytes,
             "clock": snap.clock,
             "loss": snap.loss,
         }
@@ -111,19 +113,19 @@ class SymmetricSteps:
             return {**common, **({"shm": True} if reader.wants_shm(peer) else {}), **reader.outgoing()}
 
         def factor(requester: tuple[float, float | None], server: tuple[float, float | None]) -> float:
-            return crew.rule.factor(Side(*requester), Side(*server), symmetric=True)
+            return ctx.rule.factor(Side(*requester), Side(*server), symmetric=True)
 
-        # the first candidate's deadline, which follows its link (dpwa.gossip.deadlines): timeout_ms at least;
+        # the first candidate's deadline, which follows its link (dpwa.gossip.membership.deadlines): timeout_ms at least;
         # the server holds the exchange as long (wait_ms), so a slow link's confirm still finds it pending
-        wait_s = crew.flow.deadlines.deadline_s(peers[0], ExchangeTask.timed)
+        wait_s = ctx.flow.deadlines.deadline_s(peers[0], ExchangeTask.timed)
         common["wait_ms"] = max(1, round(wait_s * 1000))
         step.deadline = time.monotonic() + wait_s
         # A busy peer (its snapshot took part in an exchange it has not applied yet) publishes afresh at its next
         # update_send or update_wait, within about one of its steps (ours is the measure): it is asked again until
         # then, within the deadline. The retries run while this node computes its own step.
-        busy_budget = max(BUSY_RETRY_MIN_S, BUSY_RETRY_STEPS * crew.progress.step_s)
-        sender = crew.parts.sender  # a codec whose encoding needs no reply first: mode symmetric allows no other
-        shm_id = crew.parts.serving.shm_id
+        busy_budget = max(BUSY_RETRY_MIN_S, BUSY_RETRY_STEPS * ctx.progress.step_s)
+        sender = ctx.services.sender  # a codec whose encoding needs no reply first: mode symmetric allows no other
+        shm_id = ctx.services.serving.shm_id
         slot = None  # a same-host peer reads our snapshot in place: the request names its slot
         if snap.shared and shm_id is not None:
             slot = {"version": snap.version, "shm_slot": snap.slot, "shm_id": shm_id}
@@ -134,32 +136,32 @@ class SymmetricSteps:
             fields,
             reader,
             factor,
-            crew.config.timeout_s / 10,
+            ctx.config.timeout_s / 10,
             busy_budget,
             encode=(lambda values: sender.encode(values, "", {}).buffer) if sender is not None else None,
             slot=slot,
             slot_peers=self._slot_peers,
             offer=functools.partial(self._offer, own) if self._stream_peers else None,
-            withdraw=crew.parts.bulk.withdraw if crew.parts.bulk is not None else lambda token: None,
+            withdraw=ctx.services.bulk.withdraw if ctx.services.bulk is not None else lambda token: None,
             ended=functools.partial(self.server.own_ended, ticket, False),
             ticket=ticket,
             asks=functools.partial(self.server.own_asks, ticket),
             confirms=functools.partial(self.server.own_confirms, ticket),
         )
-        step.call = crew.parts.client.submit(task)
+        step.call = ctx.services.client.submit(task)
         self._outstanding.append(step.call)
-        crew.counters.add("fetches_started")
+        ctx.counters.add("fetches_started")
         return True
 
     def _offer(self, own: Lease, peer: str) -> dict[str, Any] | None:
         """(Tx thread) Offer our snapshot to `peer` at our bulk port: the ``bulk_exchange`` request's fields,
         or None (not a stream peer, or the bulk server's budget for it is spent: the payload goes instead)."""
-        bulk, reader = self._crew.parts.bulk, self._crew.parts.reader
+        bulk, reader = self._ctx.services.bulk, self._ctx.services.reader
         if bulk is None or peer not in self._stream_peers or not reader.wants_bulk(peer):
             return None  # (not now: an exchange by stream with that peer failed lately)
         hold = own.share()  # the stream's own claim on the snapshot, released once sent or expired
         try:
-            ticket = bulk.offer(peer, [own.snapshot.array], hold, self._crew.config.timeout_s + 1.0)
+            ticket = bulk.offer(peer, [own.snapshot.array], hold, self._ctx.config.timeout_s + 1.0)
         except Refused:
             hold.release()
             return None
@@ -170,18 +172,20 @@ class SymmetricSteps:
         return fields
 
     def finish(self, step: Step, own_loss: float | None) -> Update:
-        clock = self._crew.progress
+        clock = self._ctx.progress
         call = step.call
         result = None
-        settled = call is not None and call not in self._outstanding  # by tend(), while the node waited (a barrier)
+        settled = (
+            call is not None and call not in self._outstanding
+        )  # by apply_settled(), while the node waited (a barrier)
         if call is not None and not settled and call.done.is_set():
             self._outstanding.remove(call)
             result = self._harvest(call)
-        applied = self.tend() + (result.averaged if result is not None else 0)
+        applied = self.apply_settled() + (result.averaged if result is not None else 0)
         if applied:
             # Our snapshot is stale now (dpwa.mixing.admission): publish what the next step would, so that a
             # peer asking before our next update_send (while the loader loads, say) is not refused busy.
-            self._crew.publish(own_loss if own_loss is not None else clock.loss)
+            self._ctx.publish(own_loss if own_loss is not None else clock.loss)
         if call is None:
             return Update(False, "no_fetch", reason="no exchange was started this step", clock=clock.clock)
         if result is None:
@@ -196,23 +200,23 @@ class SymmetricSteps:
 
     def _harvest(self, call: Call) -> Update:
         """Take an exchange call's result: apply a committed half, keep one in doubt."""
-        crew = self._crew
-        clock = crew.progress.clock
+        ctx = self._ctx
+        clock = ctx.progress.clock
         task = _exchange(call)
         self._no_slot(task.slot_refused)
         self._no_stream(task.stream_refused)
         if call.outcome != "ok":
             task.release()  # our snapshot, if the task never ran
             self.server.own_ended(task.ticket, False)
-            crew.outcomes.record(call)
+            ctx.outcomes.record(call)
             return Update(
                 False, call.outcome or "failed", call.peer, reason=call.reason, latency_s=call.latency_s, clock=clock
             )
         value = call.take()
         if isinstance(value, InDoubt):
-            crew.flow.record(call.peer, "rejected" if value.answered else "timeout", started=call.started)
+            ctx.flow.record(call.peer, "rejected" if value.answered else "timeout", started=call.started)
             if not value.answered:  # no decision within the deadline: the next exchange is given longer
-                crew.flow.deadlines.timed_out(call.peer, ExchangeTask.timed)
+                ctx.flow.deadlines.timed_out(call.peer, ExchangeTask.timed)
             self.client.add(value)
             return Update(
                 False,
@@ -222,11 +226,11 @@ class SymmetricSteps:
                 latency_s=call.latency_s,
                 clock=clock,
             )
-        crew.outcomes.record(call)
+        ctx.outcomes.record(call)
         f = self._apply_client_half(value, task.ticket)
         if f is None:
-            return Update(False, "rule_broken", call.peer, reason=str(crew.guard.broken), clock=crew.progress.clock)
-        return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=crew.progress.clock)
+            return Update(False, "rule_broken", call.peer, reason=str(ctx.guard.broken), clock=ctx.progress.clock)
+        return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=ctx.progress.clock)
 
     def _no_slot(self, refused: dict[str, str]) -> None:
         """Peers that cannot read our slots (or do not know the request) get the payload from now on; one
@@ -236,7 +240,7 @@ class SymmetricSteps:
             self._slot_peers -= gone
             logger.info(
                 "%s: %s cannot read our snapshot slots; sending them the payload",
-                self._crew.name,
+                self._ctx.name,
                 ", ".join(sorted(gone)),
             )
 
@@ -247,63 +251,63 @@ class SymmetricSteps:
             self._stream_peers -= gone
             logger.info(
                 "%s: %s read no bulk streams of ours (%s); sending them the payload",
-                self._crew.name,
+                self._ctx.name,
                 ", ".join(sorted(gone)),
                 ", ".join(sorted({refused[p] for p in gone})),
             )
 
     def _apply_client_half(self, half: ClientHalf, ticket: int) -> float | None:
         """Our half of a committed exchange: the weight the rule gave the peer (None: broken, not applied)."""
-        crew = self._crew
+        ctx = self._ctx
         with half:
             own, theirs = half.own.snapshot, half.theirs
-            w = crew.guard.apply(
+            w = ctx.guard.apply(
                 "blend",
-                functools.partial(crew.rule.blend, crew.params, own.array, theirs.array, half.f, crew.model.kept),
+                functools.partial(ctx.rule.blend, ctx.params, own.array, theirs.array, half.f, ctx.model.kept),
                 own.array,
-                crew.model.kept,
+                ctx.model.kept,
             )
-            if crew.guard.broken is None:
-                crew.progress.set_clock(crew.rule.clock(crew.progress.clock, own.clock, theirs.header["clock"], w))
+            if ctx.guard.broken is None:
+                ctx.progress.set_clock(ctx.rule.clock(ctx.progress.clock, own.clock, theirs.header["clock"], w))
         self.server.own_ended(ticket, True)
         self.client.hold(half)  # a closing peer that asks learns we hold its commit
-        if crew.guard.broken is not None:  # not applied here (broken_rule: alone)
+        if ctx.guard.broken is not None:  # not applied here (broken_rule: alone)
             return None
-        crew.blended()
-        crew.counters.add("averaged")
-        crew.counters.add(f"peer.{half.peer}.averaged")
+        ctx.blended()
+        ctx.counters.add("averaged")
+        ctx.counters.add(f"peer.{half.peer}.averaged")
         return w
 
     # ----------------------------------------------------------------- in the background
 
-    def tend(self) -> int:
+    def apply_settled(self) -> int:
         """Apply what symmetric exchanges have settled since the last call: both sides' halves."""
-        crew = self._crew
+        ctx = self._ctx
         applied = 0
         for half in self.server.take_committed():
             with half:
                 served = half.served.snapshot
-                w = crew.guard.apply(
+                w = ctx.guard.apply(
                     "mirror",
                     functools.partial(
-                        crew.rule.mirror, crew.params, served.array, half.theirs.array, half.f, crew.model.kept
+                        ctx.rule.mirror, ctx.params, served.array, half.theirs.array, half.f, ctx.model.kept
                     ),
                     served.array,
-                    crew.model.kept,
+                    ctx.model.kept,
                 )
-                if crew.guard.broken is None:
+                if ctx.guard.broken is None:
                     their_clock = half.theirs.header["clock"]
-                    crew.progress.set_clock(crew.rule.mirror_clock(crew.progress.clock, served.clock, their_clock, w))
+                    ctx.progress.set_clock(ctx.rule.mirror_clock(ctx.progress.clock, served.clock, their_clock, w))
             self.server.applied()
-            if crew.guard.broken is not None:  # not applied here (broken_rule: alone)
+            if ctx.guard.broken is not None:  # not applied here (broken_rule: alone)
                 continue
-            crew.counters.add("mirrored")
-            crew.counters.add(f"peer.{half.peer}.averaged")
+            ctx.counters.add("mirrored")
+            ctx.counters.add(f"peer.{half.peer}.averaged")
             applied += 1
         for call in [c for c in self._outstanding if c.done.is_set()]:
             self._outstanding.remove(call)
             applied += self._harvest(call).averaged
-        self.client.forget_gone(crew.flow.peers())  # open membership: a removed peer will not answer
+        self.client.forget_gone(ctx.flow.peers())  # open membership: a removed peer will not answer
         for client_half in self.client.poll():  # in doubt until now: our latest own exchange (nothing else started)
             applied += self._apply_client_half(client_half, self._ticket) is not None
         return applied
@@ -311,9 +315,9 @@ class SymmetricSteps:
     def idle(self) -> None:
         """Apply settled exchanges, and publish a fresh snapshot once the current one is spent, so that
         peers still training are not refused busy."""
-        applied = self.tend()
+        applied = self.apply_settled()
         if applied or self.server.spent():
-            self._crew.publish(self._crew.progress.loss)
+            self._ctx.publish(self._ctx.progress.loss)
 
     # ----------------------------------------------------------------- closing
 
@@ -324,19 +328,19 @@ class SymmetricSteps:
         the quiet time, we commit no more (a late confirm is answered abort, and its requester applies
         nothing), and we keep answering the commits we made until each requester is known to hold it.
         """
-        crew, server, client = self._crew, self.server, self.client
+        ctx, server, client = self._ctx, self.server, self.client
         server.start_closing()
         client.send_acks()
-        queries = AckQueries(server, crew.parts.client.submit, crew.name, client.closing_deadline)
+        queries = AckQueries(server, ctx.services.client.submit, ctx.name, client.closing_deadline)
         settling = Settling()  # the rule: when to stop committing, and when we are done
         try:
             while time.monotonic() < deadline:
-                self.tend()
+                self.apply_settled()
                 decided = not (self._outstanding or len(client))  # our own exchanges decided
                 if settling.stop_committing(time.monotonic(), decided, server.pending(), server.last_confirm):
                     server.stop_committing()
                 if settling.frozen:
-                    queries.tend()
+                    queries.ask_due()
                     if settling.done(client.acks_pending(), len(server.unacknowledged())):
                         return
                 time.sleep(0.01)  # a bounded polling loop: the Rx and Tx threads work meanwhile
@@ -347,19 +351,19 @@ class SymmetricSteps:
             logger.warning(
                 "%s: closing with exchanges unsettled after the close deadline: %d of ours in doubt, "
                 "%d commits of ours not yet known to %s",
-                crew.name,
+                ctx.name,
                 len(client),
                 len(unacked),
                 ", ".join(sorted({peer for peer, _ in unacked})) or "anyone",
             )
         else:  # only our acks were not delivered: their peers closed first (or are gone), and need them no more
             logger.info(
-                "%s: closed with %d acks undelivered (those peers did not answer)", crew.name, client.acks_pending()
+                "%s: closed with %d acks undelivered (those peers did not answer)", ctx.name, client.acks_pending()
             )
 
     def close(self) -> None:
         """After the Rx thread stopped: apply the last decisions it made, let go of everything else."""
-        self.tend()
+        self.apply_settled()
         for call in self._outstanding:
             call.abandon()
             _exchange(call).release()

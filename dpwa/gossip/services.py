@@ -7,8 +7,8 @@ mode symmetric, the thread that streams in peers' offered snapshots), the
 bulk server (for large models over TCP), what serves our snapshots, and the
 join server.
 The mode's own parts (symmetric exchanges) are added by their owner
-(:meth:`Parts.own`), and the Rx thread starts last (:meth:`Parts.serve`),
-once every route exists. :meth:`Parts.close` releases them in reverse: the
+(:meth:`NodeServices.own`), and the Rx thread starts last (:meth:`NodeServices.serve`),
+once every route exists. :meth:`NodeServices.close` releases them in reverse: the
 Rx thread stops first, the context is terminated last, and only if every
 thread stopped in time.
 """
@@ -33,15 +33,15 @@ from ..wire.endpoints import is_local_host
 from ..wire.schema import LARGEST_HEADER_BYTES
 from ..wire.server import Route, Server
 from ..wire.shm import PeerSlots, SharedMemoryError, SharedSlots
-from .barrier import BarrierCounts
-from .join import CHUNK_BYTES, ExtraState, JoinServer
-from .members import Members
-from .relayed import relay_client, relay_server
-from .reporting import NodeState
-from .requesting import ReplyReader
-from .serving import Serving
-from .snapshots import SlotAllocator, SnapshotStore
-from .validation import PeerValues
+from .membership.barrier import BarrierCounts
+from .membership.members import Members
+from .membership.relayed import relay_client, relay_server
+from .transfer.join import CHUNK_BYTES, ExtraState, JoinServer
+from .transfer.protocol import NodeState
+from .transfer.requesting import ReplyReader
+from .transfer.serving import Serving
+from .transfer.snapshots import SlotAllocator, SnapshotStore
+from .transfer.validation import PeerValues
 
 __all__ = [
     "BULK_MIN_BYTES",
@@ -49,7 +49,7 @@ __all__ = [
     "MAX_SNAPSHOT_SLOTS",
     "OPEN_PEERS_BUDGET",
     "UNSENT_PER_CLIENT",
-    "Parts",
+    "NodeServices",
 ]
 
 MAX_SNAPSHOT_SLOTS = max(SNAPSHOT_SLOTS)  # the most snapshot slots a node has (`snapshot_slots`, docs/design.md#memory)
@@ -65,8 +65,8 @@ BULK_MIN_BYTES = 4 << 20
 OPEN_PEERS_BUDGET = 8
 
 
-class Parts:
-    """The parts of one node. Every attribute exists once the constructor returns; ``shared``, ``direct``
+class NodeServices:
+    """The services of one node: its sockets, threads and snapshot slots. Every attribute exists once the constructor returns; ``shared``, ``direct``
     and ``bulk`` are None when this node does not use them.
 
     Args:

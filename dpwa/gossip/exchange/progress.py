@@ -11,8 +11,8 @@ import math
 import time
 from typing import Any
 
-from ..stats import Rate
-from .protocol import MAX_CLOCK, MAX_LOSS
+from ...stats import Rate
+from ..transfer.protocol import MAX_CLOCK, MAX_LOSS
 
 __all__ = ["Progress", "clamp_clock", "loss_value"]
 

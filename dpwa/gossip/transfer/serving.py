@@ -9,7 +9,7 @@ own key) and the port where the leased snapshot waits for it (see
 :mod:`dpwa.wire.bulk`). When the bulk server refuses the transfer (its
 budget is spent, or it is closing), the snapshot goes over ZeroMQ instead
 if the requester's budget of unsent replies allows it. The symmetric
-exchange's server half (:mod:`dpwa.gossip.exchange`) answers with the same
+exchange's server half (:mod:`dpwa.gossip.exchange.driver`) answers with the same
 replies.
 """
 
@@ -18,14 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..mixing.codecs import Sender
-from ..mixing.model import WireModel
-from ..stats import Counters
-from ..wire.bulk import BulkServer
-from ..wire.errors import ProtocolError, Refused, refused
-from ..wire.schema import Header, encode
-from ..wire.server import Reply, Request, Route
-from .members import Members
+from ...mixing.codecs import Sender
+from ...mixing.model import WireModel
+from ...stats import Counters
+from ...wire.bulk import BulkServer
+from ...wire.errors import ProtocolError, Refused, refused
+from ...wire.schema import Header, encode
+from ...wire.server import Reply, Request, Route
+from ..membership.members import Members
 from .protocol import BULK_PARAMS, FETCH, PARAMS, SHM_PARAMS, check_payload
 from .snapshots import Lease, SnapshotStore
 

@@ -40,8 +40,8 @@ from typing import Literal, Protocol
 import numpy as np
 import zmq
 
-from ..logs import logger
-from ..wire.shm import SharedSlots
+from ...logs import logger
+from ...wire.shm import SharedSlots
 
 __all__ = ["HeapMemory", "Lease", "SlotAllocator", "SlotMemory", "Snapshot", "SnapshotStore"]
 
