@@ -587,6 +587,7 @@ BULK_REPLY_FIELDS = {
 
 def test_a_keyed_requester_refuses_a_plain_stream():
     """With keys, a bulk reply without a key would stream the snapshot in the clear: refused."""
+    from dpwa.gossip.transfer.paths import PeerPaths
     from dpwa.gossip.transfer.protocol import BULK_PARAMS
     from dpwa.gossip.transfer.requesting import ReplyReader
     from dpwa.gossip.transfer.validation import PeerValues
@@ -602,7 +603,7 @@ def test_a_keyed_requester_refuses_a_plain_stream():
         {},
         Counters(),
         lambda message: None,
-        {"w1": "127.0.0.1"},
+        PeerPaths(stream_hosts={"w1": "127.0.0.1"}),
         sealed=True,
     )
     try:

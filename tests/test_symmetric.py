@@ -749,7 +749,7 @@ def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exch
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     if server == "without shared memory":
-        peer._steps.server._slots.clear()
+        peer._mode.server._slots.clear()
         refusal = "shm_unavailable"
     else:  # its Rx thread knows no such request (nothing has asked it anything yet)
         del peer.services.server._routes["shm_exchange"], peer.services.server._accept["shm_exchange"]

@@ -37,6 +37,7 @@ from .membership.barrier import BarrierCounts
 from .membership.members import Members
 from .membership.relayed import relay_client, relay_server
 from .transfer.join import CHUNK_BYTES, ExtraState, JoinServer
+from .transfer.paths import PeerPaths
 from .transfer.protocol import NodeState
 from .transfer.requesting import ReplyReader
 from .transfer.serving import Serving
@@ -160,14 +161,18 @@ class NodeServices:
                 )
                 stack.callback(self._stop, self.bulk.close)  # after the Rx thread: nothing offers transfers any more
             streams = self.bulk is not None and (stream_to_peers or exchange_streams)
-            bulk_hosts = {p: s.host for p, s in self.peers.items() if p not in local} if streams else {}
+            # how each peer's snapshots travel (one place decides: dpwa.gossip.transfer.paths): a same-host peer's by
+            # slot; a large model's between hosts by stream, but with a peer nobody can dial (behind a relay) or,
+            # offered by us, when nobody can dial us
+            bulk_hosts = {p: s.host for p, s in self.peers.items() if p not in local and s.reachable} if streams else {}
+            self.paths = PeerPaths(local, bulk_hosts, offers_streams=spec.reachable)
             self.reader = ReplyReader(
                 model,
                 self.values,
                 self.slot_readers(),
                 counters,
                 functools.partial(self._info, name),
-                bulk_hosts=bulk_hosts,
+                paths=self.paths,
                 sealed=config.secure,
                 name=name,
                 peers=len(self.peers),
@@ -198,7 +203,7 @@ class NodeServices:
                     {},
                     counters,
                     functools.partial(self._info, name),
-                    bulk_hosts=bulk_hosts,
+                    paths=self.paths,
                     sealed=config.secure,
                     name=name,
                     spare=self.store.borrow,

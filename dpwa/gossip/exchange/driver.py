@@ -173,7 +173,7 @@ class ExchangeTask:
         busy_budget_s: float = 0.0,
         encode: Callable[[np.ndarray], Any] | None = None,
         slot: dict[str, Any] | None = None,
-        slot_peers: frozenset[str] = frozenset(),
+        slot_to: Callable[[str], bool] = lambda peer: False,
         offer: Callable[[str], dict[str, Any] | None] | None = None,
         withdraw: Callable[[bytes], object] = lambda token: None,
         ended: Callable[[], None] = lambda: None,
@@ -187,7 +187,7 @@ class ExchangeTask:
         self._asks, self._confirms = asks, confirms
         self.ticket = ticket  # the owner's mark of this exchange (ExchangeServer.take_own)
         self._encode = encode  # wire_dtype int8: our snapshot is encoded as it is sent
-        self._slot, self._slot_peers = slot, slot_peers
+        self._slot, self._slot_to = slot, slot_to  # slot_to: does this peer read our slot (dpwa.gossip.transfer.paths)
         self.slot_refused: dict[str, str] = {}  # peer -> why it would not read our slot (it got the payload)
         # a large snapshot for a peer on another host: offered at our bulk port (the request's fields), or None
         self._offer, self._withdraw = offer, withdraw  # withdraw: an offer the peer refused is taken back
@@ -305,7 +305,7 @@ class ExchangeTask:
                 self.peer = peer
                 fields = self._fields(peer)
                 for how in ("slot", "stream", "payload"):  # at most twice: by slot or stream, then the payload
-                    if how == "slot" and (self._slot is None or peer not in self._slot_peers):
+                    if how == "slot" and (self._slot is None or not self._slot_to(peer)):
                         continue
                     ticket = None
                     if how == "stream" and (self._offer is None or (ticket := self._offer(peer)) is None):
@@ -747,7 +747,7 @@ class ExchangeServer:
         checked block by block, while the requester reads ours. A confirm that comes before it is in is
         answered ``streaming`` (confirm again); a stream that fails aborts the exchange.
         """
-        if self._streams_in is None or request.sender not in self._streams_in[1].bulk_hosts:
+        if self._streams_in is None or self._streams_in[1].paths.host(request.sender) is None:
             raise ProtocolError(
                 "bulk_unavailable", f"this node reads no bulk streams from {request.sender}; send the payload"
             )

@@ -47,7 +47,7 @@ class PullMode:
             task = FetchTask(peer, step.deadline, ctx.name, reader)
             # A same-host reply names a slot the peer may rewrite before update_wait: the Tx thread locks it
             # at once. Other small replies wait in ZeroMQ's queue, and the training thread takes them.
-            direct = services.direct if services.direct is not None and not reader.wants_shm(peer) else None
+            direct = services.direct if services.direct is not None and not services.paths.reads_slot(peer) else None
             step.call = direct.start(task) if direct is not None else services.client.submit(task)
             ctx.counters.add("fetches_started")
         ctx.publish(step.send_loss)  # after the fetch started: the copy overlaps with the request

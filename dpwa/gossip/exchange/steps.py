@@ -29,6 +29,7 @@ from ...wire.client import ClientThread, DirectClient
 from ...wire.server import Route
 from ...wire.shm import PeerSlots
 from ..membership.flow import FlowControl
+from ..transfer.paths import PeerPaths
 from ..transfer.requesting import ReplyReader
 from ..transfer.serving import Serving
 from ..transfer.snapshots import Lease, SnapshotStore
@@ -108,6 +109,8 @@ class Services(Protocol):
     def bulk(self) -> BulkServer | None: ...
     @property
     def serving(self) -> Serving: ...
+    @property
+    def paths(self) -> PeerPaths: ...
     @property
     def streams_in(self) -> tuple[ClientThread, ReplyReader] | None: ...
     def slot_readers(self) -> dict[str, PeerSlots]: ...

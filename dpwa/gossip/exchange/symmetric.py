@@ -66,11 +66,10 @@ class SymmetricMode:
         )
         self._ticket = 0  # our own unsettled exchange's (ExchangeServer.take_own)
         self._outstanding: list[Call] = []  # exchange calls whose result is not yet taken
-        self._slot_peers = frozenset(services.local)  # same-host peers we name our slot to (until one refuses)
-        # peers on other hosts we offer our snapshot to at our bulk port (until one refuses); int8 snapshots
-        # are encoded as they are sent, with error feedback: they go as the payload
-        streams = services.bulk is not None and not ctx.model.encoded
-        self._stream_peers = frozenset(services.reader.bulk_hosts) if streams else frozenset()
+        # which peers read our slot, or our stream, is the paths' to say (dpwa.gossip.transfer.paths); int8
+        # snapshots are encoded as they are sent, with error feedback: they go as the payload, never by stream
+        self._paths = services.paths
+        self._streams = services.bulk is not None and not ctx.model.encoded and self._paths.offers_streams()
         self.wakeup = self.server.committed  # set when an exchange commits (a lingering node waits on it)
 
     def routes(self) -> dict[str, Route]:
@@ -110,7 +109,7 @@ class SymmetricMode:
         }
 
         def fields(peer: str) -> dict[str, Any]:  # (Tx thread) with open membership, a fresh digest each time
-            return {**common, **({"shm": True} if reader.wants_shm(peer) else {}), **reader.outgoing()}
+            return {**common, **({"shm": True} if self._paths.reads_slot(peer) else {}), **reader.outgoing()}
 
         def factor(requester: tuple[float, float | None], server: tuple[float, float | None]) -> float:
             return ctx.rule.factor(Side(*requester), Side(*server), symmetric=True)
@@ -140,8 +139,8 @@ class SymmetricMode:
             busy_budget,
             encode=(lambda values: sender.encode(values, "", {}).buffer) if sender is not None else None,
             slot=slot,
-            slot_peers=self._slot_peers,
-            offer=functools.partial(self._offer, own) if self._stream_peers else None,
+            slot_to=lambda peer: self._paths.outgoing(peer, time.monotonic()) == "slot",
+            offer=functools.partial(self._offer, own) if self._streams else None,
             withdraw=ctx.services.bulk.withdraw if ctx.services.bulk is not None else lambda token: None,
             ended=functools.partial(self.server.own_ended, ticket, False),
             ticket=ticket,
@@ -156,9 +155,9 @@ class SymmetricMode:
     def _offer(self, own: Lease, peer: str) -> dict[str, Any] | None:
         """(Tx thread) Offer our snapshot to `peer` at our bulk port: the ``bulk_exchange`` request's fields,
         or None (not a stream peer, or the bulk server's budget for it is spent: the payload goes instead)."""
-        bulk, reader = self._ctx.services.bulk, self._ctx.services.reader
-        if bulk is None or peer not in self._stream_peers or not reader.wants_bulk(peer):
-            return None  # (not now: an exchange by stream with that peer failed lately)
+        bulk = self._ctx.services.bulk
+        if bulk is None or self._paths.outgoing(peer, time.monotonic()) != "stream":
+            return None  # (not a stream peer, or not now: an exchange by stream with it failed lately)
         hold = own.share()  # the stream's own claim on the snapshot, released once sent or expired
         try:
             ticket = bulk.offer(peer, [own.snapshot.array], hold, self._ctx.config.timeout_s + 1.0)
@@ -235,9 +234,8 @@ class SymmetricMode:
     def _no_slot(self, refused: dict[str, str]) -> None:
         """Peers that cannot read our slots (or do not know the request) get the payload from now on; one
         that could not read it this once (its lock or version check failed) is asked by slot again."""
-        gone = {peer for peer, reason in refused.items() if reason not in ("shm_stale", "shm_busy")}
-        if gone & self._slot_peers:
-            self._slot_peers -= gone
+        gone = self._paths.refused("slot", refused)
+        if gone:
             logger.info(
                 "%s: %s cannot read our snapshot slots; sending them the payload",
                 self._ctx.name,
@@ -246,9 +244,8 @@ class SymmetricMode:
 
     def _no_stream(self, refused: dict[str, str]) -> None:
         """Peers that read no streams of ours (or do not know the request) get the payload from now on."""
-        gone = set(refused) & self._stream_peers
+        gone = self._paths.refused("stream", refused)
         if gone:
-            self._stream_peers -= gone
             logger.info(
                 "%s: %s read no bulk streams of ours (%s); sending them the payload",
                 self._ctx.name,

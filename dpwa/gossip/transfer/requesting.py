@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from ...backoff import Backoffs
 from ...logs import RateLimitedLog
 from ...mixing.codecs import CodecError, Fields
 from ...mixing.model import WireModel
@@ -42,14 +41,13 @@ from ...wire.payload import BufferPool, Payload
 from ...wire.schema import Header, MessageKind, encode
 from ...wire.shm import PeerSlots
 from ..membership.members import Members
+from .paths import BULK_PAUSE_MAX_S, BULK_PAUSE_S, PeerPaths
 from .protocol import BULK_PARAMS, FETCH, MAX_VALUE, SHM_PARAMS, SNAPSHOT_REPLIES, check_payload
 from .validation import PeerValues
 
 __all__ = ["BULK_PAUSE_MAX_S", "BULK_PAUSE_S", "FetchTask", "Received", "ReplyReader", "SAME_HOST_ATTEMPTS", "holding"]
 
 SAME_HOST_ATTEMPTS = 4  # asks when a same-host slot was rewritten before we locked it
-BULK_PAUSE_S = 1.0  # after a failed stream, a peer is not asked for one for this long (doubling in a row) ...
-BULK_PAUSE_MAX_S = 60.0  # ... up to this
 BULK_FIRST_BYTE_SHARE = 0.5  # a stream's first byte, and its last, must come within this share of the time left,
 # so the fetch can still go over ZeroMQ when a flood, a dead port or a stream that stalls holds it up
 _RETRY = ("shm_stale", "shm_busy")
@@ -143,7 +141,8 @@ class ReplyReader:
         readers: same-host peers whose shared-memory slots we may read (a peer
             is dropped from it, and asked over TCP, once its slots cannot be opened).
         counters: where to count bytes and same-host reads.
-        bulk_hosts: peers we ask for bulk transfers (dpwa.wire.bulk), and the host each is reached at.
+        paths: how each peer's snapshot comes (a slot, a stream or the reply's frames: dpwa.gossip.transfer.paths),
+            shared with the node's other readers; None: slots from `readers`, no streams.
         sealed: the cluster has CURVE keys: a stream must be sealed (a plain one would bypass the encryption).
         name: this node, for log lines.
         peers: how many peers it may read from (a codec's memory budget: topk keeps a copy per peer).
@@ -159,7 +158,7 @@ class ReplyReader:
         readers: dict[str, PeerSlots],
         counters: Counters,
         log: Callable[[str], None],
-        bulk_hosts: dict[str, str] | None = None,
+        paths: PeerPaths | None = None,
         *,
         sealed: bool = False,
         name: str = "dpwa",
@@ -171,11 +170,9 @@ class ReplyReader:
         self.members = members
         self.values = values
         self.readers = readers
-        self.bulk_hosts = dict(bulk_hosts or {})
+        self.paths = paths if paths is not None else PeerPaths(slots=readers)
         self._bulk = BulkReceiver(name)
         self._sealed = sealed
-        # a peer whose stream failed gets none for BULK_PAUSE_S, doubling with each failure in a row (up to the max)
-        self._bulk_paused: Backoffs[str] = Backoffs(BULK_PAUSE_S, BULK_PAUSE_MAX_S)
         self.name = name
         self._limited = RateLimitedLog()
         # a snapshot that came in chunks or by stream is received into a slot the store lends, or a pooled buffer
@@ -183,24 +180,12 @@ class ReplyReader:
         self._counters = counters
         self._log = log
 
-    def wants_shm(self, peer: str) -> bool:
-        return peer in self.readers
-
-    def wants_bulk(self, peer: str) -> bool:
-        """Ask `peer` for a stream now? (It is a bulk peer, and no failed stream paused it.)"""
-        if peer not in self.bulk_hosts:
-            return False
-        return self._bulk_paused.ready(peer, time.monotonic())
-
     def bulk_failed(
         self, peer: str, why: object, then: str = "fetching over ZeroMQ instead", counter: str = "bulk_fallbacks"
     ) -> None:
         """A stream with `peer` failed (`then`: what happens now): count it, say so, and use no streams with
         that peer for a while (from BULK_PAUSE_S, doubling with each failure in a row)."""
-        backoff = self._bulk_paused.get(peer)
-        pause = backoff.peek()
-        backoff.fail(time.monotonic())
-        failures = backoff.failures
+        pause, failures = self.paths.stream_failed(peer, time.monotonic())
         self._counters.add(counter)
         self._limited(
             30,
@@ -259,7 +244,7 @@ class ReplyReader:
         self, header: Header, peer: str, deadline: float, cancelled: Callable[[], bool] = lambda: False
     ) -> Received:
         """Stream the snapshot straight into a pooled buffer, checking each block as it arrives."""
-        host = self.bulk_hosts.get(peer)
+        host = self.paths.host(peer)
         if host is None:
             raise ProtocolError("bad_reply", "a bulk transfer that was not asked for")
         key = header.get("key")
@@ -308,7 +293,7 @@ class ReplyReader:
                 )
                 self.values.check_distance(array)
             keep.pop_all()
-        self._bulk_paused.reset(peer)
+        self.paths.stream_worked(peer)
         self._counters.add("bytes_in", buffer.nbytes)
         self._counters.add("bulk_fetches")
         return Received(header, array, give_back)
@@ -324,6 +309,7 @@ class ReplyReader:
         except ProtocolError as exc:
             if exc.reason == "shm_unavailable":  # e.g. the peer runs as another user: use TCP from now on
                 self.readers.pop(peer, None)
+                self.paths.slot_unreadable(peer)
                 reader.close()
                 self._log(f"{exc.detail}: falling back to TCP for {peer}")
             raise
@@ -349,7 +335,7 @@ class FetchTask:
         self._fields: dict[str, Any] = {"from": name, "fp": reader.model.fingerprint, "dtype": reader.model.dtype}
         if reader.model.rule is not None:
             self._fields["rule"] = reader.model.rule
-        if reader.wants_shm(peer):
+        if reader.paths.reads_slot(peer):
             self._fields["shm"] = True
         self._bulk: bool | None = None  # ask for a stream? Decided by the reader's thread, at the first request
         self.retries = 0
@@ -358,7 +344,7 @@ class FetchTask:
     def first_request(self, request_id: int) -> tuple[list[bytes], dict[str, MessageKind]]:
         """The request run() makes first (so a DirectClient can send it early)."""
         if self._bulk is None:
-            self._bulk = "shm" not in self._fields and self._reader.wants_bulk(self.peer)
+            self._bulk = self._reader.paths.incoming(self.peer, time.monotonic()) == "stream"
         fields = {**self._fields, "bulk": True} if self._bulk else self._fields
         held = self._reader.arrivals.request(self.peer)  # what the codec holds from the peer (topk)
         return [encode(FETCH, request_id, **fields, **held, **self._reader.outgoing())], SNAPSHOT_REPLIES
