@@ -22,6 +22,7 @@ from ...mixing.rules import Side
 from ...wire.calls import Call
 from ...wire.errors import Refused
 from ...wire.server import Route
+from ..transfer.paths import Path
 from ..transfer.snapshots import Lease
 from .driver import AckQueries, ClientHalf, ExchangeClient, ExchangeServer, ExchangeTask, InDoubt
 from .machine import Settling
@@ -202,8 +203,8 @@ class SymmetricMode:
         ctx = self._ctx
         clock = ctx.progress.clock
         task = _exchange(call)
-        self._no_slot(task.slot_refused)
-        self._no_stream(task.stream_refused)
+        self._payload_from_now_on("slot", task.slot_refused)
+        self._payload_from_now_on("stream", task.stream_refused)
         if call.outcome != "ok":
             task.release()  # our snapshot, if the task never ran
             self.server.own_ended(task.ticket, False)
@@ -231,25 +232,16 @@ class SymmetricMode:
             return Update(False, "rule_broken", call.peer, reason=str(ctx.guard.broken), clock=ctx.progress.clock)
         return Update(True, "ok", call.peer, factor=f, latency_s=call.latency_s, clock=ctx.progress.clock)
 
-    def _no_slot(self, refused: dict[str, str]) -> None:
-        """Peers that cannot read our slots (or do not know the request) get the payload from now on; one
-        that could not read it this once (its lock or version check failed) is asked by slot again."""
-        gone = self._paths.refused("slot", refused)
+    def _payload_from_now_on(self, path: Path, refused: dict[str, str]) -> None:
+        """Peers that refused our snapshot by slot or by stream (or do not know the request) get the payload from
+        now on (one that could not read our slot this once is asked by slot again: PeerPaths.refused)."""
+        gone = self._paths.refused(path, refused)
         if gone:
             logger.info(
-                "%s: %s cannot read our snapshot slots; sending them the payload",
+                "%s: %s took no snapshot of ours by %s (%s); sending them the payload",
                 self._ctx.name,
                 ", ".join(sorted(gone)),
-            )
-
-    def _no_stream(self, refused: dict[str, str]) -> None:
-        """Peers that read no streams of ours (or do not know the request) get the payload from now on."""
-        gone = self._paths.refused("stream", refused)
-        if gone:
-            logger.info(
-                "%s: %s read no bulk streams of ours (%s); sending them the payload",
-                self._ctx.name,
-                ", ".join(sorted(gone)),
+                path,
                 ", ".join(sorted({refused[p] for p in gone})),
             )
 
