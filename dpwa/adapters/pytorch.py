@@ -18,7 +18,7 @@ Parameters and floating-point buffers (BatchNorm running statistics) are
 blended in place, under ``torch.no_grad()``: their storage is never replaced,
 so optimizers and anything else holding a reference keep working. Integer
 buffers (``num_batches_tracked``) are left alone. Buffers always blend
-convexly: where parameters move by the difference of two snapshots (``blend:
+convexly: where parameters move by the difference of two snapshots (``rule:
 delta``), a buffer moves towards the peer's instead (``x += f (peer - x)``),
 so a running variance stays positive whatever the peers' statistics. On CUDA, snapshots are
 copied into pinned host memory, and received parameters go through one pinned
