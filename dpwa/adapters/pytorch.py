@@ -7,9 +7,9 @@ Example::
     conn = DpwaPyTorchAdapter(net, "w1", "cluster.yaml")
     loss = None                                # no loss before the first batch
     for inputs, targets in loader:
-        conn.update_send(loss)                 # publish; maybe start a fetch
+        conn.update_send(loss)                 # publish; maybe start an exchange
         loss = train_batch(net, inputs, targets)
-        conn.update_wait(loss)                 # blend the fetched parameters in place
+        conn.update_wait(loss)                 # blend the peer's parameters in place
     conn.close()
 
 Or, with the loop left as it is, :func:`dpwa.adapters.hook.gossip_optimizer`.
@@ -583,7 +583,7 @@ class DpwaPyTorchAdapter:
             ``$DPWA_CONFIG``, or under torchrun the torchrun defaults (:data:`~dpwa.adapters.hook.TORCHRUN_DEFAULTS`).
         include_buffers: also blend floating-point buffers such as BatchNorm
             running statistics (default True).
-        rng: seed the fetch decisions and peer choice (tests, reproducibility).
+        rng: seed the decisions to start an exchange and the peer choice (tests, reproducibility).
         optimizer: give it, and a node that joins a running cluster takes
             its donor's optimizer state (momentum) too, not only the parameters.
         outer_optimizer: an outer step by any ``torch.optim.Optimizer``: a callable that takes
@@ -645,11 +645,11 @@ class DpwaPyTorchAdapter:
         return self.node.world_size
 
     def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
-        """Publish parameters, clock and loss before a batch; maybe start a fetch. See Node.update_send."""
+        """Publish parameters, clock and loss before a batch; maybe start an exchange. See Node.update_send."""
         return self.node.update_send(loss, batch_size)
 
     def update_wait(self, loss: Any = None) -> Update:
-        """Blend in the fetched parameters after a batch, if a fetch succeeded. See Node.update_wait."""
+        """Blend in the peer's parameters after a batch, if an exchange succeeded. See Node.update_wait."""
         return self.node.update_wait(loss)
 
     def barrier(
