@@ -339,7 +339,11 @@ class Config:
 
     nodes: tuple[NodeSpec, ...]  # every node of the cluster, this one included (its own parser: _parse_nodes)
     fetch_probability: float = setting(
-        1.0, number(0.0, 1.0), "chance, in [0, 1], that an `update_send` starts a fetch", shown="1"
+        1.0,
+        number(0.0, 1.0),
+        "chance, in [0, 1], that an `update_send` starts an exchange (mode pull: a fetch; mode symmetric: an "
+        "exchange request, in the steps its [pairing](design.md#pairing) lets it start one)",
+        shown="1",
     )
     timeout_ms: int = setting(
         2500,
@@ -1131,7 +1135,7 @@ def pointless_settings(config: Config) -> list[str]:
     elif config.fetch_probability == 0:
         notes.append(
             f"{config.source}: fetch_probability is 0 with {len(config.nodes)} nodes: "
-            "no node ever fetches, so the nodes train independently"
+            "no node ever starts an exchange, so the nodes train independently"
         )
     if not config.bootstrap:
         defaults = {f.name: f.default for f in dataclasses.fields(Config)}
@@ -1147,7 +1151,7 @@ def pointless_settings(config: Config) -> list[str]:
         )
     if config.interpolation == "constant" and config.constant.value == 0:
         notes.append(
-            f"{config.source}: constant.value is 0: every fetch is blended with weight 0, "
-            "so fetched parameters are never used"
+            f"{config.source}: constant.value is 0: every exchange blends with weight 0, "
+            "so peers' parameters are never used"
         )
     return notes

@@ -156,8 +156,6 @@ def make_config(n: int, **settings: Any) -> dict[str, Any]:
     # them (the tests of joining say join: auto), and a 1 s deadline instead of 2.5 s, so that tests of
     # failures end sooner. A test of the 2017 rule says so: make_config(n, **ORIGINAL).
     config = {"nodes": nodes, "timeout_ms": 1000, "join": "never"}
-    if "blend" in settings:  # the older name of rule, as some tests still say
-        settings["rule"] = settings.pop("blend")
     config.update(settings)
     return config
 

@@ -57,7 +57,7 @@ def schedules(k: int, count: int, seed: int) -> list[list[tuple[str, int]]]:
     return with_publishes
 
 
-def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Rule):
+def play(admission: Admission, steps, roles, outcomes, f: float, rule: rules.Rule):
     """Run one schedule. Returns, for each applied exchange, (a, b, exact, kept): the node is now
     a * (its state just before) + b * (the partner's snapshot), exactly so (`exact`: nothing else in it),
     and the pair's sum is what it was (`kept`)."""
@@ -84,9 +84,9 @@ def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Ru
             before, partner_before = x.copy(), partners[e].copy()
             peer = partners[e].copy()  # the partner's snapshot: it has not moved
             if roles[e] == "own":
-                blend.blend(node, own, peer, f, "float32")
+                rule.blend(node, own, peer, f, "float32")
             else:
-                blend.mirror(node, own, peer, f, "float32")
+                rule.mirror(node, own, peer, f, "float32")
             partners[e] += np.float32(f) * (own - peer)  # the partner's half: always the mirror of ours
             admission.settle(version)
             # x = a * before + b * peer: solve on the coordinates of the node's own state and of this partner
@@ -98,10 +98,10 @@ def play(admission: Admission, steps, roles, outcomes, f: float, blend: rules.Ru
     return seen
 
 
-@pytest.mark.parametrize("blend", [rules.rule_class("state")(), rules.rule_class("delta")()], ids=["state", "delta"])
+@pytest.mark.parametrize("rule", [rules.rule_class("state")(), rules.rule_class("delta")()], ids=["state", "delta"])
 @pytest.mark.parametrize("f", [0.1, 0.25, 0.5])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_a_nodes_own_weight_stays_at_or_above_the_floor_in_every_pattern(k, f, blend):
+def test_a_nodes_own_weight_stays_at_or_above_the_floor_in_every_pattern(k, f, rule):
     """With the rule, every applied exchange leaves the node at (1 - f) of its state just before plus f of its
     partner's snapshot (so its own weight is 1 - f >= 1/2), and the pair's sum is what it was. Roles are every
     mix of started and served; each exchange is committed, or (in the second half) some are aborted."""
@@ -109,7 +109,7 @@ def test_a_nodes_own_weight_stays_at_or_above_the_floor_in_every_pattern(k, f, b
     for roles in itertools.product(("own", "served"), repeat=k):
         for outcomes in ([True] * k, [e % 2 == 0 for e in range(k)]):
             for steps in schedules(k, count=60, seed=k):
-                for a, b, exact, kept in play(Admission(), steps, roles, outcomes, f, blend):
+                for a, b, exact, kept in play(Admission(), steps, roles, outcomes, f, rule):
                     applied += 1
                     assert exact and a >= OWN_WEIGHT_FLOOR
                     assert a == pytest.approx(1 - f, abs=1e-6) and b == pytest.approx(f, abs=1e-6)

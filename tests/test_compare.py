@@ -111,7 +111,7 @@ def test_every_system_trains_digits_within_a_few_points_of_allreduce(quick):
     for name, system in report["systems"].items():
         assert abs(system["final_test_acc"] - reference) <= 0.04, (name, system["final_test_acc"], reference)
         assert system["nonfinite_points"] == 0, name  # every evaluated model gave a finite test loss
-    # blend delta mixes running statistics convexly: no node's BatchNorm running variance went below zero
+    # rule delta mixes running statistics convexly: no node's BatchNorm running variance went below zero
     assert not negative_running_variance(out / "work" / "gossip" / "snapshots")
 
 

@@ -243,7 +243,7 @@ def test_every_setting_survives_a_round_trip_through_to_mapping(tmp_path):
     # nothing may be lost on the way (keys, modes, dtypes).
     text = ORIGINAL.replace(
         "- loss: 0",
-        "- loss: 0\n- mode: symmetric\n- blend: delta\n- wire_dtype: bfloat16\n"
+        "- loss: 0\n- mode: symmetric\n- rule: delta\n- wire_dtype: bfloat16\n"
         "- same_host: 'off'\n- snapshot_slots: 1\n- max_peer_distance: 3.5",
     )
     key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"

@@ -1331,7 +1331,7 @@ def test_bad_int8_replies_are_never_applied(nodes):
 def test_a_symmetric_int8_server_refuses_bad_scales_and_moves_nobody(nodes, zctx):
     """An exchange request whose int8 snapshot has a NaN, negative or huge scale is refused with bad_scale
     before anything is held; the server's parameters stay as they were and it still exchanges after."""
-    cfg = make_config(2, mode="symmetric", blend="delta", same_host="off", insecure=True, wire_dtype="int8")
+    cfg = make_config(2, mode="symmetric", rule="delta", same_host="off", insecure=True, wire_dtype="int8")
     theirs = np.zeros(SIZE, np.float32)
     server = nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs))
     server.update_send()

@@ -585,7 +585,7 @@ def test_max_peer_distance_in_symmetric_exchanges_is_both_or_neither(nodes):
     requester's snapshot) and by the requester (on the server's). Promise: a far snapshot is
     refused (server: the requester sees too_far) or rejected (requester: no confirm, the
     server's half expires) and neither side moves; a near exchange moves both to 2.25."""
-    strict = make_config(2, mode="symmetric", blend="delta", max_peer_distance=0.5, timeout_ms=300)
+    strict = make_config(2, mode="symmetric", rule="delta", max_peer_distance=0.5, timeout_ms=300)
     strict["nodes"] = strict["nodes"][::-1]  # w1 first: with two nodes the first starts every exchange
     lax = {**strict, "max_peer_distance": 0}
     # 1. The server checks: w0 (strict, at 2) is asked by a far w1 (10), then a near one (2.5).
@@ -656,7 +656,7 @@ def test_foreign_unknown_and_repeated_exchange_ids_leak_nothing(nodes, zctx):
     expired one is "abort" every time; one exchange is pending at a time, and it expires;
     no snapshot slot leaks (slots <= 6, no publish skipped) and a fresh snapshot then reaches
     an honest peer (values known in advance)."""
-    cfg = make_config(4, mode="symmetric", blend="delta", timeout_ms=300)
+    cfg = make_config(4, mode="symmetric", rule="delta", timeout_ms=300)
     mine = filled(0, SIZE)
     node = nodes(serving_only(cfg), "w0", NumpyParams(mine))
     node.update_send()

@@ -106,7 +106,7 @@ def exchanges_per_second(node, seconds: float) -> float:
 def test_one_hostile_member_cannot_cut_an_honest_peers_rate_with_a_server_by_more_than_half(nodes, tmp_path, attack):
     size = LARGE if attack == "stalling_streams" else SMALL
     # w1 knows w0 and w2; w0 sees only w1 (so every exchange it starts goes to w1): one cluster on the wire
-    cfg = make_config(3, mode="symmetric", blend="delta", same_host="off", timeout_ms=1000, insecure=True)
+    cfg = make_config(3, mode="symmetric", rule="delta", same_host="off", timeout_ms=1000, insecure=True)
     view = {**cfg, "nodes": cfg["nodes"][:2]}
     server = nodes(serving_only(cfg), "w1", NumpyParams(np.zeros(size, np.float32)))
     honest = nodes(view, "w0", NumpyParams(np.zeros(size, np.float32)))

@@ -40,7 +40,7 @@ def test_a_lingering_symmetric_node_keeps_exchanging_and_applies_its_halves(node
     "busy" (without that, every exchange after the first would), and the sum of the two
     models moves only by w0's own steps. Once w0 stops, w1 stops lingering after its idle
     time, long before its limit."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=2000)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=2000)
     theirs, mine = filled(10), filled(0)
     peer = nodes(cfg, "w1", NumpyParams(theirs))
     node = nodes(cfg, "w0", NumpyParams(mine))
@@ -67,7 +67,7 @@ def test_a_node_whose_last_snapshot_served_an_exchange_publishes_a_fresh_one_to_
     """w1's last snapshot already served (and settled) an exchange when it starts lingering:
     one snapshot serves one exchange, so without a fresh one every request from w0 would
     hear "busy". The lingering node republishes once the spent snapshot is settled."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=2000)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=2000)
     theirs, mine = filled(10), filled(0)
     peer = nodes(cfg, "w1", NumpyParams(theirs))
     node = nodes(cfg, "w0", NumpyParams(mine))

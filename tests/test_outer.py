@@ -373,7 +373,7 @@ def test_int8_exchanges_blend_the_decoded_values(nodes, make_cluster, mode, size
     """w1's values are multiples of 1/128 with a max of 127/128 in every block of 1,024 (the scale is
     then 2^-7), so int8 carries them exactly: w0 at 0 blends to exactly half of them, over TCP (and its stream for
     the large model) and through shared memory."""
-    cfg = make_cluster(2, wire_dtype="int8", mode=mode, blend="state")
+    cfg = make_cluster(2, wire_dtype="int8", mode=mode, rule="state")
     theirs = np.random.default_rng(size).integers(-127, 128, size).astype(np.float32) / np.float32(128)
     theirs[:: quantize.BLOCK] = 127 / 128
     nodes({**cfg, "fetch_probability": 0}, "w1", NumpyParams(theirs.copy()))

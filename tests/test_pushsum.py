@@ -49,8 +49,8 @@ def test_in_the_simulator_the_weighted_mean_never_drifts_and_the_nodes_agree():
     rng = np.random.default_rng(3)
     start = [rng.normal(size=32).astype(np.float32) for _ in range(8)]
     mean = np.mean(start, axis=0)
-    gossip = Gossip([a.copy() for a in start], mode="pull", blend="pushsum", seed=5)
-    plain = Gossip([a.copy() for a in start], mode="pull", blend="delta", seed=5)
+    gossip = Gossip([a.copy() for a in start], mode="pull", rule="pushsum", seed=5)
+    plain = Gossip([a.copy() for a in start], mode="pull", rule="delta", seed=5)
     for _ in range(400):
         i = gossip.rng.randrange(8)
         j = gossip.choose(i)
@@ -137,7 +137,7 @@ def test_members_that_take_weight_and_never_give_it_back_do_not_stop_the_others_
     weight), then 300 honest pulls among 4 nodes at 0, 10, 20 and 30. Every weight stays at or above FLOOR,
     and the honest nodes mix: their spread falls below 1% of the 30 they started with. (Before, every weight
     fell to 3e-8 = 2**-25, and one below 2e-6 gave nothing, and the spread stayed 30.)"""
-    gossip = Gossip([filled(10 * k, SIZE) for k in range(4)], mode="pull", blend="pushsum", seed=7)
+    gossip = Gossip([filled(10 * k, SIZE) for k in range(4)], mode="pull", rule="pushsum", seed=7)
     thief = PushSum()
     rules = [rule for rule in gossip.rules if isinstance(rule, PushSum)]
     assert len(rules) == 4

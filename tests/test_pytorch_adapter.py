@@ -405,9 +405,9 @@ def test_a_large_model_in_the_default_mode_holds_its_stated_buffers_and_no_more(
 
 
 def test_a_symmetric_delta_exchange_through_the_adapter(adapters, make_cluster):
-    """w0 (all 2) asks w1 (all 6), f = 1/2, blend delta: w0 moves to 4 at once, and w1 to 4
+    """w0 (all 2) asks w1 (all 6), f = 1/2, rule delta: w0 moves to 4 at once, and w1 to 4
     at its next update (the mirror image), buffers included."""
-    cfg = make_cluster(2, mode="symmetric", blend="delta")
+    cfg = make_cluster(2, mode="symmetric", rule="delta")
     my_net, peer_net = filled_net(2.0), filled_net(6.0)
     peer = adapters(peer_net, "w1", {**cfg, "fetch_probability": 0})
     peer.update_send()

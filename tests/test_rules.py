@@ -110,7 +110,7 @@ def test_a_rule_without_a_mirror_is_refused_in_mode_symmetric_unless_it_says_the
     assert all(parse_config(make_config(2, mode="symmetric", rule=r)).rule == r for r in ("delta", "state"))
     arrays = [np.zeros(4, np.float32), np.ones(4, np.float32)]
     with pytest.raises(RuleError, match="defines no mirror for mode symmetric"):
-        Gossip(arrays, mode="symmetric", blend=f"{module}:Half")
+        Gossip(arrays, mode="symmetric", rule=f"{module}:Half")
 
 
 BROKEN_RULES = """
@@ -147,7 +147,7 @@ def test_a_rule_that_returns_something_other_than_a_weight_is_named_at_once(tmp_
     with open(tmp_path / "brokenrules.py", "a") as fh:
         fh.write(BROKEN_RULES)
     arrays = [np.zeros(4, np.float32), np.ones(4, np.float32)]
-    gossip = Gossip(arrays, mode=mode, blend=f"{module}:{cls}")
+    gossip = Gossip(arrays, mode=mode, rule=f"{module}:{cls}")
     with pytest.raises(RuleError) as err:
         gossip.exchange_now(0, 1)
     message = str(err.value)
@@ -301,10 +301,10 @@ def test_a_rule_that_breaks_running_statistics_breaks_them_in_the_simulator_too(
     with open(tmp_path / "heavyrules.py", "a") as fh:
         fh.write(HEAVY_DELTA)
 
-    def stats_after(blend: str, statistics: list[tuple[int, int]]) -> np.ndarray:
+    def stats_after(rule: str, statistics: list[tuple[int, int]]) -> np.ndarray:
         rng = np.random.default_rng(0)
         arrays = [np.concatenate([rng.normal(size=8), np.ones(4)]).astype(np.float32) for _ in range(4)]
-        gossip = Gossip(arrays, mode="pull", blend=blend, seed=1, statistics=statistics)
+        gossip = Gossip(arrays, mode="pull", rule=rule, seed=1, statistics=statistics)
         for _ in range(40):
             i = gossip.rng.randrange(4)
             gossip.exchange_now(i, gossip.choose(i))
@@ -500,13 +500,13 @@ def test_the_simulator_runs_any_rule_by_name_and_clipped_symmetric_keeps_the_mea
     rng = np.random.default_rng(0)
     arrays = [rng.normal(size=16).astype(np.float32) for _ in range(4)]
     mean = np.mean(arrays, axis=0)
-    gossip = Gossip(arrays, mode="symmetric", blend="clipped", rule_options={"radius": 0.5}, seed=1)
+    gossip = Gossip(arrays, mode="symmetric", rule="clipped", rule_options={"radius": 0.5}, seed=1)
     for i in range(4):
         gossip.exchange_now(i, (i + 1) % 4)
     np.testing.assert_allclose(np.mean(gossip.arrays, axis=0), mean, atol=1e-6)
     assert any(isinstance(r, ClippedGossip) and r.clipped for r in gossip.rules)
     with pytest.raises(RuleError, match="expected one of"):
-        Gossip(arrays, blend="nope")
+        Gossip(arrays, rule="nope")
 
 
 def test_the_default_factor_is_the_interpolation_damped_and_capped_in_mode_symmetric():

@@ -59,7 +59,7 @@ def test_its_config_loads_and_its_momentum_leaves_running_statistics_where_delta
     def after(rule: str, **options: float) -> np.ndarray:
         rng = np.random.default_rng(0)
         arrays = [np.concatenate([rng.normal(size=8), np.ones(4)]).astype(np.float32) for _ in range(4)]
-        gossip = Gossip(arrays, mode="pull", blend=rule, seed=1, statistics=[(8, 12)], rule_options=options)
+        gossip = Gossip(arrays, mode="pull", rule=rule, seed=1, statistics=[(8, 12)], rule_options=options)
         for _ in range(40):
             i = gossip.rng.randrange(4)
             gossip.exchange_now(i, gossip.choose(i))

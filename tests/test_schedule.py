@@ -124,7 +124,7 @@ def test_the_schedule_is_exported_at_the_top_level():
 
 @pytest.mark.io
 def test_two_nodes_whose_clocks_were_apart_agree_on_the_rate_after_an_exchange():
-    """Mode symmetric, blend delta, f = 1/2 (the defaults), pairing hypercube: w0 asks w1 every round and
+    """Mode symmetric, rule delta, f = 1/2 (the defaults), pairing hypercube: w0 asks w1 every round and
     w1 asks nobody. w0's clock is at 0, w1's at 3,000 (lr 20,
     milestones 1,000 and 2,000, gamma 1/4): w0 at lr 20, w1 at 1.25. w0 asks w1; each trains one batch
     (clock + 1). Requester: 1 + (3000 - 0) / 2 = 1501; server, at its next update_wait:
@@ -133,7 +133,7 @@ def test_two_nodes_whose_clocks_were_apart_agree_on_the_rate_after_an_exchange()
     torch = pytest.importorskip("torch")
     from dpwa.adapters.pytorch import DpwaPyTorchAdapter
 
-    cfg = make_config(2, mode="symmetric", blend="delta", pairing="hypercube")
+    cfg = make_config(2, mode="symmetric", rule="delta", pairing="hypercube")
     made: list[DpwaPyTorchAdapter] = []
     before = {t.ident for t in threading.enumerate()}
     try:

@@ -32,11 +32,40 @@ def test_the_simulator_gives_the_real_nodes_numbers():
     """The same exchange as test_symmetric.test_a_symmetric_exchange_moves_both_sides:
     w0 at 0 asks w1 at 10, w1 trains +1 meanwhile: 5 and 6."""
     arrays = [np.zeros(10, np.float32), np.full(10, 10.0, np.float32)]
-    gossip = sim.Gossip(arrays, mode="symmetric", blend="delta")
+    gossip = sim.Gossip(arrays, mode="symmetric", rule="delta")
     snapshots = [a.copy() for a in arrays]
     arrays[1] += 1.0
     gossip.exchange(0, 1, snapshots)
     assert np.all(arrays[0] == 5.0) and np.all(arrays[1] == 6.0)
+
+
+def test_blend_is_the_older_name_of_rule_and_still_taken():
+    """Gossip(..., blend=) and --blend, the rule's older names, give what rule= and --rule give; the keyword
+    warns that rule= is the name now, and both at once are an error (which one would win?)."""
+    start = [np.zeros(10, np.float32), np.full(10, 10.0, np.float32)]
+    now = sim.Gossip([a.copy() for a in start], mode="pull", rule="delta")
+    with pytest.warns(DeprecationWarning, match=r"write rule='delta'"):
+        old = sim.Gossip([a.copy() for a in start], mode="pull", blend="delta")
+    for gossip in (now, old):
+        snapshots = [a.copy() for a in gossip.arrays]
+        gossip.arrays[0] += 2.0  # a step since the snapshot: delta keeps it whole (state, the default, halves it)
+        gossip.exchange(0, 1, snapshots)
+    assert np.all(now.arrays[0] == 7.0) and np.all(old.arrays[0] == 7.0)  # 2 + (10 - 0) / 2, not 2 + (10 - 2) / 2
+    with pytest.raises(TypeError, match="rule='delta', blend='state'"):
+        sim.Gossip([a.copy() for a in start], rule="delta", blend="state")
+
+
+def test_the_simulators_blend_option_is_a_hidden_alias_of_rule(capsys):
+    from dpwa_lab.sim.simulate import main
+
+    for option in ("--rule", "--blend"):
+        assert main(["consensus", "--nodes", "4", "--mode", "pull", option, "state", "--exchanges", "20"]) == 0
+    first, second = capsys.readouterr().out.splitlines()
+    assert first == second and first.startswith("4 nodes, pull/state, f = 0.5: mean D'/D per exchange"), first
+    with pytest.raises(SystemExit):
+        main(["rounds", "--help"])
+    shown = capsys.readouterr().out
+    assert "--rule" in shown and "--blend" not in shown, shown
 
 
 @pytest.mark.timeout(180)
@@ -50,7 +79,7 @@ def test_the_new_modes_train_like_exact_averaging():
         if r.label.startswith(("exact", "pull, state, p = 1", "pull, delta", "symmetric, delta")) and r.period == 1
     ]
     result = sim.study(seeds=2, rules=rules)
-    rows = {r["rule"]: r for r in result["rows"]}
+    rows = {r["label"]: r for r in result["rows"]}
     for label in ("pull, delta, p = 1", "symmetric, delta, p = 1"):
         assert rows[label]["steps_vs_exact"] <= 1.10, rows[label]
         assert rows[label]["accuracy_vs_exact_points"] >= -1.0, rows[label]
@@ -64,7 +93,7 @@ def test_an_outer_step_makes_up_for_exchanging_every_8_steps_only():
     (DiLoCo's lr 0.7 and momentum 0.9, which amplify the averaged step) fewer, and the test accuracy
     stays within a point of exact averaging's."""
     rules = [r for r in sim.RULES if r.mode == "exact" or r.period == 8]
-    rows = {r["rule"]: r for r in sim.study(seeds=2, rules=rules)["rows"]}
+    rows = {r["label"]: r for r in sim.study(seeds=2, rules=rules)["rows"]}
     assert rows["pull, state, every 8 steps"]["steps_vs_exact"] > 1.0
     for label in (
         "pull, state, every 8 steps, noloco",
@@ -78,9 +107,9 @@ def test_an_outer_step_makes_up_for_exchanging_every_8_steps_only():
 def test_hypercube_pairing_reaches_the_exact_average_in_log2_n_rounds():
     """8 nodes in step, f = 1/2, nothing trained: after 3 = log2 8 hypercube rounds every node holds
     the mean (to float32 rounding); random pairing is still far from it."""
-    for mode, blend in (("symmetric", "delta"), ("pull", "state")):
-        hyper = sim.rounds(8, mode, blend, "hypercube", 3, seed=1)["relative_disagreement"]
-        randomly = sim.rounds(8, mode, blend, "random", 3, seed=1)["relative_disagreement"]
+    for mode, rule in (("symmetric", "delta"), ("pull", "state")):
+        hyper = sim.rounds(8, mode, rule, "hypercube", 3, seed=1)["relative_disagreement"]
+        randomly = sim.rounds(8, mode, rule, "random", 3, seed=1)["relative_disagreement"]
         assert hyper[2] < 1e-12 and hyper[1] > 1e-2  # exact at round 3, not before
         assert randomly[2] > 1e-3
 

@@ -19,9 +19,9 @@ from dpwa import NumpyParams, parse_config
 
 
 def defaults(n: int, **settings) -> dict:
-    """make_config's cluster with the library's own defaults: no mode, blend, pairing or interpolation set."""
+    """make_config's cluster with the library's own defaults: no mode, rule, pairing or interpolation set."""
     cfg = make_config(n, **settings)
-    for key in ("mode", "blend", "interpolation", "constant", "fetch_probability", "timeout_ms"):
+    for key in ("mode", "rule", "interpolation", "constant", "fetch_probability", "timeout_ms"):
         if key not in settings:
             cfg.pop(key, None)
     return cfg

@@ -38,11 +38,11 @@ def acknowledge(raw: RawPeer, xid: int) -> str:
     return str(raw._ask([encode(ACK, 3, **{"from": raw.name}, xid=xid)])["outcome"])
 
 
-@pytest.mark.parametrize("blend, expected", [("state", 5.5), ("delta", 6.0)])
-def test_delta_keeps_the_local_step_whole(nodes, blend, expected):
+@pytest.mark.parametrize("rule, expected", [("state", 5.5), ("delta", 6.0)])
+def test_delta_keeps_the_local_step_whole(nodes, rule, expected):
     """We publish 0, train one step (+1), then blend with a peer at 10, f = 1/2.
     state: 1 + (10 - 1) / 2 = 5.5 (half the step is lost); delta: 1 + (10 - 0) / 2 = 6."""
-    cfg = make_config(2, blend=blend)
+    cfg = make_config(2, rule=rule)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
     peer.update_send()
     mine = filled(0)
@@ -52,13 +52,13 @@ def test_delta_keeps_the_local_step_whole(nodes, blend, expected):
     update = node.update_wait()
     assert update.averaged and np.all(mine == expected)
     # the clock follows the same rule: snapshot clocks 0 (ours) and 0 (the peer's), ours now 4
-    assert update.clock == (2.0 if blend == "state" else 4.0)
+    assert update.clock == (2.0 if rule == "state" else 4.0)
 
 
 def test_a_symmetric_exchange_moves_both_sides(nodes, make_cluster):
-    """w0 (0) asks w1 (10), f = 1/2, blend delta. w0: 0 + (10 - 0) / 2 = 5. w1 trains +1 meanwhile,
+    """w0 (0) asks w1 (10), f = 1/2, rule delta. w0: 0 + (10 - 0) / 2 = 5. w1 trains +1 meanwhile,
     then applies the mirror at its next update: 11 + (0 - 10) / 2 = 6. The sum gained exactly the +1."""
-    cfg = make_cluster(2, mode="symmetric", blend="delta")
+    cfg = make_cluster(2, mode="symmetric", rule="delta")
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     peer.update_send(batch_size=3)
@@ -77,7 +77,7 @@ def test_a_symmetric_exchange_moves_both_sides(nodes, make_cluster):
 @pytest.mark.parametrize("mode", ["symmetric", "pull"])
 def test_symmetric_mode_keeps_the_mean_while_training(nodes, make_cluster, mode):
     """Four nodes start at k + noise and each adds a known step d_k every round (the "gradient"),
-    then exchange with f = 1/2 and blend delta, for 80 rounds. Pairing is the default, the
+    then exchange with f = 1/2 and rule delta, for 80 rounds. Pairing is the default, the
     hypercube at 4 nodes: in symmetric mode two exchanges per round (each moves both its nodes),
     160 in all, every one of them served since the nodes step together; in pull mode every node
     asks a random peer, 320 requests, of which at least half are served.
@@ -92,7 +92,7 @@ def test_symmetric_mode_keeps_the_mean_while_training(nodes, make_cluster, mode)
     n, rounds = 4, 80
     # pull asks a random peer by score (with the hypercube, the two pulls of a pair in step keep the sum too)
     pairing = "random" if mode == "pull" else "auto"
-    cfg = make_cluster(n, mode=mode, blend="delta", timeout_ms=2000, pairing=pairing)
+    cfg = make_cluster(n, mode=mode, rule="delta", timeout_ms=2000, pairing=pairing)
     rng = np.random.default_rng(7)
     arrays = [(k + rng.standard_normal(500)).astype(np.float32) for k in range(n)]
     steps = [np.float32(0.01 * (k - 1.5)) for k in range(n)]
@@ -120,7 +120,7 @@ def test_a_reply_delayed_past_the_timeout_changes_neither_side(nodes):
     """The reply to w0's exchange arrives after w0's deadline: w0 never confirms, so w1
     must not apply its half either (its pending exchange expires). Then, with the link
     healthy again, both sides move."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=300, same_host="off", insecure=True)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=300, same_host="off", insecure=True)
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     peer.update_send()
@@ -157,7 +157,7 @@ def test_a_reply_delayed_past_the_timeout_changes_neither_side(nodes):
 
 
 def test_a_symmetric_node_refuses_non_finite_snapshots(nodes):
-    cfg = make_config(2, mode="symmetric", blend="delta")
+    cfg = make_config(2, mode="symmetric", rule="delta")
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     peer.update_send()
@@ -187,7 +187,7 @@ def test_interpolation_works_in_symmetric_mode(nodes, settings, f):
     """In symmetric mode the server computes f from the two exchanged snapshots and the
     requester checks it; both use it: w0 (0) moves by f (8 - 0), w1 (8) by f (0 - 8); their sum stays 8."""
     swap = settings.pop("swap", False)
-    cfg = make_config(2, mode="symmetric", blend="delta", **settings)
+    cfg = make_config(2, mode="symmetric", rule="delta", **settings)
     theirs = filled(8)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     peer.update_send(loss=3.0 if swap else 1.0)
@@ -204,7 +204,7 @@ def test_a_factor_the_requester_does_not_share_moves_nobody(nodes):
     """The nodes disagree on constant.value (not one config): the server refuses the request at once, since
     the rules' fingerprints differ (bad_rule); nothing is pending, nothing moves. (A requester that sent no
     fingerprint would still refuse the server's f: bad_factor, never confirming.)"""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=300)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=300)
     theirs = filled(8)
     peer = nodes(serving_only({**cfg, "constant": {"value": 0.25}}), "w1", NumpyParams(theirs))
     peer.update_send()
@@ -227,7 +227,7 @@ def through_chaos(nodes):
     made: list[tuple[ChaosProxy, list]] = []  # each proxy, and the nodes on either side of it
 
     def make(timeout_ms=400):
-        cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=timeout_ms, same_host="off", insecure=True)
+        cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=timeout_ms, same_host="off", insecure=True)
         theirs = filled(10)
         peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
         peer.update_send()
@@ -387,7 +387,7 @@ def chaos_round(nodes, seed: int, enough, heal: bool, **settings):
     period). Returns (drift of what the exchanges keep: kept_total, each node's stats after closing,
     what the proxies did, each node's stats just before closing)."""
     n, size = 3, 64
-    cfg = make_config(n, mode="symmetric", blend="delta", timeout_ms=250, same_host="off", insecure=True, **settings)
+    cfg = make_config(n, mode="symmetric", rule="delta", timeout_ms=250, same_host="off", insecure=True, **settings)
     rule = Rule(drop=0.08, cut_after=0.04, delay=0.15, max_delay_s=0.35)
     proxies: dict[tuple[int, int], ChaosProxy] = {}
 
@@ -528,7 +528,7 @@ def test_closing_together_while_the_links_still_lose_and_delay_keeps_the_sum(nod
 def test_busy_is_answered_before_the_payload_is_scanned(nodes, zctx):
     """Once the snapshot serves an exchange, a further request is refused "busy" before its
     model-sized payload is looked at: a request full of NaN is not even scanned."""
-    cfg = make_config(3, mode="symmetric", blend="delta")
+    cfg = make_config(3, mode="symmetric", rule="delta")
     server = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
     server.update_send()
     first = RawPeer(zctx, cfg, "w0").exchange(server, filled(0))
@@ -546,7 +546,7 @@ def test_a_refused_request_does_not_use_up_the_nodes_one_exchange(nodes, zctx):
     exchange for it (dpwa.mixing.admission); that refusal must give it back: w2 is served from the same
     snapshot. While w2's exchange is unconfirmed, w0's next request is refused busy, and once w2's has waited
     half the deadline, w0's preempts it (nothing applied) and the same snapshot serves w0."""
-    cfg = make_config(3, mode="symmetric", blend="delta", timeout_ms=300)
+    cfg = make_config(3, mode="symmetric", rule="delta", timeout_ms=300)
     mine = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
     server.update_send()
@@ -573,7 +573,7 @@ def test_an_exchange_left_unconfirmed_gives_way_to_another_peer_after_half_the_d
     waited half the deadline (1 s of 2 s), w2's request preempts it (before it would expire, at 3 s). w0's
     late confirm is answered abort, and only w2's exchange moves the node."""
     timeout_s = 2.0
-    cfg = make_config(3, mode="symmetric", blend="delta", timeout_ms=int(timeout_s * 1000))
+    cfg = make_config(3, mode="symmetric", rule="delta", timeout_ms=int(timeout_s * 1000))
     mine = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
     server.update_send()
@@ -604,7 +604,7 @@ def test_an_exchange_left_unconfirmed_gives_way_to_another_peer_after_half_the_d
 def test_exchange_ids_are_the_servers_and_bound_to_the_peer(nodes, zctx):
     """A requester cannot confirm an exchange it was not given, nor another peer's; a repeated
     confirm gets the same decision; nothing leaks (the snapshot slots stay few)."""
-    cfg = make_config(3, mode="symmetric", blend="delta", timeout_ms=5000)
+    cfg = make_config(3, mode="symmetric", rule="delta", timeout_ms=5000)
     theirs = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     server.update_send()
@@ -631,7 +631,7 @@ def test_hypercube_pairing_gives_four_nodes_in_step_the_exact_mean_in_two_rounds
     In step: in each round the nodes that are asked publish (update_send) before those that ask."""
     from dpwa.mixing.pairing import hypercube_partner, initiates
 
-    cfg = make_config(4, mode="symmetric", blend="delta", pairing="hypercube", timeout_ms=3000)
+    cfg = make_config(4, mode="symmetric", rule="delta", pairing="hypercube", timeout_ms=3000)
     arrays = [filled(k, 100) for k in range(4)]
     group = [nodes(cfg, f"w{k}", NumpyParams(arrays[k])) for k in range(4)]
     for round_ in range(2):
@@ -670,7 +670,7 @@ def test_an_exchange_that_never_ran_gives_its_snapshot_back(nodes):
     """The exchange's task holds a lease on our published snapshot from update_send. A task whose deadline
     passes while it waits its turn on the Tx thread never runs: its lease must still end, or the slot stays
     held for ever (and, six such, every publish is skipped)."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=300)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=300)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
     peer.update_send()
     node = nodes(cfg, "w0", NumpyParams(filled(0)))
@@ -716,7 +716,7 @@ def test_a_same_host_exchange_names_the_requesters_slot_which_the_server_copies_
     under torchrun averaged 136 of 144 steps, 142 now); with no slot to spare it reads ours in place and
     keeps it locked (we cannot rewrite it) until it has applied its half. Values either way as in
     test_a_symmetric_exchange_moves_both_sides: w0 5, w1 11 + (0 - 10) / 2 = 6."""
-    cfg = make_config(2, mode="symmetric", blend="delta")
+    cfg = make_config(2, mode="symmetric", rule="delta")
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     if not spare:
@@ -745,7 +745,7 @@ def test_a_server_that_cannot_read_the_slot_is_sent_the_payload_in_the_same_exch
     """A server that reads no slots of ours answers shm_unavailable, one that does not serve shm_exchange
     unexpected_kind: the requester asks again at once with its snapshot as the payload (the exchange still
     commits, with the same values), and from then on sends that server the payload directly."""
-    cfg = make_config(2, mode="symmetric", blend="delta")
+    cfg = make_config(2, mode="symmetric", rule="delta")
     theirs = filled(10)
     peer = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     if server == "without shared memory":
@@ -834,7 +834,7 @@ def test_a_slot_that_does_not_hold_what_the_request_says_is_refused_and_holds_no
     """An exchange naming a slot that does not exist, a version the slot does not hold, another node's
     slot directory, or a slot full of NaN is refused; nothing is pending, nothing stays locked, and the
     snapshot's one exchange is not used up: an honest request is served next."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=5000)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=5000)
     server = nodes(serving_only(cfg), "w1", NumpyParams(filled(10)))
     server.update_send()
     w0 = slot_peer(cfg, "w0")
@@ -867,7 +867,7 @@ def test_a_pending_slot_is_let_go_when_the_exchange_expires(nodes, slot_peer):
     """A requester that never confirms, to a server with no slot to spare (it reads the requester's in
     place): the slot stays locked only until the pending exchange expires (its deadline plus a margin), and
     the server applies nothing."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=200)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=200)
     theirs = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(theirs))
     server.services.store.borrow = lambda: None
@@ -938,7 +938,7 @@ def crossed(nodes, zctx):
     """w0 (a node, holding 0) starts its own exchange to w1 (played by hand), and w1's own request crosses
     it. Yields (w0, its values, w1, the envelope and header of w0's request to w1, w0's reply to w1's)."""
     cfg = make_config(
-        2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
+        2, mode="symmetric", rule="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
     )
     mine = filled(0)
     w1 = CrossingPeer(zctx, cfg, "w1", "w0")
@@ -1015,7 +1015,7 @@ def test_crossing_requests_the_node_whose_name_sorts_last_refuses_busy(nodes, zc
     from dpwa.wire.schema import error_header
 
     cfg = make_config(
-        2, mode="symmetric", blend="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
+        2, mode="symmetric", rule="delta", pairing="random", timeout_ms=2000, same_host="off", insecure=True
     )
     w0 = CrossingPeer(zctx, cfg, "w0", "w1")
     try:
@@ -1048,7 +1048,7 @@ def test_an_exchange_is_held_as_long_as_its_requester_waits_within_four_timeouts
     """A requester on a slow link names its deadline (wait_ms): the server holds the exchange that long (plus
     the 1 s margin), not just timeout_ms, so a confirm that comes after timeout_ms + 1 s still commits. What a
     requester names is bounded: 4 x timeout_ms at most, whatever it asks."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=200)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=200)
     mine = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
     server.update_send()
@@ -1072,7 +1072,7 @@ def test_a_confirm_that_comes_late_takes_its_strike_back(nodes, zctx):
     """Three exchanges of w0 expire unconfirmed: w0 is paused (refused busy). A confirm of the last one then
     comes, late: w0 is on a slow link, not hostile, so that strike is taken back and w0 is served again at
     once (the late exchange itself stays aborted: nothing moved)."""
-    cfg = make_config(2, mode="symmetric", blend="delta", timeout_ms=100)
+    cfg = make_config(2, mode="symmetric", rule="delta", timeout_ms=100)
     mine = filled(10)
     server = nodes(serving_only(cfg), "w1", NumpyParams(mine))
     server.update_send()

@@ -22,8 +22,8 @@ SIZE = BULK_MIN_BYTES // 4  # float32 parameters of the smallest model that stre
 
 
 def cluster(tmp_path, keys: bool, n: int = 2, **settings):
-    """n nodes over TCP (no same-host path), mode symmetric, blend delta, f = 1/2."""
-    settings = {"mode": "symmetric", "blend": "delta", "same_host": "off", "timeout_ms": 3000, **settings}
+    """n nodes over TCP (no same-host path), mode symmetric, rule delta, f = 1/2."""
+    settings = {"mode": "symmetric", "rule": "delta", "same_host": "off", "timeout_ms": 3000, **settings}
     if keys:
         return secure_config(tmp_path, n, **settings)
     return make_config(n, insecure=True, **settings)
@@ -41,7 +41,7 @@ def exchange_once(node, peer, theirs, mine):
 
 @pytest.mark.parametrize("keys", [False, True], ids=["insecure", "keys"])
 def test_a_large_exchange_between_hosts_streams_both_snapshots_and_moves_both_sides_exactly(nodes, tmp_path, keys):
-    """w0 (0) asks w1 (10), f = 1/2, blend delta: w0 = 0 + (10 - 0) / 2 = 5; w1 trains +1 meanwhile and
+    """w0 (0) asks w1 (10), f = 1/2, rule delta: w0 = 0 + (10 - 0) / 2 = 5; w1 trains +1 meanwhile and
     applies the mirror: 11 + (0 - 10) / 2 = 6. Each snapshot came by stream (sealed, with keys): w1 read
     w0's from w0's bulk port, w0 read w1's from w1's; nothing model-sized went over ZeroMQ."""
     cfg = cluster(tmp_path, keys)

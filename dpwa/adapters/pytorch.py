@@ -7,9 +7,9 @@ Example::
     conn = DpwaPyTorchAdapter(net, "w1", "cluster.yaml")
     loss = None                                # no loss before the first batch
     for inputs, targets in loader:
-        conn.update_send(loss)                 # publish; maybe start a fetch
+        conn.update_send(loss)                 # publish; maybe start an exchange
         loss = train_batch(net, inputs, targets)
-        conn.update_wait(loss)                 # blend the fetched parameters in place
+        conn.update_wait(loss)                 # blend the peer's parameters in place
     conn.close()
 
 Or, with the loop left as it is, :func:`dpwa.adapters.hook.gossip_optimizer`.
@@ -18,7 +18,7 @@ Parameters and floating-point buffers (BatchNorm running statistics) are
 blended in place, under ``torch.no_grad()``: their storage is never replaced,
 so optimizers and anything else holding a reference keep working. Integer
 buffers (``num_batches_tracked``) are left alone. Buffers always blend
-convexly: where parameters move by the difference of two snapshots (``blend:
+convexly: where parameters move by the difference of two snapshots (``rule:
 delta``), a buffer moves towards the peer's instead (``x += f (peer - x)``),
 so a running variance stays positive whatever the peers' statistics. On CUDA, snapshots are
 copied into pinned host memory, and received parameters go through one pinned
@@ -583,7 +583,7 @@ class DpwaPyTorchAdapter:
             ``$DPWA_CONFIG``, or under torchrun the torchrun defaults (:data:`~dpwa.adapters.hook.TORCHRUN_DEFAULTS`).
         include_buffers: also blend floating-point buffers such as BatchNorm
             running statistics (default True).
-        rng: seed the fetch decisions and peer choice (tests, reproducibility).
+        rng: seed the decisions to start an exchange and the peer choice (tests, reproducibility).
         optimizer: give it, and a node that joins a running cluster takes
             its donor's optimizer state (momentum) too, not only the parameters.
         outer_optimizer: an outer step by any ``torch.optim.Optimizer``: a callable that takes
@@ -645,11 +645,11 @@ class DpwaPyTorchAdapter:
         return self.node.world_size
 
     def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
-        """Publish parameters, clock and loss before a batch; maybe start a fetch. See Node.update_send."""
+        """Publish parameters, clock and loss before a batch; maybe start an exchange. See Node.update_send."""
         return self.node.update_send(loss, batch_size)
 
     def update_wait(self, loss: Any = None) -> Update:
-        """Blend in the fetched parameters after a batch, if a fetch succeeded. See Node.update_wait."""
+        """Blend in the peer's parameters after a batch, if an exchange succeeded. See Node.update_wait."""
         return self.node.update_wait(loss)
 
     def barrier(

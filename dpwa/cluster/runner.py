@@ -84,9 +84,14 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--only", help="with --config: the comma-separated nodes to start on this machine (default: all)")
     g.add_argument(
-        "--fetch-probability", type=float, default=1.0, help="config: chance of a fetch per step (default: %(default)s)"
+        "--fetch-probability",
+        type=float,
+        default=1.0,
+        help="config: chance of an exchange per step (default: %(default)s)",
     )
-    g.add_argument("--timeout-ms", type=int, default=1000, help="config: deadline of one fetch (default: %(default)s)")
+    g.add_argument(
+        "--timeout-ms", type=int, default=1000, help="config: the least deadline of one exchange (default: %(default)s)"
+    )
     g.add_argument(
         "--interpolation",
         default="constant",

@@ -6,9 +6,9 @@ The training thread calls :meth:`Node.update_send` before each batch and
     with Node("cluster.yaml", "w1", NumpyParams(weights)) as node:
         loss = None                    # no loss before the first batch
         for batch in batches:
-            node.update_send(loss)     # publish a snapshot; maybe start a fetch
-            loss = train(batch)        # the fetch runs meanwhile on the Tx thread
-            node.update_wait(loss)     # blend the fetched parameters in place
+            node.update_send(loss)     # publish a snapshot; maybe start an exchange
+            loss = train(batch)        # the exchange runs meanwhile on the Tx thread
+            node.update_wait(loss)     # blend the peer's parameters in place
 
 ``Node`` is a facade: it wires the parts together and forwards. The parts own their state:
 
@@ -25,8 +25,8 @@ The training thread calls :meth:`Node.update_send` before each batch and
 * with open membership (``bootstrap:``), :class:`~dpwa.gossip.membership.members.Members`:
   the view of who is in the cluster; the node's peers follow it between steps.
 
-Only the training thread writes the model: fetched snapshots, and both
-halves of symmetric exchanges, are applied in ``update_wait`` (or while
+Only the training thread writes the model: fetched snapshots (mode pull), and
+both halves of symmetric exchanges, are applied in ``update_wait`` (or while
 lingering, at a barrier, or at close).
 """
 
@@ -84,7 +84,7 @@ class Node:
         config: a :class:`Config`, a path to a YAML file, or parsed YAML data.
         name: which node of the config this process is (None with ``nodes: torchrun``: ``rank<RANK>``).
         params: the model as a :class:`~dpwa.mixing.params.FlatParams`.
-        rng: randomness for fetch decisions and peer choice (seed it for tests).
+        rng: randomness for the decision to start an exchange and the peer choice (seed it for tests).
         extra: state a joining peer takes too, besides the parameters (an optimizer's).
         outer: an outer step of the caller's, taken after each blend of an exchange this node
             started, instead of the one ``outer:`` names (which must then be ``none``); restarted
@@ -255,7 +255,7 @@ class Node:
             self.state = "joining"
             self.joined, trained = self._take_state()
             self._took_state(self.joined)
-        self._publish(None)  # our state, for a peer that joins now, and for fetches
+        self._publish(None)  # our state, for a peer that joins now, and for peers' fetches and exchanges
         # Like DDP's constructor, return once every node holds the same initial state: nobody trains
         # alone because it started first (a late or restarted node joins a cluster that trains).
         self.state = "at_barrier"
@@ -354,7 +354,7 @@ class Node:
     # ----------------------------------------------------------------- training thread
 
     def update_send(self, loss: Any = None, batch_size: float = 1) -> bool:
-        """Publish the current parameters, clock and loss; maybe start a fetch (or an exchange).
+        """Publish the current parameters, clock and loss; maybe start an exchange (mode pull: a fetch).
 
         Call it before each batch. `batch_size` is added to the clock once the
         batch is done (the default 1 makes the clock count batches). Returns
@@ -365,7 +365,7 @@ class Node:
         self._check_open()
         if not (isinstance(batch_size, (int, float)) and 0 <= batch_size <= MAX_CLOCK) or isinstance(batch_size, bool):
             raise ValueError(f"batch_size must be a number in [0, {MAX_CLOCK:g}], got {batch_size!r}")
-        if self._step is not None:  # update_wait was skipped: count the batch, drop the fetch
+        if self._step is not None:  # update_wait was skipped: count the batch, let go of its exchange
             self._abandon_step()
         self._tend()
         if self._alone():  # a half served broke the rule just now (broken_rule: alone)
@@ -674,8 +674,8 @@ class Node:
     def close(self, timeout_s: float = 5.0) -> None:
         """Settle what is pending, stop both threads, close every socket with linger 0, free the port.
 
-        Idempotent; bounded by about `timeout_s` per stage. A fetch in flight
-        is abandoned. In mode symmetric, exchanges are settled first by the
+        Idempotent; bounded by about `timeout_s` per stage. In mode pull, a
+        fetch in flight is abandoned. In mode symmetric, exchanges are settled first by the
         rule of :mod:`dpwa.gossip.exchange.driver` (new ones refused; confirms still
         answered; in-doubt ones still asked), within `timeout_s`; committed
         halves are applied, so the model may change here. Logs an error if a

@@ -115,7 +115,9 @@ class StatusTask:
         return dict(response.header.fields)
 
 
-# stats() always has these counters, at 0 before they first move
+# stats() always has these counters, at 0 before they first move. `fetches_*` count the exchanges this node
+# started, in either mode (mode pull: fetches; mode symmetric: exchange requests): public names, older than mode
+# symmetric (docs/api.md says what each counts in each mode)
 ALWAYS_COUNTED = (
     "fetches_started",
     "fetches_ok",
@@ -189,7 +191,7 @@ class Reporter:
         out["barriers"] = self._barriers.own()
         out["clock"] = self._progress.clock
         out["state"] = self._state()
-        out["fetches_skipped_alone"] = self._flow.skipped_alone
+        out["fetches_skipped_alone"] = self._flow.skipped_alone  # steps that started no exchange: backing off
         out["timeouts_slow"] = self._flow.slow  # timeouts of peers heard from meanwhile: slow, not rested
         out.update(self._parts())
         pending = self._pending()

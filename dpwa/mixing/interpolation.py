@@ -1,6 +1,6 @@
 """Interpolation: how much of a peer's parameters to take in.
 
-After a fetch, a node blends ``params = f * peer + (1 - f) * params``. The
+After an exchange, a node blends ``params = f * peer + (1 - f) * params``. The
 strategies here decide ``f`` from numbers only (clocks and losses), so they are
 tested without sockets or tensors:
 

@@ -2,7 +2,10 @@
 
 One table maps each outcome of a call (:data:`dpwa.wire.calls.Outcome`) and
 each refusal reason to the counter it moves; failures are logged, rate-limited
-per peer and outcome.
+per peer and outcome. A request is an exchange this node started: in mode pull
+a fetch, in mode symmetric an exchange request. The counters are named
+``fetches_*`` in both modes: the names are public (``stats()``, docs/api.md),
+and older than mode symmetric.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ __all__ = ["Outcomes", "QuietRefusal"]
 # aborted by its rule, or it is closing. Counted under their own name, never as the peer's failure.
 QuietRefusal = Literal["busy", "aborted", "closing"]
 _QUIET = ("busy", "aborted", "closing")
-_FAILURE_COUNTERS = {
+_FAILURE_COUNTERS = {  # outcome -> counter, for the exchanges this node started (either mode)
     "timeout": "fetches_timed_out",
     "rejected": "fetches_rejected",
     "refused": "fetches_refused",
@@ -73,12 +76,13 @@ class Outcomes:
         if call.outcome in ("cancelled", "expired"):
             return
         self._counters.add(f"peer.{call.peer}.failures")
+        act = "fetch from" if isinstance(call.task, FetchTask) else "exchange with"
         self._log(
-            30, (call.peer, call.outcome), "%s: fetch from %s %s: %s", self._name, call.peer, call.outcome, call.reason
+            30, (call.peer, call.outcome), "%s: %s %s %s: %s", self._name, act, call.peer, call.outcome, call.reason
         )
 
     def timed_out(self, peer: str) -> None:
-        """The training thread gave up waiting for a call to `peer` (it never finished in time)."""
+        """The training thread gave up waiting for a fetch from `peer` (mode pull: it never finished in time)."""
         self._flow.record(peer, "timeout")
         self._flow.deadlines.timed_out(peer, FetchTask.timed)
         self._counters.add("fetches_timed_out")

@@ -42,7 +42,8 @@ __all__ = ["WAIT_SLACK_S", "Mode", "ModeContext", "OuterHook", "Services", "Step
 
 WAIT_SLACK_S = 0.2  # update_wait returns at most this long after a request's deadline
 
-# What an update_wait did: a call's outcome (dpwa.wire.calls.Outcome), or no request, or an exchange in doubt
+# What an update_wait did: a call's outcome (dpwa.wire.calls.Outcome), or "no_fetch": no exchange was started this
+# step, in either mode (a public name, older than mode symmetric), or an exchange in doubt
 StepOutcome = Literal[
     "ok", "no_fetch", "timeout", "refused", "rejected", "failed", "expired", "cancelled", "in_doubt", "rule_broken"
 ]
@@ -54,7 +55,7 @@ class Update:
 
     averaged: bool  # True if a peer's parameters were blended in
     outcome: StepOutcome
-    peer: str | None = None  # the peer asked, if any
+    peer: str | None = None  # the peer asked (fetched from, or exchanged with), if any
     factor: float | None = None  # f in params = f * peer + (1 - f) * params, when averaged
     reason: str = ""  # why not averaged, in words
     latency_s: float | None = None  # request time, when a request finished

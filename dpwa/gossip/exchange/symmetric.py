@@ -150,7 +150,7 @@ class SymmetricMode:
         )
         step.call = ctx.services.client.submit(task)
         self._outstanding.append(step.call)
-        ctx.counters.add("fetches_started")
+        ctx.counters.add("fetches_started")  # the public name for exchanges started, in either mode
         return True
 
     def _offer(self, own: Lease, peer: str) -> dict[str, Any] | None:

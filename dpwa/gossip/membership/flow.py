@@ -4,8 +4,8 @@ The rule, exactly (docs/configuration.md repeats it):
 
 * every peer starts with score 1.0, and its score always stays within
   [SCORE_MIN, SCORE_MAX] = [0.05, 1.0];
-* a fetch that succeeds adds 0.25 (additive increase);
-* a fetch that times out, fails or is rejected halves the score
+* an exchange (mode pull: a fetch) that succeeds adds 0.25 (additive increase);
+* one that times out, fails or is rejected halves the score
   (multiplicative decrease);
 * the next peer is ``argmax_i(log(score_i) + G_i)`` where the ``G_i`` are
   independent standard Gumbel draws. This "score plus a random term" picks
@@ -16,7 +16,8 @@ often than a healthy one, but never never: it is still tried now and then,
 and four successes bring it back to full score. No peer is ever dropped.
 
 :class:`FlowControl` adds the rest of the decision, and is owned by the
-training thread: the fetch coin (``fetch_probability``), and back-offs. A
+training thread: the coin that decides whether a step starts an exchange
+(``fetch_probability``), and back-offs. A
 peer that missed its last :data:`UNREACHABLE_AFTER` requests (timeouts or
 transport failures; any reply, even a refusal, shows a peer is alive) is
 *unreachable*: it is not asked for ``timeout``, then twice that after its

@@ -59,7 +59,7 @@ def write_pair_config(
     mode: str = "pull",
 ) -> str:
     """Two nodes exchanging every step. Mode pull: one fetch per exchange, the transfer every mode is built
-    on. Mode symmetric: the defaults as run.sh's cluster has them (blend delta; pairing hypercube, which
+    on. Mode symmetric: the defaults as run.sh's cluster has them (rule delta; pairing hypercube, which
     `auto` picks from 4 nodes: each exchange is started by one side, as in a larger cluster)."""
     import yaml
 
@@ -82,7 +82,7 @@ def write_pair_config(
         "bulk": bulk,
         # (the exchange rows' serving node publishes once: a symmetric server would refuse "busy" after that)
         "mode": mode,
-        "blend": "state" if mode == "pull" else "delta",
+        "rule": "state" if mode == "pull" else "delta",
         "pairing": "random" if mode == "pull" else "hypercube",
     }
     tag = f"{'shm' if same_host else 'tcp'}-{wire_dtype}-{bulk}{'-curve' if curve else ''}-{mode}"

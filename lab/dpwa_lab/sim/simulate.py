@@ -30,6 +30,7 @@ import json
 import math
 import random
 import statistics
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,10 +73,11 @@ class Gossip:
     Args:
         arrays: one flat float32 array per node; updated in place.
         mode: "pull" or "symmetric".
-        blend: the rule's name (dpwa.mixing.rules: "state", "delta", "clipped", ...), with `rule_options`.
+        rule: the rule's name (dpwa.mixing.rules: "state", "delta", "clipped", ...), with `rule_options`;
+            "state" when not given.
         f: the constant interpolation factor.
         fetch_probability: chance that a node exchanges in a round.
-        seed: seeds the fetch decisions and peer choices.
+        seed: seeds the decisions to exchange and the peer choices.
         pairing: "random" (a peer by score, as a node draws it), "hypercube" or "auto" (dpwa.mixing.pairing).
         period: exchange every `period` rounds (the nodes train alone in between), as ``period:`` does.
         outer: "none", "nesterov" or "noloco": the outer step each node takes after each blend, with
@@ -84,6 +86,7 @@ class Gossip:
             buffers), which the rules' helpers treat as the PyTorch adapter treats a model's buffers
             (:class:`~dpwa.mixing.params.NumpyParams`): a rule that would break them on a real model
             breaks them here too.
+        blend: the older name of `rule`, still taken (a DeprecationWarning says to write ``rule=``).
     """
 
     def __init__(
@@ -91,7 +94,7 @@ class Gossip:
         arrays: Sequence[np.ndarray],
         *,
         mode: str = "pull",
-        blend: str = "state",
+        rule: str | None = None,
         f: float = 0.5,
         fetch_probability: float = 1.0,
         seed: int = 0,
@@ -101,16 +104,28 @@ class Gossip:
         outer_settings: OuterSettings | None = None,
         rule_options: dict | None = None,
         statistics: Sequence[tuple[int, int]] = (),
+        blend: str | None = None,
     ) -> None:
+        if blend is not None:
+            if rule is not None:
+                raise TypeError(
+                    f"Gossip: give rule= alone, not with its older name blend= (rule={rule!r}, blend={blend!r})"
+                )
+            warnings.warn(
+                f"Gossip(blend={blend!r}): blend= is the older name of rule=; write rule={blend!r}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            rule = blend
         if mode not in ("pull", "symmetric"):
             raise ValueError(f"mode must be pull or symmetric, got {mode!r}")
-        rule = mixing.rule_class(blend)  # RuleError (a ValueError) names what is wrong
-        mixing.check_mode(rule, mode, rule.checked_options(rule_options or {}))  # as a config's rule is checked
+        kind = mixing.rule_class("state" if rule is None else rule)  # RuleError (a ValueError) names what is wrong
+        mixing.check_mode(kind, mode, kind.checked_options(rule_options or {}))  # as a config's rule is checked
         self.arrays = list(arrays)
         self.params = [NumpyParams(a, statistics=statistics) for a in self.arrays]
         self.n = len(self.arrays)
         self.mode, self.f, self.fetch_probability = mode, f, fetch_probability
-        self.rules = [rule(Constant(f), **(rule_options or {})) for _ in self.arrays]  # one per node: its state
+        self.rules = [kind(Constant(f), **(rule_options or {})) for _ in self.arrays]  # one per node: its state
         for each in self.rules:
             each.cluster(len(self.arrays))
         self.version = 0  # of the snapshots published last (one number for all: each node's own would do)
@@ -273,7 +288,7 @@ class Digits:
 class Rule:
     label: str
     mode: str  # "exact" for all-reduce averaging
-    blend: str = "state"
+    rule: str = "state"  # the mixing rule's name (dpwa.mixing.rules), or module.path:ClassName
     p: float = 1.0
     pairing: str = "random"
     period: int = 1
@@ -322,7 +337,7 @@ def train_run(
         else Gossip(
             arrays,
             mode=rule.mode,
-            blend=rule.blend,
+            rule=rule.rule,
             fetch_probability=rule.p,
             seed=seed,
             pairing=rule.pairing,
@@ -385,9 +400,9 @@ def study(
         reached = [s for s in steps if s is not None]
         rows.append(
             {
-                "rule": rule.label,
+                "label": rule.label,
                 "mode": rule.mode,
-                "blend": rule.blend,
+                "rule": rule.rule,
                 "p": rule.p,
                 "steps": steps,
                 "steps_mean": statistics.fmean(reached) if len(reached) == len(steps) else None,
@@ -429,7 +444,7 @@ def format_study(result: dict) -> str:
         steps = f"{r['steps_mean']:.0f} ± {r['steps_sd']:.0f}" if r["steps_mean"] else f"not reached: {r['steps']}"
         ratio = f"{r['steps_vs_exact']:.2f}x" if r["steps_vs_exact"] else "-"
         lines.append(
-            f"| {r['rule']} | {steps} | {ratio} | {100 * r['accuracy_mean']:.1f}% | "
+            f"| {r['label']} | {steps} | {ratio} | {100 * r['accuracy_mean']:.1f}% | "
             f"{r['accuracy_vs_exact_points']:+.1f} pt |"
         )
     return "\n".join(lines)
@@ -441,7 +456,7 @@ def format_study(result: dict) -> str:
 def consensus(
     nodes: int,
     mode: str,
-    blend: str,
+    rule: str,
     f: float,
     exchanges: int,
     seed: int,
@@ -460,12 +475,12 @@ def consensus(
     before, start = 0.0, 0.0
     arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
     options = dict(rule_options or {})
-    gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed, rule_options=options)
+    gossip = Gossip(arrays, mode=mode, rule=rule, f=f, seed=seed, rule_options=options)
     start_mean = np.mean(np.stack(arrays).astype(np.float64), axis=0)
     for k in range(exchanges):
         if k % restart_every == 0 or before <= 1e-6 * start:
             arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
-            gossip = Gossip(arrays, mode=mode, blend=blend, f=f, seed=seed + k, rule_options=options)
+            gossip = Gossip(arrays, mode=mode, rule=rule, f=f, seed=seed + k, rule_options=options)
             start_mean = np.mean(np.stack(arrays).astype(np.float64), axis=0)
             start = disagreement(gossip.arrays)
         before = disagreement(gossip.arrays)
@@ -479,7 +494,7 @@ def consensus(
     return {
         "nodes": nodes,
         "mode": mode,
-        "blend": blend,
+        "rule": rule,
         "f": f,
         "exchanges": exchanges,
         "mean_ratio": mean,
@@ -492,7 +507,7 @@ def consensus(
 def rounds(
     nodes: int,
     mode: str,
-    blend: str,
+    rule: str,
     pairing: str,
     rounds: int,
     seed: int,
@@ -506,14 +521,14 @@ def rounds(
     rng = np.random.default_rng(seed)
     arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(nodes)]
     gossip = Gossip(
-        arrays, mode=mode, blend=blend, f=0.5, seed=seed, pairing=pairing, rule_options=dict(rule_options or {})
+        arrays, mode=mode, rule=rule, f=0.5, seed=seed, pairing=pairing, rule_options=dict(rule_options or {})
     )
     start = disagreement(gossip.arrays)
     relative = []
     for _ in range(rounds):
         gossip.round()
         relative.append(disagreement(gossip.arrays) / start)
-    return {"nodes": nodes, "mode": mode, "blend": blend, "pairing": pairing, "relative_disagreement": relative}
+    return {"nodes": nodes, "mode": mode, "rule": rule, "pairing": pairing, "relative_disagreement": relative}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -568,11 +583,11 @@ def _options(text: str) -> dict[str, Any]:
 def _rule_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rule",
-        "--blend",
-        dest="blend",
         default="delta",
         help="a rule: a built-in name (delta, state, clipped, pushsum) or module.path:ClassName of your own",
     )
+    # --blend: the older name of --rule, still taken, not shown
+    parser.add_argument("--blend", dest="rule", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--rule-options", type=_options, default={}, metavar="YAML", help="the rule's options")
 
 
@@ -581,10 +596,10 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.nodes < 2:
             parser.error(f"--nodes must be at least 2, got {args.nodes}")
         r = consensus(
-            args.nodes, args.mode, args.blend, args.f, args.exchanges, args.seed, rule_options=args.rule_options
+            args.nodes, args.mode, args.rule, args.f, args.exchanges, args.seed, rule_options=args.rule_options
         )
         print(
-            f"{r['nodes']} nodes, {r['mode']}/{r['blend']}, f = {r['f']}: mean D'/D per exchange "
+            f"{r['nodes']} nodes, {r['mode']}/{r['rule']}, f = {r['f']}: mean D'/D per exchange "
             f"{r['mean_ratio']:.4f} ± {r['standard_error']:.4f} (symmetric theory "
             f"{r['theory_symmetric']:.4f}); largest drift of the mean {r['max_mean_drift']:.2e}"
         )
@@ -594,12 +609,12 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--nodes must be at least 2, got {args.nodes}")
         kinds = ["random"] + (["hypercube"] if args.nodes & (args.nodes - 1) == 0 else [])
         print(
-            f"{args.nodes} nodes, {args.mode}/{args.blend}, f = 0.5: disagreement after each round, "
+            f"{args.nodes} nodes, {args.mode}/{args.rule}, f = 0.5: disagreement after each round, "
             "relative to the start"
         )
         print("  round  " + "  ".join(f"{k:>10}" for k in kinds))
         runs = [
-            rounds(args.nodes, args.mode, args.blend, k, args.rounds, args.seed, rule_options=args.rule_options)
+            rounds(args.nodes, args.mode, args.rule, k, args.rounds, args.seed, rule_options=args.rule_options)
             for k in kinds
         ]
         for t in range(args.rounds):
