@@ -15,7 +15,7 @@ holds the rules) under one lock, because three threads touch it:
   control and the clients' address book) follow the view
   (:meth:`Members.sync`).
 
-What a peer sends is checked twice: by the schema (:data:`~dpwa.gossip.transfer.protocol.ENTRY`:
+What a peer sends is checked twice: by the schema (:data:`~dpwa.gossip.membership.messages.ENTRY`:
 types and lengths) and by :func:`~dpwa.gossip.membership.view.check_entry`
 (names, endpoints, counts); every refusal is counted by its reason
 (``members.refused.<reason>`` in ``stats()``), none raises. Announcements
