@@ -67,8 +67,8 @@ OPEN_PEERS_BUDGET = 8
 
 
 class NodeServices:
-    """The services of one node: its sockets, threads and snapshot slots. Every attribute exists once the constructor returns; ``shared``, ``direct``
-    and ``bulk`` are None when this node does not use them.
+    """The services of one node: its sockets, threads and snapshot slots. Every attribute exists once the
+    constructor returns; ``shared``, ``direct`` and ``bulk`` are None when this node does not use them.
 
     Args:
         name, config, spec: this node, its cluster, its entry.

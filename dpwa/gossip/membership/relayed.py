@@ -1,7 +1,8 @@
 """A node's relay parts, from its config: the relay it runs for others (``relay_port``), and its own way in
 when nobody can dial it (``reachable: false``, through ``relays``).
 
-The relay's protocol and sockets are :mod:`dpwa.wire.relay`'s; this module only decides who is admitted and where things are.
+The relay's protocol and sockets are :mod:`dpwa.wire.relay`'s; this module only decides who is admitted and
+where things are.
 """
 
 from __future__ import annotations
