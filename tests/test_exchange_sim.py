@@ -1,6 +1,7 @@
-"""The symmetric exchange's machine (dpwa.gossip.exchange.machine) under a deterministic simulation: thousands of
-seeded schedules of 2 to 4 nodes whose messages are dropped, delayed, duplicated and reordered, with crashes,
-restarts and closes, each checked for every promise of the protocol (tests/helpers/exchange_sim.py). A unit
+"""The symmetric exchange's machine (dpwa.gossip.exchange.machine) and the membership view
+(dpwa.gossip.membership.view) under a deterministic simulation: thousands of seeded schedules of 2 to 4 nodes
+whose messages are dropped, delayed, duplicated and reordered, with crashes, restarts and closes, each checked
+for every promise of the protocol and of the view (tests/helpers/exchange_sim.py). A unit
 test: no socket, thread or sleep. A failure names its seed; ``DPWA_SIM_SEED=123 python -m pytest -q
 tests/test_exchange_sim.py::test_one_seed_replays`` replays it exactly (``DPWA_SIM_LONG=1`` for a long one).
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import ast
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from dpwa.gossip.exchange import machine as em
+from dpwa.gossip.membership.view import MemberInfo, View
 from helpers.exchange_sim import Violation, run_schedule
 
 SCHEDULES = 10_000  # short schedules with faults, in chunks (two workers share them)
@@ -39,13 +42,21 @@ def test_every_schedule_keeps_every_promise(chunk):
     for key in ("answered_streaming", "streamed_in", "stream_failed"):  # bulk exchanges, in a quarter of them
         assert counts.get(f"sim.{key}", 0) >= 10, (key, counts)
     assert counts["exchanges_dropped"] >= 1, counts  # a requester gave up on a crashed or closed server
+    # the views: members suspected, removed, admitted again, a restarted node back at its new incarnation, and
+    # a node crashed for good checked absent past its bound
+    for key in ("suspect", "removed", "admitted", "new_incarnation", "checked_gone"):
+        assert counts.get(f"view.{key}", 0) >= 10, (key, counts)
 
 
 def test_long_schedules_give_up_on_a_gone_peer_within_the_limit():
     """A node crashes for good; its peers run on for RESOLVE_LIMIT_S and more (simulated): what they were in
-    doubt about with it is given up (dropped) within the limit, and nothing else is."""
-    dropped = sum(run_schedule(seed, long=True).counts.get("exchanges_dropped", 0) for seed in range(LONG_SCHEDULES))
-    assert dropped >= 5, dropped  # the schedules reach the limit (runs here: 22 of 200)
+    doubt about with it is given up (dropped) within the limit, and nothing else is; and every live view has
+    removed it by its bound (checked at each step past it, in every long schedule)."""
+    counts = [run_schedule(seed, long=True).counts for seed in range(LONG_SCHEDULES)]
+    dropped = sum(c.get("exchanges_dropped", 0) for c in counts)
+    assert dropped >= 5, dropped  # the schedules reach the limit (runs here: 47 drops, in 43 of the 200)
+    gone = sum(1 for c in counts if c.get("view.checked_gone", 0))
+    assert gone == LONG_SCHEDULES, gone  # every long schedule outlives its removal bound, checked
 
 
 def test_one_seed_replays():
@@ -98,6 +109,50 @@ def _give_way_while_confirming(monkeypatch):
     monkeypatch.setattr(em.ServerMachine, "_give_way", planted)
 
 
+def _incarnation_by_anyone(monkeypatch):
+    """View._plausible drops its incarnation rule: a third party's digest may raise a member's incarnation."""
+    plausible = View._plausible
+
+    def planted(self, member, claim, now):
+        return plausible(self, member, replace(claim, incarnation=member.info.incarnation), now)
+
+    monkeypatch.setattr(View, "_plausible", planted)
+
+
+def _older_incarnation_by_heartbeat(monkeypatch):
+    """News is compared heartbeat first, and the incarnation rule stops only raises: a relayed entry of a
+    member's old incarnation with a higher heartbeat replaces its newer incarnation."""
+    plausible = View._plausible
+
+    def planted(self, member, claim, now):
+        if claim.incarnation < member.info.incarnation:
+            claim = replace(claim, incarnation=member.info.incarnation)
+        return plausible(self, member, claim, now)
+
+    monkeypatch.setattr(
+        MemberInfo, "newer_than", lambda self, other: (self.beat, self.incarnation) > (other.beat, other.incarnation)
+    )
+    monkeypatch.setattr(View, "_plausible", planted)
+
+
+def _remove_without_the_dead_window(monkeypatch):
+    """A suspect member is removed at the next tick, without waiting dead_after_s."""
+    tick = View.tick
+
+    def planted(self, now):
+        for member in self._members.values():
+            if member.status == "suspect":
+                member.since = min(member.since, now - self._dead_after)
+        return tick(self, now)
+
+    monkeypatch.setattr(View, "tick", planted)
+
+
+def _heard_but_still_suspect(monkeypatch):
+    """A member heard from is not made alive again: it stays suspect, and is removed while it talks to us."""
+    monkeypatch.setattr(View, "_alive", lambda self, member, now: setattr(member, "heard_at", now))
+
+
 @pytest.mark.parametrize(
     "plant",
     [
@@ -106,6 +161,10 @@ def _give_way_while_confirming(monkeypatch):
         _commit_soon_after_expiry,
         _commit_before_the_stream_is_in,
         _give_way_while_confirming,
+        _incarnation_by_anyone,
+        _older_incarnation_by_heartbeat,
+        _remove_without_the_dead_window,
+        _heard_but_still_suspect,
     ],
     ids=[
         "apply on abort",
@@ -113,13 +172,19 @@ def _give_way_while_confirming(monkeypatch):
         "commit up to 0.3 s after expiry",
         "commit before the stream is in",
         "give way while confirming",
+        "view: incarnation raised by anyone",
+        "view: older incarnation by heartbeat",
+        "view: removal without the dead window",
+        "view: heard but still suspect",
     ],
 )
 def test_a_planted_bug_is_caught(monkeypatch, plant, capsys):
     """Each planted bug breaks a promise in some schedule within CAUGHT_WITHIN (runs here: apply on abort at
     the 1st schedule, a pending exchange that never expires (so commits after expiry) at the 7th, commit up
     to 0.3 s after expiry at the 504th, commit before the requester's stream is in at the 5th, give way while
-    confirming at the 3rd)."""
+    confirming at the 3rd; in the view: an incarnation raised by a third party's digest at the 1st, an old
+    incarnation relayed over a newer one at the 31st, a suspect removed without the dead window at the 1st, a
+    member heard from left suspect (removed while it talks to us) at the 1st)."""
     plant(monkeypatch)
     for seed in range(CAUGHT_WITHIN):
         try:

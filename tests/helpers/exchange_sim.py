@@ -20,6 +20,24 @@ The checks (:class:`Violation`, with the seed and how to replay it):
 * the server commits only a confirm that came before its exchange expired, and a decision never changes;
 * nothing is in doubt past RESOLVE_LIMIT_S, nothing pending past its expiry (each plus a step's margin);
 * nothing is held after close: every half a node made is let go of, and its machines hold nothing.
+
+Each node also holds its membership view (:class:`dpwa.gossip.membership.view.View`, open membership), used as
+:mod:`dpwa.gossip.membership.members` uses it: an exchange request carries the requester's digest, which the
+server admits (a newcomer announces itself; a member's digest is merged and it was heard from; anyone else is
+refused ``bad_identity``), a snapshot reply carries the server's, which the requester merges; the training
+thread ticks the view (at most every TICK_S), makes its peers the view's (a removed member, or one back as a new
+incarnation, is forgotten by the server) and drops an exchange in doubt with a removed member (``forget_gone``,
+excused: the promise is the view's then). A node's own exchanges ask the view's members. A restart is a new
+incarnation; the others forget its predecessor when their views see it back. The view's checks:
+
+* right after each tick, every alive member was heard from within suspect_after_s and every suspect one has
+  been suspect for less than dead_after_s; the view holds at most max_members;
+* a member is removed only after dead_after_s suspect, and never one that spoke to the node directly within
+  suspect_after_s + dead_after_s;
+* no claim but the member's own raises its incarnation in a view, nor lowers it below the highest that view
+  held, even after a removal (an old incarnation never readmits it); a member served is held at the
+  incarnation its own entry says;
+* a node crashed for good is in no live view past :meth:`Sim.removal_bound` after the crash.
 """
 
 from __future__ import annotations
@@ -33,10 +51,20 @@ from typing import Any
 
 from dpwa.backoff import Backoff
 from dpwa.gossip.exchange import machine as em
+from dpwa.gossip.membership.members import ANNOUNCES_PER_S, TICK_S, TOMBSTONE_MIN_S
+from dpwa.gossip.membership.view import DIGEST_MAX, MemberInfo, View
 
 TIMEOUT_S = 0.25  # the requesters' deadline (timeout_ms), as the real chaos tests had it
 CLOSE_TIMEOUT_S = 5.0  # a close's deadline
 MARGIN_S = 0.5  # a limit is checked against the time plus one step (a node's longest step period) and this
+PERIODS = (0.02, 0.05, 0.1, 0.2)  # a node's step period, one of these (a long schedule's: LONG_PERIOD)
+LONG_PERIOD = 0.5
+EPS = 1e-9  # a time compared with a sum of times
+
+
+def endpoint(name: str) -> str:
+    """Where node `name` listens (every incarnation of it, as a restarted node does)."""
+    return f"tcp://10.0.0.{int(name[1:]) + 1}:7000"
 
 
 class Violation(AssertionError):
@@ -107,6 +135,26 @@ class Node:
         self.settling = em.Settling()
         self.queries = em.AckQuerySchedule()
         self.close_deadline = math.inf
+        # the membership view, as dpwa.gossip.membership.members.Members holds it (its incarnation: a new one
+        # at each start, the config's other nodes its first view, at incarnation 0)
+        own = MemberInfo(name, endpoint(name), None, incarnation + 1, 0)
+        self.view = View(
+            own,
+            max_members=sim.members_max,
+            suspect_after_s=sim.suspect_s,
+            dead_after_s=sim.dead_s,
+            tombstone_s=sim.tombstone_s,
+            announces_per_s=ANNOUNCES_PER_S,
+        )
+        for peer in sim.names:
+            if peer != name:
+                self.view.add(MemberInfo(peer, endpoint(peer), None, 0, 0), sim.now)
+        self.ticked = -math.inf  # when the view's clocks were last looked at (Members.tick: at most every TICK_S)
+        self.synced: dict[str, int] = {}  # each member's incarnation when the peers last followed (Members.sync)
+        self.changes, self.synced_changes = 0, -1  # members added, removed or restarted; when the peers followed
+        self.highest: dict[str, int] = {}  # the highest incarnation this view ever held of each member
+        self.direct: dict[str, float] = {}  # when each member last spoke to us directly (heard)
+        self.suspected: dict[str, float] = {}  # when the view last made each member suspect
         self.publish()
 
     # ----------------------------------------------------------------- the training thread
@@ -119,6 +167,7 @@ class Node:
         if not self.alive or self.closed:
             return
         sim, now = self.sim, self.sim.now
+        self.sync_view(now)
         self.tend(now)
         if self.closing:
             self.settle_step(now)
@@ -213,7 +262,7 @@ class Node:
         if self.own is not None or not self.requester.can_start():
             return
         blocked = self.requester.blocked_peers()
-        peers = [p for p in self.sim.names if p != self.name and p not in blocked]
+        peers = [p for p in self.view.names() if p != self.name and p not in blocked]  # the flow's: the view's
         if not peers:
             return
         self.publish()  # the request carries our snapshot: publish it first
@@ -238,7 +287,7 @@ class Node:
         peer = own.peers.pop(0)
         if not self.server.own_asks(own.ticket, peer):
             return self.end_own(own, "ended")  # we serve a crossing exchange instead
-        fields = ("exchange", own.snap[1], TIMEOUT_S)
+        fields = ("exchange", own.snap[1], TIMEOUT_S, self.view.digest(self.sim.vrng, DIGEST_MAX))
         self.ask(peer, fields, own.deadline, lambda answer: self.on_reply(own, peer, answer))
 
     def on_reply(self, own: Own, peer: str, answer: Any) -> None:
@@ -250,7 +299,9 @@ class Node:
             if fields == "busy":
                 return self.ask_next(own, now)
             return self.end_own(own, "ended")
-        xid, f, theirs = fields
+        xid, f, theirs, digest = fields
+        self.heard(peer, now)  # a snapshot reply (ReplyReader.read): it answered, and its digest is merged
+        self.merge(peer, digest, now)
         if em.check_reply(xid, f, self.sim.f, now, own.deadline, TIMEOUT_S / 10) is not None:
             return self.end_own(own, "ended")
         if not self.server.own_confirms(own.ticket):  # we serve its crossing exchange: take ours back
@@ -332,6 +383,9 @@ class Node:
 
     def serve_exchange(self, requester: Node, fields: tuple, now: float) -> tuple:
         sim, peer = self.sim, requester.name
+        if not self.admit(requester, fields[3], now):  # Serving.check_request, before any refusal
+            sim.count("sim.not_a_member")
+            return ("error", self, "bad_identity")
         refusal = self.server.refusal(peer, now)
         self.let_go()
         if refusal is not None:
@@ -340,7 +394,7 @@ class Node:
         self.let_go()
         if why:
             return ("error", self, "busy")
-        _, theirs, wait_s = fields
+        _, theirs, wait_s, _ = fields
         xid = sim.rng.randrange(1, 2**53)
         expires = now + em.wait_s(wait_s * 1000, TIMEOUT_S, 4 * TIMEOUT_S) + em.TTL_MARGIN_S
         record = sim.records[(self, xid)] = Record(self, requester, xid, expires)
@@ -348,7 +402,7 @@ class Node:
         self.server.hold(peer, xid, half, now, expires, arrived=not sim.bulk)
         if sim.bulk:  # the requester's snapshot streams in on a thread of its own: it arrives, or fails
             sim.at(now + sim.rng.uniform(0.0, 2 * TIMEOUT_S), self.streamed, peer, xid, sim.rng.random() > 0.1)
-        return ("params", self, (xid, sim.f, self.snap[1]))
+        return ("params", self, (xid, sim.f, self.snap[1], self.view.digest(sim.vrng, DIGEST_MAX)))
 
     def streamed(self, peer: str, xid: int, ok: bool) -> None:
         if self.alive and not self.closed:
@@ -356,6 +410,130 @@ class Node:
                 self.sim.records[(self, xid)].streamed = ok
                 self.sim.count("sim.streamed_in" if ok else "sim.stream_failed")
             self.let_go()
+
+    # ----------------------------------------------------------------- the membership view (Members, in outline)
+
+    def sync_view(self, now: float) -> None:
+        """The training thread, between steps (Node._sync_members): tick the view at most every TICK_S, then
+        make the node's peers the view's (Members.sync: a member removed, or back as a new incarnation, is
+        forgotten by the server; SymmetricMode.apply_settled: an exchange in doubt with a removed member is
+        dropped, ``forget_gone``)."""
+        sim, view = self.sim, self.view
+        if now - self.ticked >= TICK_S:
+            self.ticked = now
+            for name, what in view.tick(now):
+                sim.count(f"view.{what}")
+                if what == "suspect":
+                    self.suspected[name] = now
+                else:
+                    self.changes += 1
+                    self.check_removal(name, now)
+            self.check_timing(now)
+        if self.changes != self.synced_changes:  # members came, went, or came back as a new incarnation
+            self.synced_changes = self.changes
+            members = {m.info.name: m.info.incarnation for m in view.members()}
+            for name in [n for n in self.synced if n not in members]:
+                del self.synced[name]
+                self.server.forget(name)
+            for name, incarnation in members.items():
+                if self.synced.setdefault(name, incarnation) != incarnation:
+                    self.synced[name] = incarnation
+                    self.server.forget(name)  # a new node under an old name: its predecessor's strikes go
+        if len(self.requester):
+            for gone in self.requester.forget_gone(self.synced):
+                gone.half.release()
+                self.server.own_ended(self.ticket, False, self.snap[0])
+                sim.excuse(gone.half.record, f"{self.name} removed its server {gone.peer} from its view")
+                sim.count("sim.dropped_gone")
+        if sim.gone:
+            sim.check_view(self, now)
+
+    def admit(self, requester: Node, digest: list, now: float) -> bool:
+        """Members.admit: a request from `requester`; a newcomer announces itself (its own entry first in its
+        digest); a member's digest is merged and it was heard from. False: not a member (refused)."""
+        sender, view = requester.name, self.view
+        if view.get(sender) is None and digest and digest[0].get("name") == sender:
+            self.merge(sender, digest[:1], now, announce=requester)
+        if view.get(sender) is None:
+            return False
+        self.merge(sender, digest, now)
+        self.heard(sender, now)
+        member = view.get(sender)
+        assert member is not None
+        if member.info.incarnation != requester.incarnation + 1:  # its own word is the truth about it (view.py)
+            self.sim.fail(
+                f"{self.name} served {sender} (incarnation {requester.incarnation + 1}) holding it at incarnation "
+                f"{member.info.incarnation}: a member's own entry, from itself, must be taken"
+            )
+        return True
+
+    def heard(self, name: str, now: float) -> None:
+        if self.view.heard(name, now):
+            self.direct[name] = now
+            self.suspected.pop(name, None)
+
+    def merge(self, sender: str, digest: list, now: float, announce: Node | None = None) -> None:
+        """View.merge (View.announce for a newcomer's entry, from connection `announce`), checked: no claim
+        but the member's own raises the incarnation this view holds of it, nor lowers it below the highest
+        this view ever held, even after a removal (the tombstone: an old incarnation never readmits it)."""
+        view = self.view
+        restarts = view.restarts
+        names = {entry["name"] for entry in digest if isinstance(entry, dict) and isinstance(entry.get("name"), str)}
+        before = {name: member.info.incarnation for name in names if (member := view.get(name)) is not None}
+        if announce is not None:
+            added = view.announce(digest[0], announce, now)
+        else:
+            added = view.merge(sender, digest, now)
+        self.changes += len(added) + view.restarts - restarts
+        if added:
+            self.sim.count("view.admitted")
+        for name in names:
+            member = view.get(name)
+            if member is None or before.get(name) == member.info.incarnation:
+                continue
+            incarnation = member.info.incarnation
+            if member.status == "alive":
+                self.suspected.pop(name, None)
+            highest = self.highest.get(name, -1)
+            if incarnation < highest and sender != name:
+                self.sim.fail(
+                    f"{self.name}'s view took {name} at incarnation {incarnation} from {sender}, having held "
+                    f"incarnation {highest}: only a member's own word may lower it"
+                )
+            if name in before and incarnation > before[name] and sender != name:
+                self.sim.fail(
+                    f"{self.name}'s view took {name} at incarnation {incarnation} from {sender}, holding "
+                    f"{before[name]}: a member's incarnation is its own to raise, never relayed"
+                )
+            if name in before and incarnation > before[name] > 0:
+                self.sim.count("view.new_incarnation")  # a restarted node, back at its new incarnation
+            self.highest[name] = max(highest, incarnation)
+
+    def check_removal(self, name: str, now: float) -> None:
+        """A member is removed only after suspect_after_s unheard and dead_after_s suspect: never one that
+        spoke to us directly within suspect_after_s + dead_after_s, nor one suspect for less than dead_after_s."""
+        sim = self.sim
+        spoke = self.direct.get(name, -math.inf)
+        if now - spoke < sim.suspect_s + sim.dead_s - EPS:
+            sim.fail(f"{self.name} removed {name}, which spoke to it directly {now - spoke:.3f} s ago (suspect "
+                     f"after {sim.suspect_s} s, dead {sim.dead_s} s later)")  # fmt: skip
+        since = self.suspected.pop(name, None)
+        if since is None or now - since < sim.dead_s - EPS:
+            sim.fail(f"{self.name} removed {name}, suspect since {since} (dead after {sim.dead_s} s)")
+
+    def check_timing(self, now: float) -> None:
+        """Right after a tick: every alive member was heard from within suspect_after_s, every suspect one
+        has been suspect for less than dead_after_s; and the view holds at most max_members."""
+        sim = self.sim
+        for member in self.view.members():
+            if member.status == "alive" and now - member.heard_at >= sim.suspect_s:
+                sim.fail(
+                    f"{self.name}'s view holds {member.info.name} alive, unheard for {now - member.heard_at:.3f} s"
+                )
+            if member.status == "suspect" and now - member.since >= sim.dead_s:
+                sim.fail(f"{self.name}'s view holds {member.info.name} suspect for {now - member.since:.3f} s")
+        if len(self.view) > sim.members_max:
+            sim.fail(f"{self.name}'s view holds {len(self.view)} members, more than members_max {sim.members_max}")
 
     # ----------------------------------------------------------------- closing
 
@@ -438,6 +616,13 @@ class Sim:
         self.delay = rng.choice((0.002, 0.02, 0.08))  # the usual one way, and at times far longer (reorders)
         self.slow = rng.choice((0.0, 0.05, 0.2))  # the share of messages delayed up to 1.5 s
         self.bulk = rng.random() < 0.25  # requesters' snapshots stream in (bulk_exchange), and may fail to
+        # the membership view's settings, drawn apart (the exchanges' schedules stay as they were drawn)
+        vrng = self.vrng = random.Random(f"view {seed}")  # also the views' digests' samples
+        self.suspect_s = vrng.choice((0.3, 1.0, 3.0))  # suspect_after_ms
+        self.dead_s = vrng.choice((0.3, 1.0, 3.0))  # dead_after_ms (config: at least timeout_ms)
+        self.tombstone_s = max(TOMBSTONE_MIN_S, 2 * (self.suspect_s + self.dead_s))  # as Members sets it
+        self.members_max = vrng.choice((n, 256))  # the config's nodes fit (config: nodes <= members_max)
+        self.gone: dict[str, float] = {}  # a node crashed for good -> by when every live view removed it
         self.now = 0.0
         self.active_until = rng.uniform(0.3, 2.5) if not long else 5.0
         self.counts: dict[str, int] = {}
@@ -463,9 +648,9 @@ class Sim:
 
     def spawn(self, name: str, incarnation: int) -> None:
         value = float(self.rng.randrange(-8, 9))
-        period = self.rng.choice((0.02, 0.05, 0.1, 0.2))
+        period = self.rng.choice(PERIODS)
         if self.long:
-            period = 0.5
+            period = LONG_PERIOD
         node = self.nodes[name] = Node(self, name, incarnation, value, period)
         self.all.append(node)
         self.initial += value
@@ -504,6 +689,8 @@ class Sim:
         if not node.alive or node.closed or node.closing:
             return
         node.alive = False
+        if not restart:
+            self.gone[name] = self.now + self.removal_bound()
         for record in self.records.values():
             if record.server is node or record.requester is node:
                 self.excuse(record, f"{name} crashed")
@@ -513,10 +700,7 @@ class Sim:
     def restart(self, name: str) -> None:
         self.spawn(name, self.nodes[name].incarnation + 1)
         if self.now >= self.closing_at:
-            self.at(self.now, self.close, name)
-        for other in self.nodes.values():
-            if other.name != name and other.alive:
-                other.server.forget(name)  # the view saw a new incarnation
+            self.at(self.now, self.close, name)  # the others forget its predecessor when their views see it back
 
     def close(self, name: str) -> None:
         if self.heal:
@@ -569,6 +753,30 @@ class Sim:
         server = record.server
         if not server.alive or server.closed or node.closing or now >= node.close_deadline:
             self.excuse(record, "given up on, its server gone or the close's deadline passed")
+
+    def removal_bound(self) -> float:
+        """How long after a crash every live view has removed the node, from the view's own rules: its last
+        heartbeat M reaches a view at most the longest one-way delay after the crash (directly), or relayed
+        by a view that held it: a view refreshed by M, or by anything newer than it held, removes the member
+        within suspect + dead + two tick gaps (a tick runs at most a step period plus TICK_S apart) unless
+        refreshed again, and each refresh is by news strictly newer than the view held, so a chain of relays
+        visits each of the N - 1 live views at most once per news: (N - 1) x (suspect + dead + 2 gaps + delay).
+        The tombstones outlast it (tombstone_s), so old news cannot readmit it after."""
+        longest = self.delay * 1.5 + (1.5 if self.slow else 0.0)
+        gap = (LONG_PERIOD if self.long else max(PERIODS)) + TICK_S
+        bound = (len(self.names) - 1) * (self.suspect_s + self.dead_s + 2 * gap + longest)
+        assert bound < self.tombstone_s, (bound, self.tombstone_s)
+        return bound
+
+    def check_view(self, node: Node, now: float) -> None:
+        """A node crashed for good is in no live view past its removal bound."""
+        for name, by in self.gone.items():
+            if now <= by:
+                continue
+            self.count("view.checked_gone")
+            if node.view.get(name) is not None:
+                self.fail(f"{node.name}'s view still holds {name}, crashed for good, {now - by:.3f} s past the "
+                          f"bound (suspect {self.suspect_s} s, dead {self.dead_s} s)")  # fmt: skip
 
     def check_node(self, node: Node, now: float) -> None:
         limit = node.period + MARGIN_S
