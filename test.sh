@@ -4,7 +4,8 @@
 #   ./test.sh            everything (what CI runs): every test on two workers, ruff (lint, format) and mypy beside them
 #   ./test.sh --lint     ruff check, ruff format --check and mypy over dpwa/, tests/ and examples/; no test
 #   ./test.sh --quick    the tests not marked slow (no lint): unit and one-process tests, about 6 minutes
-#   ./test.sh --unit     the unit tests alone (no process, socket or sleep; tests/helpers/lanes.py): under a minute
+#   ./test.sh --unit     the unit tests alone (no process, socket or sleep; tests/helpers/lanes.py), on two workers:
+#                        under a minute
 # docs/testing.md says what each lane holds and what the full run may take.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -26,7 +27,7 @@ lint() {
 
 case "$lane" in
     lint) lint ;;
-    unit) exec "$PY" -m pytest -m "not slow and not io" "$@" ;;
+    unit) exec "$PY" -m pytest -n 2 -m "not slow and not io" "$@" ;; # both cores: the simulations are CPU-bound
     quick) exec "$PY" -m pytest -m "not slow" "$@" ;;
     full)
         phase ".venv"
