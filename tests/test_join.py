@@ -581,3 +581,63 @@ def test_offers_read_to_their_end_let_the_donors_slots_go(nodes, monkeypatch):
         assert w0.stats()["publish_skipped"] == skipped  # every publish found a slot
     finally:
         trainer.join()
+
+
+def test_a_capture_left_from_a_joiner_served_meanwhile_is_not_handed_to_a_later_joiner(monkeypatch):
+    """A joiner that asks for the optimizer state makes the donor capture it at its next step. If the joiner's
+    patience ran out first (it took the parameters alone), the capture stayed, and a joiner that came later got
+    it: a state from before the donor's training since (CI, 2026-12-06: a node restarted mid-run took clock 0
+    and the initial weights). Now a capture serves only a joiner that asked before it was made."""
+    from types import SimpleNamespace
+
+    from dpwa.gossip.membership.barrier import BarrierCounts
+    from dpwa.gossip.transfer import join
+    from dpwa.gossip.transfer.snapshots import SnapshotStore
+    from dpwa.mixing.model import WireModel
+    from dpwa.wire.schema import decode, encode
+    from dpwa.wire.server import Request
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(join, "time", SimpleNamespace(monotonic=lambda: clock.now))
+
+    class Optimizer:
+        def capture(self):
+            return b"state", np.zeros(8, np.uint8)
+
+        def budget(self):
+            return 8
+
+        def check(self, meta, data):
+            return data
+
+        def load(self, checked):
+            pass
+
+    store = SnapshotStore(4, np.float32)
+    model = WireModel(b"f" * 16, "float32", 16)
+    donor = join.JoinServer(
+        "w0", store, model, BarrierCounts(["w1", "w2"]), lambda: "training", Optimizer(), ["w1", "w2"]
+    )
+
+    def ask(who: str) -> dict:
+        request = Request(decode(encode(join.JOIN_INFO, 1, **{"from": who}, extra=True)), (), b"", None)
+        return dict(decode(donor.serve_info(request).header).fields)
+
+    def step(k: float) -> None:  # the donor's training step: publish, then capture if a joiner wants it
+        store.publish(lambda a: a.fill(k), clock=k, loss=None)
+        donor.capture_if_wanted()
+
+    step(0.0)
+    assert not ask("w1")["ready"]  # w1 wants the optimizer state too: captured at the donor's next step
+    clock.now = join.EXTRA_PATIENCE_S + 0.5
+    assert ask("w1")["ready"]  # no step came in time: w1 takes the parameters alone
+    step(0.0)  # the capture w1 asked for comes now, for nobody
+    clock.now += join.OFFER_INTERVAL_S
+    step(100.0)  # the donor trains on
+    clock.now += join.OFFER_INTERVAL_S
+    first = ask("w2")
+    assert not first["ready"], first  # not the capture left over (clock 0): one of its own, at the next step
+    step(101.0)
+    offer = ask("w2")
+    assert offer["ready"] and offer["clock"] == 101.0, offer
+    donor.close()

@@ -291,8 +291,11 @@ class JoinServer:
         if now - self._made < OFFER_INTERVAL_S:
             return None  # a new offer hashes the whole state: the joiner asks again in a moment
         captured = self._captured if with_extra else None
-        if captured is not None and (now - captured.at > OFFER_TTL_S or captured.at < self._not_before):
-            # from a joiner long gone, or of a state since restored: ask afresh
+        if captured is not None and (
+            now - captured.at > OFFER_TTL_S or captured.at < self._not_before or asked is None or captured.at < asked
+        ):
+            # from a joiner long gone or served meanwhile (its patience ran out: parameters only), or of a state
+            # since restored: this joiner did not ask for it, and the donor has trained since. Ask afresh
             self._captured = None
             captured.lease.release()
             captured = None
