@@ -123,11 +123,6 @@ class Backoffs(Generic[K]):
     def reset(self, key: K) -> None:
         self._each.pop(key, None)
 
-    forget = reset
-
-    def clear(self) -> None:
-        self._each.clear()
-
     def __contains__(self, key: object) -> bool:
         return key in self._each
 

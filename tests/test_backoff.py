@@ -72,7 +72,7 @@ def test_failed_at_is_when_the_last_failure_was_and_backoffs_list_their_keys():
     assert each.failed_at("a") == 2.0 and each.failed_at("c") == 0.0
     assert len(each) == 2 and sorted(each) == ["a", "b"]
     for key in each:  # the keys are a copy: forgetting while iterating is fine
-        each.forget(key)
+        each.reset(key)
     assert len(each) == 0
 
 

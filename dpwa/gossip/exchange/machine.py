@@ -499,7 +499,7 @@ class ServerMachine(Generic[H]):
         node killed in the middle of exchanges would otherwise leave its restart refused busy for up to
         RESOLVE_LIMIT_S)."""
         self._strikes.pop(peer, None)
-        self._pauses.forget(peer)
+        self._pauses.reset(peer)
         self._failed_at.pop(peer, None)
 
     # ----------------------------------------------------------------- this node's own exchanges

@@ -140,7 +140,7 @@ class SymmetricMode:
             busy_budget,
             encode=(lambda values: sender.encode(values, "", {}).buffer) if sender is not None else None,
             slot=slot,
-            slot_to=lambda peer: self._paths.outgoing(peer, time.monotonic()) == "slot",
+            slot_to=self._paths.names_slot,
             offer=functools.partial(self._offer, own) if self._streams else None,
             withdraw=ctx.services.bulk.withdraw if ctx.services.bulk is not None else lambda token: None,
             ended=functools.partial(self.server.own_ended, ticket, False),

@@ -461,7 +461,7 @@ class BarrierWaiter:
             peers = self._counts.peers()  # open membership: the view now (members come and go while we wait)
             if keepalive and len(polls) > len(peers):  # forget the back-off of members that left (bounded)
                 for gone in set(polls) - set(peers) - set(calls):
-                    polls.forget(gone)
+                    polls.reset(gone)
             for peer, call in list(calls.items()):
                 if not call.done.is_set():
                     continue

@@ -303,7 +303,7 @@ class FlowControl:
             return
         self.selector.add(peer)
         self._misses[peer] = 0
-        self._rest.forget(peer)
+        self._rest.reset(peer)
 
     def remove_peer(self, peer: str) -> None:
         """(Open membership) A member was removed: it is asked no more. Outcomes of its requests still in
@@ -311,7 +311,7 @@ class FlowControl:
         self.selector.remove(peer)
         self.deadlines.forget(peer)
         self._misses.pop(peer, None)
-        self._rest.forget(peer)
+        self._rest.reset(peer)
 
     def heard(self, peer: str) -> None:
         """The peer answered something (not a request of ours that scores it): it is alive."""

@@ -99,6 +99,11 @@ class PeerPaths:
                 return "stream"
             return "message"
 
+    def names_slot(self, peer: str) -> bool:
+        """Do we name our slot to `peer` (it reads our snapshot in place)?"""
+        with self._lock:
+            return peer in self._names_slot
+
     def offers_streams(self) -> bool:
         with self._lock:
             return bool(self._offers_to)
