@@ -37,7 +37,9 @@ incarnation; the others forget its predecessor when their views see it back. The
 * no claim but the member's own raises its incarnation in a view, nor lowers it below the highest that view
   held, even after a removal (an old incarnation never readmits it); a member served is held at the
   incarnation its own entry says;
-* a node crashed for good is in no live view past :meth:`Sim.removal_bound` after the crash.
+* a node crashed for good is in no live view past :meth:`Sim.removal_bound` after the crash;
+* a node restarted in a long schedule is back in every live view, at its new incarnation, by the end of
+  training (:meth:`Sim.check_back`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ CLOSE_TIMEOUT_S = 5.0  # a close's deadline
 MARGIN_S = 0.5  # a limit is checked against the time plus one step (a node's longest step period) and this
 PERIODS = (0.02, 0.05, 0.1, 0.2)  # a node's step period, one of these (a long schedule's: LONG_PERIOD)
 LONG_PERIOD = 0.5
+RESTART_BY = 2.5  # a long schedule's restarted node is back by then, and its links heal (of 5 s of training)
+VIEW_STEADY_S = 6 * LONG_PERIOD  # suspect_after_s from which a long schedule's views keep their members
 EPS = 1e-9  # a time compared with a sum of times
 
 
@@ -642,6 +646,13 @@ class Sim:
             at = rng.uniform(0.0, self.active_until)
             self.at(at, self.crash, victim, rng.random() < 0.6 and not long)
         self.heal = rng.random() < 0.5
+        if long and self.crashes and n >= 3 and self.suspect_s >= VIEW_STEADY_S:  # another node restarts, and
+            # is back in every live view in time (with views that do not empty themselves: Sim.check_back)
+            rrng = random.Random(f"restart {seed}")
+            back = rrng.choice([name for name in self.names if name != victim])
+            self.at(rrng.uniform(0.0, RESTART_BY - 1.0), self.crash, back, True)  # back within 1 s (crash)
+            self.at(RESTART_BY, self.heal_links)
+            self.at(self.active_until, self.check_back, back)
         self.closing_at = self.active_until + (em.RESOLVE_LIMIT_S + 10 if long else 0.0)
         for name in self.names:
             self.at(self.closing_at + rng.uniform(0.0, 0.3), self.close, name)
@@ -704,8 +715,11 @@ class Sim:
 
     def close(self, name: str) -> None:
         if self.heal:
-            self.drop = self.dup = self.slow = 0.0
+            self.heal_links()
         self.nodes[name].start_close()
+
+    def heal_links(self) -> None:
+        self.drop = self.dup = self.slow = 0.0
 
     def run(self, max_events: int = 200_000) -> None:
         events = self._events
@@ -777,6 +791,30 @@ class Sim:
             if node.view.get(name) is not None:
                 self.fail(f"{node.name}'s view still holds {name}, crashed for good, {now - by:.3f} s past the "
                           f"bound (suspect {self.suspect_s} s, dead {self.dead_s} s)")  # fmt: skip
+
+    def check_back(self, name: str) -> None:
+        """A node restarted before RESTART_BY, its links healed then, is in every live view at its new
+        incarnation by the end of training (five of each node's steps after the heal). Only the node's own word
+        raises its incarnation, so each live node must have spoken with it directly: it asked the restarted
+        node (its view still held the old incarnation) or was asked by it. Checked where the views keep their
+        members through a long schedule's gaps (suspect_after_s of six steps or more: VIEW_STEADY_S). With a
+        shorter one a view of a 0.5 s step empties itself, and the real node's way back, a bootstrap address
+        asked again (dpwa.gossip.membership.refresh), is not simulated. The bound was not derived: it holds
+        in every long schedule checked (45 of the 200). A member's new incarnation ignored by the view is
+        caught sooner, by the check in Node.admit."""
+        back = self.nodes[name]
+        if not back.alive:
+            return
+        self.count("view.checked_back")
+        for node in self.nodes.values():
+            if node is back or not node.alive or node.closed:
+                continue
+            member = node.view.get(name)
+            held = None if member is None else member.info.incarnation
+            if held != back.incarnation + 1:
+                self.fail(f"{node.name}'s view holds {name} at incarnation {held}, not its restart's "
+                          f"{back.incarnation + 1}, {self.now - RESTART_BY:.1f} s after it restarted and the "
+                          "links healed")  # fmt: skip
 
     def check_node(self, node: Node, now: float) -> None:
         limit = node.period + MARGIN_S
