@@ -32,7 +32,7 @@ def test_one_symmetric_exchange_passes_through_at_most_eight_files_of_the_gossip
         averaged = trip.trip()
     finally:
         sys.setprofile(None)
-        threading.setprofile(None)  # type: ignore[arg-type]
+        threading.setprofile(None)
     assert averaged, "the recorded exchange did not average"
     spine, gossip = sorted(trip.spine), trip.gossip(trip.spine)
     # the measure finds what it must: the node, the mode, the driver and the machine, and the rule
