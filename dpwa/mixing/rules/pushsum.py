@@ -72,7 +72,7 @@ from .base import Rule, RuleError, Side
 
 FLOOR = 2.0**-20  # a node's weight never falls below this: at the floor it gives half and keeps the floor
 MAX_WEIGHT = 1e6
-MINT_ALLOWANCE = 2.0**-10  # per node of the cluster: a claim this far past the bound is taken at the bound
+MINT_ALLOWANCE = 2.0**-6  # per node of the cluster: a claim this far past the bound is taken at the bound
 
 
 class PushSum(Rule):
