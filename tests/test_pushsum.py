@@ -185,9 +185,9 @@ def test_four_real_nodes_keep_their_weighted_mean_while_they_fetch_from_each_oth
     server's weight of now with its snapshot of its last publish, and the mean fell 7% to 10% in 6 s while the
     weights summed to 4. The weights sum to 4 plus what was minted at the floor, less what replies that were
     never blended carried (rule.given - rule.taken): none here but what replies carried past the conservation
-    bound (rule.dropped), which is at most what was minted. (CI once had a reply refused for claiming 0.23 x
-    FLOOR past the bound, minted weight, and 4.9e-6 was lost; a run here lost 1.5 of 4 so.) The nodes also mix
-    (their spread shrinks)."""
+    bound (rule.dropped), which is at most what was minted. (CI once had a reply refused that carried 4.9e-6
+    where the bound allowed 2.9e-6, minted weight, and 4.9e-6 was lost; a run here lost 1.5 of 4 so.) The
+    nodes also mix (their spread shrinks)."""
     import threading
     import time
 
