@@ -619,6 +619,7 @@ class Sim:
         self.dup = rng.choice((0.0, 0.0, 0.05, 0.2))
         self.delay = rng.choice((0.002, 0.02, 0.08))  # the usual one way, and at times far longer (reorders)
         self.slow = rng.choice((0.0, 0.05, 0.2))  # the share of messages delayed up to 1.5 s
+        self.slow_drawn = self.slow  # kept when the links heal: a message sent before may still be on its way
         self.bulk = rng.random() < 0.25  # requesters' snapshots stream in (bulk_exchange), and may fail to
         # the membership view's settings, drawn apart (the exchanges' schedules stay as they were drawn)
         vrng = self.vrng = random.Random(f"view {seed}")  # also the views' digests' samples
@@ -776,7 +777,7 @@ class Sim:
         refreshed again, and each refresh is by news strictly newer than the view held, so a chain of relays
         visits each of the N - 1 live views at most once per news: (N - 1) x (suspect + dead + 2 gaps + delay).
         The tombstones outlast it (tombstone_s), so old news cannot readmit it after."""
-        longest = self.delay * 1.5 + (1.5 if self.slow else 0.0)
+        longest = self.delay * 1.5 + (1.5 if self.slow_drawn else 0.0)
         gap = (LONG_PERIOD if self.long else max(PERIODS)) + TICK_S
         bound = (len(self.names) - 1) * (self.suspect_s + self.dead_s + 2 * gap + longest)
         assert bound < self.tombstone_s, (bound, self.tombstone_s)

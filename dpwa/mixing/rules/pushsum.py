@@ -38,8 +38,9 @@ dropped and counted as ``rule.dropped``), and refused ``bad_carry`` before
 anything moves when it claims more than that. A node's own weight never
 exceeds n. (Before, the minted excess was refused too, and the whole reply's
 weight was lost: four nodes fetching from each other for 6 s lost 1.5 of
-their 4 once, a reply that claimed 0.23 x FLOOR more than the bound.) n is the config's number of nodes (:meth:`PushSum.cluster`; with
-open membership ``members_max`` + 1, a much weaker bound). So one reply of a
+their 4 once, to a reply that claimed 0.23 x FLOOR more than the bound.) n
+is the config's number of nodes (:meth:`PushSum.cluster`; with open
+membership ``members_max`` + 1, a much weaker bound). So one reply of a
 hostile peer moves a node by at most ``(n - w_i) / (n + w_i)`` of the way to
 its snapshot (0.6 for n = 4 at weight 1), not 0.999999 as a claimed weight
 of 1e6 did; the rest of what such a peer can do is in docs/rules.md.
