@@ -261,12 +261,20 @@ def test_trainers_fetch_before_the_forward_pass_and_push_gradients(servers):
         t.start()
     for t in threads:
         t.join(60)
-    assert {s.pushes_ok for s in stats.values()} == {120} and {s.pulls_failed for s in stats.values()} == {0}
+    # every push (60 steps x 2 servers) was taken, or refused busy when a block's queue was full (its applier
+    # behind: CI's load refused 4 and 5 of a trainer's 120 once); none failed or was dropped, no pull failed
+    for name, s in stats.items():
+        assert s.pushes_ok + s.pushes_refused == 120 and s.pushes_ok >= 100, (name, s)
+        assert s.pushes_failed == s.pushes_dropped == s.pulls_failed == 0, (name, s)
     assert wait_until(lambda: all(s.status()["queued"] == 0 for s in running), 5.0)
+    taken = 0
     for s in running:
         status = s.status()
-        assert status["pushes"] == 120 and status["samples"] == 120 * 16
-        assert sum(n for _, n in status["staleness"]) == status["applied"] == 120 * status["blocks"]
+        assert set(status["refused"]) <= {"busy"}, status["refused"]
+        assert status["samples"] == status["pushes"] * 16
+        assert sum(n for _, n in status["staleness"]) == status["applied"] == status["pushes"] * status["blocks"]
+        taken += status["pushes"]
+    assert taken == sum(s.pushes_ok for s in stats.values())  # each push the trainers counted, applied once
     view.load_state(plan.join([s.snapshot()[0] for s in running], view.layout.param_size))
     view.module.eval()
     with torch.no_grad():
