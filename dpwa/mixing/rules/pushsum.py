@@ -35,10 +35,9 @@ most ``n - w_i`` of it, and gives at most half that. A reply that claims
 more is taken at ``(n - w_i) / 2`` when it claims at most
 :data:`MINT_ALLOWANCE` x n more (the excess, weight minted at the floor, is
 dropped and counted as ``rule.dropped``), and refused ``bad_carry`` before
-anything moves when it claims more than that. A node's own weight never
-exceeds n. (Before, the minted excess was refused too, and the whole reply's
-weight was lost: four nodes fetching from each other for 6 s lost 1.5 of
-their 4 once, to a reply that claimed 0.23 x FLOOR more than the bound.) n
+anything moves when it claims more than that. (Refusing the minted excess
+too would lose the whole reply's weight: 1.5 of four nodes' 4, once, for a
+claim 0.23 x FLOOR past the bound.) A node's own weight never exceeds n. n
 is the config's number of nodes (:meth:`PushSum.cluster`; with open
 membership ``members_max`` + 1, a much weaker bound). So one reply of a
 hostile peer moves a node by at most ``(n - w_i) / (n + w_i)`` of the way to
