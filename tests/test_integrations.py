@@ -467,6 +467,23 @@ def test_under_torchrun_the_name_is_left_to_the_adapter_and_hidden_variables_com
     assert env == {"TORCHELASTIC_RUN_ID": "r", "OTHER": "kept"}
 
 
+def test_a_node_waits_at_the_start_barrier_under_dpwas_launcher_and_resumed_under_torchrun(monkeypatch):
+    """Under dpwa's launcher every node waits for its peers before its first step; under torchrun only a
+    resumed one (join: never lines nothing up); started by hand, none."""
+    from dpwa.integrations.env import NodeEnv
+    from dpwa.runfiles.metrics import RUN_DIR_ENV
+
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2"}
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    assert not NodeEnv("c.yaml", "w1").waits_at_start() and not NodeEnv("c.yaml", "w1").waits_at_start(True)
+    assert not NodeEnv("c.yaml", None, torchrun).waits_at_start() and NodeEnv("c.yaml", None, torchrun).waits_at_start(
+        True
+    )
+    monkeypatch.setenv(RUN_DIR_ENV, "/tmp/run")
+    assert NodeEnv("c.yaml", "w1").waits_at_start() and NodeEnv("c.yaml", "w1").waits_at_start(True)
+    assert not NodeEnv("c.yaml", None, torchrun).waits_at_start()  # a fresh torchrun start joins rank 0
+
+
 def test_losses_are_read_from_numbers_tensors_and_lightning_outputs():
     import torch
 

@@ -125,6 +125,16 @@ class NodeEnv:
     def under_torchrun(self) -> bool:
         return "RANK" in self.torchrun and "WORLD_SIZE" in self.torchrun
 
+    def waits_at_start(self, resumed: bool = False) -> bool:
+        """Does the node wait for its peers at the start barrier before its first step
+        (``DpwaPyTorchAdapter.start_together``)? Under dpwa's launcher (``$DPWA_RUN_DIR``), as torchrun's workers
+        start together. Under torchrun only when `resumed` from its own checkpoint: a fresh node's join lines it
+        up with rank 0, a resumed one (``join: never``) joins nobody, and the rank that restored its checkpoint
+        first would train alone until the other's node is up."""
+        if self.under_torchrun:
+            return resumed
+        return bool(os.environ.get(RUN_DIR_ENV))
+
     @property
     def rank(self) -> int:
         """This node's index, known before training starts: torchrun's RANK; else its name's index in the
@@ -415,7 +425,7 @@ def gossip_optimizer(
         raise
     hook = GossipHook(adapter, optimizer, batch_size, steps)
     try:
-        if os.environ.get(RUN_DIR_ENV) and not node.under_torchrun:  # dpwa's launcher: start as torchrun's workers do
+        if node.waits_at_start():
             adapter.start_together()
         hook._attach()
         yield hook

@@ -118,11 +118,7 @@ class AdapterSession:
         self.model = model
         atexit.register(self.close)  # a run that ends with no closing hook still closes its sockets
         run_dir = os.environ.get(RUN_DIR_ENV)
-        # Under dpwa's launcher the nodes wait for each other at the start barrier, as torchrun's workers start
-        # together. Under torchrun a fresh node's join lines it up with rank 0; a resumed one joins nobody
-        # (join: never), so it waits at the barrier too, or the rank that restores its checkpoint first
-        # trains alone until the other's node is up.
-        if (run_dir and not self.node.under_torchrun) or (resumed and self.node.under_torchrun):
+        if self.node.waits_at_start(resumed):
             self.adapter.start_together(START_WAIT_S)
         if run_dir:
             adapter = self.adapter
